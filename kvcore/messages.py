@@ -1,0 +1,103 @@
+"""The control plane: what the driver sends each worker per step, and what comes back.
+
+These messages never carry tensors; their size grows with the number of changes in a step,
+not with context length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcore.request import SamplingParams
+
+BlockIds = tuple[list[int], ...]  # one list per KV-cache group
+
+
+@dataclass
+class NewRequestData:
+    """A request scheduled for the first time: its full block list per group."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: BlockIds
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the workers already know. Index i of every list describes req_ids[i].
+
+    new_block_ids[i] is the delta per group (blocks appended since last step), or None when nothing
+    was added. For a request resumed from preemption it is the full list, which replaces the row,
+    and resumed_token_ids[i] holds its full token ids (prompt + output so far).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[BlockIds | None] = field(default_factory=list)
+    resumed_token_ids: list[list[int] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, req_id: str, new_block_ids: BlockIds | None, num_computed_tokens: int,
+            resumed_token_ids: list[int] | None = None) -> None:
+        self.req_ids.append(req_id)
+        self.resumed_from_preemption.append(resumed_token_ids is not None)
+        self.new_block_ids.append(new_block_ids)
+        self.resumed_token_ids.append(resumed_token_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decisions. `num_scheduled_tokens` maps every scheduled req_id to its token count.
+
+    `finished_req_ids` lists requests finished (or aborted) since the previous step: workers drop their
+    state. `preempted_req_ids` lists requests preempted this step: workers drop their rows; they come
+    back later through `scheduled_cached_reqs` with resumed_from_preemption set.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What rank 0 returns: the tokens it sampled, per scheduled request.
+
+    sampled_token_ids[i] belongs to req_ids[i]; it is empty for a request whose prefill is still
+    partial this step (nothing is sampled for it).
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    step_id: int = 0
+
+    @property
+    def req_id_to_index(self) -> dict[str, int]:
+        return {r: i for i, r in enumerate(self.req_ids)}
+
+
+@dataclass
+class EngineCoreOutput:
+    """The per-step news for one request, as the scheduler hands it to the client side."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id, when a stop token ended it
+    error: str | None = None
+    num_cached_tokens: int = 0
