@@ -1,0 +1,58 @@
+"""The paged attention layer: writes this step's K/V into the layer's paged cache, then attends
+over the cache through the block table of the layer's KV-cache group.
+
+The layer holds no per-step state. The model runner installs one AttentionMetadata per KV-cache
+group in the forward context and binds `kv_cache` ([2, num_blocks, block_size, Hkv, D], K then V)
+after allocating it; layers of one group share the metadata, each layer has its own cache tensor.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from actors.forward_context import get_forward_context
+from kvcore.kernels import ops
+
+BACKENDS = ("torch", "triton")
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 sliding_window: int | None = None, backend: str = "torch") -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"attention_backend={backend!r}: must be one of {BACKENDS}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{layer_name}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"{layer_name}: sliding_window={sliding_window} must be >= 1")
+        self.layer_name = layer_name
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+        ctx = get_forward_context()
+        if ctx.attn_metadata is None:
+            # Profile run: no cache exists yet; the runner only measures activation memory.
+            return torch.zeros_like(q)
+        md = ctx.attn_metadata[ctx.layer_to_group[self.layer_name]]
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.layer_name}: kv_cache is not bound (initialize the KV cache first)")
+        num_tokens = q.shape[0]
+        n = md.num_actual_tokens
+        query = q.view(num_tokens, self.num_heads, self.head_size)
+        key = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        value = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+        ops.reshape_and_cache(key[:n], value[:n], key_cache, value_cache, md.slot_mapping, backend=self.backend)
+        out = torch.empty_like(query)
+        if n < num_tokens:
+            out[n:].zero_()  # padding rows: the kernels leave them untouched
+        ops.paged_attention(query, key_cache, value_cache, out, md.query_start_loc, md.seq_lens,
+                            md.block_table, self.scale, sliding_window=self.sliding_window,
+                            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, backend=self.backend)
+        return out.view(num_tokens, self.num_heads * self.head_size)

@@ -1,0 +1,147 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+Column-parallel layers split the output features across ranks and need no communication; a
+row-parallel layer splits the input features, so each rank holds a partial sum that one all-reduce
+completes. Pairing them (QKV/gate-up column, O/down row) costs one all-reduce per block.
+Every weight_loader takes the FULL checkpoint tensor (or a lazy safetensors slice of it) and copies
+only this rank's shard, checking the full shape first so a wrong checkpoint fails by name.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors import parallel_state as ps
+from actors.layers.weight_utils import check_full_shape, copy_into, narrow, new_param, read_all
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts != 0:
+        raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={parts}")
+    return total // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split evenly across ranks; output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
+                 name: str = "output_size") -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = _divide(output_size, self.tp_size, name)
+        self.weight = new_param((self.output_size_per_partition, input_size), params_dtype, self.weight_loader)
+        self.bias = new_param((self.output_size_per_partition,), params_dtype, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+        full = (self.output_size,) + tuple(param.shape[1:])
+        check_full_shape(loaded, full)
+        n = self.output_size_per_partition
+        copy_into(param, narrow(loaded, 0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stored as one (gate and up): each rank holds its shard of
+    every sub-matrix, concatenated, so one GEMM computes all of them."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, params_dtype: torch.dtype) -> None:
+        tp = ps.tp_size()
+        for i, size in enumerate(output_sizes):
+            _divide(size, tp, f"output_sizes[{i}]")
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, params_dtype)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id={shard_id!r}: must be an index into {len(self.output_sizes)} merged matrices")
+        size = self.output_sizes[shard_id]
+        check_full_shape(loaded, (size,) + tuple(param.shape[1:]))
+        n = size // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        copy_into(param.narrow(0, offset, n), narrow(loaded, 0, self.tp_rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections as one column-parallel GEMM, split by heads.
+
+    When tp > num_kv_heads each KV head is replicated on tp // num_kv_heads consecutive ranks
+    (rank r holds KV head r // replicas), the same mapping vLLM uses, so the query heads of a rank
+    always find their KV head locally.
+    """
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool, params_dtype: torch.dtype) -> None:
+        tp = ps.tp_size()
+        self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp, "num_attention_heads")
+        if tp >= total_num_kv_heads:
+            if tp % total_num_kv_heads:
+                raise ValueError(f"tensor_parallel_size={tp} must be a multiple of "
+                                 f"num_key_value_heads={total_num_kv_heads} when it exceeds it")
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp // total_num_kv_heads
+        else:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp, "num_key_value_heads")
+            self.num_kv_head_replicas = 1
+        # The layer's global output size counts replicated KV heads once per rank.
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp
+        super().__init__(hidden_size, out, bias, params_dtype)
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+        d = self.head_size
+        if shard_id == "q":
+            total, local, src_rank, offset = self.total_num_heads, self.num_heads, self.tp_rank, 0
+        elif shard_id in ("k", "v"):
+            total, local = self.total_num_kv_heads, self.num_kv_heads
+            src_rank = self.tp_rank // self.num_kv_head_replicas
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        else:
+            raise ValueError(f"shard_id={shard_id!r}: must be 'q', 'k' or 'v'")
+        check_full_shape(loaded, (total * d,) + tuple(param.shape[1:]))
+        n = local * d
+        copy_into(param.narrow(0, offset, n), narrow(loaded, 0, src_rank * n, n))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks; x arrives sharded (from a
+    column-parallel layer), the partial products are summed by one all-reduce, then the bias is
+    added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
+                 reduce_results: bool = True, name: str = "input_size") -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = _divide(input_size, self.tp_size, name)
+        self.reduce_results = reduce_results
+        self.weight = new_param((output_size, self.input_size_per_partition), params_dtype, self.weight_loader)
+        self.bias = new_param((output_size,), params_dtype, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+        if param.dim() == 1:  # bias: replicated
+            check_full_shape(loaded, (self.output_size,))
+            copy_into(param, read_all(loaded))
+            return
+        check_full_shape(loaded, (self.output_size, self.input_size))
+        n = self.input_size_per_partition
+        copy_into(param, narrow(loaded, 1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = ps.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

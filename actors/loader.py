@@ -1,0 +1,80 @@
+"""Load an HF-format model directory into one of our tensor-parallel models.
+
+Reads config.json (never executes remote code), builds the model on the target device with the
+target dtype, then fills it from safetensors only, each rank reading just its own slices.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from actors.models.registry import build_model
+
+TINY_RANDOM = "tiny-random"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_model_dir(name: str) -> str:
+    """"tiny-random" -> the built-in model (written on first use); otherwise an existing local
+    directory. Nothing is downloaded."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model={name!r}: must be a local HF model directory or {TINY_RANDOM!r}")
+    if name == TINY_RANDOM:
+        from actors.models.tiny_random import ensure_tiny_random
+        return ensure_tiny_random()
+    path = os.path.abspath(os.path.expanduser(name))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model={name!r}: no such directory (kvray loads local HF-format directories, "
+                                f"or the built-in {TINY_RANDOM!r}; it downloads nothing)")
+    return path
+
+
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_dir}: no config.json (not an HF model directory)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return cfg
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any]) -> torch.dtype:
+    """"auto" takes the checkpoint's dtype from config.json (`dtype`, or the older `torch_dtype`),
+    float32 when it names none."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype={dtype}: must be one of {sorted(DTYPES)} or 'auto'")
+        return dtype
+    if dtype == "auto":
+        name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+        name = _DTYPE_ALIASES.get(name, name)
+        if name not in DTYPES:
+            raise ValueError(f"config.json: dtype={name!r} is not supported; pass dtype= one of {sorted(DTYPES)}")
+        return DTYPES[name]
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: must be 'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(model_dir_or_name: str, dtype: str | torch.dtype = "auto", attention_backend: str = "torch",
+               device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+    """-> (model in eval mode with weights loaded on `device`, the config.json dict)."""
+    model_dir = resolve_model_dir(model_dir_or_name)
+    hf_config = read_hf_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, hf_config)
+    with torch.device(device):
+        model = build_model(hf_config, torch_dtype, attention_backend)
+    model.load_weights(model_dir)
+    model.eval()
+    return model, hf_config

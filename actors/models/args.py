@@ -1,0 +1,106 @@
+"""The decoder-only model shape read from an HF config.json dict, validated with errors that name
+the config field. One dataclass serves every supported family; the family modules only decide the
+options (biases, q/k norm, which layers slide)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from actors.layers.rotary import RopeParams, rope_params_from_config
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: RopeParams
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    layer_windows: tuple[int | None, ...]   # per layer: the sliding window, or None for full attention
+
+
+def _require(cfg: dict[str, Any], key: str) -> Any:
+    if cfg.get(key) is None:
+        raise ValueError(f"config.json: missing required field {key!r}")
+    return cfg[key]
+
+
+def _positive_int(cfg: dict[str, Any], key: str, value: Any = None) -> int:
+    value = _require(cfg, key) if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config.json: {key}={value!r} must be a positive integer")
+    return value
+
+
+def parse_args(cfg: dict[str, Any], *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool,
+               layer_windows: list[int | None]) -> ModelArgs:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
+    num_heads = _positive_int(cfg, "num_attention_heads")
+    hidden = _positive_int(cfg, "hidden_size")
+    num_kv = _positive_int(cfg, "num_key_value_heads", cfg.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv:
+        raise ValueError(f"config.json: num_attention_heads={num_heads} is not a multiple of "
+                         f"num_key_value_heads={num_kv}")
+    head_dim = _positive_int(cfg, "head_dim", cfg.get("head_dim") or hidden // num_heads)
+    num_layers = _positive_int(cfg, "num_hidden_layers")
+    if len(layer_windows) != num_layers:
+        raise ValueError(f"config.json: {len(layer_windows)} layer types for num_hidden_layers={num_layers}")
+    return ModelArgs(
+        vocab_size=_positive_int(cfg, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_positive_int(cfg, "intermediate_size"), num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=_positive_int(cfg, "max_position_embeddings"),
+        rope=rope_params_from_config(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=qk_norm,
+        layer_windows=tuple(layer_windows))
+
+
+def _window(cfg: dict[str, Any], key: str = "sliding_window") -> int:
+    return _positive_int(cfg, key)
+
+
+def qwen_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Qwen2/Qwen3 as transformers defines them: the window exists only when use_sliding_window is
+    true; `layer_types` lists full_attention / sliding_attention per layer, and when absent the
+    layers from max_window_layers on slide (if a window exists)."""
+    num_layers = _positive_int(cfg, "num_hidden_layers")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        max_window_layers = cfg.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
+                       for i in range(num_layers)]
+    windows: list[int | None] = []
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            windows.append(None)
+        elif kind == "sliding_attention":
+            if window is None:
+                raise ValueError(f"config.json: layer_types[{i}]='sliding_attention' but no window is active "
+                                 "(needs use_sliding_window=true and sliding_window set)")
+            windows.append(_window(cfg))
+        else:
+            raise ValueError(f"config.json: layer_types[{i}]={kind!r} is not supported "
+                             "(supported: 'full_attention', 'sliding_attention')")
+    return windows
+
+
+def mistral_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Mistral: one `sliding_window` (or null) for every layer, as MistralAttention applies it."""
+    num_layers = _positive_int(cfg, "num_hidden_layers")
+    window = _window(cfg) if cfg.get("sliding_window") is not None else None
+    return [window] * num_layers

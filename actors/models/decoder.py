@@ -1,0 +1,177 @@
+"""One pre-norm decoder-only transformer (Llama layout) shared by every supported family.
+
+Families differ only by options in ModelArgs: QKV/O/MLP biases (Qwen2, Llama's attention_bias /
+mlp_bias), per-head q/k RMSNorm before RoPE (Qwen3), and a per-layer sliding window (Mistral, Qwen
+layer_types). Parameter names mirror HF's, with q/k/v fused into qkv_proj and gate/up into
+gate_up_proj, so checkpoint names map onto them mechanically.
+"""
+from __future__ import annotations
+
+import os
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from actors.layers.activation import SiluAndMul
+from actors.layers.attention import Attention
+from actors.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from actors.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from actors.layers.norm import RMSNorm
+from actors.layers.rotary import RotaryEmbedding
+from actors.layers.weight_utils import ShardShapeError
+from actors.models.args import ModelArgs
+from actors.models.checkpoint import (Checkpoint, CorruptCheckpointError, TensorShapeError,
+                                      UnexpectedTensorError)
+
+# (fused parameter, checkpoint sub-module, shard id)
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def attention_layer_name(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}.self_attn.attn"
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 backend: str) -> None:
+        super().__init__()
+        d = args.head_dim
+        self.head_dim = d
+        self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_heads, args.num_kv_heads,
+                                          args.qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, args.o_bias, dtype,
+                                        name="num_attention_heads * head_dim")
+        self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.rotary_emb = rotary
+        self.attn = Attention(attention_layer_name(layer_idx), self.qkv_proj.num_heads,
+                              self.qkv_proj.num_kv_heads, d, d ** -0.5,
+                              sliding_window=args.layer_windows[layer_idx], backend=backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None and self.k_norm is not None:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)
+        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = args.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [inter, inter], args.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, dtype, name="intermediate_size")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 backend: str) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(args, layer_idx, rotary, dtype, backend)
+        self.mlp = DecoderMLP(args, dtype)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype)
+        rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, dtype, backend) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """The model API the runner uses (see the team contracts): forward, compute_logits,
+    attention_layers, load_weights."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.model = DecoderModel(args, dtype, attention_backend)
+        self.lm_head = (self.model.embed_tokens if args.tie_word_embeddings
+                        else ParallelLMHead(args.vocab_size, args.hidden_size, dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
+        """The checkpoint tensors (name, shard id) that make up one of our parameters."""
+        stacked = [(param_name.replace(f".{fused}.", f".{original}."), shard_id)
+                   for fused, original, shard_id in STACKED_PARAMS if f".{fused}." in param_name]
+        return stacked or [(param_name, None)]
+
+    def load_weights(self, model_dir: str) -> None:
+        """Fill every parameter from the checkpoint; each rank reads only its shard. Tied models
+        have no lm_head parameter of their own (named_parameters() lists the shared one once)."""
+        ckpt = Checkpoint(model_dir)
+        used: set[str] = set()
+        try:
+            for param_name, param in self.named_parameters():
+                for ckpt_name, shard_id in self.checkpoint_sources(param_name):
+                    _load_one(ckpt, ckpt_name, param, shard_id)
+                    used.add(ckpt_name)
+        finally:
+            ckpt.close()
+        self._check_no_unused(ckpt, used)
+
+    def _check_no_unused(self, ckpt: Checkpoint, used: set[str]) -> None:
+        """A tensor we do not consume means the checkpoint is not what config.json claims (say, a
+        Qwen2 checkpoint with QKV biases labelled Llama); ignoring it would silently give wrong
+        outputs. Rotary caches some exporters save, and the head of a tied model, carry nothing."""
+        unused = sorted(name for name in ckpt.weight_map if name not in used
+                        and not name.endswith("rotary_emb.inv_freq")
+                        and not (self.args.tie_word_embeddings and name == "lm_head.weight"))
+        if unused:
+            shown = ", ".join(map(repr, unused[:5])) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise UnexpectedTensorError(f"{ckpt.model_dir}: checkpoint tensors {shown} are not used by "
+                                        f"{type(self).__name__} (does config.json describe this checkpoint?)")
+
+
+def _load_one(ckpt: Checkpoint, name: str, param: torch.Tensor, shard_id: object) -> None:
+    loaded = ckpt.get_slice(name)
+    path = os.path.join(ckpt.model_dir, ckpt.file_of(name))
+    try:
+        param.weight_loader(param, loaded, shard_id)  # type: ignore[attr-defined]
+    except ShardShapeError as e:
+        raise TensorShapeError(f"tensor {name!r} in {path}: expected shape {e.expected}, got {e.got}") from e
+    except SafetensorError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from e

@@ -1,0 +1,75 @@
+"""Text <-> token ids for a model directory, with the `tokenizers` library and tokenizer.json only
+(no Python tokenizer code from the checkpoint is ever run).
+
+`Tokenizer.from_dir` raises TokenizerNotFoundError when the directory has no tokenizer.json;
+callers that accept token-id prompts without a tokenizer use `load_tokenizer_if_present`, which
+returns None then.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class TokenizerNotFoundError(FileNotFoundError):
+    """No tokenizer.json in the model directory: only token-id prompts can be served."""
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: _HFTokenizer, eos_token_ids: list[int]) -> None:
+        self._tok = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "Tokenizer":
+        path = os.path.join(model_dir, TOKENIZER_FILE)
+        if not os.path.isfile(path):
+            raise TokenizerNotFoundError(f"{model_dir}: no {TOKENIZER_FILE}; text prompts need one "
+                                         "(token-id prompts work without it)")
+        try:
+            tok = _HFTokenizer.from_file(path)
+        except Exception as e:  # the Rust library raises a bare Exception subclass
+            raise ValueError(f"{path}: cannot load tokenizer ({e})") from e
+        # EOS: config.json first (the model's own), then generation_config.json adds any others
+        # (Llama-3 instruct lists its end-of-turn token only there).
+        eos: list[int] = []
+        for file in ("config.json", "generation_config.json"):
+            for token_id in _as_list(_read_json(os.path.join(model_dir, file)).get("eos_token_id")):
+                if token_id not in eos:
+                    eos.append(token_id)
+        return cls(tok, eos)
+
+    def encode(self, text: str) -> list[int]:
+        # No BOS/EOS insertion beyond what tokenizer.json's post-processor defines.
+        return self._tok.encode(text).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer_if_present(model_dir: str) -> Tokenizer | None:
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except TokenizerNotFoundError:
+        return None
