@@ -1,0 +1,228 @@
+"""Attention kernels: Triton reshape_and_cache and paged attention against the torch references,
+and the reference against an independent dense oracle (SDPA with an explicit mask on contiguous
+K/V). Runs under TRITON_INTERPRET=1 on the CPU; with TRITON_INTERPRET=0 on a CUDA machine the same
+tests run the compiled kernels on the GPU.
+
+Every paged batch is built so that reading anything outside a sequence's visible range poisons the
+output: unused cache slots, the null block and padding positions hold NaN, unused block-table
+entries point far outside the pool, and output rows are pre-filled with NaN.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvcore.kernels.ops import paged_attention, reshape_and_cache  # noqa: E402
+from kvcore.kernels.paged_attention import choose_num_splits, paged_attention_triton  # noqa: E402
+
+DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
+PAD_ROWS = 3  # rows of query/out beyond the batch's tokens, which must stay untouched
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, window=None, seed=0):
+    """A paged batch plus each sequence's logical K/V (the oracle's input)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [(s + bs - 1) // bs for s in seq_lens]
+    num_blocks = sum(pages) + 4
+    key_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=dtype)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    # Unused entries point far outside the pool: a read through them would fault or poison.
+    table = torch.full((len(seq_lens) + 1, max(pages) + 2), 10 ** 6, dtype=torch.int32)
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 = null block
+    keys, values = [], []
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        k = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
+        v = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
+        keys.append(k)
+        values.append(v)
+        # With a window, blocks wholly before the first query's window are the null block.
+        first_live = 0 if window is None else max(0, seq_len - q_len - window + 1) // bs
+        for p in range(pages[b]):
+            if p < first_live:
+                table[b, p] = 0
+                continue
+            blk = free.pop()
+            table[b, p] = blk
+            n = min(bs, seq_len - p * bs)
+            key_cache[blk, :n] = k[p * bs:p * bs + n]
+            value_cache[blk, :n] = v[p * bs:p * bs + n]
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens + PAD_ROWS, hq, d, generator=g).to(dtype)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    dev = DEVICE
+    return dict(query=query.to(dev), key_cache=key_cache.to(dev), value_cache=value_cache.to(dev),
+                query_start_loc=qsl.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+                block_table=table.to(dev), keys=keys, values=values, q_lens=q_lens,
+                num_tokens=num_tokens)
+
+
+def dense_oracle(batch, scale, window):
+    """SDPA per sequence on contiguous K/V with an explicit bottom-right causal (+window) mask."""
+    outs = []
+    q_all = batch["query"].cpu().float()
+    start = 0
+    for q_len, k, v in zip(batch["q_lens"], batch["keys"], batch["values"]):
+        seq_len = k.shape[0]
+        q = q_all[start:start + q_len].transpose(0, 1)           # [Hq, Lq, D]
+        rep = q.shape[0] // k.shape[1]
+        kk = k.float().repeat_interleave(rep, 1).transpose(0, 1)  # [Hq, L, D]
+        vv = v.float().repeat_interleave(rep, 1).transpose(0, 1)
+        i = torch.arange(seq_len - q_len, seq_len)[:, None]
+        j = torch.arange(seq_len)[None, :]
+        mask = j <= i
+        if window is not None:
+            mask &= j > i - window
+        o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask,
+                                                             scale=scale)
+        outs.append(o.transpose(0, 1))
+        start += q_len
+    return torch.cat(outs)
+
+
+def run_attention(batch, scale, window, backend, **triton_kw):
+    out = torch.full_like(batch["query"], float("nan"))
+    args = (batch["query"], batch["key_cache"], batch["value_cache"], out,
+            batch["query_start_loc"], batch["seq_lens"], batch["block_table"][:-1], scale)
+    if triton_kw:
+        paged_attention_triton(*args, window, max(batch["q_lens"]), max(batch["keys"][i].shape[0]
+                               for i in range(len(batch["keys"]))), **triton_kw)
+    else:
+        paged_attention(*args, sliding_window=window, max_query_len=max(batch["q_lens"]),
+                        max_seq_len=max(k.shape[0] for k in batch["keys"]), backend=backend)
+    return out.cpu()
+
+
+def assert_written_and_untouched(out, num_tokens):
+    assert torch.isfinite(out[:num_tokens].float()).all(), "some output rows of real tokens unwritten"
+    assert torch.isnan(out[num_tokens:].float()).all(), "rows beyond the batch were written"
+
+
+# (q_lens, seq_lens): pure prefill, pure decode, mixed with cached prefixes, one long cached chunk.
+SHAPES = {
+    "prefill": ([17, 9], [17, 9]),
+    "decode": ([1, 1, 1, 1], [1, 17, 33, 50]),
+    "mixed": ([1, 12, 1, 7], [30, 12, 5, 40]),
+    "cached_chunk": ([20], [53]),
+}
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("group", [1, 4])
+def test_reference_matches_dense_oracle(group, window):
+    q_lens, seq_lens = SHAPES["mixed"]
+    batch = make_batch(q_lens, seq_lens, 2 * group, 2, 16, 4, torch.float32, window)
+    out = run_attention(batch, 0.3, window, "torch")
+    assert_written_and_untouched(out, batch["num_tokens"])
+    torch.testing.assert_close(out[:batch["num_tokens"]], dense_oracle(batch, 0.3, window),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(SHAPES))
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_triton_matches_reference(kind, group):
+    q_lens, seq_lens = SHAPES[kind]
+    batch = make_batch(q_lens, seq_lens, 2 * group, 2, 32, 8, torch.float32, seed=group)
+    ref = run_attention(batch, 0.2, None, "torch")
+    for kw in ({}, dict(block_m=16 * (1 + (group == 4)), block_n=16)):
+        out = run_attention(batch, 0.2, None, "triton", **kw)
+        assert_written_and_untouched(out, batch["num_tokens"])
+        torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32],
+                                   equal_nan=True)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+@pytest.mark.parametrize("kind", ["mixed", "cached_chunk", "decode"])
+def test_triton_sliding_window(kind, window):
+    q_lens, seq_lens = SHAPES[kind]
+    batch = make_batch(q_lens, seq_lens, 4, 2, 16, 4, torch.float32, window, seed=window)
+    ref = run_attention(batch, 0.25, window, "torch")
+    torch.testing.assert_close(ref[:batch["num_tokens"]], dense_oracle(batch, 0.25, window),
+                               atol=1e-5, rtol=1e-5)
+    out = run_attention(batch, 0.25, window, "triton", block_m=16, block_n=16)
+    assert_written_and_untouched(out, batch["num_tokens"])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_triton_split_kv(kind, splits, window):
+    q_lens, seq_lens = SHAPES[kind]
+    batch = make_batch(q_lens, seq_lens, 8, 2, 32, 4, torch.float32, window, seed=splits)
+    ref = run_attention(batch, 0.2, window, "torch")
+    out = run_attention(batch, 0.2, window, "triton", num_splits=splits, block_m=16, block_n=16)
+    assert_written_and_untouched(out, batch["num_tokens"])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_half_precision(dtype):
+    q_lens, seq_lens = SHAPES["mixed"]
+    batch = make_batch(q_lens, seq_lens, 8, 2, 24, 16, dtype, seed=7)  # head 24: padded dims
+    ref = run_attention(batch, 0.2, None, "torch")
+    assert ref.dtype == dtype
+    for kw in ({}, dict(num_splits=3)):
+        out = run_attention(batch, 0.2, None, "triton", **kw)
+        assert_written_and_untouched(out, batch["num_tokens"])
+        torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype],
+                                   equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_matches_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    num_tokens, hkv, d, bs, num_blocks = 13, 3, 24, 4, 9
+    key = torch.randn(num_tokens, hkv, d, generator=g).to(dtype).to(DEVICE)
+    value = torch.randn(num_tokens, hkv, d, generator=g).to(dtype).to(DEVICE)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:num_tokens]
+    slots[[0, 5, 12]] = -1
+    # Entries past the first T are never read (here they would write out of bounds).
+    slot_mapping = torch.cat([slots, torch.full((4,), 10 ** 6)]).to(DEVICE)
+    caches = {}
+    for backend in ("torch", "triton"):
+        kv = torch.full((2, num_blocks, bs, hkv, d), -7.0, dtype=dtype, device=DEVICE)
+        reshape_and_cache(key, value, kv[0], kv[1], slot_mapping, backend=backend)
+        caches[backend] = kv.cpu()
+    assert torch.equal(caches["torch"], caches["triton"])
+    flat = caches["triton"].flatten(1, 2)  # [2, slots, Hkv, D]
+    kept = slots >= 0
+    assert torch.equal(flat[0, slots[kept]], key.cpu()[kept])
+    assert torch.equal(flat[1, slots[kept]], value.cpu()[kept])
+    untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
+    untouched[slots[kept]] = False
+    assert (flat[:, untouched] == -7.0).all()
+
+
+def test_num_splits_heuristic():
+    # Few long decodes split; a full grid, a short context, or a prefill never does.
+    assert choose_num_splits(1, 8, 1, 16384, 132) > 1
+    assert choose_num_splits(8, 8, 1, 4096, 132) > 1
+    assert choose_num_splits(32, 8, 1, 4096, 132) == 1
+    assert choose_num_splits(1, 8, 1, 300, 132) > 1
+    assert choose_num_splits(1, 8, 1, 100, 132) == 1
+    assert choose_num_splits(1, 8, 64, 16384, 132) == 1
+
+
+def test_bad_input_errors_name_the_field():
+    batch = make_batch([1], [5], 4, 2, 16, 4, torch.float32)
+    base = dict(query=batch["query"], key_cache=batch["key_cache"],
+                value_cache=batch["value_cache"], out=torch.empty_like(batch["query"]),
+                query_start_loc=batch["query_start_loc"], seq_lens=batch["seq_lens"],
+                block_table=batch["block_table"], scale=0.25)
+    bad = {
+        "num_heads": dict(query=batch["query"][:, :3], out=batch["query"][:, :3].clone()),
+        "query_start_loc": dict(query_start_loc=batch["query_start_loc"][:1]),
+        "block_table": dict(block_table=batch["block_table"].float()),
+        "sliding_window": dict(sliding_window=0),
+        "backend": dict(backend="cuda"),
+        "query dtype": dict(query=batch["query"].half(), out=batch["query"].half()),
+    }
+    for field, change in bad.items():
+        with pytest.raises(ValueError, match=field):
+            paged_attention(**{**base, **change})
+    kv = batch["key_cache"]
+    with pytest.raises(ValueError, match="slot_mapping"):
+        reshape_and_cache(kv[0, :2], kv[0, :2], kv, kv, torch.zeros(1, dtype=torch.int64))
