@@ -1,0 +1,334 @@
+"""The driver actor of one engine replica: EngineCore (scheduler + KV-cache manager) over a RayExecutor.
+
+It is a threaded Ray actor. `start()` reserves the placement group and starts the TP workers; then a
+background thread runs the step loop, while client calls (add_requests, abort, get_outputs, stats)
+run on other actor threads. Client calls never wait for a step: new requests and aborts go through an
+inbox that the loop drains before each step, and outputs wait in an outbox until the client polls.
+
+Errors: a bad request finishes alone with an error output. A worker failure rebuilds the TP group and
+re-queues every in-flight request while `parallel.max_worker_restarts` allows; past it, every live
+request gets an error output, `get_outputs` reports the failure, and new requests are refused.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
+
+from cluster.config import EngineConfig
+from kvcore.messages import EngineCoreOutput
+from kvcore.request import Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestSpec:
+    """What a client sends: the driver builds the Request itself (its own clock for timings)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class RequestTiming:
+    """Per finished request, measured on the driver: seconds from arrival."""
+
+    ttft_s: float | None
+    e2e_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class PollResult:
+    outputs: list[EngineCoreOutput]
+    timings: dict[str, RequestTiming] = field(default_factory=dict)
+    fatal: str | None = None  # set once the replica is down for good
+
+
+@dataclass
+class _Live:
+    """The driver's record of an unfinished request: enough to re-queue it on a new TP group."""
+
+    spec: RequestSpec
+    arrival: float
+    output_token_ids: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+
+
+class EngineDriver:
+    def __init__(self, config: EngineConfig, replica: int = 0,
+                 worker_cls: str = "actors.worker.Worker") -> None:
+        self.config = config
+        self.replica = replica
+        self.worker_cls = worker_cls
+        self.pg = None
+        self.engine = None
+        self.info: dict[str, Any] = {}
+        self._cv = threading.Condition()
+        self._inbox: list[RequestSpec] = []
+        self._abort_inbox: list[str] = []
+        self._outbox: list[EngineCoreOutput] = []
+        self._timings: dict[str, RequestTiming] = {}
+        self._live: dict[str, _Live] = {}
+        self._fatal: str | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._restarts = 0
+        self._peak_kv_usage = 0.0
+        self._num_output_tokens = 0
+        self._metrics = None
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def start(self) -> dict[str, Any]:
+        """Reserve the placement group, start the workers, build the engine, start the loop."""
+        from cluster.metrics import EngineMetrics
+        from cluster.placement import create_placement_group
+
+        self.pg = create_placement_group(self.config, name=f"kvray-{self.config.ray.namespace}-"
+                                                          f"r{self.replica}-{id(self):x}")
+        try:
+            self._build_engine()
+        except BaseException:
+            self._release()
+            raise
+        self._metrics = EngineMetrics(self.replica)
+        self._thread = threading.Thread(target=self._loop, name=f"kvray-step-loop-{self.replica}", daemon=True)
+        self._thread.start()
+        return self.info
+
+    def _build_engine(self) -> None:
+        from actors.engine_core import EngineCore
+        from actors.ray_executor import RayExecutor
+        from cluster.config import validate_for_model
+
+        executor = RayExecutor(self.config, self.pg, worker_cls=self.worker_cls)
+        try:
+            validate_for_model(self.config, executor.probe.hf_config)
+            self.engine = EngineCore(self.config, executor)
+        except BaseException:
+            executor.shutdown()
+            raise
+        hf = executor.probe.hf_config
+        eos = hf.get("eos_token_id")
+        self.info = {"replica": self.replica, "node_ip": executor.probe.node_ip,
+                     "model_dir": executor.probe.model_dir, "vocab_size": hf.get("vocab_size"),
+                     "eos_token_id": eos[0] if isinstance(eos, list) and eos else eos,
+                     "num_blocks": self.engine.kv_cache_config.num_blocks,
+                     "max_model_len": self.engine.max_model_len,
+                     "transport": self.config.ray.transport}
+
+    def ready(self) -> bool:
+        return self.engine is not None and self._fatal is None
+
+    # ---- client calls -----------------------------------------------------------------------
+    def add_requests(self, specs: list[RequestSpec]) -> list[str | None]:
+        """Queue requests; a bad one gets an error output (and its message here), the rest go on."""
+        errors: list[str | None] = []
+        with self._cv:
+            for spec in specs:
+                err = self._check(spec)
+                if err is None:
+                    self._live[spec.request_id] = _Live(spec, time.monotonic())
+                    self._inbox.append(spec)
+                else:
+                    self._outbox.append(_error_output(spec.request_id, err))
+                errors.append(err)
+            self._cv.notify_all()
+        return errors
+
+    def _check(self, spec: RequestSpec) -> str | None:
+        rid = spec.request_id
+        if self._fatal is not None:
+            return f"engine replica {self.replica} is down: {self._fatal}"
+        if not isinstance(rid, str) or not rid:
+            return f"request_id={rid!r}: must be a non-empty string"
+        if rid in self._live:
+            return f"request {rid!r}: request_id is already in use by an unfinished request"
+        if not isinstance(spec.sampling_params, SamplingParams):
+            return f"request {rid!r}: sampling_params must be a SamplingParams"
+        ids = spec.prompt_token_ids
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return f"request {rid!r}: prompt_token_ids must be a list of integers"
+        vocab = self.info.get("vocab_size")
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            return (f"request {rid!r}: prompt_token_ids has id(s) {bad[:5]} outside the vocabulary "
+                    f"[0, {vocab})")
+        return None
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        with self._cv:
+            self._abort_inbox.extend(request_ids)
+            self._cv.notify_all()
+
+    def get_outputs(self, timeout_s: float = 1.0) -> PollResult:
+        """Outputs since the last call; waits up to timeout_s for the first one."""
+        with self._cv:
+            if not self._outbox and self._fatal is None:
+                self._cv.wait(timeout_s)
+            out, self._outbox = self._outbox, []
+            timings = {o.request_id: self._timings.pop(o.request_id) for o in out
+                       if o.finished and o.request_id in self._timings}
+            return PollResult(out, timings, self._fatal)
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            base = dict(self.engine.stats()) if self.engine is not None else {}
+            base.update(replica=self.replica, worker_restarts=self._restarts, fatal=self._fatal,
+                        peak_kv_cache_usage=self._peak_kv_usage, num_output_tokens=self._num_output_tokens,
+                        num_live_requests=len(self._live))
+            return base
+
+    def kill_worker(self, rank: int) -> None:
+        """Fault injection for tests and the stress run: kill one TP worker actor."""
+        import ray
+
+        ray.kill(self.engine.executor.workers[rank], no_restart=True)
+
+    def worker_call(self, rank: int, method: str, *args: Any) -> Any:
+        """Call one worker's method (fault injection, introspection); not part of the step path."""
+        import ray
+
+        return ray.get(getattr(self.engine.executor.workers[rank], method).remote(*args))
+
+    # ---- the step loop ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._inbox and not self._abort_inbox and \
+                        not self.engine.has_unfinished():
+                    self._cv.wait(0.5)
+                if self._stop:
+                    return
+                new, self._inbox = self._inbox, []
+                aborts, self._abort_inbox = self._abort_inbox, []
+            try:
+                self._admit(new, aborts)
+                t0 = time.monotonic()
+                outputs = self.engine.step()
+                self._publish(outputs, time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001 - a worker failure or an engine bug: never silent
+                logger.exception("engine replica %d: step failed", self.replica)
+                if not self._recover(e):
+                    return
+
+    def _admit(self, new: list[RequestSpec], aborts: list[str]) -> None:
+        for spec in new:
+            try:
+                self.engine.add_request(self._make_request(spec, []))
+            except Exception as e:  # noqa: BLE001 - one bad request fails alone
+                self._finish_with_error(spec.request_id, f"request {spec.request_id!r} rejected: {e}")
+        if aborts:
+            self.engine.abort(aborts)
+
+    def _make_request(self, spec: RequestSpec, done: list[int]) -> Request:
+        # After a restart the tokens produced so far join the prompt, and only the rest is generated.
+        sp = spec.sampling_params if not done else replace(
+            spec.sampling_params, max_tokens=spec.sampling_params.max_tokens - len(done))
+        return Request(spec.request_id, spec.prompt_token_ids + done, sp,
+                       eos_token_id=self.info.get("eos_token_id"))
+
+    def _publish(self, outputs: list[EngineCoreOutput], step_time: float) -> None:
+        now = time.monotonic()
+        stats = self.engine.stats()
+        new_tokens = 0
+        with self._cv:
+            for o in outputs:
+                live = self._live.get(o.request_id)
+                new_tokens += len(o.new_token_ids)
+                if live is not None:
+                    if o.new_token_ids and live.first_token_at is None:
+                        live.first_token_at = now
+                    live.output_token_ids.extend(o.new_token_ids)
+                    if o.finished:
+                        self._retire(o.request_id, live, now)
+                self._outbox.append(o)
+            self._num_output_tokens += new_tokens
+            self._peak_kv_usage = max(self._peak_kv_usage, float(stats.get("kv_cache_usage", 0.0)))
+            if outputs:
+                self._cv.notify_all()
+        self._metrics.record_step(stats, step_time, new_tokens)
+
+    def _retire(self, rid: str, live: _Live, now: float) -> None:
+        del self._live[rid]
+        ttft = None if live.first_token_at is None else live.first_token_at - live.arrival
+        self._timings[rid] = RequestTiming(ttft, now - live.arrival, len(live.spec.prompt_token_ids),
+                                           len(live.output_token_ids))
+
+    def _finish_with_error(self, rid: str, message: str) -> None:
+        with self._cv:
+            live = self._live.get(rid)
+            if live is not None:
+                self._retire(rid, live, time.monotonic())
+            self._outbox.append(_error_output(rid, message))
+            self._cv.notify_all()
+
+    # ---- failure and recovery ---------------------------------------------------------------
+    def _recover(self, error: Exception) -> bool:
+        """Rebuild the TP group and re-queue in-flight requests, within the restart budget."""
+        budget = self.config.parallel.max_worker_restarts
+        if self._restarts < budget:
+            self._restarts += 1
+            logger.warning("engine replica %d: %s; rebuilding the TP group (restart %d of %d)",
+                           self.replica, error, self._restarts, budget)
+            try:
+                self.engine.shutdown()
+                self._build_engine()
+                with self._cv:
+                    pending = {s.request_id for s in self._inbox}
+                    for rid, live in self._live.items():
+                        if rid not in pending:
+                            self.engine.add_request(self._make_request(live.spec, live.output_token_ids))
+                self._metrics.record_restart()
+                return True
+            except Exception as e:  # noqa: BLE001 - the rebuild itself failed: give up below
+                error = e
+        self._fail_all(f"{type(error).__name__}: {error}" if budget == 0 else
+                       f"{type(error).__name__}: {error} (after {self._restarts} of "
+                       f"parallel.max_worker_restarts={budget} restarts)")
+        return False
+
+    def _fail_all(self, message: str) -> None:
+        with self._cv:
+            self._fatal = f"engine replica {self.replica} failed: {message}"
+            for rid in list(self._live):
+                self._outbox.append(_error_output(rid, self._fatal))
+            self._live.clear()
+            self._inbox.clear()
+            self._cv.notify_all()
+
+    # ---- teardown ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.parallel.step_timeout_s + 5)
+        self._release()
+
+    def _release(self) -> None:
+        from cluster.placement import remove
+
+        if self.engine is not None:
+            try:
+                self.engine.shutdown()
+            except Exception as e:  # noqa: BLE001 - workers may already be gone
+                logger.debug("engine shutdown: %s", e)
+        remove(self.pg)
+        self.pg = None
+
+
+def _error_output(rid: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(rid, [], finished=True, finish_reason="error", error=message)
+
+
+def driver_actor_class():
+    """EngineDriver as a threaded Ray actor: the step loop plus concurrent client calls."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=16)(EngineDriver)

@@ -1,0 +1,180 @@
+"""The Executor over Ray: one worker actor per tensor-parallel rank, inside the engine's placement group.
+
+Set-up: a probe task on bundle 0 (rank 0's node) finds the node IP and a free port for the TP process
+group, and reads the model's config.json there; then the worker actors start (one bundle each), join
+the group (`init_device`, all ranks at once) and load their shard. Steps go through the transport
+(compiled graph or plain actor calls); set-up calls are plain actor calls.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.executor_base import Executor
+from actors.transport import WorkerFailure, make_transport
+from cluster.config import EngineConfig
+from kvcore.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WORKER_CLS = "actors.worker.Worker"
+
+
+@dataclass
+class NodeProbe:
+    """What the probe on rank 0's node found."""
+
+    node_ip: str
+    port: int
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    model_dir: str = ""
+
+
+def _probe(model: str | None) -> NodeProbe:
+    """Runs on rank 0's bundle: its node IP, a port free there now, and the model's config.json."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    probe = NodeProbe(ray.util.get_node_ip_address(), port)
+    if model is not None:
+        from actors.loader import resolve_model_dir  # resolving "tiny-random" writes it on this node
+
+        probe.model_dir = resolve_model_dir(model)
+        with open(os.path.join(probe.model_dir, "config.json")) as f:
+            probe.hf_config = json.load(f)
+    return probe
+
+
+def import_class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig, placement_group: PlacementGroup,
+                 worker_cls: str | type = DEFAULT_WORKER_CLS, probe_model: bool = True,
+                 setup_timeout_s: float | None = None) -> None:
+        self.config = config
+        self.pg = placement_group
+        self.world_size = config.parallel.tensor_parallel_size
+        # Loading a big checkpoint takes minutes; a dead rank is still reported at once (ray.wait).
+        self.setup_timeout_s = setup_timeout_s or max(600.0, config.parallel.step_timeout_s)
+        self.workers: list[Any] = []
+        self.transport: Any = None
+        self._closed = False
+        self.probe = self._run_probe(probe_model)
+        try:
+            self._start_workers(worker_cls)
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
+
+    def _run_probe(self, probe_model: bool) -> NodeProbe:
+        task = ray.remote(num_cpus=0)(_probe).options(scheduling_strategy=self._strategy(0))
+        return ray.get(task.remote(self.config.model.model if probe_model else None),
+                       timeout=self.setup_timeout_s)
+
+    def _start_workers(self, worker_cls: str | type) -> None:
+        cls = import_class(worker_cls) if isinstance(worker_cls, str) else worker_cls
+        p = self.config.parallel
+        if p.device == "cuda":
+            opts = {"num_cpus": 0, "num_gpus": p.gpus_per_worker}
+        else:
+            opts = {"num_cpus": 1}
+        init_method = f"tcp://{self.probe.node_ip}:{self.probe.port}" if self.world_size > 1 else None
+        remote_cls = ray.remote(cls)
+        for rank in range(self.world_size):
+            actor = remote_cls.options(**opts, scheduling_strategy=self._strategy(rank),
+                                       name=None, max_restarts=0).remote(
+                self.config, rank, self.world_size, init_method)
+            self.workers.append(actor)
+        logger.info("RayExecutor: %d worker(s), TP group at %s, backend %s", self.world_size,
+                    init_method, p.collective_backend)
+
+    # ---- calls ------------------------------------------------------------------------------
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        if self._closed:
+            raise RuntimeError("RayExecutor is shut down")
+        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return _gather(refs, method, self.setup_timeout_s)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.transport is None:
+            # Compiled only now: set-up calls must not compete with a live graph's channels.
+            self.transport = make_transport(self.config.ray.transport, self.workers,
+                                            self.config.parallel.step_timeout_s)
+        return self.transport.broadcast(scheduler_output)
+
+    @property
+    def failed(self) -> bool:
+        return self.transport is not None and self.transport.failure is not None
+
+    # ---- teardown ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        broken = self.failed
+        if self.transport is not None:
+            if broken:
+                # Survivors may sit in a collective forever: kill first, so teardown does not wait.
+                _kill_all(self.workers)
+            self.transport.close()
+        if not broken:
+            refs = [w.shutdown.remote() for w in self.workers]
+            ray.wait(refs, num_returns=len(refs), timeout=10)
+        _kill_all(self.workers)
+        self.workers = []
+
+
+def _kill_all(workers: Sequence[Any]) -> None:
+    for w in workers:
+        try:
+            ray.kill(w, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - already dead
+            logger.debug("ray.kill: %s", e)
+
+
+def _gather(refs: list[Any], method: str, timeout_s: float) -> list[Any]:
+    """Every rank's answer; the first failure (a death or an exception) names its rank at once."""
+    rank_of = {ref: r for r, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            ranks = sorted(rank_of[r] for r in pending)
+            raise WorkerFailure(ranks[0], f"{method} did not finish within {timeout_s:g}s on rank(s) {ranks}")
+        rank = rank_of[ready[0]]
+        try:
+            results[rank] = ray.get(ready[0])
+        except RayActorError as e:
+            raise WorkerFailure(rank, f"its actor died during {method} ({_summary(e)})") from None
+        except RayTaskError as e:
+            raise WorkerFailure(rank, f"{method} raised {e.cause!r}") from e.cause
+    return results
+
+
+def _summary(e: BaseException) -> str:
+    """First and last lines of a Ray error: what happened, and (for a failed __init__) the cause."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"

@@ -1,0 +1,174 @@
+"""The control-plane broadcast: one SchedulerOutput to every tensor-parallel rank, rank 0's reply back.
+
+Two transports with one contract (`broadcast(so) -> ModelRunnerOutput`, `close()`):
+- CompiledGraphTransport: a Ray Compiled Graph (InputNode -> every worker's execute_model ->
+  MultiOutputNode), compiled once; each step writes the message once to shared-memory channels, which
+  skips the per-call task submission of plain actor calls (~0.2 ms vs ~1.3 ms a round trip).
+- ActorCallTransport: plain `.remote()` calls, the fallback.
+A dead worker or a step longer than `step_timeout_s` raises WorkerFailure naming the rank, within
+seconds; after a failure the transport stays broken (every later call raises the same error), since the
+surviving ranks may be stuck in a collective waiting for the lost one.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import ray
+from ray.exceptions import RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
+
+from kvcore.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 2.0  # how long a live actor may take to answer ping() while we diagnose a failure
+
+
+class WorkerFailure(RuntimeError):
+    """A tensor-parallel worker died, hung past the step timeout, or raised; `rank` is None if unknown."""
+
+    def __init__(self, rank: int | None, reason: str) -> None:
+        self.rank = rank
+        self.reason = reason
+        who = f"worker rank {rank}" if rank is not None else "a worker"
+        super().__init__(f"{who} failed: {reason}")
+
+    def __reduce__(self):  # crosses Ray actor boundaries: rebuild from the two fields
+        return (WorkerFailure, (self.rank, self.reason))
+
+
+def diagnose(workers: Sequence[Any], timeout_s: float = PING_TIMEOUT_S) -> tuple[int | None, str]:
+    """Which rank is at fault: the first that is dead, else the first that does not answer a ping."""
+    refs = [w.ping.remote() for w in workers]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    ready_set = set(ready)
+    for rank, ref in enumerate(refs):
+        if ref in ready_set:
+            try:
+                ray.get(ref)
+            except RayActorError as e:
+                return rank, f"its actor died ({_first_line(e)})"
+            except Exception as e:  # noqa: BLE001 - any error of a ping says this rank is broken
+                return rank, f"ping raised {type(e).__name__}: {_first_line(e)}"
+    for rank, ref in enumerate(refs):
+        if ref not in ready_set:
+            return rank, f"did not answer a ping within {timeout_s:g}s"
+    return None, "every rank is alive"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    for line in text.splitlines():
+        if "actor is dead" in line.lower() or "killed" in line.lower():
+            return line.strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class _Transport:
+    def __init__(self, workers: Sequence[Any], step_timeout_s: float) -> None:
+        self.workers = list(workers)
+        self.step_timeout_s = step_timeout_s
+        self.failure: WorkerFailure | None = None
+
+    def broadcast(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            return self._broadcast(so)
+        except WorkerFailure as f:
+            self.failure = f
+            raise
+
+    def _broadcast(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def _fail_hang(self, step_id: int) -> WorkerFailure:
+        rank, why = diagnose(self.workers)
+        if rank is not None and "did not answer" not in why:
+            return WorkerFailure(rank, f"{why} (while running step {step_id})")
+        return WorkerFailure(rank, f"step {step_id} did not finish within parallel.step_timeout_s="
+                                   f"{self.step_timeout_s:g}s ({why})")
+
+    def close(self) -> None:
+        pass
+
+
+class ActorCallTransport(_Transport):
+    name = "actor_calls"
+
+    def _broadcast(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        refs = [w.execute_model.remote(so) for w in self.workers]
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        deadline = time.monotonic() + self.step_timeout_s
+        # Take answers one at a time so a dead rank is reported at once, even while the others are
+        # stuck in a collective waiting for it.
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise self._fail_hang(so.step_id)
+            ref = ready[0]
+            rank = rank_of[ref]
+            try:
+                results[rank] = ray.get(ref)
+            except RayActorError as e:
+                raise WorkerFailure(rank, f"its actor died ({_first_line(e)})") from None
+            except RayTaskError as e:
+                raise WorkerFailure(rank, f"execute_model raised {e.cause!r}") from None
+        return results[0]
+
+
+class CompiledGraphTransport(_Transport):
+    name = "compiled_graph"
+
+    def __init__(self, workers: Sequence[Any], step_timeout_s: float) -> None:
+        super().__init__(workers, step_timeout_s)
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as inp:
+            dag = MultiOutputNode([w.execute_model.bind(inp) for w in self.workers])
+        self.graph = dag.experimental_compile(_submit_timeout=step_timeout_s)
+
+    def _broadcast(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        deadline = time.monotonic() + self.step_timeout_s
+        try:
+            refs = self.graph.execute(so)
+        except RayChannelTimeoutError:
+            raise self._fail_hang(so.step_id) from None
+        except RayChannelError as e:
+            raise self._fail_dead(so.step_id, e) from None
+        results: list[Any] = []
+        # Every rank's ref is read (not only rank 0's) so no result is left buffered in the graph.
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ref.get(timeout=max(0.01, deadline - time.monotonic())))
+            except RayChannelTimeoutError:
+                raise self._fail_hang(so.step_id) from None
+            except (RayChannelError, RayActorError) as e:
+                # The graph reports a death on whichever output it reads first: ask who is gone.
+                raise self._fail_dead(so.step_id, e) from None
+            except RayTaskError as e:
+                raise WorkerFailure(rank, f"execute_model raised {e.cause!r}") from None
+        return results[0]
+
+    def _fail_dead(self, step_id: int, e: BaseException) -> WorkerFailure:
+        rank, why = diagnose(self.workers)
+        if rank is None:
+            why = f"the compiled graph's channel failed ({_first_line(e)})"
+        return WorkerFailure(rank, f"{why} (while running step {step_id})")
+
+    def close(self, kill_actors: bool = False) -> None:
+        try:
+            self.graph.teardown(kill_actors=kill_actors)
+        except Exception as e:  # noqa: BLE001 - a graph broken by a dead actor may fail to tear down
+            logger.debug("compiled graph teardown: %s", e)
+
+
+def make_transport(kind: str, workers: Sequence[Any], step_timeout_s: float) -> _Transport:
+    if kind == "compiled_graph":
+        return CompiledGraphTransport(workers, step_timeout_s)
+    if kind == "actor_calls":
+        return ActorCallTransport(workers, step_timeout_s)
+    raise ValueError(f"ray.transport={kind!r}: must be compiled_graph or actor_calls")

@@ -1,0 +1,123 @@
+"""Control-plane cost per engine step: schedule + broadcast the SchedulerOutput to every TP rank + rank 0's
+reply + update_from_output, with a no-op model (actors/noop_worker.py) so only the control plane is timed.
+
+This process plays the driver: it reserves the placement group and runs EngineCore over a RayExecutor,
+exactly as the driver actor does. For TP = 1, 2, 4 and both transports (compiled graph, plain actor
+calls) it times `--steps` steps with `--num-reqs` requests decoding, and reports the median.
+Appends JSON lines to benchmarks/results/control_plane.jsonl; `control_plane_us_tp2` is the headline
+(TP=2, compiled graph).
+
+  python benchmarks/control_plane.py [--tp 1 2 4] [--steps 300] [--num-reqs 32] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ray  # noqa: E402
+
+from actors.engine_core import EngineCore  # noqa: E402
+from actors.ray_executor import RayExecutor  # noqa: E402
+from cluster.config import EngineConfig  # noqa: E402
+from cluster.placement import create_placement_group, remove, start_local_ray  # noqa: E402
+from kvcore.request import Request, SamplingParams  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "control_plane.jsonl")
+
+
+def measure(tp: int, transport: str, steps: int, num_reqs: int, device: str) -> dict[str, float]:
+    config = EngineConfig().replace(tensor_parallel_size=tp, transport=transport, device=device,
+                                    num_gpu_blocks=8192, max_num_seqs=max(num_reqs, 1), max_model_len=4096,
+                                    max_num_batched_tokens=4096, step_timeout_s=60)
+    pg = create_placement_group(config, name=f"bench-tp{tp}-{transport}")
+    engine = None
+    try:
+        executor = RayExecutor(config, pg, worker_cls="actors.noop_worker.NoopWorker")
+        engine = EngineCore(config, executor)
+        for i in range(num_reqs):
+            engine.add_request(Request(f"r{i}", list(range(1, 65)), SamplingParams(max_tokens=3000, ignore_eos=True)))
+        for _ in range(20):  # prefill, graph compile, warm caches
+            engine.step()
+        times, sched = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            so = engine.scheduler.schedule()
+            t1 = time.perf_counter()
+            out = engine._run(so)
+            engine.scheduler.update_from_output(so, out)
+            t2 = time.perf_counter()
+            times.append(t2 - t0)
+            sched.append(t1 - t0)
+        return {"step_us": statistics.median(times) * 1e6, "schedule_us": statistics.median(sched) * 1e6,
+                "p90_step_us": sorted(times)[int(0.9 * len(times))] * 1e6}
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        remove(pg)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(RESULTS)).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--transports", nargs="+", default=["compiled_graph", "actor_calls"])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--num-reqs", type=int, default=32)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    need = max(args.tp) + 2
+    if args.device == "cuda":
+        ray.init(include_dashboard=False)
+    else:
+        start_local_ray(num_cpus=need, include_dashboard=False)
+    command = "python " + " ".join(sys.argv)
+    meta = {"device": device_name(args.device), "commit": commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command}
+    rows = []
+    try:
+        for tp in args.tp:
+            for transport in args.transports:
+                r = measure(tp, transport, args.steps, args.num_reqs, args.device)
+                print(f"tp={tp} transport={transport:15s} step median {r['step_us']:9.1f} us  "
+                      f"p90 {r['p90_step_us']:9.1f} us  (schedule alone {r['schedule_us']:.1f} us)", flush=True)
+                rows.append({"metric": f"control_plane_us_tp{tp}_{transport}", "value": round(r["step_us"], 1),
+                             "unit": "us", **meta})
+                if tp == 2 and transport == "compiled_graph":
+                    rows.append({"metric": "control_plane_us_tp2", "value": round(r["step_us"], 1),
+                                 "unit": "us", **meta})
+    finally:
+        ray.shutdown()
+    if not args.no_write:
+        with open(RESULTS, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""`kvray`: the command line.
+
+  kvray run  --config C [--input prompts.jsonl] [--output out.jsonl] [--set k=v ...] [--summary-json P]
+  kvray info --config C [--set k=v ...]
+
+Both work unchanged under `ray job submit --working-dir . -- kvray ...` (RAY_ADDRESS is set there).
+Exit codes: 0 done, 1 the engine or the cluster failed, 2 bad config or arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from cluster.config import ConfigError, EngineConfig, load_config, resolved_max_model_len, validate_for_model
+
+log = logging.getLogger("kvray")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvray", description="Ray-distributed, tensor-parallel LLM inference")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a batch of prompts (JSON lines) through the engines")
+    _common(run)
+    run.add_argument("--input", help="JSON lines: {id?, prompt | prompt_token_ids, sampling fields?}; "
+                                     "without it, a built-in synthetic workload")
+    run.add_argument("--output", help="JSON lines, appended as requests finish; a rerun skips ids already there")
+    run.add_argument("--summary-json", help="also write the summary as JSON to this path")
+    run.add_argument("--num-requests", type=int, default=32, help="size of the synthetic workload")
+    run.add_argument("--max-tokens", type=int, default=16, help="default max_tokens for input lines without one")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    info = sub.add_parser("info", help="what the cluster has, and what the config would place where")
+    _common(info)
+    return p
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (default: built-in defaults = configs/local.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a config field, e.g. --set cache.block_size=32 (repeatable)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"kvray: {e}", file=sys.stderr)
+        return 2
+    try:
+        return cmd_run(config, args) if args.command == "run" else cmd_info(config)
+    except ConfigError as e:
+        print(f"kvray: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the message is the interface: one clear line, then exit 1
+        from cluster.job import JobError
+
+        print(f"kvray: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2 if isinstance(e, JobError) else 1
+
+
+def cmd_run(config: EngineConfig, args: Any) -> int:
+    from cluster.engines import EngineGroup
+    from cluster.job import Job, JobError, format_summary, read_items, summarize, synthetic_items
+    from cluster.llm import load_client_model
+    from kvcore.request import SamplingParams
+
+    if args.input is not None:
+        import os
+
+        if not os.path.isfile(args.input):
+            raise JobError(f"--input {args.input!r}: no such file")
+    tokenizer, hf_config = load_client_model(config)
+    if hf_config is not None:
+        validate_for_model(config, hf_config)
+    engines = EngineGroup(config)
+    try:
+        info = engines.info
+        if args.input is not None:
+            items = read_items(args.input, SamplingParams(max_tokens=args.max_tokens))
+        else:
+            mml = info.get("max_model_len") or resolved_max_model_len(config, hf_config or {})
+            items = synthetic_items(args.num_requests, config.model.seed, int(info["vocab_size"]), mml)
+        job = Job(config, engines, tokenizer, args.output, progress=not args.no_progress)
+        stats = job.run(items)
+        summary = summarize(stats, engines.stats())
+    finally:
+        engines.shutdown()
+    print(format_summary(summary))
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_info(config: EngineConfig) -> int:
+    import ray
+
+    from cluster.placement import bundles_for, connect, describe_cluster, total_request
+
+    started = connect(config)
+    try:
+        cluster = describe_cluster()
+        need = total_request(config)
+        have = cluster["cluster_resources"]
+        fits = all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+        p = config.parallel
+        report = {
+            "config": config.to_dict(),
+            "placement": {
+                "engines": p.data_parallel_size, "workers_per_engine": p.tensor_parallel_size,
+                "bundles_per_engine": bundles_for(config), "strategy": p.placement_strategy,
+                "collective_backend": p.collective_backend, "transport": config.ray.transport,
+                "total_request": need, "fits_cluster_totals": fits,
+            },
+            "cluster": cluster,
+        }
+        print(json.dumps(report, indent=2))
+        return 0 if fits else 1
+    finally:
+        if started:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The client side of `data_parallel_size` engine replicas: start their driver actors, spread requests
+by load (least outstanding), stream outputs back, shut everything down.
+
+Used by the LLM API and the batch job. A replica whose TP group failed for good (or whose driver actor
+died) sets `fatal`; outputs already finished elsewhere still come back first.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from actors.driver import PollResult, RequestSpec, RequestTiming, driver_actor_class
+from cluster.config import EngineConfig
+from cluster.placement import connect
+from kvcore.messages import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineFailure(RuntimeError):
+    """An engine replica is down (a worker failed past its restart budget, or its driver died)."""
+
+
+@dataclass
+class Finished:
+    output: EngineCoreOutput
+    timing: RequestTiming | None
+
+
+def unwrap(e: BaseException) -> BaseException:
+    """The original exception behind a Ray task error (PlacementError, WorkerFailure, ...)."""
+    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else e
+
+
+class EngineGroup:
+    def __init__(self, config: EngineConfig, worker_cls: str = "actors.worker.Worker") -> None:
+        self.config = config
+        self.started_ray = connect(config)
+        cls = driver_actor_class()
+        n = config.parallel.data_parallel_size
+        self.drivers = [cls.options(namespace=config.ray.namespace).remote(config, i, worker_cls)
+                        for i in range(n)]
+        self.outstanding = [0] * n
+        self.owner: dict[str, int] = {}
+        self._polls: dict[Any, int] = {}
+        self.fatal: str | None = None
+        self.infos: list[dict[str, Any]] = []
+        try:
+            self.infos = ray.get([d.start.remote() for d in self.drivers])
+        except Exception as e:
+            self.shutdown()
+            cause = unwrap(e)
+            raise cause from None
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.infos[0]
+
+    # ---- requests ---------------------------------------------------------------------------
+    def submit(self, specs: list[RequestSpec]) -> dict[str, str]:
+        """Send requests to the least-loaded replicas; returns {request_id: error} for refused ones."""
+        per_replica: dict[int, list[RequestSpec]] = {}
+        for spec in specs:
+            r = min(range(len(self.drivers)), key=lambda i: self.outstanding[i])
+            self.outstanding[r] += 1
+            self.owner[spec.request_id] = r
+            per_replica.setdefault(r, []).append(spec)
+        refs = {r: self.drivers[r].add_requests.remote(batch) for r, batch in per_replica.items()}
+        errors: dict[str, str] = {}
+        for r, ref in refs.items():
+            for spec, err in zip(per_replica[r], self._get(ref, r)):
+                if err is not None:
+                    errors[spec.request_id] = err
+        return errors
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if rid in self.owner:
+                by_replica.setdefault(self.owner[rid], []).append(rid)
+        for r, ids in by_replica.items():
+            self.drivers[r].abort.remote(ids)
+
+    @property
+    def num_outstanding(self) -> int:
+        return sum(self.outstanding)
+
+    def poll(self, timeout_s: float = 1.0) -> list[Finished | EngineCoreOutput]:
+        """Outputs that arrived within timeout_s: streaming EngineCoreOutputs and Finished records."""
+        for r in range(len(self.drivers)):
+            if r not in self._polls.values():
+                self._polls[self.drivers[r].get_outputs.remote(timeout_s)] = r
+        ready, _ = ray.wait(list(self._polls), num_returns=1, timeout=timeout_s + 5.0)
+        items: list[Finished | EngineCoreOutput] = []
+        for ref in ready:
+            r = self._polls.pop(ref)
+            res: PollResult = self._get(ref, r)
+            for o in res.outputs:
+                if res.fatal is not None and o.finish_reason == "error" and o.error == res.fatal:
+                    continue  # in-flight casualties of the failure: reported once, as `fatal`
+                items.append(self._finish(o, r, res) if o.finished else o)
+            if res.fatal is not None and self.fatal is None:
+                self.fatal = res.fatal
+        return items
+
+    def _finish(self, o: EngineCoreOutput, r: int, res: PollResult) -> Finished:
+        if self.owner.pop(o.request_id, None) is not None:
+            self.outstanding[r] -= 1
+        return Finished(o, res.timings.get(o.request_id))
+
+    def _get(self, ref: Any, replica: int) -> Any:
+        try:
+            return ray.get(ref)
+        except RayActorError as e:
+            self.fatal = f"the driver actor of engine replica {replica} died: {str(e).splitlines()[0]}"
+            raise EngineFailure(self.fatal) from None
+
+    def stats(self) -> list[dict[str, Any]]:
+        return ray.get([d.stats.remote() for d in self.drivers])
+
+    # ---- teardown ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every replica: workers killed, placement groups removed, driver actors killed."""
+        refs = [d.shutdown.remote() for d in self.drivers]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=self.config.parallel.step_timeout_s + 30)
+        for d in self.drivers:
+            try:
+                ray.kill(d, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already gone
+                logger.debug("ray.kill(driver): %s", e)
+        self.drivers = []
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+            self.started_ray = False

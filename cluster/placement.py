@@ -1,0 +1,126 @@
+"""Connecting to Ray and reserving an engine's resources with a placement group.
+
+No address -> an embedded local Ray sized for the config; an address (config.ray.address or
+RAY_ADDRESS, as under `ray job submit`) -> connect to that cluster. A placement group that the cluster
+cannot satisfy within `parallel.placement_timeout_s` fails with what was asked and what the cluster has.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from cluster.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host what the config asks for (within the timeout)."""
+
+
+def bundles_for(config: EngineConfig) -> list[dict[str, float]]:
+    """One bundle per tensor-parallel rank: a (share of a) GPU on cuda, one CPU on cpu."""
+    p = config.parallel
+    one = {"GPU": p.gpus_per_worker} if p.device == "cuda" else {"CPU": 1.0}
+    return [dict(one) for _ in range(p.tensor_parallel_size)]
+
+
+def total_request(config: EngineConfig) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for b in bundles_for(config) * config.parallel.data_parallel_size:
+        for k, v in b.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def connect(config: EngineConfig) -> bool:
+    """Make sure this process talks to Ray. Returns True when this call started a local Ray."""
+    if ray.is_initialized():
+        return False
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
+        return False
+    need = int(total_request(config).get("CPU", 0))
+    start_local_ray(num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, need + 1),
+                    namespace=config.ray.namespace, include_dashboard=config.ray.include_dashboard)
+    return True
+
+
+def start_local_ray(num_cpus: int, namespace: str | None = None, include_dashboard: bool = False,
+                    **kwargs: Any) -> None:
+    """An embedded Ray on this machine whose worker processes can import kvray."""
+    # Workers inherit this environment: make the kvray packages importable there even when this
+    # process found them through sys.path rather than an installed distribution.
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _REPO_ROOT not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT, *paths])
+    ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=include_dashboard, **kwargs)
+
+
+def describe_cluster() -> dict[str, Any]:
+    """What the cluster has: totals, what is free now, and the nodes."""
+    nodes = [{"node_ip": n.get("NodeManagerAddress"), "alive": n.get("Alive"),
+              "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")}}
+             for n in ray.nodes()]
+    return {"cluster_resources": _plain(ray.cluster_resources()),
+            "available_resources": _plain(ray.available_resources()), "nodes": nodes}
+
+
+def _plain(res: dict[str, float]) -> dict[str, float]:
+    # Placement groups show up as derived resources ("CPU_group_<id>"); they would only confuse.
+    return {k: v for k, v in sorted(res.items()) if not k.startswith("node:") and "_group_" not in k}
+
+
+def create_placement_group(config: EngineConfig, name: str) -> PlacementGroup:
+    """Reserve one engine's bundles; fail within placement_timeout_s with a clear message."""
+    p = config.parallel
+    bundles = bundles_for(config)
+    # Fail at once when even the whole (idle) cluster could not hold one bundle set.
+    totals = ray.cluster_resources()
+    for res, amount in _sum(bundles).items():
+        if totals.get(res, 0.0) + 1e-9 < amount:
+            raise PlacementError(_message(config, name, bundles, "the cluster does not have that many"))
+    pg = placement_group(bundles, strategy=p.placement_strategy, name=name)
+    ready, _ = ray.wait([pg.ready()], timeout=p.placement_timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise PlacementError(_message(config, name, bundles,
+                                      f"not satisfied within parallel.placement_timeout_s="
+                                      f"{p.placement_timeout_s:g}s"))
+    return pg
+
+
+def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _message(config: EngineConfig, name: str, bundles: list[dict[str, float]], why: str) -> str:
+    p = config.parallel
+    info = describe_cluster()
+    return (f"placement group {name!r}: asked for {len(bundles)} bundle(s) {bundles[0]} "
+            f"(parallel.tensor_parallel_size={p.tensor_parallel_size}, device={p.device}, "
+            f"gpus_per_worker={p.gpus_per_worker:g}, strategy={p.placement_strategy}) for each of "
+            f"{p.data_parallel_size} data-parallel engine(s): {why}. The cluster has "
+            f"{info['cluster_resources']} in total, {info['available_resources']} free now, on "
+            f"{sum(1 for n in info['nodes'] if n['alive'])} node(s).")
+
+
+def remove(pg: PlacementGroup | None) -> None:
+    if pg is None:
+        return
+    try:
+        remove_placement_group(pg)
+    except Exception as e:  # already removed, or Ray is going down: nothing left to release
+        logger.debug("remove_placement_group: %s", e)
+

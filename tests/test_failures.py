@@ -1,0 +1,139 @@
+"""Failures surface fast and clearly: a killed worker actor, a worker process that exits, a worker that
+hangs past the step timeout, a placement the cluster can never or not now satisfy; and within the
+restart budget a killed worker is replaced with every request still answered exactly once."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import threading
+import time
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from actors.driver import RequestSpec
+from cluster import LLM, SamplingParams
+from cluster.config import EngineConfig
+from cluster.engines import EngineFailure, EngineGroup, Finished
+from cluster.placement import PlacementError, start_local_ray
+
+NOOP = "actors.noop_worker.NoopWorker"
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    start_local_ray(num_cpus=6, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def noop_config(**kw):
+    base = dict(tensor_parallel_size=2, step_timeout_s=3, placement_timeout_s=10, max_num_batched_tokens=256,
+                max_num_seqs=8, num_gpu_blocks=512)
+    return EngineConfig().replace(**{**base, **kw})
+
+
+def drain_until_fatal(group, limit_s):
+    t0 = time.monotonic()
+    while group.fatal is None and time.monotonic() - t0 < limit_s:
+        group.poll(timeout_s=0.2)
+    return time.monotonic() - t0
+
+
+def test_killed_worker_gives_every_caller_a_clear_error_within_seconds():
+    llm = LLM(model="tiny-random", tensor_parallel_size=2, max_num_batched_tokens=128, max_num_seqs=4,
+              cpu_kv_cache_gib=0.01, step_timeout_s=20, transport="compiled_graph")
+    try:
+        driver = llm.engines.drivers[0]
+        threading.Timer(2.0, lambda: driver.kill_worker.remote(1)).start()
+        t0 = time.monotonic()
+        with pytest.raises(EngineFailure) as e:
+            llm.generate(["abc", "defg"], LONG)
+        elapsed = time.monotonic() - t0
+        assert "worker rank 1 failed" in str(e.value) and "died" in str(e.value), str(e.value)
+        assert elapsed < 15, f"took {elapsed:.1f}s"
+        # Later callers are refused with the same reason, at once.
+        out = llm.generate(["x"], SamplingParams(max_tokens=2))[0]
+        assert out.outputs[0].finish_reason == "error" and "is down" in out.error and "rank 1" in out.error
+    finally:
+        llm.shutdown()
+
+
+def test_worker_process_exit_with_actor_calls_names_the_rank():
+    group = EngineGroup(noop_config(transport="actor_calls"), worker_cls=NOOP)
+    try:
+        ray.get(group.drivers[0].worker_call.remote(1, "inject_fault", "exit", 5))
+        group.submit([RequestSpec("r0", [1, 2, 3], LONG)])
+        elapsed = drain_until_fatal(group, 20)
+        assert group.fatal is not None and "worker rank 1 failed" in group.fatal, group.fatal
+        assert elapsed < 10
+    finally:
+        group.shutdown()
+
+
+def test_hung_worker_hits_the_step_timeout():
+    group = EngineGroup(noop_config(transport="compiled_graph"), worker_cls=NOOP)
+    try:
+        ray.get(group.drivers[0].worker_call.remote(1, "inject_fault", "hang", 3))
+        group.submit([RequestSpec("r0", [1, 2, 3], LONG)])
+        elapsed = drain_until_fatal(group, 30)
+        assert group.fatal is not None and "parallel.step_timeout_s=3" in group.fatal, group.fatal
+        assert "worker rank 1" in group.fatal or "a worker failed" in group.fatal
+        assert elapsed < 15
+    finally:
+        group.shutdown()
+
+
+def test_restart_budget_rebuilds_the_tp_group_and_loses_nothing():
+    group = EngineGroup(noop_config(transport="compiled_graph", max_worker_restarts=1), worker_cls=NOOP)
+    try:
+        specs = [RequestSpec(f"r{i}", list(range(1, 20 + i)), SamplingParams(max_tokens=300, ignore_eos=True))
+                 for i in range(6)]
+        group.submit(specs)
+        tokens: dict[str, list[int]] = {s.request_id: [] for s in specs}
+        finished = []
+        t0 = time.monotonic()
+        killed = False
+        while len(finished) < len(specs) and time.monotonic() - t0 < 60:
+            if not killed and sum(map(len, tokens.values())) > 0:
+                ray.get(group.drivers[0].kill_worker.remote(0))
+                killed = True
+            for item in group.poll(timeout_s=0.5):
+                o = item.output if isinstance(item, Finished) else item
+                tokens[o.request_id].extend(o.new_token_ids)
+                if isinstance(item, Finished):
+                    assert o.error is None, o.error
+                    finished.append(o.request_id)
+            assert group.fatal is None, group.fatal
+        assert sorted(finished) == sorted(tokens)  # every request exactly once
+        assert all(len(t) == 300 for t in tokens.values()), {k: len(v) for k, v in tokens.items()}
+        assert killed and group.stats()[0]["worker_restarts"] == 1
+    finally:
+        group.shutdown()
+
+
+def test_impossible_placement_fails_at_once_with_what_was_asked_and_what_exists():
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError) as e:
+        EngineGroup(EngineConfig().replace(device="cuda", tensor_parallel_size=99, placement_timeout_s=30))
+    msg = str(e.value)
+    assert time.monotonic() - t0 < 20
+    assert "asked for 99 bundle(s) {'GPU': 1.0}" in msg and "the cluster does not have that many" in msg
+    assert "The cluster has {" in msg and "'CPU': 6.0" in msg
+
+
+def test_placement_not_satisfiable_now_fails_within_its_timeout():
+    blocker = placement_group([{"CPU": 1.0}] * 5, strategy="PACK")
+    ray.get(blocker.ready())
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PlacementError) as e:
+            EngineGroup(EngineConfig().replace(tensor_parallel_size=3, placement_timeout_s=2))
+        elapsed = time.monotonic() - t0
+        assert "not satisfied within parallel.placement_timeout_s=2s" in str(e.value)
+        assert "free now" in str(e.value)
+        assert elapsed < 12
+    finally:
+        remove_placement_group(blocker)
