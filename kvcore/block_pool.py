@@ -75,7 +75,19 @@ class FreeKVCacheBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"FreeKVCacheBlockQueue.popleft_n: n={n} exceeds {self.num_free_blocks} free blocks")
-        return [self.popleft() for _ in range(n)]
+        # Unlink the first n blocks as one run: one splice instead of n removals (allocation hot path).
+        head = self._head
+        out = []
+        block = head.next_free_block
+        for _ in range(n):
+            out.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = nxt
+        head.next_free_block = block
+        block.prev_free_block = head
+        self.num_free_blocks -= n
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
@@ -158,7 +170,8 @@ class BlockPool:
         new_blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in new_blocks:
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
-            self._evict_cached_block(block)
+            if block.block_hash is not None:  # most reused blocks hold no cached content
+                self._evict_cached_block(block)
             block.ref_cnt = 1
         return new_blocks
 
@@ -206,19 +219,25 @@ class BlockPool:
         """Register blocks[num_cached_blocks:num_full_blocks] under the request's chained hashes."""
         if num_cached_blocks >= num_full_blocks:
             return
-        if len(request.block_hashes) < num_full_blocks:
+        hashes = request.block_hashes
+        if len(hashes) < num_full_blocks:
             raise ValueError(f"cache_full_blocks: request {request.request_id!r} has "
-                             f"{len(request.block_hashes)} block hashes, needs {num_full_blocks}")
+                             f"{len(hashes)} block hashes, needs {num_full_blocks}")
+        cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:  # a sliding-window slot already dropped: nothing to cache
                 continue
-            key = (request.block_hashes[i], group_id)
+            key = (hashes[i], group_id)
             if block.block_hash is not None:
                 assert block.block_hash == key, f"block {block.block_id} is cached under another hash"
                 continue
             block.block_hash = key
-            self.cached_block_hash_to_block.setdefault(key, {})[block.block_id] = block
+            same = cached.get(key)
+            if same is None:
+                cached[key] = {block.block_id: block}
+            else:
+                same[block.block_id] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is held by a request."""

@@ -34,6 +34,8 @@ class KVCacheCoordinator:
         # Shared "nothing new" answer; tuples, so a caller cannot append to it by mistake.
         self._no_blocks: GroupBlocks = tuple(() for _ in self.managers)  # type: ignore[misc]
         self._sliding = tuple(m for m in self.managers if not isinstance(m, FullAttentionManager))
+        # The common layout (one full-attention group) gets a straight-line extend_running.
+        self.single_full = self.managers[0] if len(self.managers) == 1 and not self._sliding else None
         # Full attention first: its hit is a plain prefix, the cheapest upper bound for the others.
         self._hit_order = sorted(range(len(self.managers)),
                                  key=lambda g: not isinstance(self.managers[g], FullAttentionManager))
@@ -77,6 +79,8 @@ class KVCacheCoordinator:
         Same semantics as plan, remove_skipped_blocks, allocate_new_blocks and cache_blocks, fused
         into one pass per group because the scheduler calls it for every running request every step.
         """
+        if self.single_full is not None:
+            return self.extend_single_full(request, num_tokens, num_tokens_to_cache)
         rid = request.request_id
         bs = self.block_size
         num_blocks = -(-num_tokens // bs)
@@ -103,6 +107,35 @@ class KVCacheCoordinator:
                 if num_full > len(request.block_hashes):
                     update_request_block_hashes(request, bs)
                 m.cache_blocks(request, num_tokens_to_cache)
+        return new_blocks
+
+    def extend_single_full(self, request: Request, num_tokens: int, num_tokens_to_cache: int) -> GroupBlocks | None:
+        """extend_running for one full-attention group: no window to slide, one row to grow.
+
+        A decode step lands here once per block_size tokens to take one block, and once to register
+        the block its token just filled, so every call saved here is paid 2/block_size times per request.
+        """
+        m = self.single_full
+        rid = request.request_id
+        bs = self.block_size
+        row = m.req_to_blocks[rid]
+        need = -(-num_tokens // bs) - len(row)
+        if need > 0:
+            pool = self.block_pool
+            if need > pool.free_block_queue.num_free_blocks:
+                return None
+            new = pool.get_new_blocks(need)
+            row.extend(new)
+            new_blocks: GroupBlocks = (new,)
+        else:
+            new_blocks = self._no_blocks
+        num_full = num_tokens_to_cache // bs
+        num_cached = m.num_cached_block[rid]
+        if num_full > num_cached:  # what m.cache_blocks does, minus a call and its lookups
+            if num_full > len(request.block_hashes):
+                update_request_block_hashes(request, bs)
+            self.block_pool.cache_full_blocks(request, row, num_cached, num_full, m.group_id)
+            m.num_cached_block[rid] = num_full
         return new_blocks
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,

@@ -18,14 +18,14 @@ from kvcore.single_type_manager import FullAttentionManager
 from kvcore.spec import KVCacheConfig
 
 
-@dataclass
+@dataclass(slots=True)
 class KVCacheBlocks:
     """Blocks per KV-cache group. Always truthy: `None`, not an empty value, means "does not fit"."""
 
     blocks: tuple[list[KVCacheBlock], ...]
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple([[b.block_id for b in group] for group in self.blocks])
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +65,10 @@ class KVCacheManager:
         self.block_size = self.coordinator.block_size
         self.num_groups = self.coordinator.num_groups
         self.prefix_cache_stats = PrefixCacheStats()
+        # Group 0's rows: "holds a row" = running, the test allocate_slots makes for every decode.
+        self._rows_of_group0 = self.coordinator.managers[0].req_to_blocks
+        coord = self.coordinator
+        self._extend_running = coord.extend_single_full if coord.single_full is not None else coord.extend_running
 
     @property
     def empty_kv_cache_blocks(self) -> KVCacheBlocks:
@@ -109,12 +113,14 @@ class KVCacheManager:
         tokens complete in the prefix cache, so a request admitted later (even in the same step) hits.
         """
         if new_computed_blocks is None and not num_new_computed_tokens and num_new_tokens > 0 \
-                and self.coordinator.has_request(request.request_id):
+                and request.request_id in self._rows_of_group0:
+            # A running request grows (decode or next prefill chunk): the fused hot path.
             num_tokens = request.num_computed_tokens + num_new_tokens
-            num_to_cache = num_tokens if num_tokens < request.num_tokens else request.num_tokens
-            new_blocks = self.coordinator.extend_running(
-                request, num_tokens if num_tokens < self.max_model_len else self.max_model_len,
-                num_to_cache if self.enable_caching else 0)
+            num_known = len(request.all_token_ids)
+            max_len = self.max_model_len
+            new_blocks = self._extend_running(
+                request, num_tokens if num_tokens < max_len else max_len,
+                (num_tokens if num_tokens < num_known else num_known) if self.enable_caching else 0)
             return None if new_blocks is None else KVCacheBlocks(new_blocks)
         new_blocks = self._allocate_general(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks)
         if new_blocks is None:

@@ -1,7 +1,8 @@
 """The control plane: what the driver sends each worker per step, and what comes back.
 
 These messages never carry tensors; their size grows with the number of changes in a step,
-not with context length.
+not with context length. They use __slots__: the scheduler builds one EngineCoreOutput per running
+request per step, and slotted instances are cheaper to create and to pickle.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvcore.request import SamplingParams
 BlockIds = tuple[list[int], ...]  # one list per KV-cache group
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     """A request scheduled for the first time: its full block list per group."""
 
@@ -23,7 +24,7 @@ class NewRequestData:
     num_computed_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """Requests the workers already know. Index i of every list describes req_ids[i].
 
@@ -51,7 +52,7 @@ class CachedRequestData:
         self.num_computed_tokens.append(num_computed_tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step's decisions. `num_scheduled_tokens` maps every scheduled req_id to its token count.
 
@@ -73,7 +74,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """What rank 0 returns: the tokens it sampled, per scheduled request.
 
@@ -90,7 +91,7 @@ class ModelRunnerOutput:
         return {r: i for i, r in enumerate(self.req_ids)}
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """The per-step news for one request, as the scheduler hands it to the client side."""
 

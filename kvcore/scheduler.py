@@ -9,6 +9,7 @@ requests the workers already know. The scheduler never touches a tensor.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any, Iterable
 
@@ -18,8 +19,17 @@ from kvcore.request import Request, RequestStatus
 
 # Per live request, what update_from_output needs to check stops in one lookup:
 # (request, token count that ends it (prompt + max_tokens, capped by max_model_len),
-#  the EOS id unless ignore_eos (else None), stop_token_ids as a frozenset (None when empty)).
-_StopRule = tuple[Request, int, "int | None", "frozenset[int] | None"]
+#  the EOS id unless ignore_eos (else None), stop_token_ids as a frozenset (None when empty),
+#  every token that stops it (EOS and stop ids; maybe empty): one set test per sampled token).
+_StopRule = tuple[Request, int, "int | None", "frozenset[int] | None", "frozenset[int]"]
+
+# _apply_sampled builds the EngineCoreOutput of an unfinished request by filling a bare instance (one
+# per running request per step, so the __init__ call is worth skipping); it sets exactly these fields.
+_UNFINISHED_FIELDS = ("request_id", "new_token_ids", "finished", "finish_reason", "stop_reason", "error",
+                      "num_cached_tokens")
+if tuple(f.name for f in dataclasses.fields(EngineCoreOutput)) != _UNFINISHED_FIELDS:
+    raise RuntimeError(f"kvcore.scheduler: EngineCoreOutput fields changed; update _apply_sampled, which "
+                       f"fills {_UNFINISHED_FIELDS} by hand")
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
@@ -130,10 +140,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         params = request.sampling_params
+        eos = None if params.ignore_eos else request.eos_token_id
+        stop_ids = frozenset(params.stop_token_ids) if params.stop_token_ids else None
         self._stop_rules[rid] = (
-            request, min(request.num_prompt_tokens + params.max_tokens, self.max_model_len),
-            None if params.ignore_eos else request.eos_token_id,
-            frozenset(params.stop_token_ids) if params.stop_token_ids else None)
+            request, min(request.num_prompt_tokens + params.max_tokens, self.max_model_len), eos, stop_ids,
+            frozenset(params.stop_token_ids if eos is None else [*params.stop_token_ids, eos]))
         self.waiting.append(request)
 
     def abort(self, req_ids: Iterable[str]) -> None:
@@ -179,12 +190,13 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         # As in vLLM: a step that had to preempt admits nobody, or the victim could bounce back.
         if not preempted:
-            self._schedule_waiting(budget, num_scheduled, cached, new_reqs)
+            budget = self._schedule_waiting(budget, num_scheduled, cached, new_reqs)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            # Both loops take exactly what they schedule out of the budget: no need to sum the dict.
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted,
             step_id=self._step_id)
         self._finished_req_ids = set()
@@ -200,7 +212,10 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         last_pos = self.max_model_len - 1  # the final token's KV is never needed
         fast_bs = self._fast_block_size
-        new_block_ids, computed = cached.new_block_ids, cached.num_computed_tokens
+        add_computed = cached.num_computed_tokens.append
+        allocate = self.kv_cache_manager.allocate_slots
+        # Most steps give few requests new blocks: record (row, ids) for those, fill the rest with None.
+        deltas: list[tuple[int, BlockIds]] = []
         # Iterating while preemption pops from the tail is safe: the iterator never reaches a victim.
         for request in running:
             if budget <= 0:
@@ -217,40 +232,44 @@ class Scheduler:
                 if n <= 0:
                     continue
             r = c % fast_bs
-            if r and r + n < fast_bs:
-                new_block_ids.append(None)
-            else:
-                new_blocks = self._allocate_or_preempt(request, n, preempted)
+            if not r or r + n >= fast_bs:
+                new_blocks = allocate(request, n)
                 if new_blocks is None:
-                    break  # the request preempted itself: it was the last one
-                ids = new_blocks.get_block_ids()
-                new_block_ids.append(ids if any(ids) else None)
-            computed.append(c)
+                    new_blocks = self._preempt_until_fits(request, n, preempted)
+                    if new_blocks is None:
+                        break  # the request preempted itself: it was the last one
+                if any(new_blocks.blocks):  # most calls only register a filled block
+                    deltas.append((len(num_scheduled), new_blocks.get_block_ids()))
+            add_computed(c)
             num_scheduled[request.request_id] = n
             request.num_computed_tokens = c + n
             budget -= n
         # Only running requests are in num_scheduled so far, in scheduling order.
         cached.req_ids.extend(num_scheduled)
         k = len(num_scheduled)
+        new_block_ids = cached.new_block_ids
+        new_block_ids.extend([None] * k)
+        for row, ids in deltas:
+            new_block_ids[row] = ids
         cached.resumed_from_preemption.extend([False] * k)
         cached.resumed_token_ids.extend([None] * k)
         return budget
 
-    def _allocate_or_preempt(self, request: Request, n: int, preempted: set[str]) -> Any:
-        """allocate_slots for a running request, preempting from the tail until it fits.
+    def _preempt_until_fits(self, request: Request, n: int, preempted: set[str]) -> Any:
+        """After allocate_slots failed for a running request: preempt from the tail until it fits.
 
         Returns the new blocks, or None when `request` itself had to be preempted.
         """
         manager = self.kv_cache_manager
         while True:
-            new_blocks = manager.allocate_slots(request, n)
-            if new_blocks is not None:
-                return new_blocks
             victim = self.running.pop()
             self._preempt(victim)
             preempted.add(victim.request_id)
             if victim is request:
                 return None
+            new_blocks = manager.allocate_slots(request, n)
+            if new_blocks is not None:
+                return new_blocks
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -324,6 +343,8 @@ class Scheduler:
         rules = self._stop_rules
         scheduled = scheduler_output.num_scheduled_tokens
         emit = outputs.append
+        new_output = EngineCoreOutput
+        new_bare = object.__new__
         stopped: set[str] = set()
         for rid, token_ids in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             if not token_ids:
@@ -332,7 +353,7 @@ class Scheduler:
             # Aborted mid-step, or not part of this step: nothing to append.
             if rule is None or rid not in scheduled:
                 continue
-            request, token_limit, eos, stop_ids = rule
+            request, token_limit, eos, stop_ids, stops = rule
             all_ids = request.all_token_ids
             num_tokens = len(all_ids)
             if request.num_computed_tokens < num_tokens:
@@ -341,14 +362,20 @@ class Scheduler:
                 tok = token_ids[0]
                 request.output_token_ids.append(tok)
                 all_ids.append(tok)
-                if num_tokens + 1 < token_limit and tok != eos and (stop_ids is None or tok not in stop_ids):
-                    emit(EngineCoreOutput(rid, token_ids, False, None, None, None, request.num_cached_tokens))
+                if num_tokens + 1 < token_limit and tok not in stops:
+                    # = EngineCoreOutput(rid, token_ids, False, None, None, None, num_cached_tokens),
+                    # filled in place: half the cost of the dataclass __init__ call (see _UNFINISHED_FIELDS).
+                    o = new_bare(EngineCoreOutput)
+                    o.request_id, o.new_token_ids, o.finished, o.finish_reason = rid, token_ids, False, None
+                    o.stop_reason = o.error = None
+                    o.num_cached_tokens = request.num_cached_tokens
+                    emit(o)
                     continue
             else:
                 token_ids = self._append_until_stop(rule, token_ids)
                 tok = token_ids[-1]
-                if len(all_ids) < token_limit and tok != eos and (stop_ids is None or tok not in stop_ids):
-                    emit(EngineCoreOutput(rid, token_ids, False, None, None, None, request.num_cached_tokens))
+                if len(all_ids) < token_limit and tok not in stops:
+                    emit(new_output(rid, token_ids, False, None, None, None, request.num_cached_tokens))
                     continue
             # Which stop fired: a stop the model chose (EOS, stop token) beats a length cap.
             if tok == eos:
@@ -368,11 +395,10 @@ class Scheduler:
     @staticmethod
     def _append_until_stop(rule: _StopRule, token_ids: list[int]) -> list[int]:
         """Append tokens one at a time; those after the first stop are dropped. Returns the kept ones."""
-        request, token_limit, eos, stop_ids = rule
+        request, token_limit, _, _, stops = rule
         for k, tok in enumerate(token_ids):
             request.append_output_token_ids(tok)
-            if (request.num_tokens >= token_limit or tok == eos
-                    or (stop_ids is not None and tok in stop_ids)):
+            if request.num_tokens >= token_limit or tok in stops:
                 return token_ids[:k + 1]
         return token_ids
 
