@@ -1,0 +1,137 @@
+"""Slot mapping: the flat KV-cache slot every scheduled token writes to, for every KV-cache group.
+
+    slot[g, t] = block_table_g[req(t), pos(t) // bs_g] * bs_g + pos(t) % bs_g     (int64)
+    slot[g, t] = -1 for t >= query_start_loc[num_reqs] (the tail of the buffer: "write nothing")
+
+One launch serves all groups: grid axis 1 is the group, whose block-table pointer, row stride,
+block size and output pointer come from small device arrays built once when the tables are made
+(the tables never move, so their addresses stay valid). Grid axis 0 tiles the whole output buffer
+by tokens, so one 8k-token prefill is spread over many programs instead of one program walking it
+serially; each token finds its request by a binary search over query_start_loc. The tile count
+depends only on the buffer size, never on how many tokens were scheduled, so the host never needs
+to read a device value (no synchronisation) and the same launch also writes the -1 tail.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens per program. Small enough that a decode batch of 256 tokens in an 8k buffer still spreads
+# over 32 programs per group; large enough that the per-program binary search is amortised.
+TOKEN_TILE = 256
+
+
+@triton.jit
+def _slot_mapping_kernel(
+    query_start_loc_ptr,  # int32 [num_reqs + 1]
+    positions_ptr,  # int64/int32 [>= num_tokens]
+    num_reqs,
+    block_table_ptrs,  # int64 [G]: address of each group's int32 block table
+    block_table_strides,  # int64 [G]: row stride (elements) of each group's table
+    block_sizes,  # int64 [G]
+    slot_mapping_ptrs,  # int64 [G]: address of each group's int64 slot-mapping buffer
+    buffer_len,  # elements in each slot-mapping buffer
+    TILE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    group = tl.program_id(1)
+    offs = tile * TILE + tl.arange(0, TILE)
+    in_buffer = offs < buffer_len
+    num_tokens = tl.load(query_start_loc_ptr + num_reqs)
+    is_token = in_buffer & (offs < num_tokens)
+
+    # Upper bound of each token in query_start_loc[0..num_reqs]: the first index whose start lies
+    # beyond the token. Requests with no tokens this step (equal starts) are skipped naturally.
+    lo = tl.zeros([TILE], dtype=tl.int32)
+    hi = tl.zeros([TILE], dtype=tl.int32) + (num_reqs + 1)
+    for _ in range(SEARCH_STEPS):
+        active = is_token & (lo < hi)
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid, mask=active, other=0)
+        right = start <= offs
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (~right), mid, hi)
+    req = (lo - 1).to(tl.int64)
+
+    block_size = tl.load(block_sizes + group)
+    stride = tl.load(block_table_strides + group)
+    table = tl.load(block_table_ptrs + group).to(tl.pointer_type(tl.int32))
+    out = tl.load(slot_mapping_ptrs + group).to(tl.pointer_type(tl.int64))
+
+    pos = tl.load(positions_ptr + offs, mask=is_token, other=0).to(tl.int64)
+    block_id = tl.load(table + req * stride + pos // block_size, mask=is_token, other=0)
+    slot = block_id.to(tl.int64) * block_size + pos % block_size
+    slot = tl.where(is_token, slot, -1)
+    tl.store(out + offs, slot, mask=in_buffer)
+
+
+def search_steps(max_num_reqs: int) -> int:
+    """Iterations that a binary search over max_num_reqs + 1 starts needs to converge."""
+    return max(1, (max_num_reqs + 1).bit_length())
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Triton runs on CUDA tensors, or on CPU tensors when the interpreter was active at import
+    (TRITON_INTERPRET=1); otherwise the torch reference must serve (plain CPU runs)."""
+    if device.type == "cuda":
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(_slot_mapping_kernel, InterpretedFunction)
+
+
+class SlotMappingLaunch:
+    """The per-group device arrays of one set of block tables, gathered once; `__call__` launches
+    the kernel for all groups at once."""
+
+    def __init__(self, block_tables: list[torch.Tensor], slot_mappings: list[torch.Tensor],
+                 block_sizes: list[int], max_num_reqs: int) -> None:
+        if not (len(block_tables) == len(slot_mappings) == len(block_sizes) >= 1):
+            raise ValueError("SlotMappingLaunch: block_tables, slot_mappings and block_sizes must "
+                             "have the same non-zero length")
+        device = block_tables[0].device
+        lengths = {sm.numel() for sm in slot_mappings}
+        if len(lengths) != 1:
+            raise ValueError(f"SlotMappingLaunch: slot-mapping buffers differ in length: {lengths}")
+        for bt, sm in zip(block_tables, slot_mappings):
+            if bt.dtype != torch.int32 or sm.dtype != torch.int64:
+                raise ValueError("SlotMappingLaunch: block tables must be int32, slot mappings int64")
+            if bt.stride(1) != 1 or not sm.is_contiguous():
+                raise ValueError("SlotMappingLaunch: block-table rows and slot mappings must be "
+                                 "contiguous")
+        self.buffer_len = lengths.pop()
+        self.num_groups = len(block_tables)
+        self.search_steps = search_steps(max_num_reqs)
+        # Keep the tensors alive: the kernel holds only their addresses.
+        self._tensors = (list(block_tables), list(slot_mappings))
+        self.table_ptrs = torch.tensor([t.data_ptr() for t in block_tables], dtype=torch.int64,
+                                       device=device)
+        self.table_strides = torch.tensor([t.stride(0) for t in block_tables], dtype=torch.int64,
+                                          device=device)
+        self.block_sizes = torch.tensor(block_sizes, dtype=torch.int64, device=device)
+        self.out_ptrs = torch.tensor([s.data_ptr() for s in slot_mappings], dtype=torch.int64,
+                                     device=device)
+
+    def __call__(self, num_reqs: int, query_start_loc: torch.Tensor,
+                 positions: torch.Tensor) -> None:
+        grid = (triton.cdiv(self.buffer_len, TOKEN_TILE), self.num_groups)
+        _slot_mapping_kernel[grid](
+            query_start_loc, positions, num_reqs, self.table_ptrs, self.table_strides,
+            self.block_sizes, self.out_ptrs, self.buffer_len,
+            TILE=TOKEN_TILE, SEARCH_STEPS=self.search_steps)
+
+
+def slot_mapping_ref(block_table: torch.Tensor, block_size: int, query_start_loc: torch.Tensor,
+                     positions: torch.Tensor, num_reqs: int, buffer_len: int) -> torch.Tensor:
+    """Plain-torch reference: returns the int64 [buffer_len] slot mapping of one group.
+    Reads device values (host sync); for tests and for CPU runs without the Triton interpreter."""
+    qsl = query_start_loc[: num_reqs + 1].to(torch.int64)
+    num_tokens = int(qsl[-1])
+    lens = qsl[1:] - qsl[:-1]
+    req = torch.repeat_interleave(torch.arange(num_reqs, device=qsl.device), lens)
+    pos = positions[:num_tokens].to(torch.int64)
+    block_ids = block_table[req, pos // block_size].to(torch.int64)
+    out = torch.full((buffer_len,), -1, dtype=torch.int64, device=block_table.device)
+    out[:num_tokens] = block_ids * block_size + pos % block_size
+    return out
