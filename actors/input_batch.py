@@ -1,0 +1,194 @@
+"""The persistent batch: one row per request the worker is running this step.
+
+Rows are reused across steps so that the per-row arrays (token ids, sampling parameters, block table)
+are updated in place from the scheduler's deltas instead of being rebuilt. Rows move (condense, swap);
+the stable identity of a request is its req_id.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvcore.block_table import MultiGroupBlockTable
+from kvcore.messages import BlockIds
+from kvcore.request import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the worker remembers about a request, in the batch or not (unscheduled, preempted)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: BlockIds
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 device: torch.device, pin_memory: bool, block_sizes: list[int]) -> None:
+        if max_num_reqs < 1 or max_model_len < 1:
+            raise ValueError(f"InputBatch: max_num_reqs={max_num_reqs} and max_model_len={max_model_len} "
+                             f"must be >= 1")
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = device
+
+        self.req_id_to_index: dict[str, int] = {}
+        self.index_to_req_id: list[str | None] = [None] * max_num_reqs
+        # Rows below `_num_rows` that are empty: a min-heap so the lowest hole is reused first.
+        self._holes: list[int] = []
+        self._num_rows = 0  # one past the highest occupied row
+
+        self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int32)  # 0 = disabled
+        self.greedy = np.ones(max_num_reqs, dtype=bool)
+        self.generators: dict[int, torch.Generator] = {}  # row -> generator of a sampling request
+
+        self.block_table = MultiGroupBlockTable(max_num_reqs, max_model_len, max_num_batched_tokens,
+                                                pin_memory, device, block_sizes)
+
+    # ---- membership -------------------------------------------------------------------------
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    @property
+    def req_ids(self) -> list[str]:
+        """req_ids of rows 0..num_reqs-1; only meaningful when the batch is condensed."""
+        return [r for r in self.index_to_req_id[:self.num_reqs]]  # type: ignore[misc]
+
+    def _take_row(self) -> int:
+        if self._holes:
+            return heapq.heappop(self._holes)
+        if self._num_rows >= self.max_num_reqs:
+            raise RuntimeError(f"InputBatch is full: max_num_reqs={self.max_num_reqs} rows in use")
+        self._num_rows += 1
+        return self._num_rows - 1
+
+    def add_request(self, state: CachedRequestState) -> int:
+        """Put a request into the lowest free row; its token ids and block ids come from `state`."""
+        if state.req_id in self.req_id_to_index:
+            raise ValueError(f"InputBatch.add_request: request {state.req_id!r} is already in the batch")
+        n = state.num_tokens
+        if n > self.max_model_len:
+            raise ValueError(f"request {state.req_id!r}: {n} tokens exceed max_model_len={self.max_model_len}")
+        row = self._take_row()
+        self.req_id_to_index[state.req_id] = row
+        self.index_to_req_id[row] = state.req_id
+
+        num_prompt = len(state.prompt_token_ids)
+        self.token_ids_cpu[row, :num_prompt] = state.prompt_token_ids
+        self.token_ids_cpu[row, num_prompt:n] = state.output_token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_computed_tokens[row] = state.num_computed_tokens
+
+        sp = state.sampling_params
+        self.greedy[row] = sp.greedy
+        self.temperature[row] = sp.temperature
+        self.top_p[row] = sp.top_p
+        self.top_k[row] = sp.top_k if sp.top_k > 0 else 0
+        if state.generator is not None:
+            self.generators[row] = state.generator
+        else:
+            self.generators.pop(row, None)
+        self.block_table.add_row(state.block_ids, row)
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Free the request's row (leaving a hole until condense()); None if it was not in the batch."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return None
+        self.index_to_req_id[row] = None
+        self.generators.pop(row, None)
+        self.block_table.clear_row(row)
+        if row == self._num_rows - 1:
+            self._num_rows -= 1
+            self._drop_trailing_holes()
+        else:
+            heapq.heappush(self._holes, row)
+        return row
+
+    def _drop_trailing_holes(self) -> None:
+        # Holes at the top of the occupied range are just free space; keep the heap to holes below it.
+        while self._num_rows > 0 and self.index_to_req_id[self._num_rows - 1] is None:
+            self._num_rows -= 1
+        self._holes = [h for h in self._holes if h < self._num_rows]
+        heapq.heapify(self._holes)
+
+    # ---- moving rows ------------------------------------------------------------------------
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.index_to_req_id[src]
+        assert req_id is not None and self.index_to_req_id[dst] is None
+        n = int(self.num_tokens[src])
+        self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                    self.temperature, self.top_p, self.top_k, self.greedy):
+            arr[dst] = arr[src]
+        gen = self.generators.pop(src, None)
+        if gen is not None:
+            self.generators[dst] = gen
+        self.block_table.move_row(src, dst)
+        self.block_table.clear_row(src)  # move_row copies; a stale source row must not linger
+        self.index_to_req_id[dst], self.index_to_req_id[src] = req_id, None
+        self.req_id_to_index[req_id] = dst
+
+    def condense(self) -> None:
+        """Fill every hole with the highest occupied row, so rows 0..num_reqs-1 are the batch."""
+        while self._holes:
+            hole = heapq.heappop(self._holes)
+            if hole >= self._num_rows:
+                continue
+            last = self._num_rows - 1
+            self._move_row(last, hole)
+            self._num_rows -= 1
+            self._drop_trailing_holes()
+        assert self._num_rows == self.num_reqs
+
+    def swap_states(self, i: int, j: int) -> None:
+        """Exchange two occupied rows (all arrays, generator and block-table row)."""
+        ri, rj = self.index_to_req_id[i], self.index_to_req_id[j]
+        if ri is None or rj is None:
+            raise ValueError(f"InputBatch.swap_states({i}, {j}): both rows must be occupied")
+        if i == j:
+            return
+        n = int(max(self.num_tokens[i], self.num_tokens[j]))
+        self.token_ids_cpu[[i, j], :n] = self.token_ids_cpu[[j, i], :n]
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                    self.temperature, self.top_p, self.top_k, self.greedy):
+            arr[[i, j]] = arr[[j, i]]
+        gi, gj = self.generators.pop(i, None), self.generators.pop(j, None)
+        if gi is not None:
+            self.generators[j] = gi
+        if gj is not None:
+            self.generators[i] = gj
+        self.block_table.swap_row(i, j)
+        self.index_to_req_id[i], self.index_to_req_id[j] = rj, ri
+        self.req_id_to_index[ri], self.req_id_to_index[rj] = j, i
+
+    # ---- per-step updates -------------------------------------------------------------------
+    def append_token(self, row: int, token_id: int) -> None:
+        """Record a token the runner sampled for the request in `row`."""
+        n = int(self.num_tokens[row])
+        if n < self.max_model_len:
+            # The scheduler finishes a request at max_model_len, so a token beyond it is never fed back.
+            self.token_ids_cpu[row, n] = token_id
+            self.num_tokens[row] = n + 1

@@ -1,0 +1,368 @@
+"""The model runner: one rank's model, paged KV cache and persistent batch.
+
+Each step it applies the scheduler's deltas to the InputBatch, builds the step's inputs on pinned host
+buffers (copied non-blocking, no host synchronisation until the sampled tokens are read back), runs
+the forward under the step's attention metadata, samples, and remembers the tokens it sampled: the
+scheduler never sends them back.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from actors.input_batch import CachedRequestState, InputBatch
+from actors.sampler import Sampler, SamplingMetadata, request_generator
+from cluster.config import EngineConfig
+from kvcore.buffers import CpuGpuBuffer
+from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kvcore.spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec,
+                         group_layers_by_spec, num_blocks_for_budget)
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in ("torch", "triton"):
+        raise ValueError(f"model.attention_backend={name!r}: must be auto, torch or triton")
+    return name
+
+
+def resolve_max_model_len(configured: int | None, hf_config: Any) -> int:
+    """The configured limit, else the model's max_position_embeddings; never above the latter."""
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
+    model_max = get("max_position_embeddings", None)
+    if configured is None:
+        if model_max is None:
+            raise ValueError("model.max_model_len: the model config has no max_position_embeddings; set it")
+        return int(model_max)
+    if configured < 1:
+        raise ValueError(f"model.max_model_len={configured}: must be >= 1")
+    if model_max is not None and configured > model_max:
+        raise ValueError(f"model.max_model_len={configured}: exceeds the model's "
+                         f"max_position_embeddings={model_max}")
+    return int(configured)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: dict[int, AttentionMetadata]
+    logits_indices: torch.Tensor
+    sample_rows: np.ndarray          # rows whose prefill completes this step (they sample)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, rank: int) -> None:
+        self.config = config
+        self.device = device
+        self.rank = rank
+        self.backend = resolve_attention_backend(config.model.attention_backend, device)
+        self.pin_memory = device.type == "cuda"
+        self.max_num_reqs = config.scheduler.max_num_seqs
+        self.max_num_tokens = config.scheduler.max_num_batched_tokens
+        self.model: torch.nn.Module | None = None
+        self.hf_config: Any = None
+        self.max_model_len = 0
+        self.dtype = torch.float32
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch: InputBatch | None = None
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.layer_to_group: dict[str, int] = {}
+        self.slot_mappings_by_gid: dict[int, torch.Tensor] = {}
+        self.slot_mappings_by_layer: dict[str, torch.Tensor] = {}
+        # Marks the end of a step's host-to-device copies: the next step waits on it before editing the
+        # pinned sources again (a step that samples nothing has no other synchronisation point).
+        self._copies_done: torch.cuda.Event | None = None
+        self._make_step_buffers()
+
+    def _make_step_buffers(self) -> None:
+        kw = dict(device=self.device, pin_memory=self.pin_memory)
+        self.input_ids = CpuGpuBuffer(self.max_num_tokens, dtype=torch.int64, **kw)
+        self.positions = CpuGpuBuffer(self.max_num_tokens, dtype=torch.int64, **kw)
+        self.query_start_loc = CpuGpuBuffer(self.max_num_reqs + 1, dtype=torch.int32, **kw)
+        self.seq_lens = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int32, **kw)
+        self.logits_indices = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, **kw)
+        self.sample_temperature = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, **kw)
+        self.sample_top_p = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, **kw)
+        self.sample_top_k = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int32, **kw)
+        self.sample_greedy = CpuGpuBuffer(self.max_num_reqs, dtype=torch.bool, **kw)
+        self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+
+    # ---- model and KV cache -----------------------------------------------------------------
+    def load_model(self) -> None:
+        from actors.loader import load_model  # the loader pulls in the model zoo; only workers need it
+        self.model, self.hf_config = load_model(self.config.model.model, dtype=self.config.model.dtype,
+                                                attention_backend=self.backend, device=self.device)
+        self.model.eval()
+        self.dtype = next(self.model.parameters()).dtype
+        self.max_model_len = resolve_max_model_len(self.config.model.max_model_len, self.hf_config)
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        specs: dict[str, KVCacheSpec] = {}
+        block_size = self.config.cache.block_size
+        for layer in self._model().attention_layers():
+            kw = dict(block_size=block_size, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
+                      dtype=self.dtype)
+            specs[layer.layer_name] = (SlidingWindowSpec(**kw, sliding_window=layer.sliding_window)
+                                       if layer.sliding_window else FullAttentionSpec(**kw))
+        return specs
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward of max_num_batched_tokens tokens and logits for max_num_seqs rows, with no KV cache,
+        so the peak activation memory is what a real step can reach."""
+        model = self._model()
+        n = self.max_num_tokens
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, dtype=torch.int64, device=self.device) % max(self.max_model_len, 1)
+        with set_forward_context(ForwardContext(attn_metadata=None, layer_to_group={})):
+            hidden = model(ids, pos)
+        rows = min(self.max_num_reqs, n)
+        logits = model.compute_logits(hidden[:rows])
+        del hidden
+        # The sampler's sort over the vocabulary (top-k/top-p) is part of a step's peak too.
+        gens = [torch.Generator(device=self.device).manual_seed(i) for i in range(rows)]
+        ones = torch.ones(rows, device=self.device)
+        self.sampler(logits, SamplingMetadata(
+            temperature=ones, greedy=torch.zeros(rows, dtype=torch.bool, device=self.device),
+            top_k=torch.full((rows,), 8, dtype=torch.int32, device=self.device), top_p=ones * 0.9,
+            generators=gens, all_greedy=False, need_top_k=True, need_top_p=True))
+
+    def determine_num_blocks(self) -> int:
+        """Blocks this rank can hold: the override, else the memory budget left after a profile run."""
+        groups = group_layers_by_spec(self.get_kv_cache_specs())
+        if self.config.cache.num_gpu_blocks is not None:
+            return int(self.config.cache.num_gpu_blocks)
+        if self.device.type != "cuda":
+            self.profile_run()
+            return num_blocks_for_budget(groups, int(self.config.cache.cpu_kv_cache_gib * 2**30))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory held by others (other processes, the CUDA context, NCCL) is outside torch's counters.
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        used = torch.cuda.max_memory_allocated(self.device) + max(non_torch, 0)
+        budget = int(total * self.config.cache.gpu_memory_utilization) - used
+        torch.cuda.empty_cache()
+        logger.info("rank %d: KV budget %.2f GiB (total %.2f, peak used %.2f)", self.rank, budget / 2**30,
+                    total / 2**30, used / 2**30)
+        return num_blocks_for_budget(groups, budget)
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate one memory tensor per layer slot (shared by the i-th layer of every group), bind each
+        attention layer's view of it, and (re)build the persistent batch. Re-entrant: old state goes."""
+        layers = {layer.layer_name: layer for layer in self._model().attention_layers()}
+        slots = kv_cache_config.layer_to_slot()
+        missing = sorted(set(layers) ^ set(slots))
+        if missing:
+            raise ValueError(f"KVCacheConfig and model disagree on attention layers: {missing}")
+        for layer in layers.values():
+            layer.kv_cache = None
+        self.kv_caches = []
+        num_blocks = kv_cache_config.num_blocks
+        page_bytes = {g.kv_cache_spec.page_size_bytes for g in kv_cache_config.kv_cache_groups}
+        if len(page_bytes) != 1:
+            raise ValueError(f"KV-cache groups must share one page size; got {sorted(page_bytes)}")
+        slot_bytes = num_blocks * page_bytes.pop()
+        # Zeroed so unwritten pages hold finite values even where a kernel reads and then masks them.
+        self.kv_caches = [torch.zeros(slot_bytes, dtype=torch.uint8, device=self.device)
+                          for _ in range(kv_cache_config.num_memory_slots)]
+        for group in kv_cache_config.kv_cache_groups:
+            s = group.kv_cache_spec
+            shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)
+            for name in group.layer_names:
+                layers[name].kv_cache = self.kv_caches[slots[name]].view(s.dtype).view(shape)
+        self.kv_cache_config = kv_cache_config
+        self.layer_to_group = kv_cache_config.layer_to_group()
+        self.requests.clear()
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
+                                      self.device, self.pin_memory, kv_cache_config.block_sizes)
+
+    def _model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("ModelRunner: load_model() must run first")
+        return self.model
+
+    def _batch(self) -> InputBatch:
+        if self.input_batch is None:
+            raise RuntimeError("ModelRunner: initialize_kv_cache() must run before execute_model()")
+        return self.input_batch
+
+    # ---- per-step state ---------------------------------------------------------------------
+    def _new_state(self, nr: NewRequestData) -> CachedRequestState:
+        sp = nr.sampling_params
+        gen = None if sp.greedy else request_generator(sp.seed, self.config.model.seed, nr.req_id, self.device)
+        return CachedRequestState(req_id=nr.req_id, prompt_token_ids=list(nr.prompt_token_ids),
+                                  sampling_params=sp, generator=gen,
+                                  block_ids=tuple(list(b) for b in nr.block_ids),
+                                  num_computed_tokens=nr.num_computed_tokens)
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        batch = self._batch()
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in so.preempted_req_ids:
+            batch.remove_request(req_id)  # its state stays: it comes back resumed
+        # Rows of requests not scheduled this step go; their state (tokens, blocks) stays cached.
+        for req_id in [r for r in batch.req_id_to_index if r not in so.num_scheduled_tokens]:
+            batch.remove_request(req_id)
+
+        to_add: list[CachedRequestState] = []
+        for nr in so.scheduled_new_reqs:
+            state = self._new_state(nr)
+            self.requests[nr.req_id] = state
+            to_add.append(state)
+        self._update_cached(so, batch, to_add)
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+        if batch.num_reqs != len(so.num_scheduled_tokens):
+            raise RuntimeError(f"runner batch has {batch.num_reqs} requests but the step schedules "
+                               f"{len(so.num_scheduled_tokens)}")
+
+    def _update_cached(self, so: SchedulerOutput, batch: InputBatch, to_add: list[CachedRequestState]) -> None:
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise RuntimeError(f"step {so.step_id}: cached request {req_id!r} is unknown to this worker")
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                tokens = cached.resumed_token_ids[i]
+                assert new_ids is not None and tokens is not None, "a resumed request carries blocks and tokens"
+                state.block_ids = tuple(list(b) for b in new_ids)
+                state.output_token_ids = list(tokens[len(state.prompt_token_ids):])
+                batch.remove_request(req_id)
+                to_add.append(state)
+                continue
+            if new_ids is not None:
+                for blocks, delta in zip(state.block_ids, new_ids):
+                    blocks.extend(delta)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                to_add.append(state)  # back after an unscheduled step: the full row is rebuilt
+                continue
+            batch.num_computed_tokens[row] = state.num_computed_tokens
+            if new_ids is not None:
+                batch.block_table.append_row(new_ids, row)
+
+    # ---- inputs -----------------------------------------------------------------------------
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch = self._batch()
+        num_reqs = batch.num_reqs
+        batch.block_table.commit_block_table(num_reqs)  # first: the DMA overlaps the CPU work below
+
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64,
+                                count=num_reqs)
+        total = int(so.total_num_scheduled_tokens)
+        if total > self.max_num_tokens:
+            raise RuntimeError(f"step schedules {total} tokens > max_num_batched_tokens={self.max_num_tokens}")
+        cu = np.cumsum(num_sched)
+        req_idx = np.repeat(self._arange[:num_reqs], num_sched)
+        offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
+        computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
+        positions = computed[req_idx] + offsets
+        self.input_ids.np[:total] = batch.token_ids_cpu.reshape(-1)[positions + req_idx * batch.max_model_len]
+        self.positions.np[:total] = positions
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1:num_reqs + 1] = cu
+        seq_lens = computed + num_sched
+        self.seq_lens.np[:num_reqs] = seq_lens
+        # Requests whose known tokens are all in the cache after this step sample; partial prefills do not.
+        sample_rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
+        self.logits_indices.np[:len(sample_rows)] = cu[sample_rows] - 1
+
+        input_ids = self.input_ids.copy_to_gpu(total)
+        positions_dev = self.positions.copy_to_gpu(total)
+        qsl = self.query_start_loc.copy_to_gpu(num_reqs + 1)
+        seq_lens_dev = self.seq_lens.copy_to_gpu(num_reqs)
+        logits_indices = self.logits_indices.copy_to_gpu(len(sample_rows))
+        if self.device.type == "cuda":
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+
+        batch.block_table.compute_slot_mapping(num_reqs, qsl, positions_dev)
+        attn_metadata = {}
+        self.slot_mappings_by_gid = {}
+        for gid in range(len(self._kv_config().kv_cache_groups)):
+            table = batch.block_table[gid]
+            self.slot_mappings_by_gid[gid] = table.slot_mapping.gpu[:total]
+            attn_metadata[gid] = AttentionMetadata(
+                num_actual_tokens=total, num_reqs=num_reqs, max_query_len=int(num_sched.max()),
+                max_seq_len=int(seq_lens.max()), query_start_loc=qsl, seq_lens=seq_lens_dev,
+                block_table=table.block_table.gpu[:num_reqs], slot_mapping=self.slot_mappings_by_gid[gid])
+        self.slot_mappings_by_layer = {name: self.slot_mappings_by_gid[gid]
+                                       for name, gid in self.layer_to_group.items()}
+        return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows)
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self._batch()
+        n = len(rows)
+        greedy = batch.greedy[rows]
+        self.sample_greedy.np[:n] = greedy
+        self.sample_temperature.np[:n] = batch.temperature[rows]
+        self.sample_top_p.np[:n] = batch.top_p[rows]
+        self.sample_top_k.np[:n] = batch.top_k[rows]
+        random = ~greedy
+        return SamplingMetadata(
+            temperature=self.sample_temperature.copy_to_gpu(n), greedy=self.sample_greedy.copy_to_gpu(n),
+            top_k=self.sample_top_k.copy_to_gpu(n), top_p=self.sample_top_p.copy_to_gpu(n),
+            generators=[batch.generators.get(int(r)) for r in rows],
+            all_greedy=bool(greedy.all()),
+            need_top_k=bool((batch.top_k[rows][random] > 0).any()),
+            need_top_p=bool((batch.top_p[rows][random] < 1.0).any()))
+
+    def _kv_config(self) -> KVCacheConfig:
+        assert self.kv_cache_config is not None
+        return self.kv_cache_config
+
+    # ---- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # normally long done; guards the pinned buffers
+            self._copies_done = None
+        self.update_states(so)
+        batch = self._batch()
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [], step_id=so.step_id) if self.rank == 0 else None
+        inputs = self._prepare_inputs(so)
+        ctx = ForwardContext(attn_metadata=inputs.attn_metadata, layer_to_group=self.layer_to_group)
+        with set_forward_context(ctx):
+            hidden = self._model()(inputs.input_ids, inputs.positions)
+        sampled: list[int] = []
+        if len(inputs.sample_rows):
+            logits = self._model().compute_logits(hidden[inputs.logits_indices])
+            tokens = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
+            sampled = tokens.tolist()  # the step's one host synchronisation
+        return self._record(so, inputs.sample_rows, sampled, batch)
+
+    def _record(self, so: SchedulerOutput, sample_rows: np.ndarray, sampled: list[int],
+                batch: InputBatch) -> ModelRunnerOutput | None:
+        req_ids = batch.req_ids
+        out_tokens: list[list[int]] = [[] for _ in req_ids]
+        for row, token in zip(sample_rows.tolist(), sampled):
+            batch.append_token(row, token)
+            self.requests[req_ids[row]].output_token_ids.append(token)
+            out_tokens[row] = [token]
+        for row, req_id in enumerate(req_ids):
+            n = so.num_scheduled_tokens[req_id]
+            batch.num_computed_tokens[row] += n
+            self.requests[req_id].num_computed_tokens += n
+        if self.rank != 0:
+            return None
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=out_tokens, step_id=so.step_id)

@@ -1,0 +1,135 @@
+"""The worker: one tensor-parallel rank. Picks its device, joins the TP process group, owns a ModelRunner.
+
+Usable in-process (tests, LocalExecutor) and as a Ray actor (the Ray executor wraps it with ray.remote);
+ray is therefore only imported when the process already runs under Ray.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+
+from actors import parallel_state
+from actors.model_runner import ModelRunner
+from cluster.config import EngineConfig
+from kvcore.messages import ModelRunnerOutput, SchedulerOutput
+from kvcore.spec import KVCacheConfig, KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _ray_module() -> Any | None:
+    """The ray module when this process runs under Ray (it is then already imported), else None."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray
+    return None
+
+
+def select_backend(config: EngineConfig) -> str:
+    """nccl on whole GPUs; gloo on CPUs or GPUs shared by several ranks (NCCL refuses those)."""
+    backend = config.parallel.collective_backend
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"parallel.distributed_backend={backend!r}: must be auto, nccl or gloo")
+    if backend == "nccl" and config.parallel.device != "cuda":
+        raise ValueError("parallel.distributed_backend='nccl' needs parallel.device='cuda'")
+    return backend
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, dist_init_method: str | None,
+                 device_index: int | None = None) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"Worker: rank={rank} must be in [0, world_size={world_size})")
+        if world_size > 1 and not dist_init_method:
+            raise ValueError("Worker: dist_init_method is required when world_size > 1")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.dist_init_method = dist_init_method
+        self.device_index = device_index
+        self.device: torch.device | None = None
+        self.model_runner: ModelRunner | None = None
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def _cuda_index(self) -> int:
+        if self.device_index is not None:
+            return self.device_index
+        ray = _ray_module()
+        if ray is not None and ray.get_gpu_ids():
+            # Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPUs; find ours among the visible ones.
+            gpu_id = str(ray.get_gpu_ids()[0])
+            visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+            return visible.index(gpu_id) if gpu_id in visible else 0
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        return local_rank % max(torch.cuda.device_count(), 1)
+
+    def init_device(self) -> None:
+        device_kind = self.config.parallel.device
+        if device_kind == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("parallel.device='cuda' but CUDA is not available on this node")
+            index = self._cuda_index()
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        elif device_kind == "cpu":
+            self.device = torch.device("cpu")
+        else:
+            raise ValueError(f"parallel.device={device_kind!r}: must be cpu or cuda")
+        parallel_state.init_tensor_parallel(self.rank, self.world_size, self.dist_init_method,
+                                            select_backend(self.config),
+                                            timeout_s=self.config.parallel.step_timeout_s)
+        torch.manual_seed(self.config.model.seed)
+        self.model_runner = ModelRunner(self.config, self.device, self.rank)
+
+    def _runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError(f"worker rank {self.rank}: init_device() must run first")
+        return self.model_runner
+
+    def load_model(self) -> None:
+        self._runner().load_model()
+
+    def get_max_model_len(self) -> int:
+        return self._runner().max_model_len
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return self._runner().get_kv_cache_specs()
+
+    def determine_num_blocks(self) -> int:
+        """This rank's answer, reduced to the smallest over the TP group (a collective: all ranks call it)."""
+        return parallel_state.all_reduce_min(self._runner().determine_num_blocks())
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self._runner().initialize_kv_cache(kv_cache_config)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self._runner().execute_model(scheduler_output)
+
+    # ---- housekeeping -----------------------------------------------------------------------
+    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Generic entry point for executors that address workers by method name."""
+        return getattr(self, method)(*args, **kwargs)
+
+    def get_node_ip(self) -> str:
+        ray = _ray_module()
+        if ray is not None:
+            return ray.util.get_node_ip_address()
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        self.model_runner = None
+        parallel_state.destroy_tensor_parallel()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,107 @@
+"""Tiny random HF checkpoints of every supported family, and HF's own greedy continuations of them.
+
+The models are built with transformers' config classes and saved with save_pretrained (float32), so
+they are exactly what a user's HF directory looks like. Weights use a large init std: with the default
+0.02 the logits are nearly flat and greedy decoding hits numerical ties that say nothing about bugs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+VOCAB = 256
+MAX_POS = 256
+INIT_STD = 0.5
+TIE_MARGIN = 1e-4  # an HF top-1/top-2 logit gap below this is a numerical tie, not a reference
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              max_position_embeddings=MAX_POS, initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+
+
+def _llama():
+    from transformers import LlamaConfig
+    # Llama-3.1 style rope scaling, so the llama3 frequency remapping is exercised too.
+    rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64)
+    return LlamaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_parameters=rope)
+
+
+def _qwen2():
+    from transformers import Qwen2Config
+    return Qwen2Config(**COMMON, num_hidden_layers=3, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def _qwen3():
+    from transformers import Qwen3Config
+    return Qwen3Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
+
+
+def _mistral():
+    from transformers import MistralConfig
+    # One KV head: at TP=2 it is replicated on both ranks. Window 40 < most prompts.
+    return MistralConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=1, sliding_window=40)
+
+
+def _qwen3_hybrid():
+    from transformers import Qwen3Config
+    return Qwen3Config(**COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                       use_sliding_window=True, sliding_window=24,
+                       layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+
+
+FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "qwen3_hybrid": _qwen3_hybrid}
+
+
+def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    config = FAMILIES[family]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    # Norm weights stay at 1 from init; perturb them so a missing or misplaced norm shows up too.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def save_hf_model(family: str, path: str, seed: int = 0) -> torch.nn.Module:
+    model = build_hf_model(family, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts of 5 to 120 tokens; four share one 48-token prefix."""
+    rng = np.random.default_rng(seed)
+    tok = lambda n: rng.integers(3, VOCAB, size=n).tolist()  # noqa: E731 - skip pad/bos/eos ids
+    prefix = tok(48)
+    return [tok(5), prefix + tok(12), tok(33), prefix + tok(42), tok(120), prefix + tok(2),
+            tok(77), prefix + tok(72 - 5)]
+
+
+@dataclass
+class HFGreedy:
+    tokens: list[int]      # the new tokens
+    min_margin: float      # smallest top-1 minus top-2 logit over the generated steps
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> HFGreedy:
+    """HF's greedy continuation of one prompt (no padding, no EOS stop), with its logit margin."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[0, len(prompt):].tolist()
+    margins = []
+    for step_logits in out.logits:
+        top2 = step_logits[0].float().topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+    return HFGreedy(new, min(margins))
