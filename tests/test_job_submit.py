@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,7 +53,14 @@ def cluster(tmp_path_factory):
 def submit(env, address, *args):
     cmd = [f"{BIN}/ray", "job", "submit", "--address", address, "--working-dir", REPO, "--",
            "kvray", "run", "--config", "configs/local.yaml", "--no-progress", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while True:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+        # The head's job agent starts some seconds after `ray start` returns, later on a loaded machine;
+        # until then the head refuses submissions with this message, and nothing was run.
+        if r.returncode == 0 or "No available agent" not in r.stderr + r.stdout or time.monotonic() > deadline:
+            return r
+        time.sleep(2)
 
 
 def test_ray_job_submit_runs_kvray_and_resumes(cluster):
