@@ -8,15 +8,19 @@ scheduler never sends them back.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from actors import parallel_state
+from actors.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from actors.input_batch import CachedRequestState, InputBatch
 from actors.sampler import Sampler, SamplingMetadata, request_generator
+from actors.step_profiler import StepTimer
 from cluster.config import EngineConfig
 from kvcore.buffers import CpuGpuBuffer
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -57,6 +61,7 @@ class StepInputs:
     attn_metadata: dict[int, AttentionMetadata]
     logits_indices: torch.Tensor
     sample_rows: np.ndarray          # rows whose prefill completes this step (they sample)
+    graph_size: int | None = None    # a decode batch padded to this bucket (replayable), else None
 
 
 class ModelRunner:
@@ -83,6 +88,12 @@ class ModelRunner:
         # Marks the end of a step's host-to-device copies: the next step waits on it before editing the
         # pinned sources again (a step that samples nothing has no other synchronisation point).
         self._copies_done: torch.cuda.Event | None = None
+        # Decode batches are padded to these sizes when graphs are captured (see actors/cuda_graphs.py).
+        # Tests set _pad_decode_to_bucket on the CPU to run the padded inputs eagerly.
+        self.cudagraph_sizes = capture_sizes(min(self.max_num_reqs, self.max_num_tokens))
+        self.graphs: DecodeGraphs | None = None
+        self._pad_decode_to_bucket = False
+        self.step_timer: StepTimer | None = None  # set by the GPU idle benchmark (Worker.start_step_timing)
         self._make_step_buffers()
 
     def _make_step_buffers(self) -> None:
@@ -168,6 +179,7 @@ class ModelRunner:
         missing = sorted(set(layers) ^ set(slots))
         if missing:
             raise ValueError(f"KVCacheConfig and model disagree on attention layers: {missing}")
+        self._drop_graphs()  # they read the old cache and buffers
         for layer in layers.values():
             layer.kv_cache = None
         self.kv_caches = []
@@ -189,6 +201,97 @@ class ModelRunner:
         self.requests.clear()
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
                                       self.device, self.pin_memory, kv_cache_config.block_sizes)
+        self.capture_decode_graphs()
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    def _graphs_unavailable(self) -> str | None:
+        if self.device.type != "cuda":
+            return "not on a GPU"
+        if self.config.model.enforce_eager:
+            return "model.enforce_eager is set"
+        if self.backend != "triton":
+            return f"attention backend {self.backend!r} reads host values (only 'triton' is capturable)"
+        if parallel_state.tp_size() > 1 and self.config.parallel.collective_backend != "nccl":
+            return "tensor-parallel collectives over gloo cannot be captured (NCCL can)"
+        return None
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> None:
+        """Capture one decode graph per bucket on the buffers of the current persistent batch. Every
+        rank must agree: a TP group where one rank replays and another runs eagerly still matches
+        collective for collective, but a rank that failed mid-capture is safer eager everywhere."""
+        self._drop_graphs()
+        reason = self._graphs_unavailable()
+        if reason is not None:
+            logger.info("rank %d: CUDA graphs off: %s", self.rank, reason)
+            return
+        t0 = time.perf_counter()
+        graphs = DecodeGraphs(self.cudagraph_sizes, self.device)
+        ok = graphs.capture(self._prepare_dummy_decode, self._static_decode_forward)
+        if parallel_state.tp_size() > 1:
+            ok = parallel_state.all_reduce_min(int(ok)) == 1
+        self._prepare_dummy_decode(0)  # leave no dummy slot mapping behind
+        if not ok:
+            graphs.clear()
+            return
+        self.graphs = graphs
+        self._pad_decode_to_bucket = True
+        logger.info("rank %d: captured %d decode CUDA graphs (batch sizes %s) in %.1f s", self.rank,
+                    len(graphs.captured_sizes), graphs.captured_sizes, time.perf_counter() - t0)
+
+    def _drop_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
+        self.graphs = None
+        self._pad_decode_to_bucket = False
+
+    def _prepare_dummy_decode(self, size: int) -> None:
+        """A decode batch of `size` padding rows in the static buffers; every slot -1 (no KV write)."""
+        self._pad_rows(0, size)
+        self.query_start_loc.np[0] = 0
+        self.input_ids.copy_to_gpu(size)
+        self.positions.copy_to_gpu(size)
+        self.query_start_loc.copy_to_gpu(size + 1)
+        self.seq_lens.copy_to_gpu(size)
+        for table in self._batch().block_table.block_tables:
+            table.slot_mapping.gpu.fill_(-1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the pinned sources are rewritten by the next size
+
+    def _static_decode_forward(self, size: int) -> torch.Tensor:
+        ctx = ForwardContext(attn_metadata=self._decode_metadata(size), layer_to_group=self.layer_to_group)
+        with set_forward_context(ctx):
+            return self._model()(self.input_ids.gpu[:size], self.positions.gpu[:size])
+
+    def _decode_metadata(self, size: int) -> dict[int, AttentionMetadata]:
+        """Metadata of a padded decode batch of `size` rows: views of the static buffers, and host ints
+        that hold for any such batch (so a graph captured with them is valid at every replay)."""
+        batch = self._batch()
+        qsl = self.query_start_loc.gpu[:size + 1]
+        seq_lens = self.seq_lens.gpu[:size]
+        return {gid: AttentionMetadata(
+            num_actual_tokens=size, num_reqs=size, max_query_len=1, max_seq_len=self.max_model_len,
+            query_start_loc=qsl, seq_lens=seq_lens, block_table=table.block_table.gpu[:size],
+            slot_mapping=table.slot_mapping.gpu[:size])
+            for gid, table in enumerate(batch.block_table.block_tables)}
+
+    def _pad_rows(self, num_reqs: int, size: int) -> None:
+        """Rows [num_reqs, size) of the host buffers as padding: one token 0 at position 0, seq_len 1
+        (reads one KV position of a valid block; its slot is -1, so it writes nothing)."""
+        self.input_ids.np[num_reqs:size] = 0
+        self.positions.np[num_reqs:size] = 0
+        self.seq_lens.np[num_reqs:size] = 1
+        start = int(self.query_start_loc.np[num_reqs]) if num_reqs else 0
+        self.query_start_loc.np[num_reqs + 1:size + 1] = start + self._arange[1:size - num_reqs + 1]
+
+    def _decode_bucket(self, num_reqs: int, total: int) -> int | None:
+        """The bucket a decode-only batch is padded to, or None (mixed batch, too large, no graph)."""
+        if not self._pad_decode_to_bucket or total != num_reqs:
+            return None
+        size = bucket_for(num_reqs, self.cudagraph_sizes)
+        if size is None or (self.graphs is not None and size not in self.graphs):
+            return None
+        return size
 
     def _model(self) -> torch.nn.Module:
         if self.model is None:
@@ -285,17 +388,29 @@ class ModelRunner:
         # Requests whose known tokens are all in the cache after this step sample; partial prefills do not.
         sample_rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
         self.logits_indices.np[:len(sample_rows)] = cu[sample_rows] - 1
+        pad = self._decode_bucket(num_reqs, total)
+        num_tokens, num_rows = total, num_reqs
+        if pad is not None:
+            self._pad_rows(num_reqs, pad)
+            num_tokens = num_rows = pad
 
-        input_ids = self.input_ids.copy_to_gpu(total)
-        positions_dev = self.positions.copy_to_gpu(total)
-        qsl = self.query_start_loc.copy_to_gpu(num_reqs + 1)
-        seq_lens_dev = self.seq_lens.copy_to_gpu(num_reqs)
+        input_ids = self.input_ids.copy_to_gpu(num_tokens)
+        positions_dev = self.positions.copy_to_gpu(num_tokens)
+        qsl = self.query_start_loc.copy_to_gpu(num_rows + 1)
+        seq_lens_dev = self.seq_lens.copy_to_gpu(num_rows)
         logits_indices = self.logits_indices.copy_to_gpu(len(sample_rows))
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
 
+        # With the real request count: padding tokens (beyond query_start_loc[num_reqs]) get slot -1.
         batch.block_table.compute_slot_mapping(num_reqs, qsl, positions_dev)
+        if pad is not None:
+            attn_metadata = self._decode_metadata(pad)
+            self.slot_mappings_by_gid = {gid: md.slot_mapping for gid, md in attn_metadata.items()}
+            self.slot_mappings_by_layer = {name: self.slot_mappings_by_gid[gid]
+                                           for name, gid in self.layer_to_group.items()}
+            return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows, pad)
         attn_metadata = {}
         self.slot_mappings_by_gid = {}
         for gid in range(len(self._kv_config().kv_cache_groups)):
@@ -341,13 +456,21 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], step_id=so.step_id) if self.rank == 0 else None
         inputs = self._prepare_inputs(so)
-        ctx = ForwardContext(attn_metadata=inputs.attn_metadata, layer_to_group=self.layer_to_group)
-        with set_forward_context(ctx):
-            hidden = self._model()(inputs.input_ids, inputs.positions)
+        if self.step_timer is not None:
+            self.step_timer.begin(batch.num_reqs, so.total_num_scheduled_tokens)
+        if inputs.graph_size is not None and self.graphs is not None:
+            # The commit and the slot mapping above ran on this stream: the replay sees them.
+            hidden = self.graphs.replay(inputs.graph_size)
+        else:
+            ctx = ForwardContext(attn_metadata=inputs.attn_metadata, layer_to_group=self.layer_to_group)
+            with set_forward_context(ctx):
+                hidden = self._model()(inputs.input_ids, inputs.positions)
         sampled: list[int] = []
         if len(inputs.sample_rows):
             logits = self._model().compute_logits(hidden[inputs.logits_indices])
             tokens = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
+            if self.step_timer is not None:
+                self.step_timer.end()
             sampled = tokens.tolist()  # the step's one host synchronisation
         return self._record(so, inputs.sample_rows, sampled, batch)
 

@@ -115,11 +115,15 @@ class RayExecutor(Executor):
         return _gather(refs, method, self.setup_timeout_s)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Any:
+        """Send the step without waiting; `.result()` of the answer waits (async scheduling)."""
         if self.transport is None:
             # Compiled only now: set-up calls must not compete with a live graph's channels.
             self.transport = make_transport(self.config.ray.transport, self.workers,
                                             self.config.parallel.step_timeout_s)
-        return self.transport.broadcast(scheduler_output)
+        return self.transport.submit(scheduler_output)
 
     @property
     def failed(self) -> bool:

@@ -15,6 +15,7 @@ import torch
 
 from actors import parallel_state
 from actors.model_runner import ModelRunner
+from actors.step_profiler import StepProfiler
 from cluster.config import EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
@@ -54,6 +55,7 @@ class Worker:
         self.device_index = device_index
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        self.profiler = StepProfiler(rank)
 
     # ---- set-up -----------------------------------------------------------------------------
     def _cuda_index(self) -> int:
@@ -109,7 +111,38 @@ class Worker:
 
     # ---- the step ---------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self._runner().execute_model(scheduler_output)
+        self.profiler.before_step()
+        try:
+            return self._runner().execute_model(scheduler_output)
+        finally:
+            self.profiler.after_step()
+
+    # ---- profiling --------------------------------------------------------------------------
+    def start_profile(self, trace_dir: str, num_steps: int = 5, skip_steps: int = 0) -> None:
+        """Trace the next `num_steps` steps (0 = until stop_profile) after `skip_steps`, into trace_dir
+        on this worker's node (a Chrome trace JSON per rank)."""
+        self.profiler.request(trace_dir, num_steps, skip_steps)
+
+    def stop_profile(self) -> list[str]:
+        """End a running trace; the paths of the traces written since the last call."""
+        return self.profiler.stop()
+
+    def start_step_timing(self) -> bool:
+        """Record CUDA events around every step's GPU work (benchmarks/bench_decode_idle.py); False on
+        a CPU worker, which has no device timeline to measure."""
+        from actors.step_profiler import StepTimer
+
+        runner = self._runner()
+        if runner.device.type != "cuda":
+            return False
+        runner.step_timer = StepTimer()
+        return True
+
+    def collect_step_timing(self) -> list[dict]:
+        """The timed steps since start_step_timing (see StepTimer.collect), and timing stops."""
+        runner = self._runner()
+        timer, runner.step_timer = runner.step_timer, None
+        return [] if timer is None else timer.collect()
 
     # ---- housekeeping -----------------------------------------------------------------------
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -244,7 +244,14 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             request.num_computed_tokens = c + n
             budget -= n
-        # Only running requests are in num_scheduled so far, in scheduling order.
+        self._fill_running_rows(num_scheduled, cached, deltas)
+        return budget
+
+    @staticmethod
+    def _fill_running_rows(num_scheduled: dict[str, int], cached: CachedRequestData,
+                           deltas: list[tuple[int, BlockIds]]) -> None:
+        """The per-row lists of the running requests just scheduled (num_computed_tokens is already
+        filled): only they are in num_scheduled so far, in scheduling order."""
         cached.req_ids.extend(num_scheduled)
         k = len(num_scheduled)
         new_block_ids = cached.new_block_ids
@@ -253,7 +260,6 @@ class Scheduler:
             new_block_ids[row] = ids
         cached.resumed_from_preemption.extend([False] * k)
         cached.resumed_token_ids.extend([None] * k)
-        return budget
 
     def _preempt_until_fits(self, request: Request, n: int, preempted: set[str]) -> Any:
         """After allocate_slots failed for a running request: preempt from the tail until it fits.

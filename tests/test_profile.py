@@ -1,0 +1,52 @@
+"""Worker.start_profile / stop_profile: a Chrome trace of the requested steps, started and stepped by the
+thread that runs execute_model, written to the requested directory."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json
+
+import pytest
+
+from actors.engine_core import EngineCore
+from actors.local_executor import LocalExecutor
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvcore.request import Request, SamplingParams
+
+
+def test_profile_traces_the_requested_steps(tmp_path):
+    config = EngineConfig(model=ModelConfig(model="tiny-random", dtype="float32"),
+                          parallel=ParallelConfig(device="cpu"),
+                          cache=CacheConfig(block_size=8, cpu_kv_cache_gib=0.01),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    with LocalExecutor(config) as executor:
+        engine = EngineCore(config, executor)
+        worker = executor._worker
+        with pytest.raises(ValueError, match="num_steps"):
+            worker.start_profile(str(tmp_path), -1)
+        executor.collective_rpc("start_profile", str(tmp_path / "traces"), 3, 2)
+        for i in range(3):
+            engine.add_request(Request(f"r{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=10, ignore_eos=True)))
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if steps == 4:
+                assert worker.profiler._prof is not None  # skipped 2, now recording
+        assert steps >= 6
+        # The 3 steps finished the trace on their own; stop returns it (and stops nothing else).
+        paths = executor.collective_rpc("stop_profile")[0]
+        assert len(paths) == 1 and paths[0].startswith(str(tmp_path / "traces"))
+        with open(paths[0]) as f:
+            trace = json.load(f)
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert any(n.startswith("aten::") for n in names), sorted(names)[:20]
+        assert executor.collective_rpc("stop_profile")[0] == []
+
+        # Until stop (num_steps 0): stop finishes the trace itself.
+        worker.start_profile(str(tmp_path / "open"), 0)
+        engine.add_request(Request("q", [9, 9, 9], SamplingParams(max_tokens=3, ignore_eos=True)))
+        while engine.has_unfinished():
+            engine.step()
+        (path,) = worker.stop_profile()
+        assert os.path.getsize(path) > 0
