@@ -58,6 +58,9 @@ class _Live:
     arrival: float
     output_token_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    # After a restart a sampled request runs again from its prompt (its generator restarts with it);
+    # the first `replay` tokens it regenerates were already published and are dropped.
+    replay: int = 0
 
 
 class EngineDriver:
@@ -75,6 +78,8 @@ class EngineDriver:
         self._outbox: list[EngineCoreOutput] = []
         self._timings: dict[str, RequestTiming] = {}
         self._live: dict[str, _Live] = {}
+        self._silenced: set[str] = set()  # aborted by the driver itself; their abort output is dropped
+        self._num_replayed = 0  # sampled requests re-run from their prompt after a restart
         self._fatal: str | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -127,7 +132,11 @@ class EngineDriver:
 
     # ---- client calls -----------------------------------------------------------------------
     def add_requests(self, specs: list[RequestSpec]) -> list[str | None]:
-        """Queue requests; a bad one gets an error output (and its message here), the rest go on."""
+        """Queue requests; a refused one gets its message here (and no output), the rest go on.
+
+        No error output is streamed for a refusal: its id may be a duplicate of a live request, whose
+        own stream must not appear to end.
+        """
         errors: list[str | None] = []
         with self._cv:
             for spec in specs:
@@ -135,8 +144,6 @@ class EngineDriver:
                 if err is None:
                     self._live[spec.request_id] = _Live(spec, time.monotonic())
                     self._inbox.append(spec)
-                else:
-                    self._outbox.append(_error_output(spec.request_id, err))
                 errors.append(err)
             self._cv.notify_all()
         return errors
@@ -181,7 +188,7 @@ class EngineDriver:
             base = dict(self.engine.stats()) if self.engine is not None else {}
             base.update(replica=self.replica, worker_restarts=self._restarts, fatal=self._fatal,
                         peak_kv_cache_usage=self._peak_kv_usage, num_output_tokens=self._num_output_tokens,
-                        num_live_requests=len(self._live))
+                        num_live_requests=len(self._live), num_replayed=self._num_replayed)
             return base
 
     def kill_worker(self, rank: int) -> None:
@@ -195,6 +202,14 @@ class EngineDriver:
         import ray
 
         return ray.get(getattr(self.engine.executor.workers[rank], method).remote(*args))
+
+    def start_profile(self, trace_dir: str, num_steps: int = 5, skip_steps: int = 0) -> None:
+        """Every worker traces its next `num_steps` steps after `skip_steps` (see Worker.start_profile)."""
+        self.engine.executor.collective_rpc("start_profile", trace_dir, num_steps, skip_steps)
+
+    def stop_profile(self) -> list[str]:
+        """End the workers' traces; the files written (on each worker's node)."""
+        return [p for paths in self.engine.executor.collective_rpc("stop_profile") for p in paths]
 
     # ---- the step loop ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -234,6 +249,7 @@ class EngineDriver:
                        eos_token_id=self.info.get("eos_token_id"))
 
     def _publish(self, outputs: list[EngineCoreOutput], step_time: float) -> None:
+        outputs = self._drop_replayed(outputs)
         now = time.monotonic()
         stats = self.engine.stats()
         new_tokens = 0
@@ -271,8 +287,11 @@ class EngineDriver:
     # ---- failure and recovery ---------------------------------------------------------------
     def _recover(self, error: Exception) -> bool:
         """Rebuild the TP group and re-queue in-flight requests, within the restart budget."""
+        from actors.transport import WorkerFailure
+
         budget = self.config.parallel.max_worker_restarts
-        if self._restarts < budget:
+        # Only a worker failure is cured by new workers; an engine bug (a broken invariant) is fatal.
+        if self._restarts < budget and isinstance(error, WorkerFailure):
             self._restarts += 1
             logger.warning("engine replica %d: %s; rebuilding the TP group (restart %d of %d)",
                            self.replica, error, self._restarts, budget)
@@ -283,7 +302,7 @@ class EngineDriver:
                     pending = {s.request_id for s in self._inbox}
                     for rid, live in self._live.items():
                         if rid not in pending:
-                            self.engine.add_request(self._make_request(live.spec, live.output_token_ids))
+                            self.engine.add_request(self._requeue(live))
                 self._metrics.record_restart()
                 return True
             except Exception as e:  # noqa: BLE001 - the rebuild itself failed: give up below
@@ -292,6 +311,76 @@ class EngineDriver:
                        f"{type(error).__name__}: {error} (after {self._restarts} of "
                        f"parallel.max_worker_restarts={budget} restarts)")
         return False
+
+    def _requeue(self, live: _Live) -> Request:
+        """The request to run again on a new TP group, so that the client sees one unbroken stream.
+
+        A greedy request goes on from its tokens so far (they join the prompt). A sampled one cannot:
+        its generator is lost with the worker, and a fresh one seeded alike would draw the first tokens
+        again. So it starts over from its prompt, and the tokens already published are regenerated,
+        checked and dropped (`_drop_replayed`).
+        """
+        if live.spec.sampling_params.greedy:
+            return self._make_request(live.spec, live.output_token_ids)
+        live.replay = len(live.output_token_ids)
+        self._num_replayed += 1 if live.replay else 0
+        return self._make_request(live.spec, [])
+
+    def _drop_replayed(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Strip the tokens of replaying requests that the client already has."""
+        kept = []
+        with self._cv:
+            for o in outputs:
+                if o.request_id in self._silenced:  # ended with an error already: drop its abort echo
+                    if o.finished:
+                        self._silenced.discard(o.request_id)
+                    continue
+                live = self._live.get(o.request_id)
+                if live is None or live.replay == 0 or not o.new_token_ids:
+                    kept.append(o)
+                    continue
+                start = len(live.output_token_ids) - live.replay
+                n = min(live.replay, len(o.new_token_ids))
+                if o.new_token_ids[:n] != live.output_token_ids[start:start + n]:
+                    # Not the same stream (a numerical difference): tokens sent cannot be taken back.
+                    if not o.finished:
+                        self._silenced.add(o.request_id)
+                        self.engine.abort([o.request_id])
+                    kept.append(_error_output(o.request_id, (
+                        f"request {o.request_id!r}: after a worker restart the replayed tokens differ from "
+                        f"the ones already sent (at output position {start}); it cannot go on consistently")))
+                    continue
+                live.replay -= n
+                rest = o.new_token_ids[n:]
+                if rest or o.finished:
+                    kept.append(replace(o, new_token_ids=rest))
+        return kept
+
+    def kv_pool_accounting(self) -> dict[str, Any]:
+        """The block pool's books: free (uncached) + cached-free + held must equal the usable blocks.
+
+        After a drain nothing may be held: `held` and `ref_count_total` are 0, and the manager's own
+        consistency check (`invariant_error`) passes with no live request.
+        """
+        with self._cv:
+            if self.engine is None:
+                return {"replica": self.replica, "error": "engine not started"}
+            manager = self.engine.kv_cache_manager
+            pool = manager.block_pool
+            free = pool.free_block_queue.get_all_free_blocks()
+            cached_free = sum(1 for b in free if b.block_hash is not None)
+            held = [b for b in pool.blocks[1:] if b.ref_cnt > 0]
+            idle = not self.engine.has_unfinished() and not self._live
+            error = None
+            if idle:
+                try:
+                    manager.check_invariants([])
+                except AssertionError as e:
+                    error = str(e)
+            return {"replica": self.replica, "usable_blocks": pool.num_blocks - 1,
+                    "free_uncached": len(free) - cached_free, "cached_free": cached_free,
+                    "held": len(held), "ref_count_total": sum(b.ref_cnt for b in held),
+                    "idle": idle, "invariant_error": error}
 
     def _fail_all(self, message: str) -> None:
         with self._cv:

@@ -44,7 +44,7 @@ def run_kvray(model_dir: str, prompts, out_lens, args) -> dict:
     llm = LLM(model=model_dir, device="cuda", dtype="bfloat16", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-              **({"enforce_eager": True} if args.eager else {}))
+              enforce_eager=args.eager, async_scheduling=args.async_scheduling)
     try:
         warm = [{"prompt_token_ids": p} for p in prompts[:8]]
         llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True))
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
     ap.add_argument("--hf", action="store_true", help="also run HF transformers on the same prompts")
     ap.add_argument("--eager", action="store_true", help="kvray without CUDA graphs")
+    ap.add_argument("--async-scheduling", action="store_true", help="kvray schedules step N+1 during step N")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -2,6 +2,8 @@
 
   kvray run  --config C [--input prompts.jsonl] [--output out.jsonl] [--set k=v ...] [--summary-json P]
   kvray info --config C [--set k=v ...]
+  kvray stress --config C [--requests N] [--duration S] [--kill-workers K] [--abort-rate R] [--seed X]
+               [--report DIR]   (the last line printed is the JSON report; exit 1 when a check fails)
 
 Both work unchanged under `ray job submit --working-dir . -- kvray ...` (RAY_ADDRESS is set there).
 Exit codes: 0 done, 1 the engine or the cluster failed, 2 bad config or arguments.
@@ -14,7 +16,7 @@ import logging
 import sys
 from typing import Any
 
-from cluster.config import ConfigError, EngineConfig, load_config, resolved_max_model_len, validate_for_model
+from cluster.config import ConfigError, EngineConfig, load_config, resolved_max_model_len
 
 log = logging.getLogger("kvray")
 
@@ -31,8 +33,25 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-requests", type=int, default=32, help="size of the synthetic workload")
     run.add_argument("--max-tokens", type=int, default=16, help="default max_tokens for input lines without one")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--profile", metavar="DIR",
+                     help="write a torch profiler trace (Chrome trace JSON) of a few steps of every worker "
+                          "into DIR (on each worker's node)")
+    run.add_argument("--profile-steps", type=int, default=5, help="steps to trace with --profile")
+    run.add_argument("--profile-skip", type=int, default=8,
+                     help="steps to let pass before tracing with --profile (past the first prefills)")
     info = sub.add_parser("info", help="what the cluster has, and what the config would place where")
     _common(info)
+    st = sub.add_parser("stress", help="drive every replica with a hostile workload, kill workers, check "
+                                       "nothing is lost, duplicated or corrupted")
+    _common(st)
+    st.add_argument("--requests", type=int, default=200, help="number of requests")
+    st.add_argument("--duration", type=float, default=0.0,
+                    help="spread the arrivals over this many seconds (0: all at once)")
+    st.add_argument("--kill-workers", type=int, default=0,
+                    help="kill this many random worker actors at random times (within max_worker_restarts)")
+    st.add_argument("--abort-rate", type=float, default=0.1, help="share of requests aborted mid-flight")
+    st.add_argument("--seed", type=int, default=0, help="seed of the workload, aborts and kills")
+    st.add_argument("--report", help="also write DIR/stress.png: latency CDF, KV usage, running requests")
     return p
 
 
@@ -51,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvray: {e}", file=sys.stderr)
         return 2
     try:
+        if args.command == "stress":
+            return cmd_stress(config, args)
         return cmd_run(config, args) if args.command == "run" else cmd_info(config)
     except ConfigError as e:
         print(f"kvray: {e}", file=sys.stderr)
@@ -64,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_run(config: EngineConfig, args: Any) -> int:
     from cluster.engines import EngineGroup
-    from cluster.job import Job, JobError, format_summary, read_items, summarize, synthetic_items
-    from cluster.llm import load_client_model
+    from cluster.job import (Job, JobError, check_output_writable, format_summary, read_items, summarize,
+                             synthetic_items)
+    from cluster.llm import check_client_model, load_client_model
     from kvcore.request import SamplingParams
 
     if args.input is not None:
@@ -73,9 +95,10 @@ def cmd_run(config: EngineConfig, args: Any) -> int:
 
         if not os.path.isfile(args.input):
             raise JobError(f"--input {args.input!r}: no such file")
+    check_output_writable(args.output)  # before any engine starts
     tokenizer, hf_config = load_client_model(config)
     if hf_config is not None:
-        validate_for_model(config, hf_config)
+        check_client_model(config, hf_config)
     engines = EngineGroup(config)
     try:
         info = engines.info
@@ -85,8 +108,11 @@ def cmd_run(config: EngineConfig, args: Any) -> int:
             mml = info.get("max_model_len") or resolved_max_model_len(config, hf_config or {})
             items = synthetic_items(args.num_requests, config.model.seed, int(info["vocab_size"]), mml)
         job = Job(config, engines, tokenizer, args.output, progress=not args.no_progress)
+        traces = _start_profile(engines, args)
         stats = job.run(items)
         summary = summarize(stats, engines.stats())
+        if traces is not None:
+            summary["profile_traces"] = _stop_profile(engines)
     finally:
         engines.shutdown()
     print(format_summary(summary))
@@ -95,6 +121,60 @@ def cmd_run(config: EngineConfig, args: Any) -> int:
             json.dump(summary, f, indent=2)
     print(json.dumps(summary))
     return 0
+
+
+def _start_profile(engines: Any, args: Any) -> str | None:
+    """With --profile, every replica's workers trace a few steps; the trace directory, else None."""
+    if not args.profile:
+        return None
+    import os
+
+    import ray
+
+    if args.profile_steps < 1 or args.profile_skip < 0:
+        raise ConfigError(f"--profile-steps={args.profile_steps} must be >= 1 and --profile-skip="
+                          f"{args.profile_skip} >= 0")
+    trace_dir = os.path.abspath(args.profile)
+    ray.get([d.start_profile.remote(trace_dir, args.profile_steps, args.profile_skip) for d in engines.drivers])
+    return trace_dir
+
+
+def _stop_profile(engines: Any) -> list[str]:
+    import ray
+
+    paths = [p for ps in ray.get([d.stop_profile.remote() for d in engines.drivers]) for p in ps]
+    for p in paths:
+        print(f"kvray: profiler trace {p}", file=sys.stderr)
+    return paths
+
+
+def cmd_stress(config: EngineConfig, args: Any) -> int:
+    import ray
+
+    from cluster.llm import check_client_model, load_client_model
+    from cluster.placement import connect
+    from cluster.stress import StressOptions, check_options, run_stress
+
+    opts = StressOptions(requests=args.requests, duration_s=args.duration, kill_workers=args.kill_workers,
+                         abort_rate=args.abort_rate, seed=args.seed, report_dir=args.report)
+    try:
+        check_options(config, opts)
+    except ValueError as e:
+        print(f"kvray: {e}", file=sys.stderr)
+        return 2
+    _, hf_config = load_client_model(config)
+    if hf_config is not None:
+        check_client_model(config, hf_config)
+    started = connect(config)
+    try:
+        report, code = run_stress(config, opts)
+    finally:
+        if started and ray.is_initialized():
+            ray.shutdown()
+    if report["checks_failed"]:
+        print(f"kvray stress: FAILED checks: {', '.join(report['checks_failed'])}", file=sys.stderr)
+    print(json.dumps(report), flush=True)
+    return code
 
 
 def cmd_info(config: EngineConfig) -> int:

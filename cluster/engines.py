@@ -7,6 +7,7 @@ died) sets `fatal`; outputs already finished elsewhere still come back first.
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -19,6 +20,9 @@ from cluster.placement import connect
 from kvcore.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
+
+
+DRIVER_NAME_PREFIX = "kvray-driver-"
 
 
 class EngineFailure(RuntimeError):
@@ -43,8 +47,11 @@ class EngineGroup:
         self.started_ray = connect(config)
         cls = driver_actor_class()
         n = config.parallel.data_parallel_size
-        self.drivers = [cls.options(namespace=config.ray.namespace).remote(config, i, worker_cls)
-                        for i in range(n)]
+        # Named, so an operator (or a failure test) can find a job's drivers: `ray list actors`,
+        # ray.util.list_named_actors(); the suffix keeps concurrent jobs in one namespace apart.
+        tag = uuid.uuid4().hex[:8]
+        self.drivers = [cls.options(namespace=config.ray.namespace, name=f"{DRIVER_NAME_PREFIX}{tag}-r{i}")
+                        .remote(config, i, worker_cls) for i in range(n)]
         self.outstanding = [0] * n
         self.owner: dict[str, int] = {}
         self._polls: dict[Any, int] = {}
@@ -76,7 +83,15 @@ class EngineGroup:
             for spec, err in zip(per_replica[r], self._get(ref, r)):
                 if err is not None:
                     errors[spec.request_id] = err
+                    self._finish_refused(spec.request_id, r, err)
         return errors
+
+    def _finish_refused(self, rid: str, r: int, err: str) -> None:
+        if self.owner.pop(rid, None) is not None:
+            self.outstanding[r] -= 1
+        # A replica that is down refuses everything: that is the replica's failure, not the request's.
+        if err.startswith(f"engine replica {r} is down:") and self.fatal is None:
+            self.fatal = err
 
     def abort(self, request_ids: Iterable[str]) -> None:
         by_replica: dict[int, list[str]] = {}

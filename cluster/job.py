@@ -149,6 +149,13 @@ def _cut_partial_line(path: str) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def check_output_writable(path: str | None) -> None:
+    """Fail before any engine starts when the output file cannot be appended to."""
+    f = open_output(path)
+    if f is not None:
+        f.close()
+
+
 def open_output(path: str | None):
     if path is None:
         return None
@@ -157,7 +164,17 @@ def open_output(path: str | None):
         os.makedirs(parent, exist_ok=True)
         return open(path, "a", encoding="utf-8")
     except OSError as e:
-        raise JobError(f"--output {path!r}: cannot be written ({e.strerror or e})") from None
+        raise JobError(f"--output {path!r}: cannot be written ({_why_unwritable(path, e)})") from None
+
+
+def _why_unwritable(path: str, e: OSError) -> str:
+    # makedirs on a path through a regular file says only "File exists": name the file instead.
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        return f"{parent!r} is a file, not a directory"
+    return e.strerror or str(e)
 
 
 def write_record(f, rec: dict[str, Any]) -> None:
@@ -221,6 +238,10 @@ class Job:
         err = self.engines.submit([RequestSpec(rid, item.prompt_token_ids, item.sampling)]).get(rid)
         if err is not None:
             del live[rid]
+            if self.engines.fatal is not None:
+                # Refused because its replica is down: not this request's fault, so no record is
+                # written and a resubmitted job answers it.
+                raise EngineFailure(self.engines.fatal)
             self._write_error(item, err, out, bar)
 
     def _drain(self, live: dict, out, bar) -> None:

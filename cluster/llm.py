@@ -58,6 +58,14 @@ def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]
     return load_tokenizer_if_present(model_dir), read_hf_config(model_dir)
 
 
+def check_client_model(config: EngineConfig, hf_config: dict[str, Any]) -> None:
+    """Fail on this machine, before any actor starts, when the config cannot run this model."""
+    from actors.models.registry import resolve_architecture
+
+    validate_for_model(config, hf_config)
+    resolve_architecture(hf_config)  # an unsupported architecture names itself and the supported ones
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  worker_cls: str = "actors.worker.Worker", **kwargs: Any) -> None:
@@ -68,7 +76,7 @@ class LLM:
         self.config = apply_overrides(config, kwargs) if kwargs else config
         self.tokenizer, hf_config = load_client_model(self.config)
         if hf_config is not None:
-            validate_for_model(self.config, hf_config)  # fail before any actor starts
+            check_client_model(self.config, hf_config)  # fail before any actor starts
         self._ids = itertools.count()
         self.engines: EngineGroup | None = EngineGroup(self.config, worker_cls=worker_cls)
 
