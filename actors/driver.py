@@ -73,6 +73,9 @@ class EngineDriver:
         self.engine = None
         self.info: dict[str, Any] = {}
         self._cv = threading.Condition()
+        # Held by the step loop while it touches the engine; a client call that walks the engine's
+        # internals (kv_pool_accounting) takes it too. Order: _engine_lock before _cv, never after.
+        self._engine_lock = threading.Lock()
         self._inbox: list[RequestSpec] = []
         self._abort_inbox: list[str] = []
         self._outbox: list[EngineCoreOutput] = []
@@ -222,15 +225,16 @@ class EngineDriver:
                     return
                 new, self._inbox = self._inbox, []
                 aborts, self._abort_inbox = self._abort_inbox, []
-            try:
-                self._admit(new, aborts)
-                t0 = time.monotonic()
-                outputs = self.engine.step()
-                self._publish(outputs, time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001 - a worker failure or an engine bug: never silent
-                logger.exception("engine replica %d: step failed", self.replica)
-                if not self._recover(e):
-                    return
+            with self._engine_lock:
+                try:
+                    self._admit(new, aborts)
+                    t0 = time.monotonic()
+                    outputs = self.engine.step()
+                    self._publish(outputs, time.monotonic() - t0)
+                except Exception as e:  # noqa: BLE001 - a worker failure or an engine bug: never silent
+                    logger.exception("engine replica %d: step failed", self.replica)
+                    if not self._recover(e):
+                        return
 
     def _admit(self, new: list[RequestSpec], aborts: list[str]) -> None:
         for spec in new:
@@ -300,9 +304,9 @@ class EngineDriver:
                 self._build_engine()
                 with self._cv:
                     pending = {s.request_id for s in self._inbox}
-                    for rid, live in self._live.items():
+                    for rid, live in list(self._live.items()):
                         if rid not in pending:
-                            self.engine.add_request(self._requeue(live))
+                            self._readd(rid, live)
                 self._metrics.record_restart()
                 return True
             except Exception as e:  # noqa: BLE001 - the rebuild itself failed: give up below
@@ -311,6 +315,13 @@ class EngineDriver:
                        f"{type(error).__name__}: {error} (after {self._restarts} of "
                        f"parallel.max_worker_restarts={budget} restarts)")
         return False
+
+    def _readd(self, rid: str, live: _Live) -> None:
+        # One request that cannot be re-queued fails alone; the rebuilt group serves the rest.
+        try:
+            self.engine.add_request(self._requeue(live))
+        except Exception as e:  # noqa: BLE001
+            self._finish_with_error(rid, f"request {rid!r}: could not be re-queued after a worker restart: {e}")
 
     def _requeue(self, live: _Live) -> Request:
         """The request to run again on a new TP group, so that the client sees one unbroken stream.
@@ -362,6 +373,15 @@ class EngineDriver:
         After a drain nothing may be held: `held` and `ref_count_total` are 0, and the manager's own
         consistency check (`invariant_error`) passes with no live request.
         """
+        # The free queue must not change while it is walked; a busy loop is "not idle yet", not an error.
+        if not self._engine_lock.acquire(timeout=5.0):
+            return {"replica": self.replica, "idle": False, "busy": True}
+        try:
+            return self._pool_books()
+        finally:
+            self._engine_lock.release()
+
+    def _pool_books(self) -> dict[str, Any]:
         with self._cv:
             if self.engine is None:
                 return {"replica": self.replica, "error": "engine not started"}

@@ -60,6 +60,10 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int32)  # 0 = disabled
         self.greedy = np.ones(max_num_reqs, dtype=bool)
         self.generators: dict[int, torch.Generator] = {}  # row -> generator of a sampling request
+        # The per-row scalars that move with a request (condense, swap); token ids and generators,
+        # sized or sparse differently, are moved by hand.
+        self._row_scalars = (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                             self.temperature, self.top_p, self.top_k, self.greedy)
 
         self.block_table = MultiGroupBlockTable(max_num_reqs, max_model_len, max_num_batched_tokens,
                                                 pin_memory, device, block_sizes)
@@ -72,7 +76,7 @@ class InputBatch:
     @property
     def req_ids(self) -> list[str]:
         """req_ids of rows 0..num_reqs-1; only meaningful when the batch is condensed."""
-        return [r for r in self.index_to_req_id[:self.num_reqs]]  # type: ignore[misc]
+        return self.index_to_req_id[:self.num_reqs]  # type: ignore[return-value]
 
     def _take_row(self) -> int:
         if self._holes:
@@ -140,8 +144,7 @@ class InputBatch:
         assert req_id is not None and self.index_to_req_id[dst] is None
         n = int(self.num_tokens[src])
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
-        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.temperature, self.top_p, self.top_k, self.greedy):
+        for arr in self._row_scalars:
             arr[dst] = arr[src]
         gen = self.generators.pop(src, None)
         if gen is not None:
@@ -172,8 +175,7 @@ class InputBatch:
             return
         n = int(max(self.num_tokens[i], self.num_tokens[j]))
         self.token_ids_cpu[[i, j], :n] = self.token_ids_cpu[[j, i], :n]
-        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.temperature, self.top_p, self.top_k, self.greedy):
+        for arr in self._row_scalars:
             arr[[i, j]] = arr[[j, i]]
         gi, gj = self.generators.pop(i, None), self.generators.pop(j, None)
         if gi is not None:

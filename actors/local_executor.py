@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -105,7 +106,13 @@ class LocalExecutor(Executor):
     def _gather(self, method: str) -> list[Any]:
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
+        # A live rank that never answers (a hung collective) must not block the caller forever; the
+        # bound is generous because set-up calls (load_model) may legitimately take minutes.
+        timeout_s = max(600.0, self.config.parallel.step_timeout_s)
+        deadline = time.monotonic() + timeout_s
         while pending:
+            if time.monotonic() > deadline:
+                self._fail(f"worker rank(s) {sorted(pending)} did not answer {method} within {timeout_s:g}s")
             for rank in sorted(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
                 if not conn.poll(self._poll / max(len(pending), 1)):

@@ -284,9 +284,11 @@ class ModelRunner:
         start = int(self.query_start_loc.np[num_reqs]) if num_reqs else 0
         self.query_start_loc.np[num_reqs + 1:size + 1] = start + self._arange[1:size - num_reqs + 1]
 
-    def _decode_bucket(self, num_reqs: int, total: int) -> int | None:
-        """The bucket a decode-only batch is padded to, or None (mixed batch, too large, no graph)."""
-        if not self._pad_decode_to_bucket or total != num_reqs:
+    def _decode_bucket(self, num_reqs: int, total: int, max_query_len: int) -> int | None:
+        """The bucket a decode-only batch is padded to, or None (mixed batch, too large, no graph).
+        Decode-only means every row runs exactly one token: total == num_reqs alone would also pass
+        rows of 0 and 2 tokens, which a graph captured with max_query_len 1 computes wrongly."""
+        if not self._pad_decode_to_bucket or total != num_reqs or max_query_len != 1:
             return None
         size = bucket_for(num_reqs, self.cudagraph_sizes)
         if size is None or (self.graphs is not None and size not in self.graphs):
@@ -371,10 +373,13 @@ class ModelRunner:
 
         num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64,
                                 count=num_reqs)
-        total = int(so.total_num_scheduled_tokens)
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1]) if num_reqs else 0
+        if total != so.total_num_scheduled_tokens:
+            raise RuntimeError(f"step {so.step_id}: num_scheduled_tokens sums to {total} but "
+                               f"total_num_scheduled_tokens is {so.total_num_scheduled_tokens}")
         if total > self.max_num_tokens:
             raise RuntimeError(f"step schedules {total} tokens > max_num_batched_tokens={self.max_num_tokens}")
-        cu = np.cumsum(num_sched)
         req_idx = np.repeat(self._arange[:num_reqs], num_sched)
         offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
         computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
@@ -388,7 +393,8 @@ class ModelRunner:
         # Requests whose known tokens are all in the cache after this step sample; partial prefills do not.
         sample_rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
         self.logits_indices.np[:len(sample_rows)] = cu[sample_rows] - 1
-        pad = self._decode_bucket(num_reqs, total)
+        max_query_len = int(num_sched.max())
+        pad = self._decode_bucket(num_reqs, total, max_query_len)
         num_tokens, num_rows = total, num_reqs
         if pad is not None:
             self._pad_rows(num_reqs, pad)
@@ -407,22 +413,18 @@ class ModelRunner:
         batch.block_table.compute_slot_mapping(num_reqs, qsl, positions_dev)
         if pad is not None:
             attn_metadata = self._decode_metadata(pad)
-            self.slot_mappings_by_gid = {gid: md.slot_mapping for gid, md in attn_metadata.items()}
-            self.slot_mappings_by_layer = {name: self.slot_mappings_by_gid[gid]
-                                           for name, gid in self.layer_to_group.items()}
-            return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows, pad)
-        attn_metadata = {}
-        self.slot_mappings_by_gid = {}
-        for gid in range(len(self._kv_config().kv_cache_groups)):
-            table = batch.block_table[gid]
-            self.slot_mappings_by_gid[gid] = table.slot_mapping.gpu[:total]
-            attn_metadata[gid] = AttentionMetadata(
-                num_actual_tokens=total, num_reqs=num_reqs, max_query_len=int(num_sched.max()),
-                max_seq_len=int(seq_lens.max()), query_start_loc=qsl, seq_lens=seq_lens_dev,
-                block_table=table.block_table.gpu[:num_reqs], slot_mapping=self.slot_mappings_by_gid[gid])
+        else:
+            max_seq_len = int(seq_lens.max())
+            attn_metadata = {gid: AttentionMetadata(
+                num_actual_tokens=total, num_reqs=num_reqs, max_query_len=max_query_len,
+                max_seq_len=max_seq_len, query_start_loc=qsl, seq_lens=seq_lens_dev,
+                block_table=table.block_table.gpu[:num_reqs], slot_mapping=table.slot_mapping.gpu[:total])
+                for gid, table in enumerate(batch.block_table.block_tables)}
+        # Both views share each group's one buffer: attention metadata reads by group, layers by name.
+        self.slot_mappings_by_gid = {gid: md.slot_mapping for gid, md in attn_metadata.items()}
         self.slot_mappings_by_layer = {name: self.slot_mappings_by_gid[gid]
                                        for name, gid in self.layer_to_group.items()}
-        return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows)
+        return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows, pad)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         batch = self._batch()
@@ -440,10 +442,6 @@ class ModelRunner:
             all_greedy=bool(greedy.all()),
             need_top_k=bool((batch.top_k[rows][random] > 0).any()),
             need_top_p=bool((batch.top_p[rows][random] < 1.0).any()))
-
-    def _kv_config(self) -> KVCacheConfig:
-        assert self.kv_cache_config is not None
-        return self.kv_cache_config
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -465,13 +463,13 @@ class ModelRunner:
             ctx = ForwardContext(attn_metadata=inputs.attn_metadata, layer_to_group=self.layer_to_group)
             with set_forward_context(ctx):
                 hidden = self._model()(inputs.input_ids, inputs.positions)
-        sampled: list[int] = []
+        tokens = None
         if len(inputs.sample_rows):
             logits = self._model().compute_logits(hidden[inputs.logits_indices])
             tokens = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
-            if self.step_timer is not None:
-                self.step_timer.end()
-            sampled = tokens.tolist()  # the step's one host synchronisation
+        if self.step_timer is not None:
+            self.step_timer.end()  # also for a step that samples nothing, or its begin stays unpaired
+        sampled: list[int] = [] if tokens is None else tokens.tolist()  # the step's one host sync
         return self._record(so, inputs.sample_rows, sampled, batch)
 
     def _record(self, so: SchedulerOutput, sample_rows: np.ndarray, sampled: list[int],

@@ -12,17 +12,15 @@ import json
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.executor_base import Executor
-from actors.transport import WorkerFailure, make_transport
+from actors.transport import WorkerFailure, gather_ranks, make_transport
 from cluster.config import EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -112,7 +110,9 @@ class RayExecutor(Executor):
         if self._closed:
             raise RuntimeError("RayExecutor is shut down")
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return _gather(refs, method, self.setup_timeout_s)
+        timeout_s = self.setup_timeout_s
+        return gather_ranks(refs, method, timeout_s, on_timeout=lambda ranks: WorkerFailure(
+            ranks[0], f"{method} did not finish within {timeout_s:g}s on rank(s) {ranks}"))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
@@ -153,32 +153,3 @@ def _kill_all(workers: Sequence[Any]) -> None:
             ray.kill(w, no_restart=True)
         except Exception as e:  # noqa: BLE001 - already dead
             logger.debug("ray.kill: %s", e)
-
-
-def _gather(refs: list[Any], method: str, timeout_s: float) -> list[Any]:
-    """Every rank's answer; the first failure (a death or an exception) names its rank at once."""
-    rank_of = {ref: r for r, ref in enumerate(refs)}
-    results: list[Any] = [None] * len(refs)
-    pending = list(refs)
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            ranks = sorted(rank_of[r] for r in pending)
-            raise WorkerFailure(ranks[0], f"{method} did not finish within {timeout_s:g}s on rank(s) {ranks}")
-        rank = rank_of[ready[0]]
-        try:
-            results[rank] = ray.get(ready[0])
-        except RayActorError as e:
-            raise WorkerFailure(rank, f"its actor died during {method} ({_summary(e)})") from None
-        except RayTaskError as e:
-            raise WorkerFailure(rank, f"{method} raised {e.cause!r}") from e.cause
-    return results
-
-
-def _summary(e: BaseException) -> str:
-    """First and last lines of a Ray error: what happened, and (for a failed __init__) the cause."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"

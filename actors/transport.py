@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.exceptions import RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
@@ -65,6 +65,39 @@ def _first_line(e: BaseException) -> str:
         if "actor is dead" in line.lower() or "killed" in line.lower():
             return line.strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def gather_ranks(refs: Sequence[Any], method: str, timeout_s: float,
+                 on_timeout: Callable[[list[int]], WorkerFailure]) -> list[Any]:
+    """Every rank's answer to `method`, in rank order, waiting at most timeout_s in all.
+
+    Answers are taken one at a time so that a dead or raising rank is reported at once, even while the
+    others are stuck in a collective waiting for it. A timeout raises `on_timeout(pending ranks)`.
+    """
+    rank_of = {ref: r for r, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise on_timeout(sorted(rank_of[r] for r in pending))
+        rank = rank_of[ready[0]]
+        try:
+            results[rank] = ray.get(ready[0])
+        except RayActorError as e:
+            raise WorkerFailure(rank, f"its actor died during {method} ({_summary(e)})") from None
+        except RayTaskError as e:
+            raise WorkerFailure(rank, f"{method} raised {e.cause!r}") from e.cause
+    return results
+
+
+def _summary(e: BaseException) -> str:
+    """First and last lines of a Ray error: what happened, and (for a failed __init__) the cause."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
 class _Transport:
@@ -131,25 +164,8 @@ class ActorCallTransport(_Transport):
         return [w.execute_model.remote(so) for w in self.workers]
 
     def _collect(self, so: SchedulerOutput, refs: Any) -> ModelRunnerOutput:
-        rank_of = {ref: r for r, ref in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
-        pending = list(refs)
-        deadline = time.monotonic() + self.step_timeout_s
-        # Take answers one at a time so a dead rank is reported at once, even while the others are
-        # stuck in a collective waiting for it.
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise self._fail_hang(so.step_id)
-            ref = ready[0]
-            rank = rank_of[ref]
-            try:
-                results[rank] = ray.get(ref)
-            except RayActorError as e:
-                raise WorkerFailure(rank, f"its actor died ({_first_line(e)})") from None
-            except RayTaskError as e:
-                raise WorkerFailure(rank, f"execute_model raised {e.cause!r}") from None
-        return results[0]
+        return gather_ranks(refs, "execute_model", self.step_timeout_s,
+                            on_timeout=lambda _ranks: self._fail_hang(so.step_id))[0]
 
 
 class CompiledGraphTransport(_Transport):

@@ -5,7 +5,7 @@
   kvray stress --config C [--requests N] [--duration S] [--kill-workers K] [--abort-rate R] [--seed X]
                [--report DIR]   (the last line printed is the JSON report; exit 1 when a check fails)
 
-Both work unchanged under `ray job submit --working-dir . -- kvray ...` (RAY_ADDRESS is set there).
+All three work unchanged under `ray job submit --working-dir . -- kvray ...` (RAY_ADDRESS is set there).
 Exit codes: 0 done, 1 the engine or the cluster failed, 2 bad config or arguments.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config (default: built-in defaults = configs/local.yaml)")
+    p.add_argument("--config", help="YAML config (default: the built-in defaults of cluster/config.py: CPU, tiny-random, TP=1)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field, e.g. --set cache.block_size=32 (repeatable)")
 

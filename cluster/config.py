@@ -220,12 +220,13 @@ class EngineConfig:
         return apply_overrides(self, flat)
 
 
-# Short names accepted by LLM(...) and from_config(**overrides): every field by its own name (all are
-# unique across sections) plus vLLM's spelling for the two that differ.
-_ALIASES = {"model": "model.model"}
+# Short names accepted by LLM(...) and from_config(**overrides): every field by its own name, which is
+# vLLM's keyword for it (LLM(model=..., block_size=..., max_num_seqs=...)). Names must stay unique
+# across sections, or a short name would silently pick one of them.
 FIELD_PATHS: dict[str, str] = {f.name: f"{sec}.{f.name}" for sec, cls in SECTIONS.items()
                                for f in dataclasses.fields(cls)}
-FIELD_PATHS.update(_ALIASES)
+assert len(FIELD_PATHS) == sum(len(dataclasses.fields(c)) for c in SECTIONS.values()), \
+    "config field names must be unique across sections"
 
 
 def config_from_dict(d: Mapping[str, Any]) -> EngineConfig:

@@ -32,11 +32,8 @@ def bundles_for(config: EngineConfig) -> list[dict[str, float]]:
 
 
 def total_request(config: EngineConfig) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for b in bundles_for(config) * config.parallel.data_parallel_size:
-        for k, v in b.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
+    """What every data-parallel engine together asks of the cluster."""
+    return _sum(bundles_for(config) * config.parallel.data_parallel_size)
 
 
 def connect(config: EngineConfig) -> bool:

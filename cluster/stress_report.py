@@ -28,6 +28,9 @@ def pool_accounting(engines: Any) -> list[dict[str, Any]]:
             except Exception as e:  # noqa: BLE001 - a dead driver: its pool cannot be vouched for
                 books.append({"replica": r, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
         if all(b.get("idle") or "error" in b for b in books) or time.monotonic() > deadline:
+            for b in books:
+                if b.get("busy"):
+                    b["error"] = "its step loop stayed busy: the books could not be read"
             return books
         time.sleep(0.2)
 

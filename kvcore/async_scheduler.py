@@ -33,7 +33,7 @@ from typing import Any
 from kvcore.messages import (BlockIds, CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                              SchedulerOutput)
 from kvcore.request import Request, RequestStatus
-from kvcore.scheduler import Scheduler
+from kvcore.scheduler import Scheduler, _set_finished_status
 
 _PREEMPTED = RequestStatus.PREEMPTED
 
@@ -166,13 +166,7 @@ class AsyncScheduler(Scheduler):
                 left_queue.add(rid)  # preempted with its token pending: queued, holding no blocks
             else:
                 self.kv_cache_manager.free(request)
-            if tok == eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-            elif stop_ids is not None and tok in stop_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = tok
-            else:
-                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            _set_finished_status(request, tok, eos, stop_ids)
             self._retire(request)
             stopped.add(rid)
             outputs.append(EngineCoreOutput(rid, token_ids, True, request.get_finished_reason(),

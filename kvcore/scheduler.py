@@ -383,14 +383,7 @@ class Scheduler:
                 if len(all_ids) < token_limit and tok not in stops:
                     emit(new_output(rid, token_ids, False, None, None, None, request.num_cached_tokens))
                     continue
-            # Which stop fired: a stop the model chose (EOS, stop token) beats a length cap.
-            if tok == eos:
-                request.status = _STOPPED
-            elif stop_ids is not None and tok in stop_ids:
-                request.status = _STOPPED
-                request.stop_reason = tok
-            else:
-                request.status = _LENGTH
+            _set_finished_status(request, tok, eos, stop_ids)
             self.kv_cache_manager.free(request)
             self._retire(request)
             stopped.add(rid)
@@ -441,6 +434,19 @@ class Scheduler:
     def _check_invariants(self) -> None:
         # Only running requests may hold blocks; a row of any other request is a leak.
         self.kv_cache_manager.check_invariants(self.running)
+
+
+def _set_finished_status(request: Request, tok: int, eos: int | None,
+                         stop_ids: frozenset[int] | None) -> None:
+    """Which stop fired on `tok`, the last token kept: a stop the model chose (EOS, stop token)
+    beats a length cap, so a stop token that also reaches the limit reports "stop"."""
+    if tok == eos:
+        request.status = _STOPPED
+    elif stop_ids is not None and tok in stop_ids:
+        request.status = _STOPPED
+        request.stop_reason = tok
+    else:
+        request.status = _LENGTH
 
 
 def _prefix_counts(stats: Any) -> tuple[int, int]:
