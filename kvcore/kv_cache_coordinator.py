@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvcore.block_pool import BlockPool, KVCacheBlock
-from kvcore.hashing import BlockHash, update_request_block_hashes
+from kvcore.hashing import BlockHash, hash_block_tokens, update_request_block_hashes
 from kvcore.request import Request
 from kvcore.single_type_manager import FullAttentionManager, SingleTypeKVCacheManager, manager_for_spec
 from kvcore.spec import KVCacheConfig
@@ -132,7 +132,15 @@ class KVCacheCoordinator:
         num_full = num_tokens_to_cache // bs
         num_cached = m.num_cached_block[rid]
         if num_full > num_cached:  # what m.cache_blocks does, minus a call and its lookups
-            if num_full > len(request.block_hashes):
+            hashes = request.block_hashes
+            num_hashed = len(hashes)
+            if num_full == num_hashed + 1:
+                # A decode just filled one block: hash it here (what update_request_block_hashes would do,
+                # without its generic loop; this runs once per block_size tokens for every request).
+                start = num_hashed * bs
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+                                                request.all_token_ids[start:start + bs]))
+            elif num_full > num_hashed:
                 update_request_block_hashes(request, bs)
             self.block_pool.cache_full_blocks(request, row, num_cached, num_full, m.group_id)
             m.num_cached_block[rid] = num_full

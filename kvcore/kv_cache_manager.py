@@ -25,7 +25,10 @@ class KVCacheBlocks:
     blocks: tuple[list[KVCacheBlock], ...]
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([[b.block_id for b in group] for group in self.blocks])
+        blocks = self.blocks
+        if len(blocks) == 1:  # the common single-group layout: skip the outer comprehension
+            return ([b.block_id for b in blocks[0]],)
+        return tuple([[b.block_id for b in group] for group in blocks])
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +72,10 @@ class KVCacheManager:
         self._rows_of_group0 = self.coordinator.managers[0].req_to_blocks
         coord = self.coordinator
         self._extend_running = coord.extend_single_full if coord.single_full is not None else coord.extend_running
+        # The coordinator's shared "nothing new" answer, and one KVCacheBlocks wrapping it: it holds
+        # empty tuples, so sharing it cannot leak blocks between callers.
+        self._no_blocks = coord._no_blocks
+        self._no_new_blocks = KVCacheBlocks(coord._no_blocks)
 
     @property
     def empty_kv_cache_blocks(self) -> KVCacheBlocks:
@@ -121,6 +128,8 @@ class KVCacheManager:
             new_blocks = self._extend_running(
                 request, num_tokens if num_tokens < max_len else max_len,
                 (num_tokens if num_tokens < num_known else num_known) if self.enable_caching else 0)
+            if new_blocks is self._no_blocks:
+                return self._no_new_blocks  # most decode calls only register a filled block
             return None if new_blocks is None else KVCacheBlocks(new_blocks)
         new_blocks = self._allocate_general(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks)
         if new_blocks is None:
