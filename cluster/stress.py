@@ -248,8 +248,16 @@ def run_reference(config: EngineConfig, workload: list[StressRequest]) -> dict[s
             raise RuntimeError(f"reference run refused {len(errors)} request(s), e.g. {rid}: {err}")
         tokens: dict[str, list[int]] = {r.request_id: [] for r in workload}
         open_ids = set(tokens)
+        # The same stall rule as the stressed run: an engine that stops producing without failing must
+        # not hang the check forever.
+        stall_s = max(120.0, 2 * config.parallel.step_timeout_s)
+        last_progress = time.monotonic()
         while open_ids:
+            if time.monotonic() - last_progress > stall_s:
+                raise EngineFailure(f"reference run: no output for {stall_s:.0f}s with {len(open_ids)} "
+                                    f"request(s) open")
             for item in engines.poll(timeout_s=1.0):
+                last_progress = time.monotonic()
                 out = item.output if isinstance(item, Finished) else item
                 tokens[out.request_id].extend(out.new_token_ids)
                 if isinstance(item, Finished):
