@@ -61,6 +61,7 @@ class StepInputs:
     attn_metadata: dict[int, AttentionMetadata]
     logits_indices: torch.Tensor
     sample_rows: np.ndarray          # rows whose prefill completes this step (they sample)
+    num_scheduled: np.ndarray        # tokens scheduled per row 0..num_reqs-1 (int64)
     graph_size: int | None = None    # a decode batch padded to this bucket (replayable), else None
 
 
@@ -321,9 +322,11 @@ class ModelRunner:
             batch.remove_request(req_id)
         for req_id in so.preempted_req_ids:
             batch.remove_request(req_id)  # its state stays: it comes back resumed
-        # Rows of requests not scheduled this step go; their state (tokens, blocks) stays cached.
-        for req_id in [r for r in batch.req_id_to_index if r not in so.num_scheduled_tokens]:
-            batch.remove_request(req_id)
+        # Rows of requests not scheduled this step go; their state (tokens, blocks) stays cached. The
+        # key-view subset test runs in C and is true on most steps, skipping the per-request scan.
+        if not batch.req_id_to_index.keys() <= so.num_scheduled_tokens.keys():
+            for req_id in [r for r in batch.req_id_to_index if r not in so.num_scheduled_tokens]:
+                batch.remove_request(req_id)
 
         to_add: list[CachedRequestState] = []
         for nr in so.scheduled_new_reqs:
@@ -371,7 +374,8 @@ class ModelRunner:
         num_reqs = batch.num_reqs
         batch.block_table.commit_block_table(num_reqs)  # first: the DMA overlaps the CPU work below
 
-        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64,
+        # map() with the bound __getitem__ looks the rows up in C: no generator frame per request.
+        num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids), dtype=np.int64,
                                 count=num_reqs)
         cu = np.cumsum(num_sched)
         total = int(cu[-1]) if num_reqs else 0
@@ -424,7 +428,8 @@ class ModelRunner:
         self.slot_mappings_by_gid = {gid: md.slot_mapping for gid, md in attn_metadata.items()}
         self.slot_mappings_by_layer = {name: self.slot_mappings_by_gid[gid]
                                        for name, gid in self.layer_to_group.items()}
-        return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows, pad)
+        return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows, num_sched,
+                          pad)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         batch = self._batch()
@@ -438,7 +443,9 @@ class ModelRunner:
         return SamplingMetadata(
             temperature=self.sample_temperature.copy_to_gpu(n), greedy=self.sample_greedy.copy_to_gpu(n),
             top_k=self.sample_top_k.copy_to_gpu(n), top_p=self.sample_top_p.copy_to_gpu(n),
-            generators=[batch.generators.get(int(r)) for r in rows],
+            # One C-level pass (no generators at all when every request is greedy), not a Python
+            # int() and lookup per row.
+            generators=list(map(batch.generators.get, rows.tolist())) if batch.generators else [None] * n,
             all_greedy=bool(greedy.all()),
             need_top_k=bool((batch.top_k[rows][random] > 0).any()),
             need_top_p=bool((batch.top_p[rows][random] < 1.0).any()))
@@ -470,20 +477,22 @@ class ModelRunner:
         if self.step_timer is not None:
             self.step_timer.end()  # also for a step that samples nothing, or its begin stays unpaired
         sampled: list[int] = [] if tokens is None else tokens.tolist()  # the step's one host sync
-        return self._record(so, inputs.sample_rows, sampled, batch)
+        return self._record(so, inputs, sampled, batch)
 
-    def _record(self, so: SchedulerOutput, sample_rows: np.ndarray, sampled: list[int],
+    def _record(self, so: SchedulerOutput, inputs: StepInputs, sampled: list[int],
                 batch: InputBatch) -> ModelRunnerOutput | None:
+        # The batch's arrays are updated in one numpy pass each; only the per-request states, which
+        # outlive their rows, need a Python loop (one dict lookup per request).
         req_ids = batch.req_ids
+        states = list(map(self.requests.__getitem__, req_ids))
         out_tokens: list[list[int]] = [[] for _ in req_ids]
-        for row, token in zip(sample_rows.tolist(), sampled):
-            batch.append_token(row, token)
-            self.requests[req_ids[row]].output_token_ids.append(token)
+        batch.append_tokens(inputs.sample_rows, sampled)
+        for row, token in zip(inputs.sample_rows.tolist(), sampled):
+            states[row].output_token_ids.append(token)
             out_tokens[row] = [token]
-        for row, req_id in enumerate(req_ids):
-            n = so.num_scheduled_tokens[req_id]
-            batch.num_computed_tokens[row] += n
-            self.requests[req_id].num_computed_tokens += n
+        batch.num_computed_tokens[:len(req_ids)] += inputs.num_scheduled
+        for state, n in zip(states, inputs.num_scheduled.tolist()):
+            state.num_computed_tokens += n
         if self.rank != 0:
             return None
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=out_tokens, step_id=so.step_id)
