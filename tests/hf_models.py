@@ -105,3 +105,27 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
         top2 = step_logits[0].float().topk(2).values
         margins.append(float(top2[0] - top2[1]))
     return HFGreedy(new, min(margins))
+
+
+def greedy_references(make_dir, new_tokens: int):
+    """family -> (model dir, prompts, HF greedy tokens per prompt), built lazily once per family.
+
+    Fails on a numerical tie (HF's top-2 logit margin below TIE_MARGIN): such a reference can't tell a
+    bug from rounding. `make_dir(name)` makes a fresh directory (pytest's tmp_path_factory.mktemp).
+    """
+    cache: dict[str, tuple[str, list[list[int]], list[list[int]]]] = {}
+
+    def get(family: str):
+        if family not in cache:
+            path = str(make_dir(family))
+            model = save_hf_model(family, path)
+            prompts = make_prompts()
+            refs = [hf_greedy(model, p, new_tokens) for p in prompts]
+            for i, r in enumerate(refs):
+                assert r.min_margin >= TIE_MARGIN, (
+                    f"{family} prompt {i}: HF's top-2 logit margin {r.min_margin:.2e} < {TIE_MARGIN}: "
+                    f"a numerical tie, not a usable reference; change the seed/init")
+            cache[family] = (path, prompts, [r.tokens for r in refs])
+        return cache[family]
+
+    return get

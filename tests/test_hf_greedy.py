@@ -39,21 +39,13 @@ SAMPLED = {
 @pytest.fixture(scope="module")
 def hf_reference(tmp_path_factory):
     """family -> (model dir, HF greedy tokens per prompt); built lazily, once per family."""
-    cache: dict[str, tuple[str, list[list[int]]]] = {}
+    get = H.greedy_references(tmp_path_factory.mktemp, NEW_TOKENS)
 
-    def get(family: str):
-        if family not in cache:
-            path = str(tmp_path_factory.mktemp(family))
-            model = H.save_hf_model(family, path)
-            refs = [H.hf_greedy(model, p, NEW_TOKENS) for p in H.make_prompts()]
-            for i, r in enumerate(refs):
-                if r.min_margin < H.TIE_MARGIN:
-                    pytest.fail(f"{family} prompt {i}: HF's top-2 logit margin {r.min_margin:.2e} < "
-                                f"{H.TIE_MARGIN}: a numerical tie, not a usable reference; change the seed/init")
-            cache[family] = (path, [r.tokens for r in refs])
-        return cache[family]
+    def path_and_tokens(family: str):
+        path, _, tokens = get(family)
+        return path, tokens
 
-    return get
+    return path_and_tokens
 
 
 def engine_config(model_dir: str, tp: int) -> EngineConfig:

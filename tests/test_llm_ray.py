@@ -30,19 +30,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            path = str(tmp_path_factory.mktemp(family))
-            model = H.save_hf_model(family, path)
-            prompts = H.make_prompts()
-            refs = [H.hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-            assert min(r.min_margin for r in refs) >= H.TIE_MARGIN, "HF reference has a numerical tie"
-            cache[family] = (path, prompts, [r.tokens for r in refs])
-        return cache[family]
-
-    return get
+    return H.greedy_references(tmp_path_factory.mktemp, NEW_TOKENS)
 
 
 def run(path, prompts, **kwargs):
