@@ -3,16 +3,16 @@
 The driver actor wraps it for Ray; tests drive it in process with a LocalExecutor. One step:
 schedule -> the workers run it -> the scheduler applies the sampled tokens -> outputs for the client.
 
-With scheduler.async_scheduling the steps overlap: step() schedules and submits step N+1, then waits
-for step N's output and applies it, so one step is always queued at the workers while the driver does
-its bookkeeping (see kvcore/async_scheduler.py). Executors that can submit without waiting provide
-`execute_model_async(so) -> handle with .result()`; others run the step at submission, which keeps the
-scheduling semantics (and so the tests) the same without the overlap.
+With scheduler.async_scheduling the steps overlap: the workers answer each step with the output of
+the step before it (they launch step N+1's GPU work before reading back step N's sampled tokens, and
+feed step N's tokens into step N+1 on the device). So while the driver applies step N's output and
+schedules step N+2, the GPU runs step N+1, and the workers' own per-step host work is hidden too (see
+kvcore/async_scheduler.py for how the scheduler plans with tokens it has not seen yet). When nothing
+is left to schedule, an empty step collects the last output.
 """
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Any, Iterable
 
 from actors.executor_base import Executor
@@ -50,7 +50,7 @@ class EngineCore:
         self._num_steps = 0
         self._num_tokens_scheduled = 0
         self._num_partial_prefills = 0  # scheduled chunks that ended before the prompt did
-        self._inflight: deque[tuple[SchedulerOutput, Any]] = deque()  # async: submitted, not applied
+        self._outstanding: SchedulerOutput | None = None  # async: run by the workers, output not yet back
         logger.info("EngineCore: %d KV blocks in %d group(s), max_model_len=%d", num_blocks,
                     len(self.kv_cache_config.kv_cache_groups), self.max_model_len)
 
@@ -66,7 +66,7 @@ class EngineCore:
         self.scheduler.abort(req_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._inflight)
+        return self.scheduler.has_unfinished_requests() or self._outstanding is not None
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -77,29 +77,25 @@ class EngineCore:
         return self.scheduler.update_from_output(so, out)
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        """Submit step N+1, then apply step N: one step stays queued at the workers between calls."""
+        """Run step N+1; the workers answer with step N's output, which is applied now."""
         so = self.scheduler.schedule()
+        prev = self._outstanding
+        if not self._needs_run(so) and prev is None:
+            return self.scheduler.update_from_output(so, _empty(so))
+        out = self.executor.execute_model(so)
         outputs: list[EngineCoreOutput] = []
-        if self._needs_run(so):
-            self._inflight.append((so, self._submit(so)))
-            if len(self._inflight) > 1:
-                outputs = self._complete_oldest()
-            return outputs
-        # Nothing to run: apply what is in flight, then this empty step, in step order.
-        while self._inflight:
-            outputs += self._complete_oldest()
-        return outputs + self.scheduler.update_from_output(so, _empty(so))
-
-    def _submit(self, so: SchedulerOutput) -> Any:
-        submit = getattr(self.executor, "execute_model_async", None)
-        if submit is not None:
-            return submit(so)
-        return _Done(self.executor.execute_model(so))
-
-    def _complete_oldest(self) -> list[EngineCoreOutput]:
-        so, handle = self._inflight.popleft()
-        out = self._count(so, handle.result())
-        return self.scheduler.update_from_output(so, out)
+        if prev is not None:
+            if out is None or out.step_id != prev.step_id:
+                got = None if out is None else out.step_id
+                raise RuntimeError(f"workers answered step {so.step_id} with the output of step {got}; "
+                                   f"expected the previous step {prev.step_id}")
+            outputs = self.scheduler.update_from_output(prev, self._count(prev, out))
+        if so.is_empty:
+            # Nothing was launched: the workers hold no step now, and this one has no tokens.
+            self._outstanding = None
+            return outputs + self.scheduler.update_from_output(so, _empty(so))
+        self._outstanding = so
+        return outputs
 
     @staticmethod
     def _needs_run(so: SchedulerOutput) -> bool:
@@ -121,18 +117,8 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
-        self._inflight.clear()  # their outputs are lost with the workers; the driver re-queues requests
+        self._outstanding = None  # its output is lost with the workers; the driver re-queues requests
         self.executor.shutdown()
-
-
-class _Done:
-    """The handle of a step that already ran (executors without asynchronous submission)."""
-
-    def __init__(self, out: ModelRunnerOutput) -> None:
-        self._out = out
-
-    def result(self) -> ModelRunnerOutput:
-        return self._out
 
 
 def _empty(so: SchedulerOutput) -> ModelRunnerOutput:

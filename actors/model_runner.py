@@ -3,7 +3,9 @@
 Each step it applies the scheduler's deltas to the InputBatch, builds the step's inputs on pinned host
 buffers (copied non-blocking, no host synchronisation until the sampled tokens are read back), runs
 the forward under the step's attention metadata, samples, and remembers the tokens it sampled: the
-scheduler never sends them back.
+scheduler never sends them back. With async scheduling it answers each step with the previous step's
+output: step N+1 is launched (its inputs fed step N's tokens on the device) before step N's tokens are
+read back, so the host work of both steps overlaps the GPU's.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from actors.forward_context import AttentionMetadata, ForwardContext, set_forwar
 from actors.input_batch import CachedRequestState, InputBatch
 from actors.sampler import Sampler, SamplingMetadata, request_generator
 from actors.step_profiler import StepTimer
+from actors.token_readback import SampledStep, TokenReadback
 from cluster.config import EngineConfig
 from kvcore.buffers import CpuGpuBuffer
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -61,6 +64,7 @@ class StepInputs:
     attn_metadata: dict[int, AttentionMetadata]
     logits_indices: torch.Tensor
     sample_rows: np.ndarray          # rows whose prefill completes this step (they sample)
+    sampling: SamplingMetadata | None  # for the sample rows, already on the device
     num_scheduled: np.ndarray        # tokens scheduled per row 0..num_reqs-1 (int64)
     graph_size: int | None = None    # a decode batch padded to this bucket (replayable), else None
 
@@ -95,6 +99,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._pad_decode_to_bucket = False
         self.step_timer: StepTimer | None = None  # set by the GPU idle benchmark (Worker.start_step_timing)
+        self.lag_outputs = config.scheduler.async_scheduling
+        self.readback = TokenReadback(self.max_num_reqs, device, self.pin_memory)
+        self._in_flight: SampledStep | None = None  # lag mode: launched, output not yet returned
         self._make_step_buffers()
 
     def _make_step_buffers(self) -> None:
@@ -108,6 +115,8 @@ class ModelRunner:
         self.sample_top_p = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, **kw)
         self.sample_top_k = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int32, **kw)
         self.sample_greedy = CpuGpuBuffer(self.max_num_reqs, dtype=torch.bool, **kw)
+        self.feed_dst = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, **kw)
+        self.feed_src = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, **kw)
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     # ---- model and KV cache -----------------------------------------------------------------
@@ -405,10 +414,14 @@ class ModelRunner:
             num_tokens = num_rows = pad
 
         input_ids = self.input_ids.copy_to_gpu(num_tokens)
+        if self._in_flight is not None and self._in_flight.device_tokens is not None:
+            self._feed_in_flight_tokens(batch.req_ids, cu - num_sched, input_ids)
         positions_dev = self.positions.copy_to_gpu(num_tokens)
         qsl = self.query_start_loc.copy_to_gpu(num_rows + 1)
         seq_lens_dev = self.seq_lens.copy_to_gpu(num_rows)
         logits_indices = self.logits_indices.copy_to_gpu(len(sample_rows))
+        # Before the event below: the next step may rewrite these pinned sources once it has passed.
+        sampling = self._sampling_metadata(sample_rows) if len(sample_rows) else None
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
@@ -428,8 +441,22 @@ class ModelRunner:
         self.slot_mappings_by_gid = {gid: md.slot_mapping for gid, md in attn_metadata.items()}
         self.slot_mappings_by_layer = {name: self.slot_mappings_by_gid[gid]
                                        for name, gid in self.layer_to_group.items()}
-        return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows, num_sched,
-                          pad)
+        return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows, sampling,
+                          num_sched, pad)
+
+    def _feed_in_flight_tokens(self, req_ids: list[str], starts: np.ndarray, input_ids: torch.Tensor) -> None:
+        """Rows that sampled in the step still in flight start this step with that token, which only the
+        device has yet: copy it from the sampler's output into input_ids (two small kernels)."""
+        src = self._in_flight.feed_index(req_ids)
+        rows = np.flatnonzero(src >= 0)
+        k = len(rows)
+        if not k:
+            return
+        self.feed_dst.np[:k] = starts[rows]
+        self.feed_src.np[:k] = src[rows]
+        dst = self.feed_dst.copy_to_gpu(k)
+        tokens = self._in_flight.device_tokens.index_select(0, self.feed_src.copy_to_gpu(k))
+        input_ids.index_copy_(0, dst, tokens)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         batch = self._batch()
@@ -453,13 +480,26 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the step; return its output (rank 0), or with lag_outputs the previous step's (None if
+        there was none). An empty step launches nothing and, lagging, returns what was in flight."""
         if self._copies_done is not None:
             self._copies_done.synchronize()  # normally long done; guards the pinned buffers
             self._copies_done = None
         self.update_states(so)
-        batch = self._batch()
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [], step_id=so.step_id) if self.rank == 0 else None
+            previous, self._in_flight = self._in_flight, None
+            if previous is not None:
+                return self._complete(previous)
+            return None if self.lag_outputs or self.rank != 0 else ModelRunnerOutput([], [], step_id=so.step_id)
+        step = self._launch(so)
+        if not self.lag_outputs:
+            return self._complete(step)
+        previous, self._in_flight = self._in_flight, step
+        return None if previous is None else self._complete(previous)
+
+    def _launch(self, so: SchedulerOutput) -> SampledStep:
+        """Queue the step's GPU work and the copy of its sampled tokens to the host; no host sync."""
+        batch = self._batch()
         inputs = self._prepare_inputs(so)
         if self.step_timer is not None:
             self.step_timer.begin(batch.num_reqs, so.total_num_scheduled_tokens)
@@ -471,28 +511,33 @@ class ModelRunner:
             with set_forward_context(ctx):
                 hidden = self._model()(inputs.input_ids, inputs.positions)
         tokens = None
-        if len(inputs.sample_rows):
+        if inputs.sampling is not None:
             logits = self._model().compute_logits(hidden[inputs.logits_indices])
-            tokens = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
+            tokens = self.sampler(logits, inputs.sampling)
         if self.step_timer is not None:
             self.step_timer.end()  # also for a step that samples nothing, or its begin stays unpaired
-        sampled: list[int] = [] if tokens is None else tokens.tolist()  # the step's one host sync
-        return self._record(so, inputs, sampled, batch)
-
-    def _record(self, so: SchedulerOutput, inputs: StepInputs, sampled: list[int],
-                batch: InputBatch) -> ModelRunnerOutput | None:
-        # The batch's arrays are updated in one numpy pass each; only the per-request states, which
-        # outlive their rows, need a Python loop (one dict lookup per request).
         req_ids = batch.req_ids
         states = list(map(self.requests.__getitem__, req_ids))
-        out_tokens: list[list[int]] = [[] for _ in req_ids]
-        batch.append_tokens(inputs.sample_rows, sampled)
-        for row, token in zip(inputs.sample_rows.tolist(), sampled):
-            states[row].output_token_ids.append(token)
-            out_tokens[row] = [token]
-        batch.num_computed_tokens[:len(req_ids)] += inputs.num_scheduled
-        for state, n in zip(states, inputs.num_scheduled.tolist()):
-            state.num_computed_tokens += n
+        return self.readback.start(so.step_id, req_ids, states, inputs.sample_rows, tokens,
+                                   index_for_feed=self.lag_outputs)
+
+    def _complete(self, step: SampledStep) -> ModelRunnerOutput | None:
+        """Wait for the step's tokens and record them. Lagging, the batch may have changed since the
+        step ran (rows moved, requests gone): tokens go to the rows and states of the same live requests."""
+        sampled = step.tokens()  # the host sync: with lag_outputs the next step is queued already
+        out_tokens: list[list[int]] = [[] for _ in step.req_ids]
+        if sampled:
+            batch = self._batch()
+            requests = self.requests
+            rows_now = np.full(len(sampled), -1, dtype=np.int64)
+            for i, (row, token) in enumerate(zip(step.sample_rows.tolist(), sampled)):
+                state = step.states[row]
+                out_tokens[row] = [token]
+                if requests.get(state.req_id) is state:
+                    state.output_token_ids.append(token)
+                    rows_now[i] = batch.req_id_to_index.get(state.req_id, -1)
+            live = rows_now >= 0
+            batch.append_tokens(rows_now[live], np.asarray(sampled)[live])
         if self.rank != 0:
             return None
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=out_tokens, step_id=so.step_id)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out_tokens, step_id=step.step_id)

@@ -26,6 +26,9 @@ class NoopWorker:
         self.num_tokens: dict[str, int] = {}  # tokens each request holds: prompt + sampled so far
         self.fault: tuple[str, int] | None = None
         self.steps = 0
+        # Async scheduling: like the model runner, answer each step with the previous step's output.
+        self.lag_outputs = config.scheduler.async_scheduling
+        self._held: ModelRunnerOutput | None = None
 
     # ---- the Worker contract ----------------------------------------------------------------
     def init_device(self) -> None:
@@ -71,7 +74,11 @@ class NoopWorker:
                 sampled.append([])
         if self.rank != 0:
             return None
-        return ModelRunnerOutput(req_ids, sampled, step_id=so.step_id)
+        out = ModelRunnerOutput(req_ids, sampled, step_id=so.step_id)
+        if not self.lag_outputs:
+            return out
+        held, self._held = self._held, (None if so.is_empty else out)
+        return held
 
     def execute_method(self, method: str, *args, **kwargs):
         return getattr(self, method)(*args, **kwargs)

@@ -114,16 +114,12 @@ class RayExecutor(Executor):
         return gather_ranks(refs, method, timeout_s, on_timeout=lambda ranks: WorkerFailure(
             ranks[0], f"{method} did not finish within {timeout_s:g}s on rank(s) {ranks}"))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output).result()
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Any:
-        """Send the step without waiting; `.result()` of the answer waits (async scheduling)."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.transport is None:
             # Compiled only now: set-up calls must not compete with a live graph's channels.
             self.transport = make_transport(self.config.ray.transport, self.workers,
                                             self.config.parallel.step_timeout_s)
-        return self.transport.submit(scheduler_output)
+        return self.transport.broadcast(scheduler_output)
 
     @property
     def failed(self) -> bool:

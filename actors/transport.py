@@ -1,8 +1,6 @@
 """The control-plane broadcast: one SchedulerOutput to every tensor-parallel rank, rank 0's reply back.
 
-Two transports with one contract (`broadcast(so) -> ModelRunnerOutput`, `close()`; `submit(so)` returns a
-PendingStep whose `result()` is the same answer, so async scheduling can queue step N+1 at the workers
-before it reads step N: steps complete in submission order on every rank):
+Two transports with one contract (`broadcast(so) -> rank 0's ModelRunnerOutput | None`, `close()`):
 - CompiledGraphTransport: a Ray Compiled Graph (InputNode -> every worker's execute_model ->
   MultiOutputNode), compiled once; each step writes the message once to shared-memory channels, which
   skips the per-call task submission of plain actor calls (~0.2 ms vs ~1.3 ms a round trip).
@@ -106,12 +104,10 @@ class _Transport:
         self.step_timeout_s = step_timeout_s
         self.failure: WorkerFailure | None = None
 
-    def broadcast(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit(so).result()
-
-    def submit(self, so: SchedulerOutput) -> "PendingStep":
-        """Send the step to every rank without waiting for it."""
-        return PendingStep(self, so, self._guard(self._submit, so))
+    def broadcast(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Send the step to every rank and return rank 0's answer (within step_timeout_s)."""
+        handle = self._guard(self._submit, so)
+        return self._guard(self._collect, so, handle)
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         # After a failure the transport stays broken: survivors may sit in a collective.
@@ -141,21 +137,6 @@ class _Transport:
         pass
 
 
-class PendingStep:
-    """A submitted step; result() waits for it once (later calls return the same answer)."""
-
-    def __init__(self, transport: _Transport, so: SchedulerOutput, handle: Any) -> None:
-        self.transport = transport
-        self.so = so
-        self.handle = handle
-        self._out: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._out is None:
-            self._out = self.transport._guard(self.transport._collect, self.so, self.handle)
-        return self._out
-
-
 class ActorCallTransport(_Transport):
     name = "actor_calls"
 
@@ -177,8 +158,7 @@ class CompiledGraphTransport(_Transport):
 
         with InputNode() as inp:
             dag = MultiOutputNode([w.execute_model.bind(inp) for w in self.workers])
-        # Async scheduling keeps at most two executions in flight, well within the graph's default
-        # capacity (ray.dag: _max_inflight_executions, 10 unless RAY_CGRAPH_max_inflight_executions).
+        # One execution is in flight at a time (async scheduling overlaps inside the workers instead).
         self.graph = dag.experimental_compile(_submit_timeout=step_timeout_s)
 
     def _submit(self, so: SchedulerOutput) -> Any:

@@ -1,5 +1,5 @@
 """The worker's own host work per decode step, on this CPU: ModelRunner.update_states,
-_prepare_inputs, and the rest of execute_model (sampling metadata, sampled-token bookkeeping).
+_prepare_inputs (with the sampling metadata), and the rest of execute_model (sampled-token bookkeeping).
 
 256 requests (prompts of 200-800 tokens, so block boundaries are staggered and ~1 in 16 rows gains a
 block per step) run decode steps; the real Scheduler (block_size 16, one KV group, Qwen3-0.6B's 28
@@ -141,9 +141,10 @@ def main() -> None:
     for _ in range(warmup):
         step(sched, runner)
 
-    # Inner pieces: _update_cached is part of update_states; _sampling_metadata and _record of the rest.
+    # Inner pieces: _update_cached is part of update_states, _sampling_metadata of _prepare_inputs;
+    # _complete (the sampled-token bookkeeping) of the rest.
     timer = Timer(runner, ["update_states", "_prepare_inputs", "_update_cached", "_sampling_metadata",
-                           "_record"])
+                           "_complete"])
     rows = []
     for _ in range(args.steps):
         timer.reset()
@@ -152,11 +153,11 @@ def main() -> None:
         us = timer.us
         rows.append((total, us["update_states"], us["_prepare_inputs"],
                      total - us["update_states"] - us["_prepare_inputs"], us["_update_cached"],
-                     us["_sampling_metadata"], us["_record"]))
+                     us["_sampling_metadata"], us["_complete"]))
     med = [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
     print(f"256 decodes, median of {args.steps} steps (us): execute_model {med[0]:.1f} = "
           f"update_states {med[1]:.1f} + _prepare_inputs {med[2]:.1f} + rest {med[3]:.1f}")
-    print(f"  inside: _update_cached {med[4]:.1f}, _sampling_metadata {med[5]:.1f}, _record {med[6]:.1f}")
+    print(f"  inside: _update_cached {med[4]:.1f}, _sampling_metadata {med[5]:.1f}, _complete {med[6]:.1f}")
 
     if args.profile:
         prof = cProfile.Profile()

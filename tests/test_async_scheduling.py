@@ -286,6 +286,36 @@ def test_engine_async_matches_hf_and_sync(reference):
     assert all(s == first for s in sampled.values()), sampled
 
 
+def test_engine_async_abort_and_reused_id_while_in_flight(reference):
+    """The workers answer a step with the previous step's output: a request aborted while its token is
+    in flight, and a new request under the same id, must not receive the old request's token."""
+    path, prompts, expected = reference
+    config = engine_config(path, async_on=True, tight=False)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LocalExecutor(config) as executor:
+        engine = EngineCore(config, executor)
+        engine.add_request(Request("x", prompts[0], sp, eos_token_id=None))
+        engine.add_request(Request("y", prompts[2], sp, eos_token_id=None))
+        tokens: dict[str, list[int]] = {}
+        for _ in range(4):  # prefill, then decodes: one step is always in flight at the workers
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine._outstanding is not None
+        engine.abort(["x"])
+        for out in engine.step():  # tells the workers; x's token from the step in flight is dropped
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.add_request(Request("x", prompts[1], sp, eos_token_id=None))
+        tokens.pop("x", None)
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error is None, out.error
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert tokens["y"] == expected[2]
+        assert tokens["x"] == expected[1], tokens["x"]
+        manager = engine.kv_cache_manager
+        assert manager.block_pool.num_free_blocks == manager.block_pool.num_blocks - 1, "blocks leaked"
+
+
 # ---------------------------------------------------------------- 4. through Ray
 
 def test_ray_async_compiled_graph_matches_hf(reference):
