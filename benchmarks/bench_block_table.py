@@ -5,8 +5,12 @@ row, 256 rows, 8,192-token buffer), batches (requests x tokens each) 1x1, 256x1,
 1x8192; plus 256x1 with two groups in the same single launch. Timed with triton.testing.do_bench.
 Commit: 256 running requests in a 256 x 12,500 table; each step appends one block to every row
 (the worst decode step; usually only 1 in 16 rows gains a block) and, in a second case, also moves
-four long rows (condense after finishes). Timed per step from a CUDA event recorded before the
-commit call to one after it, so the host work of building the delta counts too.
+four long rows (condense after finishes). Timed per step two ways, in separate series: "wall", from
+a CUDA event recorded on an idle GPU before the commit call to one after it, so the host work of
+building the delta and launching counts too; and "stream", with the GPU kept busy by a sleep kernel
+queued first, so the events see only the device time the commit adds to the step's stream (what a
+step pays once async scheduling overlaps the host work with the previous step). The host time of
+the call is reported as well.
 Every figure is checked against the torch reference / the CPU table before it is reported.
 
   python benchmarks/bench_block_table.py            # GPU; appends to results/bench_block_table.jsonl
@@ -98,7 +102,7 @@ def bench_slot_mapping(device: torch.device, sz: dict) -> dict[str, float]:
 
 
 def commit_step_us(bt: BlockTable, rng: np.random.Generator, steps: int, moves: int,
-                   device: torch.device) -> tuple[float, float]:
+                   device: torch.device, busy: bool = False) -> tuple[float, float]:
     """Median time per step of commit_block_table after one appended block per row (and
     `moves` row swaps), and the median host time of the call alone; every row must have room
     for `steps` more blocks."""
@@ -111,6 +115,8 @@ def commit_step_us(bt: BlockTable, rng: np.random.Generator, steps: int, moves: 
             bt.swap_row(int(src), int(tgt))
         if cuda:
             torch.cuda.synchronize()
+            if busy:
+                torch.cuda._sleep(400_000)  # ~200 us of GPU work: the launches below queue behind it
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             t = time.perf_counter()
@@ -137,13 +143,16 @@ def bench_commit(device: torch.device, sz: dict) -> dict[str, float]:
                             device, commit_mode=mode)
             rng = np.random.default_rng(1)
             for r in range(sz["reqs"]):
-                n = int(rng.integers(1, bt.max_num_blocks_per_req - sz["steps"]))
+                n = int(rng.integers(1, bt.max_num_blocks_per_req - 2 * sz["steps"]))
                 bt.add_row(rng.integers(1, 1 << 22, size=n).tolist(), r)
             bt.commit_block_table(sz["reqs"])
             us, host_us = commit_step_us(bt, rng, sz["steps"], moves, device)
-            results[f"{mode}_moves{moves}"] = us
-            print(f"commit {mode:>5}, {sz['reqs']} appends + {moves} swaps: {us:8.2f} us "
-                  f"(host {host_us:.2f} us)", flush=True)
+            stream_us, _ = commit_step_us(bt, rng, sz["steps"], moves, device, busy=True)
+            results[f"{mode}_moves{moves}"] = stream_us
+            results[f"{mode}_moves{moves}_wall"] = us
+            results[f"{mode}_moves{moves}_host"] = host_us
+            print(f"commit {mode:>5}, {sz['reqs']} appends + {moves} swaps: stream {stream_us:8.2f} us, "
+                  f"wall {us:8.2f} us, host {host_us:.2f} us", flush=True)
     return results
 
 
@@ -164,6 +173,9 @@ def main() -> None:
         record(SCRIPT, metric, us, "us")
     record(SCRIPT, "commit_delta_us_256req", commit["delta_moves0"], "us")
     record(SCRIPT, "commit_full_us_256req", commit["full_moves0"], "us")
+    for mode in ("delta", "full"):
+        record(SCRIPT, f"commit_{mode}_wall_us_256req", commit[f"{mode}_moves0_wall"], "us")
+        record(SCRIPT, f"commit_{mode}_host_us_256req", commit[f"{mode}_moves0_host"], "us")
     record(SCRIPT, "commit_delta_us_256req_4swaps", commit["delta_moves4"], "us")
     record(SCRIPT, "commit_full_us_256req_4swaps", commit["full_moves4"], "us")
     record(SCRIPT, "commit_full_over_delta_ratio", commit["full_moves0"] / commit["delta_moves0"],
