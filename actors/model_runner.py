@@ -172,10 +172,15 @@ class ModelRunner:
         self.profile_run()
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        # Memory held by others (other processes, the CUDA context, NCCL) is outside torch's counters.
-        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        used = torch.cuda.max_memory_allocated(self.device) + max(non_torch, 0)
-        budget = int(total * self.config.cache.gpu_memory_utilization) - used
+        share = self.config.parallel.gpus_per_worker
+        used = torch.cuda.max_memory_allocated(self.device)
+        if share >= 1.0:
+            # Memory held by others (other processes, the CUDA context, NCCL) is outside torch's counters.
+            used += max((total - free) - torch.cuda.memory_reserved(self.device), 0)
+        # Ranks sharing the GPU size their caches at the same time: each takes its share of the budget
+        # and counts only its own tensors (what the others hold is theirs; the CUDA contexts come out
+        # of the 1 - gpu_memory_utilization headroom).
+        budget = int(total * self.config.cache.gpu_memory_utilization * min(share, 1.0)) - used
         torch.cuda.empty_cache()
         logger.info("rank %d: KV budget %.2f GiB (total %.2f, peak used %.2f)", self.rank, budget / 2**30,
                     total / 2**30, used / 2**30)
