@@ -12,15 +12,13 @@ Appends JSON lines to benchmarks/results/control_plane.jsonl; `control_plane_us_
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ray  # noqa: E402
 
@@ -28,13 +26,15 @@ from actors.engine_core import EngineCore  # noqa: E402
 from actors.ray_executor import RayExecutor  # noqa: E402
 from cluster.config import EngineConfig  # noqa: E402
 from cluster.placement import create_placement_group, remove, start_local_ray  # noqa: E402
+from common import record  # noqa: E402
 from kvcore.request import Request, SamplingParams  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "control_plane.jsonl")
 
 
-def measure(tp: int, transport: str, steps: int, num_reqs: int, device: str) -> dict[str, float]:
+def measure(tp: int, transport: str, steps: int, num_reqs: int, device: str,
+            gpus_per_worker: float) -> dict[str, float]:
     config = EngineConfig().replace(tensor_parallel_size=tp, transport=transport, device=device,
+                                    gpus_per_worker=gpus_per_worker,
                                     num_gpu_blocks=8192, max_num_seqs=max(num_reqs, 1), max_model_len=4096,
                                     max_num_batched_tokens=4096, step_timeout_s=60)
     pg = create_placement_group(config, name=f"bench-tp{tp}-{transport}")
@@ -51,7 +51,7 @@ def measure(tp: int, transport: str, steps: int, num_reqs: int, device: str) -> 
             t0 = time.perf_counter()
             so = engine.scheduler.schedule()
             t1 = time.perf_counter()
-            out = engine._run(so)
+            out = engine.executor.execute_model(so)
             engine.scheduler.update_from_output(so, out)
             t2 = time.perf_counter()
             times.append(t2 - t0)
@@ -62,22 +62,6 @@ def measure(tp: int, transport: str, steps: int, num_reqs: int, device: str) -> 
         if engine is not None:
             engine.shutdown()
         remove(pg)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(RESULTS)).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(0)
-    return f"cpu ({os.cpu_count()} cores)"
 
 
 def main() -> None:
@@ -94,29 +78,25 @@ def main() -> None:
         ray.init(include_dashboard=False)
     else:
         start_local_ray(num_cpus=need, include_dashboard=False)
-    command = "python " + " ".join(sys.argv)
-    meta = {"device": device_name(args.device), "commit": commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command}
-    rows = []
+    results = []
     try:
+        num_gpus = int(ray.cluster_resources().get("GPU", 0))
         for tp in args.tp:
+            # The no-op workers never touch the GPU: on a host with fewer GPUs than ranks they share.
+            gpus_per_worker = 1.0 if args.device == "cpu" or tp <= num_gpus else max(num_gpus, 1) / tp
             for transport in args.transports:
-                r = measure(tp, transport, args.steps, args.num_reqs, args.device)
+                r = measure(tp, transport, args.steps, args.num_reqs, args.device, gpus_per_worker)
                 print(f"tp={tp} transport={transport:15s} step median {r['step_us']:9.1f} us  "
                       f"p90 {r['p90_step_us']:9.1f} us  (schedule alone {r['schedule_us']:.1f} us)", flush=True)
-                rows.append({"metric": f"control_plane_us_tp{tp}_{transport}", "value": round(r["step_us"], 1),
-                             "unit": "us", **meta})
-                if tp == 2 and transport == "compiled_graph":
-                    rows.append({"metric": "control_plane_us_tp2", "value": round(r["step_us"], 1),
-                                 "unit": "us", **meta})
+                results.append((tp, transport, r["step_us"]))
     finally:
         ray.shutdown()
-    if not args.no_write:
-        with open(RESULTS, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    for row in rows:
-        print(json.dumps(row))
+    if args.no_write:
+        return
+    for tp, transport, us in results:
+        record("control_plane", f"control_plane_us_tp{tp}_{transport}", us, "us")
+        if transport == "compiled_graph" and tp in (2, 4):
+            record("control_plane", f"control_plane_us_tp{tp}", us, "us")
 
 
 if __name__ == "__main__":

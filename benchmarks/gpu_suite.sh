@@ -1,18 +1,57 @@
 #!/usr/bin/env bash
-# One GPU session, batched into one command because device time is scarce: the CUDA-graph correctness
-# check (greedy equal to HF), end-to-end throughput against HF transformers on the same prompts, and the
-# GPU idle fraction between decode steps. Run from the repo root after `source .gpu/bootstrap.sh`.
-# Logs and JSON lines go to $OUT.
+# The GPU checks and benchmarks, batched into few device calls because device time is scarce.
+# Run from the repo root after `source .gpu/bootstrap.sh`; logs and JSON lines go to $OUT, one log per
+# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | llama | all)
+#   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
+#          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
+#          shape; the control plane on the GPU host.
+#   llama: TP=2 on one GPU (gloo) against TP=1; bf16 against HF fp32; the Llama-3.1-8B shape offline
+#          (ShareGPT-like) and through `kvray run`.
 set -u
 OUT=${OUT:-/tmp/kvray-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+MODELS=/tmp/kvray-models
 step() {
   local name=$1 limit=$2; shift 2
   echo "== $name, limit ${limit}s, $(date +%T)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "rc=$? $name $(date +%T)"
-  grep -E "RESULT|kvray:|hf:|PASS|FAIL|Traceback|Error" "$OUT/$name.log" | tail -12
+  grep -E "RESULT|kvray:|hf:|PASS|FAIL|Traceback|Error|idle|tok/s|us|TP=" "$OUT/$name.log" \
+    | grep -v "pid=" | tail -${TAIL:-14}
 }
-step cuda_graphs 150 python3 benchmarks/check_cuda_graphs.py
-step offline_qwen3 330 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload small --hf
-step decode_idle 130 python3 benchmarks/bench_decode_idle.py --configs graphs_async,graphs_sync
+make_model() {  # shape dtype -> path on stdout
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import make_random_model; \
+print(make_random_model('$1', '$MODELS', '$2'))" 2>/dev/null | tail -1
+}
+kvray_run() {  # name model_dir extra args...
+  local name=$1 model=$2; shift 2
+  step "$name" 240 python3 -m cluster.cli run --config configs/gpu.yaml --set "model.model=$model" \
+    --no-progress --summary-json "$OUT/$name.json" --output /tmp/$name.out.jsonl "$@"
+}
+
+phase_qwen() {
+  step cuda_graphs 180 python3 benchmarks/check_cuda_graphs.py
+  step layer_kernels 120 python3 benchmarks/bench_layer_kernels.py
+  step block_table 120 python3 benchmarks/bench_block_table.py
+  step decode_idle 200 python3 benchmarks/bench_decode_idle.py --configs graphs_async,graphs_sync
+  step offline_qwen3 200 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload small --async-scheduling
+  local q; q=$(make_model qwen3-0.6b bfloat16)
+  kvray_run run_qwen3 "$q" --num-requests 512 --max-tokens 256 --profile /tmp/trace --profile-steps 5 --profile-skip 60
+  TAIL=60 step trace_summary 60 python3 benchmarks/summarize_trace.py /tmp/trace
+  step control_plane 150 python3 benchmarks/control_plane.py --device cuda --tp 1 2 4
+}
+
+phase_llama() {
+  step check_tp 240 python3 benchmarks/check_tp.py
+  step bf16_divergence 200 python3 benchmarks/bf16_divergence.py
+  step offline_llama8b 420 python3 benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt --async-scheduling
+  local l; l=$(make_model llama-3.1-8b bfloat16)
+  kvray_run run_llama8b "$l" --num-requests 512 --max-tokens 256
+}
+
+case "${1:-all}" in
+  qwen) phase_qwen ;;
+  llama) phase_llama ;;
+  all) phase_qwen; phase_llama ;;
+  *) echo "usage: $0 qwen|llama|all"; exit 2 ;;
+esac
