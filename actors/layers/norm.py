@@ -1,17 +1,24 @@
 """RMSNorm, computed exactly as HF Llama/Qwen do: statistics in float32, cast back to the input
-dtype before the weight multiply (the order matters for bit-faithful bf16 results)."""
+dtype before the weight multiply (the order matters for bit-faithful bf16 results).
+
+Backend "torch" runs the ops below (the CPU path, compared token for token with HF); "triton" runs
+one fused kernel (residual add included) that rounds at the same points."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from actors.layers.weight_utils import default_weight_loader, new_param
+from kvcore.kernels import layer_ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype, backend: str = "torch") -> None:
         super().__init__()
+        if backend not in layer_ops.BACKENDS:
+            raise ValueError(f"backend={backend!r}: must be one of {layer_ops.BACKENDS}")
         self.eps = eps
+        self.backend = backend
         self.weight = new_param((hidden_size,), params_dtype, default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -24,6 +31,8 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: the pre-norm block's residual add fused in front,
         returning (norm(x + residual), x + residual), the same values HF gets in two steps."""
+        if self.backend == "triton":
+            return layer_ops.rms_norm(x, self.weight, self.eps, residual, backend="triton")
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -3,6 +3,10 @@
 Supported `rope_type`s: "default", "linear" and Llama-3.1's "llama3". The inverse frequencies and
 the cos/sin table are computed in float32 on the CPU with the same operations HF uses, then kept on
 the model's device; at use they are cast to the activation dtype, as HF does before multiplying.
+
+Backend "torch" runs the ops below; "triton" runs one kernel for q and k together (see
+kvcore/kernels/qk_norm_rope.py), which can also apply Qwen3's per-head q/k RMSNorm first
+(`forward_fused`) and reads q/k straight out of the QKV projection's output.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from kvcore.kernels import layer_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -87,8 +93,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_size: int, max_position: int, rope: RopeParams) -> None:
+    def __init__(self, head_size: int, max_position: int, rope: RopeParams, backend: str = "torch") -> None:
         super().__init__()
+        if backend not in layer_ops.BACKENDS:
+            raise ValueError(f"backend={backend!r}: must be one of {layer_ops.BACKENDS}")
+        self.backend = backend
         if head_size % 2:
             raise ValueError(f"head_dim={head_size}: rotary embedding needs an even head size")
         self.head_size, self.max_position = head_size, max_position
@@ -102,10 +111,22 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, Hq*D] or [T, Hq, D], key likewise; positions [T] int64. Returns the same shapes."""
+        if self.backend == "triton":
+            q, k = self.forward_fused(positions, query, key)
+            return q.view(query.shape), k.view(key.shape)
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
         sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
         return self._apply(query, cos, sin), self._apply(key, cos, sin)
+
+    def forward_fused(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                      q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                      eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+        """Triton path: per-head RMSNorm of q and k (when weights are given), then rotary, in one
+        launch. query/key may be row-strided [T, H*D] views (no copies are made); returns new
+        contiguous q [T, Hq*D], k [T, Hkv*D]."""
+        return layer_ops.qk_norm_rope(query, key, positions, self.cos_sin_cache, q_norm_weight,
+                                      k_norm_weight, eps, backend="triton")
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -42,13 +42,13 @@ class DecoderAttention(nn.Module):
                  backend: str) -> None:
         super().__init__()
         d = args.head_dim
-        self.head_dim = d
+        self.head_dim, self.backend = d, backend
         self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_heads, args.num_kv_heads,
                                           args.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, args.o_bias, dtype,
                                         name="num_attention_heads * head_dim")
-        self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype) if args.qk_norm else None
-        self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype, backend) if args.qk_norm else None
+        self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype, backend) if args.qk_norm else None
         self.rotary_emb = rotary
         self.attn = Attention(attention_layer_name(layer_idx), self.qkv_proj.num_heads,
                               self.qkv_proj.num_kv_heads, d, d ** -0.5,
@@ -56,6 +56,8 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.backend == "triton":
+            return self.o_proj(self.attn(*self._norm_rope_fused(positions, q, k), v))
         if self.q_norm is not None and self.k_norm is not None:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
@@ -63,14 +65,23 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
+    def _norm_rope_fused(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q/k norm and rotary in one launch, reading q and k in place from the QKV output; v stays
+        a strided view too (the cache-write and attention kernels take row strides)."""
+        if self.q_norm is None or self.k_norm is None:
+            return self.rotary_emb.forward_fused(positions, q, k)
+        return self.rotary_emb.forward_fused(positions, q, k, self.q_norm.weight, self.k_norm.weight,
+                                             self.q_norm.eps)
+
 
 class DecoderMLP(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, backend: str) -> None:
         super().__init__()
         inter = args.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [inter, inter], args.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, dtype, name="intermediate_size")
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -81,9 +92,9 @@ class DecoderLayer(nn.Module):
                  backend: str) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(args, layer_idx, rotary, dtype, backend)
-        self.mlp = DecoderMLP(args, dtype)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.mlp = DecoderMLP(args, dtype, backend)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,9 +111,9 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, backend: str) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype)
-        rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
+        rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope, backend)
         self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, dtype, backend) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

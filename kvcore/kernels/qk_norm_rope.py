@@ -1,0 +1,113 @@
+"""Triton per-head q/k RMSNorm (Qwen3) + neox rotary embedding: q and k in one launch.
+
+q and k are read where the QKV projection left them (row-strided views of its output, so no
+`.contiguous()` copies) and written to fresh contiguous [T, H*D] tensors, the layout attention
+expects. The grid is (token, head tile); the first tiles of a token cover q heads, the rest k heads,
+so a tile never mixes the two and picks its tensors with one scalar branch.
+
+Rounding matches the torch layers (HF's order): the normalised value and its weight product are
+rounded to the activation dtype as in RMSNorm; cos/sin are rounded to the activation dtype; each
+product x*cos and rotate_half(x)*sin, and their sum, is rounded to the activation dtype. Since the
+products of two bf16 values are exact in fp32, rotary alone is bit-exact; only the fp32 norm
+statistic (summation order) can differ from torch, by a few fp32 ulps.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.kernels.rounding import round_to
+
+TILE_ELEMS = 2048  # elements of one program's tile: enough bytes in flight, few registers
+
+
+@triton.jit
+def _norm_rope_tile(src_ptr, dst_ptr, w_ptr, stride_st, stride_sh, stride_dt, token, heads,
+                    num_heads, cos, sin, eps,
+                    HEAD_SIZE: tl.constexpr, HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+    half: tl.constexpr = HEAD_SIZE // 2
+    dims = tl.arange(0, HALF_BLOCK)
+    dim_ok = dims < half
+    mask = (heads < num_heads)[:, None] & dim_ok[None, :]
+    src = src_ptr + token * stride_st + heads[:, None] * stride_sh + dims[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    dtype = dst_ptr.dtype.element_ty
+    if HAS_NORM:
+        sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        rstd = tl.rsqrt(sum_sq * (1.0 / HEAD_SIZE) + eps)[:, None]
+        w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + half + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        x1 = round_to(round_to(x1 * rstd, dtype) * w1, dtype)
+        x2 = round_to(round_to(x2 * rstd, dtype) * w2, dtype)
+    # out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); negation is exact.
+    o1 = round_to(round_to(x1 * cos, dtype) - round_to(x2 * sin, dtype), dtype)
+    o2 = round_to(round_to(x2 * cos, dtype) + round_to(x1 * sin, dtype), dtype)
+    dst = dst_ptr + token * stride_dt + heads[:, None] * HEAD_SIZE + dims[None, :]
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + half, o2, mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, qw_ptr, kw_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_kot, stride_cache,
+    num_q_heads, num_kv_heads, eps,
+    HEAD_SIZE: tl.constexpr, HALF_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    num_q_tiles = tl.cdiv(num_q_heads, BLOCK_H)
+    dims = tl.arange(0, HALF_BLOCK)
+    dim_ok = dims < HEAD_SIZE // 2
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    row = cache_ptr + pos * stride_cache
+    dtype = q_out_ptr.dtype.element_ty
+    cos = round_to(tl.load(row + dims, mask=dim_ok, other=0.0), dtype)[None, :]
+    sin = round_to(tl.load(row + HEAD_SIZE // 2 + dims, mask=dim_ok, other=0.0), dtype)[None, :]
+    if tile < num_q_tiles:
+        heads = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+        _norm_rope_tile(q_ptr, q_out_ptr, qw_ptr, stride_qt, stride_qh, stride_qot, token, heads,
+                        num_q_heads, cos, sin, eps, HEAD_SIZE, HALF_BLOCK, HAS_NORM)
+    else:
+        heads = (tile - num_q_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
+        _norm_rope_tile(k_ptr, k_out_ptr, kw_ptr, stride_kt, stride_kh, stride_kot, token, heads,
+                        num_kv_heads, cos, sin, eps, HEAD_SIZE, HALF_BLOCK, HAS_NORM)
+
+
+def _block_heads(num_q_heads: int, num_kv_heads: int, head_size: int) -> int:
+    """A power of two dividing both head counts (no half-empty k tile), capped by TILE_ELEMS."""
+    common = math.gcd(num_q_heads, num_kv_heads)
+    divisor = common & -common
+    return max(1, min(divisor, TILE_ELEMS // triton.next_power_of_2(head_size)))
+
+
+def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None,
+                        k_weight: torch.Tensor | None, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] / k [T, Hkv, D] (unit stride on D, any token/head strides); positions [T];
+    cos_sin_cache [max_pos, D] fp32 (cos | sin). Norm weights [D] or both None.
+    Returns contiguous q [T, Hq*D], k [T, Hkv*D]."""
+    num_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty((num_tokens, num_q_heads * head_size), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_kv_heads * head_size), dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    has_norm = q_weight is not None
+    block_h = _block_heads(num_q_heads, num_kv_heads, head_size)
+    grid = (num_tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
+    _qk_norm_rope_kernel[grid](
+        q, k, q_out, k_out, positions, cos_sin_cache,
+        q_weight if has_norm else q, k_weight if has_norm else k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), k_out.stride(0),
+        cos_sin_cache.stride(0), num_q_heads, num_kv_heads, eps,
+        HEAD_SIZE=head_size, HALF_BLOCK=triton.next_power_of_2(head_size // 2), BLOCK_H=block_h,
+        HAS_NORM=has_norm, num_warps=4, enable_fp_fusion=False,
+    )
+    return q_out, k_out

@@ -1,0 +1,49 @@
+"""Triton SiLU-and-mul: out = silu(gate) * up for x = [gate | up], one launch.
+
+Rounding follows the torch layer (HF's act_fn(gate_proj(x)) * up_proj(x)): silu(gate) is rounded
+to the activation dtype before the multiply, the product rounded again. silu is computed as torch's
+CUDA kernel does, x / (1 + expf(-x)) with an IEEE division; on the GPU expf is libdevice's
+accurate one (not Triton's approximate tl.exp), so bf16 results should match torch's bit for bit
+(benchmarks/bench_layer_kernels.py reports the match rate).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kvcore.kernels.rounding import interpreting, round_to
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d,
+                         BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    if PRECISE_EXP:
+        e = libdevice.exp(-gate)
+    else:  # the interpreter has no libdevice; numpy's exp is accurate anyway
+        e = tl.exp(-gate)
+    dtype = out_ptr.dtype.element_ty
+    act = round_to(tl.div_rn(gate, 1.0 + e), dtype)
+    tl.store(out_ptr + row * stride_out + cols, round_to(act * up, dtype), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """x [M, 2*d] with unit column stride, any row stride -> contiguous [M, d]."""
+    num_rows, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty((num_rows, d), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or d == 0:
+        return out
+    block = min(BLOCK, triton.next_power_of_2(d))
+    grid = (num_rows, triton.cdiv(d, block))
+    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
+                               PRECISE_EXP=not interpreting(), num_warps=4,
+                               enable_fp_fusion=False)
+    return out
