@@ -487,6 +487,9 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the step; return its output (rank 0), or with lag_outputs the previous step's (None if
         there was none). An empty step launches nothing and, lagging, returns what was in flight."""
+        timer = self.step_timer
+        if timer is not None:
+            timer.mark("enter")
         if self._copies_done is not None:
             self._copies_done.synchronize()  # normally long done; guards the pinned buffers
             self._copies_done = None
@@ -497,10 +500,14 @@ class ModelRunner:
                 return self._complete(previous)
             return None if self.lag_outputs or self.rank != 0 else ModelRunnerOutput([], [], step_id=so.step_id)
         step = self._launch(so)
-        if not self.lag_outputs:
-            return self._complete(step)
-        previous, self._in_flight = self._in_flight, step
-        return None if previous is None else self._complete(previous)
+        if timer is not None:
+            timer.mark("launched")
+        if self.lag_outputs:
+            step, self._in_flight = self._in_flight, step
+        out = None if step is None else self._complete(step)
+        if timer is not None:
+            timer.mark("exit")
+        return out
 
     def _launch(self, so: SchedulerOutput) -> SampledStep:
         """Queue the step's GPU work and the copy of its sampled tokens to the host; no host sync."""
@@ -530,6 +537,8 @@ class ModelRunner:
         """Wait for the step's tokens and record them. Lagging, the batch may have changed since the
         step ran (rows moved, requests gone): tokens go to the rows and states of the same live requests."""
         sampled = step.tokens()  # the host sync: with lag_outputs the next step is queued already
+        if self.step_timer is not None:
+            self.step_timer.mark("tokens")
         out_tokens: list[list[int]] = [[] for _ in step.req_ids]
         if sampled:
             batch = self._batch()

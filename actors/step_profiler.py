@@ -99,8 +99,31 @@ class StepTimer:
     bookkeeping and input preparation.
     """
 
+    # Host timestamps the runner marks in each execute_model call, in order: entry, its GPU work queued,
+    # the tokens it waits for (its own, or the previous step's with lag) read back, return.
+    HOST_MARKS = ("enter", "launched", "tokens", "exit")
+
     def __init__(self) -> None:
         self._steps: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event | None]] = []
+        self._calls: list[dict[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        if name == "enter":
+            self._calls.append({})
+        if self._calls:
+            self._calls[-1][name] = time.perf_counter()
+
+    def host_phases(self) -> list[dict[str, float]]:
+        """Per execute_model call, in ms: prepare (entry -> GPU work queued), wait (-> tokens read back),
+        complete (-> return) and outside (return -> next entry: the transport and the driver)."""
+        calls = [c for c in self._calls if all(k in c for k in self.HOST_MARKS)]
+        out = []
+        for prev, c in zip(calls, calls[1:]):
+            out.append({"prepare_ms": (c["launched"] - c["enter"]) * 1e3,
+                        "wait_ms": (c["tokens"] - c["launched"]) * 1e3,
+                        "complete_ms": (c["exit"] - c["tokens"]) * 1e3,
+                        "outside_ms": (c["enter"] - prev["exit"]) * 1e3})
+        return out
 
     def begin(self, num_reqs: int, num_tokens: int) -> None:
         event = torch.cuda.Event(enable_timing=True)

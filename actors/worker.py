@@ -146,6 +146,12 @@ class Worker:
         timer, runner.step_timer = runner.step_timer, None
         return [] if timer is None else timer.collect()
 
+    def collect_host_phases(self) -> list[dict]:
+        """Host-side phases of the timed execute_model calls (StepTimer.host_phases); call before
+        collect_step_timing, which ends the timing."""
+        timer = self._runner().step_timer
+        return [] if timer is None else timer.host_phases()
+
     # ---- housekeeping -----------------------------------------------------------------------
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Generic entry point for executors that address workers by method name."""

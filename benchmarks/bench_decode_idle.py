@@ -75,6 +75,7 @@ def run_config(model_dir: str, name: str, args) -> dict:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
         elapsed = time.perf_counter() - t0
+        phases = ray.get(driver.worker_call.remote(0, "collect_host_phases")) if timing else []
         steps = ray.get(driver.worker_call.remote(0, "collect_step_timing")) if timing else []
     finally:
         llm.shutdown()
@@ -83,6 +84,9 @@ def run_config(model_dir: str, name: str, args) -> dict:
     res = {"config": name, "output_tok_s": n_out / elapsed}
     if steps:
         res.update(idle_stats(steps, args.batch))
+    for key in ("prepare_ms", "wait_ms", "complete_ms", "outside_ms"):
+        if phases:
+            res[key] = statistics.median(p[key] for p in phases)
     return res
 
 
@@ -111,6 +115,12 @@ def main() -> None:
                   f"{r['decode_tok_s']:>14.0f}{r['output_tok_s']:>11.0f}")
         else:
             print(f"{r['config']:<14}{'-':>8}{'-':>12}{'-':>13}{'-':>14}{r['output_tok_s']:>11.0f}")
+    print("worker host phases per execute_model call, median ms: prepare (entry -> GPU work queued), wait "
+          "(-> tokens read back), complete (-> return), outside (return -> next call: transport + driver)")
+    for r in results:
+        if "prepare_ms" in r:
+            print(f"  {r['config']:<14} prepare {r['prepare_ms']:.3f}  wait {r['wait_ms']:.3f}  "
+                  f"complete {r['complete_ms']:.3f}  outside {r['outside_ms']:.3f}")
     if args.smoke:
         return
     for r in results:

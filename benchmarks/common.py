@@ -27,6 +27,10 @@ SHAPES = {
 
 
 def git_commit() -> str:
+    """KVRAY_COMMIT when set (GPU runs work on a copy of the tree, whose .git may be stale or absent),
+    else the checkout's HEAD."""
+    if os.environ.get("KVRAY_COMMIT"):
+        return os.environ["KVRAY_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()

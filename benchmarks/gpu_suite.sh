@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, batched into few device calls because device time is scarce.
 # Run from the repo root after `source .gpu/bootstrap.sh`; logs and JSON lines go to $OUT, one log per
-# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | llama | all)
+# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | llama | all)
 #   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
 #          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
 #          shape; the control plane on the GPU host.
-#   llama: TP=2 on one GPU (gloo) against TP=1; bf16 against HF fp32; the Llama-3.1-8B shape offline
-#          (ShareGPT-like) and through `kvray run`.
+#   checks: GPU idle with the worker's host phases; the worker's and the scheduler's host work on this
+#          host's CPU; TP=2 on one GPU (gloo) against TP=1; bf16 against HF fp32.
+#   llama: the Llama-3.1-8B shape offline (ShareGPT-like) and through `kvray run`.
 set -u
 OUT=${OUT:-/tmp/kvray-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -16,7 +17,7 @@ step() {
   echo "== $name, limit ${limit}s, $(date +%T)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "rc=$? $name $(date +%T)"
-  grep -E "RESULT|kvray:|hf:|PASS|FAIL|Traceback|Error|idle|tok/s|us|TP=" "$OUT/$name.log" \
+  grep -E "RESULT|kvray:|hf:|PASS|FAIL|Traceback|Error|idle|tok/s|us|TP=|graphs_|prepare|median|identical|diverg" "$OUT/$name.log" \
     | grep -v "pid=" | tail -${TAIL:-14}
 }
 make_model() {  # shape dtype -> path on stdout
@@ -41,9 +42,15 @@ phase_qwen() {
   step control_plane 150 python3 benchmarks/control_plane.py --device cuda --tp 1 2 4
 }
 
+phase_checks() {
+  TAIL=30 step decode_idle 200 python3 benchmarks/bench_decode_idle.py --configs graphs_async,graphs_sync
+  step runner_host 90 python3 benchmarks/bench_runner_host.py --steps 300
+  step scheduler_step 90 python3 benchmarks/scheduler_step.py --steps 2000
+  TAIL=30 step check_tp 240 python3 benchmarks/check_tp.py
+  TAIL=30 step bf16_divergence 200 python3 benchmarks/bf16_divergence.py
+}
+
 phase_llama() {
-  step check_tp 240 python3 benchmarks/check_tp.py
-  step bf16_divergence 200 python3 benchmarks/bf16_divergence.py
   step offline_llama8b 420 python3 benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt --async-scheduling
   local l; l=$(make_model llama-3.1-8b bfloat16)
   kvray_run run_llama8b "$l" --num-requests 512 --max-tokens 256
@@ -51,7 +58,8 @@ phase_llama() {
 
 case "${1:-all}" in
   qwen) phase_qwen ;;
+  checks) phase_checks ;;
   llama) phase_llama ;;
-  all) phase_qwen; phase_llama ;;
-  *) echo "usage: $0 qwen|llama|all"; exit 2 ;;
+  all) phase_qwen; phase_checks; phase_llama ;;
+  *) echo "usage: $0 qwen|checks|llama|all"; exit 2 ;;
 esac
