@@ -273,6 +273,8 @@ class EngineDriver:
             if outputs:
                 self._cv.notify_all()
         self._metrics.record_step(stats, step_time, new_tokens)
+        if not self.engine.has_unfinished():
+            self._metrics.flush()  # idle from now on: export the last window at once
 
     def _retire(self, rid: str, live: _Live, now: float) -> None:
         del self._live[rid]

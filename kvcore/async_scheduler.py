@@ -155,9 +155,14 @@ class AsyncScheduler(Scheduler):
             # Finished (a late stop, an abort) since the step was scheduled, or not expected to sample.
             if request is None or rule is None or rule[0] is not request:
                 continue
-            token_ids = self._append_until_stop(rule, token_ids)
             _, token_limit, eos, stop_ids, stops = rule
-            tok = token_ids[-1]
+            if len(token_ids) == 1:  # the common case, inlined as in the base class
+                tok = token_ids[0]
+                request.output_token_ids.append(tok)
+                request.all_token_ids.append(tok)
+            else:
+                token_ids = self._append_until_stop(rule, token_ids)
+                tok = token_ids[-1]
             if request.num_tokens < token_limit and tok not in stops:
                 outputs.append(EngineCoreOutput(rid, token_ids, False, None, None, None,
                                                 request.num_cached_tokens))
