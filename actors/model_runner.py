@@ -467,6 +467,10 @@ class ModelRunner:
         batch = self._batch()
         n = len(rows)
         greedy = batch.greedy[rows]
+        if greedy.all():
+            # Argmax needs no per-row parameters: skip their four copies (launches cost on the host).
+            return SamplingMetadata(None, None, None, None, [None] * n, all_greedy=True,
+                                    need_top_k=False, need_top_p=False)
         self.sample_greedy.np[:n] = greedy
         self.sample_temperature.np[:n] = batch.temperature[rows]
         self.sample_top_p.np[:n] = batch.top_p[rows]
@@ -478,7 +482,7 @@ class ModelRunner:
             # One C-level pass (no generators at all when every request is greedy), not a Python
             # int() and lookup per row.
             generators=list(map(batch.generators.get, rows.tolist())) if batch.generators else [None] * n,
-            all_greedy=bool(greedy.all()),
+            all_greedy=False,
             need_top_k=bool((batch.top_k[rows][random] > 0).any()),
             need_top_p=bool((batch.top_p[rows][random] < 1.0).any()))
 

@@ -18,10 +18,11 @@ import torch
 class SamplingMetadata:
     """Per-row parameters of the rows to sample (device tensors) and host-side summaries."""
 
-    temperature: torch.Tensor          # float32 [N]; ignored on greedy rows
-    greedy: torch.Tensor               # bool [N]
-    top_k: torch.Tensor                # int32/int64 [N]; 0 = disabled
-    top_p: torch.Tensor                # float32 [N]; 1.0 = disabled
+    # The four per-row tensors are None when every row is greedy (all_greedy).
+    temperature: torch.Tensor | None   # float32 [N]; ignored on greedy rows
+    greedy: torch.Tensor | None        # bool [N]
+    top_k: torch.Tensor | None         # int32/int64 [N]; 0 = disabled
+    top_p: torch.Tensor | None         # float32 [N]; 1.0 = disabled
     generators: list[torch.Generator | None]  # one per row; None only on greedy rows
     all_greedy: bool                   # host flags: skip work without reading device tensors
     need_top_k: bool

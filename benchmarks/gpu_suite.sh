@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, batched into few device calls because device time is scarce.
 # Run from the repo root after `source .gpu/bootstrap.sh`; logs and JSON lines go to $OUT, one log per
-# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | llama | all)
+# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | all)
 #   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
 #          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
 #          shape; the control plane on the GPU host.
@@ -50,16 +50,22 @@ phase_checks() {
   TAIL=30 step bf16_divergence 200 python3 benchmarks/bf16_divergence.py
 }
 
+phase_rerun() {  # after host-side changes: the idle share and the offline figure again
+  TAIL=30 step decode_idle 200 python3 benchmarks/bench_decode_idle.py --configs graphs_async,graphs_sync
+  step offline_qwen3 200 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload small --async-scheduling
+}
+
 phase_llama() {
   step offline_llama8b 420 python3 benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt --async-scheduling
   local l; l=$(make_model llama-3.1-8b bfloat16)
-  kvray_run run_llama8b "$l" --num-requests 512 --max-tokens 256
+  kvray_run run_llama8b "$l" --num-requests 256 --max-tokens 128
 }
 
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
+  rerun) phase_rerun ;;
   llama) phase_llama ;;
   all) phase_qwen; phase_checks; phase_llama ;;
-  *) echo "usage: $0 qwen|checks|llama|all"; exit 2 ;;
+  *) echo "usage: $0 qwen|checks|rerun|llama|all"; exit 2 ;;
 esac
