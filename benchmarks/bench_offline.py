@@ -49,9 +49,22 @@ def run_kvray(model_dir: str, prompts, out_lens, args) -> dict:
         warm = [{"prompt_token_ids": p} for p in prompts[:8]]
         llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True))
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
+        driver = llm.engines.drivers[0]
+        before = llm.engines.stats()[0]
+        if args.profile:
+            import ray
+            ray.get(driver.start_profile.remote(args.profile, args.profile_steps, args.profile_skip))
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         elapsed = time.perf_counter() - t0
+        after = llm.engines.stats()[0]
+        if args.profile:
+            print("profile traces:", ray.get(driver.stop_profile.remote()))
+        steps = after["num_steps"] - before["num_steps"]
+        tokens = after["num_tokens_scheduled"] - before["num_tokens_scheduled"]
+        print(f"engine: {steps} steps, {tokens} tokens scheduled ({tokens / max(steps, 1):.0f} a step), "
+              f"{elapsed / max(steps, 1) * 1e3:.2f} ms a step, preemptions "
+              f"{after.get('num_preemptions', 0) - before.get('num_preemptions', 0)}", flush=True)
     finally:
         llm.shutdown()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -104,6 +117,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--profile", metavar="DIR", help="torch profiler traces of a few worker steps into DIR")
+    ap.add_argument("--profile-steps", type=int, default=4)
+    ap.add_argument("--profile-skip", type=int, default=40, help="steps of the timed run before the trace")
     args = ap.parse_args()
 
     model_dir = make_random_model(args.shape, args.model_dir)
