@@ -143,7 +143,7 @@ class CacheConfig(_Section):
     SECTION = "cache"
     block_size: int = 16
     num_gpu_blocks: int | None = None     # None = as many as fit in gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9   # of each GPU; ranks sharing one split it by gpus_per_worker
     cpu_kv_cache_gib: float = 1.0         # KV budget on the CPU device
     enable_prefix_caching: bool = True
 
