@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from check_tp import gpu_used_mib, wait_gpu_released  # noqa: E402
-from common import SHAPES, make_random_model, record  # noqa: E402
+from common import SHAPES, generate_greedy, make_random_model, record  # noqa: E402
 
 TIE_MARGIN = 1e-3  # an HF fp32 top-2 margin below this is within float32 noise of a tie
 
@@ -92,26 +92,14 @@ def run_hf(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str
 # ---- kvray -------------------------------------------------------------------------------------
 def run_kvray(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str,
               args) -> tuple[list[list[int]], float]:
-    from cluster import LLM, SamplingParams
+    from cluster import LLM
 
     extra = ({"cpu_kv_cache_gib": 0.05} if args.device == "cpu" else
              {"gpu_memory_utilization": args.gpu_memory_utilization})
     llm = LLM(model=model_dir, device=args.device, dtype=dtype, tensor_parallel_size=1,
               max_model_len=max(map(len, prompts)) + new_tokens + 16, max_num_seqs=max(len(prompts), 1),
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, **extra)
-    try:
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
-        elapsed = time.perf_counter() - t0
-    finally:
-        llm.shutdown()
-    tokens = []
-    for i, o in enumerate(outs):
-        if o.error is not None:
-            raise RuntimeError(f"kvray {dtype}: request {i} failed: {o.error}")
-        tokens.append(list(o.outputs[0].token_ids))
-    return tokens, elapsed
+    return generate_greedy(llm, prompts, new_tokens, f"kvray {dtype}")
 
 
 # ---- comparison --------------------------------------------------------------------------------

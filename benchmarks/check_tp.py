@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import SHAPES, make_random_model, record  # noqa: E402
+from common import SHAPES, generate_greedy, make_random_model, record  # noqa: E402
 
 TIE_GAP = 1e-3  # float32 logit gap between the two diverging tokens below which a mismatch is a near-tie
 
@@ -76,7 +76,7 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
 
 
 def run_engine(model_dir: str, tp: int, prompts: list[list[int]], args) -> tuple[list[list[int]], float]:
-    from cluster import LLM, SamplingParams
+    from cluster import LLM
 
     extra = ({"cpu_kv_cache_gib": 0.05} if args.device == "cpu" else
              {"gpu_memory_utilization": args.gpu_memory_utilization})
@@ -85,21 +85,9 @@ def run_engine(model_dir: str, tp: int, prompts: list[list[int]], args) -> tuple
               gpus_per_worker=args.gpus_per_worker, max_model_len=max(map(len, prompts)) + args.new_tokens + 16,
               max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, enforce_eager=args.eager, **extra)
-    try:
-        info = llm.engines.info if llm.engines is not None else {}
-        t1 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True))
-        gen_s = time.perf_counter() - t1
-    finally:
-        llm.shutdown()
-    tokens = []
-    for i, o in enumerate(outs):
-        if o.error is not None:
-            raise RuntimeError(f"TP={tp}: request {i} failed: {o.error}")
-        tokens.append(list(o.outputs[0].token_ids))
-        if len(tokens[-1]) != args.new_tokens:
-            raise RuntimeError(f"TP={tp}: request {i} produced {len(tokens[-1])} tokens, not {args.new_tokens}")
+    info = llm.engines.info if llm.engines is not None else {}
+    t1 = time.perf_counter()
+    tokens, gen_s = generate_greedy(llm, prompts, args.new_tokens, f"TP={tp}")
     print(f"  TP={tp}: start {t1 - t0:.1f}s, generate {gen_s:.2f}s, info {info}", flush=True)
     return tokens, gen_s
 

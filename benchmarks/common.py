@@ -77,3 +77,27 @@ def make_random_model(shape: str, out_dir: str, dtype: str = "bfloat16", num_lay
     model.save_pretrained(path, safe_serialization=True)
     del model
     return str(path)
+
+
+def generate_greedy(llm, prompts: list[list[int]], new_tokens: int, label: str) -> tuple[list[list[int]], float]:
+    """Greedy tokens of every prompt (EOS ignored) and the seconds generate() took; shuts the LLM down.
+    A failed request or a short output raises, naming `label` and the request."""
+    import time
+
+    from cluster import SamplingParams
+
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+        elapsed = time.perf_counter() - t0
+    finally:
+        llm.shutdown()
+    tokens = []
+    for i, o in enumerate(outs):
+        if o.error is not None:
+            raise RuntimeError(f"{label}: request {i} failed: {o.error}")
+        tokens.append(list(o.outputs[0].token_ids))
+        if len(tokens[-1]) != new_tokens:
+            raise RuntimeError(f"{label}: request {i} produced {len(tokens[-1])} tokens, not {new_tokens}")
+    return tokens, elapsed

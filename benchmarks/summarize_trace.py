@@ -40,6 +40,16 @@ DEFAULT_MARKER = r"^(ProfilerStep#\d+|execute_model|kvray[ _:.-]?step.*)$"
 ANCHOR_OP, ANCHOR_RUNTIME = "aten::embedding", "cudaGraphLaunch"  # once per step's forward
 
 
+def by_name(events: list[dict]) -> dict[str, list[float]]:
+    """name -> [count, total duration in us]."""
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        a = agg[e["name"]]
+        a[0] += 1
+        a[1] += e["dur"]
+    return agg
+
+
 def load_events(path: Path) -> list[dict[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -190,11 +200,7 @@ def summarize(path: Path, args) -> dict[str, Any]:
 
     # ---- GPU kernels -----------------------------------------------------------------------
     if kernels:
-        agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-        for k in kernels:
-            a = agg[k["name"]]
-            a[0] += 1
-            a[1] += k["dur"]
+        agg = by_name(kernels)
         total = sum(a[1] for a in agg.values())
         rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
         print(f"\nGPU kernels: {len(kernels)} launches of {len(agg)} kernels, {total / 1e3:.3f} ms in total; "
@@ -281,12 +287,7 @@ def summarize(path: Path, args) -> dict[str, Any]:
     else:
         print("\nCPU ops: none in this trace")
     if runtime:
-        agg3: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-        for e in runtime:
-            a = agg3[e["name"]]
-            a[0] += 1
-            a[1] += e["dur"]
-        rows3 = sorted(agg3.items(), key=lambda kv: -kv[1][1])
+        rows3 = sorted(by_name(runtime).items(), key=lambda kv: -kv[1][1])
         print(f"\nCUDA runtime/driver calls (host side), top {min(10, len(rows3))} by total time")
         print(f"{'call':<{args.width}} {'count':>7} {'total ms':>10} {'mean us':>10}")
         for name, (cnt, dur) in rows3[:10]:
