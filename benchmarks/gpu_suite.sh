@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, batched into few device calls because device time is scarce.
 # Run from the repo root after `source .gpu/bootstrap.sh`; logs and JSON lines go to $OUT, one log per
-# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | all)
+# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | multigpu | all)
 #   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
 #          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
 #          shape; the control plane on the GPU host.
 #   checks: GPU idle with the worker's host phases; the worker's and the scheduler's host work on this
 #          host's CPU; TP=2 on one GPU (gloo) against TP=1; bf16 against HF fp32.
 #   llama: the Llama-3.1-8B shape offline (ShareGPT-like) and through `kvray run`.
+#   multigpu: (2+ GPUs) TP=2/4 over NCCL against TP=1, decode scaling TP 1/2/4 and DP2xTP2, control
+#          plane at TP 2/4/8. The fault run at TP=2 is `kvray stress --config configs/gpu-tp2.yaml
+#          --kill-workers 2`.
 set -u
 OUT=${OUT:-/tmp/kvray-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -61,11 +64,18 @@ phase_llama() {
   kvray_run run_llama8b "$l" --num-requests 256 --max-tokens 128
 }
 
+phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
+  TAIL=30 step check_tp_nccl 300 python3 benchmarks/check_tp.py --gpus-per-worker 1 --tp 2,4
+  TAIL=30 step tp_scaling 600 python3 benchmarks/bench_tp_scaling.py
+  step control_plane_tp8 200 python3 benchmarks/control_plane.py --device cuda --tp 2 4 8
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
   rerun) phase_rerun ;;
   llama) phase_llama ;;
+  multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
-  *) echo "usage: $0 qwen|checks|rerun|llama|all"; exit 2 ;;
+  *) echo "usage: $0 qwen|checks|rerun|llama|multigpu|all"; exit 2 ;;
 esac
