@@ -5,7 +5,6 @@ an exit) can be injected at a chosen step for the failure tests.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import torch
@@ -79,17 +78,6 @@ class NoopWorker:
             return out
         held, self._held = self._held, (None if so.is_empty else out)
         return held
-
-    def execute_method(self, method: str, *args, **kwargs):
-        return getattr(self, method)(*args, **kwargs)
-
-    def get_node_ip(self) -> str:
-        try:
-            import ray
-
-            return ray.util.get_node_ip_address()
-        except Exception:  # noqa: BLE001 - outside Ray
-            return socket.gethostbyname(socket.gethostname())
 
     def ping(self) -> int:
         return self.rank

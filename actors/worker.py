@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from typing import Any
 
@@ -153,19 +152,6 @@ class Worker:
         return [] if timer is None else timer.host_phases()
 
     # ---- housekeeping -----------------------------------------------------------------------
-    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Generic entry point for executors that address workers by method name."""
-        return getattr(self, method)(*args, **kwargs)
-
-    def get_node_ip(self) -> str:
-        ray = _ray_module()
-        if ray is not None:
-            return ray.util.get_node_ip_address()
-        try:
-            return socket.gethostbyname(socket.gethostname())
-        except OSError:
-            return "127.0.0.1"
-
     def ping(self) -> int:
         return self.rank
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.driver import PollResult, RequestSpec, RequestTiming, driver_actor_class
 from cluster.config import EngineConfig
@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 DRIVER_NAME_PREFIX = "kvray-driver-"
+DRIVER_CALL_GRACE_S = 30.0  # beyond parallel.step_timeout_s, for a call into a driver actor
 
 
 class EngineFailure(RuntimeError):
@@ -129,14 +130,20 @@ class EngineGroup:
         return Finished(o, res.timings.get(o.request_id))
 
     def _get(self, ref: Any, replica: int) -> Any:
+        # The driver answers these calls between steps (its step loop never holds their lock long): a
+        # driver silent for this long is hung, and the caller must hear it rather than wait forever.
+        timeout_s = self.config.parallel.step_timeout_s + DRIVER_CALL_GRACE_S
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=timeout_s)
         except RayActorError as e:
             self.fatal = f"the driver actor of engine replica {replica} died: {str(e).splitlines()[0]}"
             raise EngineFailure(self.fatal) from None
+        except GetTimeoutError:
+            self.fatal = f"the driver actor of engine replica {replica} did not answer within {timeout_s:g}s"
+            raise EngineFailure(self.fatal) from None
 
     def stats(self) -> list[dict[str, Any]]:
-        return ray.get([d.stats.remote() for d in self.drivers])
+        return [self._get(d.stats.remote(), r) for r, d in enumerate(self.drivers)]
 
     # ---- teardown ---------------------------------------------------------------------------
     def shutdown(self) -> None:

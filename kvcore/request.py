@@ -41,7 +41,7 @@ class SamplingParams:
         _check(isinstance(p, (int, float)) and not isinstance(p, bool), "top_p", p, "must be a number")
         _check(0 < p <= 1, "top_p", p, "must be in (0, 1]")
         _check(_is_int(self.top_k), "top_k", self.top_k, "must be an integer")
-        _check(self.top_k >= -1, "top_k", self.top_k, "must be >= 0 (0 or -1 disables top-k)")
+        _check(self.top_k >= -1, "top_k", self.top_k, "must be >= -1 (0 or -1 disables top-k)")
         _check(_is_int(self.max_tokens), "max_tokens", self.max_tokens, "must be an integer")
         _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")

@@ -75,7 +75,7 @@ def test_bad_request_fails_alone(api_run, case):
     ("max_tokens", 0, "SamplingParams.max_tokens=0: must be >= 1"),
     ("temperature", -0.5, "SamplingParams.temperature=-0.5: must be finite and >= 0"),
     ("top_p", 0, "SamplingParams.top_p=0: must be in (0, 1]"),
-    ("top_k", -5, "SamplingParams.top_k=-5: must be >= 0 (0 or -1 disables top-k)"),
+    ("top_k", -5, "SamplingParams.top_k=-5: must be >= -1 (0 or -1 disables top-k)"),
     ("stop_token_ids", [-3], "SamplingParams.stop_token_ids=[-3]: must be a list of non-negative integers"),
     ("seed", "x", "SamplingParams.seed='x': must be an integer or None"),
 ])
@@ -117,7 +117,7 @@ LINE_CASES = {
     "max_tokens_float": ('{"id": "mf", "prompt": "hi", "max_tokens": 2.5}', "max_tokens=2.5: must be an integer"),
     "negative_temperature": ('{"id": "nt", "prompt": "hi", "temperature": -1}', "temperature=-1: must be finite and >= 0"),
     "top_p_0": ('{"id": "tp", "prompt": "hi", "top_p": 0}', "SamplingParams.top_p=0: must be in (0, 1]"),
-    "top_k_negative": ('{"id": "tk", "prompt": "hi", "top_k": -5}', "SamplingParams.top_k=-5: must be >= 0"),
+    "top_k_negative": ('{"id": "tk", "prompt": "hi", "top_k": -5}', "SamplingParams.top_k=-5: must be >= -1"),
     "bad_id": ('{"id": [1], "prompt": "hi"}', "line {n}: id=[1] must be a non-empty string or an integer"),
     "duplicate_id": ('{"id": "good-0", "prompt": "again"}', "line {n}: duplicate id 'good-0'"),
     "empty_prompt_line": ('{"id": "ep", "prompt_token_ids": []}', "prompt_token_ids is empty"),
