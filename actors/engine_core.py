@@ -46,6 +46,8 @@ class EngineCore:
                                    max_num_batched_tokens=sc.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
                                    long_prefill_token_threshold=sc.long_prefill_token_threshold,
+                                   admission_min_batch=sc.admission_min_batch,
+                                   admission_max_wait_steps=sc.admission_max_wait_steps,
                                    debug_invariants=sc.debug_invariants)
         self._num_steps = 0
         self._num_tokens_scheduled = 0

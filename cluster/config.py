@@ -162,6 +162,10 @@ class SchedulerConfig(_Section):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap on a prefill chunk
+    # Admit waiting requests into a running batch only once this many rows are free (1 = at once), or
+    # after admission_max_wait_steps steps: fewer mixed prefill+decode steps, which run without graphs.
+    admission_min_batch: int = 1
+    admission_max_wait_steps: int = 16
     async_scheduling: bool = False
     debug_invariants: bool = False
 
@@ -172,6 +176,9 @@ class SchedulerConfig(_Section):
                     f"needs at least one token per step")
         self._check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                     "must be >= 0 (0 = no cap)")
+        self._check(1 <= self.admission_min_batch <= self.max_num_seqs, "admission_min_batch",
+                    f"must be in [1, scheduler.max_num_seqs ({self.max_num_seqs})]")
+        self._check(self.admission_max_wait_steps >= 0, "admission_max_wait_steps", "must be >= 0")
 
 
 @dataclass(frozen=True)

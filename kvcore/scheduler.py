@@ -51,8 +51,11 @@ class Scheduler:
 
     def __init__(self, kv_cache_manager: Any, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, long_prefill_token_threshold: int = 0,
+                 admission_min_batch: int = 1, admission_max_wait_steps: int = 16,
                  debug_invariants: bool = False) -> None:
         _check_positive_int("max_num_seqs", max_num_seqs, 1)
+        _check_positive_int("admission_min_batch", admission_min_batch, 1)
+        _check_positive_int("admission_max_wait_steps", admission_max_wait_steps, 0)
         _check_positive_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         _check_positive_int("max_model_len", max_model_len, 1)
         _check_positive_int("long_prefill_token_threshold", long_prefill_token_threshold, 0)
@@ -61,6 +64,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.admission_min_batch = admission_min_batch
+        self.admission_max_wait_steps = admission_max_wait_steps
+        self._admission_deferrals = 0  # consecutive steps that kept waiting requests out
         self.debug_invariants = debug_invariants
 
         self.requests: dict[str, Request] = {}  # live: waiting or running
@@ -285,8 +291,29 @@ class Scheduler:
         self._num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _admission_deferred(self) -> bool:
+        """Whether this step keeps the waiting requests out to admit them later, together.
+
+        A step that starts new prompts mixes their prefill into the running decodes, and such a step
+        cannot replay a decode CUDA graph: it launches every kernel from the host. When requests finish
+        one or two at a time, admitting each at once makes nearly every step mixed. With
+        admission_min_batch > 1 they are admitted once that many rows are free (or every waiting
+        request fits, or nothing runs, or they have waited admission_max_wait_steps steps), so most
+        steps stay pure decode (TGI batches its prefills for the same reason)."""
+        free = self.max_num_seqs - len(self.running)
+        if free <= 0:
+            return True  # no row to admit into: not a deferral
+        if (not self.running or free >= min(self.admission_min_batch, len(self.waiting))
+                or self._admission_deferrals >= self.admission_max_wait_steps):
+            self._admission_deferrals = 0
+            return False
+        self._admission_deferrals += 1
+        return True
+
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
                           new_reqs: list[NewRequestData]) -> int:
+        if self.admission_min_batch > 1 and self.waiting and self._admission_deferred():
+            return budget
         manager = self.kv_cache_manager
         threshold = self.long_prefill_token_threshold
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

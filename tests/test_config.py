@@ -41,6 +41,8 @@ BAD = [
     ({"scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 32}},
      "scheduler.max_num_batched_tokens=32: must be >= scheduler.max_num_seqs (64)"),
     ({"scheduler": {"long_prefill_token_threshold": -1}}, "scheduler.long_prefill_token_threshold=-1"),
+    ({"scheduler": {"admission_min_batch": 300}}, "scheduler.admission_min_batch=300: must be in [1, "),
+    ({"scheduler": {"admission_max_wait_steps": -2}}, "scheduler.admission_max_wait_steps=-2: must be >= 0"),
     ({"ray": {"transport": "grpc"}}, "ray.transport='grpc': must be one of ['compiled_graph', 'actor_calls']"),
     ({"ray": {"namespace": " "}}, "ray.namespace=' ': must not be empty"),
     ({"ray": {"num_cpus": 0}}, "ray.num_cpus=0: must be >= 1"),

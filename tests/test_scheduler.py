@@ -14,7 +14,7 @@ from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, Slid
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 16, max_model_len: int = 1024,
                    max_num_seqs: int = 16, max_num_batched_tokens: int = 1024, threshold: int = 0,
-                   sliding_window: int | None = None, caching: bool = True) -> Scheduler:
+                   sliding_window: int | None = None, caching: bool = True, **kwargs) -> Scheduler:
     full = FullAttentionSpec(block_size, 1, 8, torch.float32)
     groups = [KVCacheGroupSpec(["l0"], full)]
     if sliding_window is not None:
@@ -23,7 +23,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 16, max_model_len: in
     manager = KVCacheManager(KVCacheConfig(num_blocks, groups), max_model_len, enable_caching=caching)
     return Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      max_model_len=max_model_len, long_prefill_token_threshold=threshold,
-                     debug_invariants=True)
+                     debug_invariants=True, **kwargs)
 
 
 def make_request(rid: str, num_prompt: int, max_tokens: int = 16, start: int = 0, ignore_eos: bool = True,
@@ -100,6 +100,44 @@ def test_max_num_seqs_caps_running():
     out, _ = step(sched)
     assert list(out.num_scheduled_tokens) == ["r2", "r3"]
     assert out.finished_req_ids == {"r0", "r1"}
+
+
+def test_admission_batching_waits_for_free_rows_or_max_wait():
+    """admission_min_batch=3: finished rows are refilled 3 at a time (or when every waiting request fits,
+    or after admission_max_wait_steps deferrals); an idle engine admits at once."""
+    sched = make_scheduler(max_num_seqs=4, admission_min_batch=3, admission_max_wait_steps=5)
+    lengths = {"a": 1, "b": 2, "c": 3, "d": 20}  # max_tokens: a, b, c finish on steps 1, 2, 3
+    for rid, n in lengths.items():
+        sched.add_request(make_request(rid, 4, max_tokens=n, start=ord(rid) * 10))
+    for i in range(4):
+        sched.add_request(make_request(f"w{i}", 4, max_tokens=20, start=1000 + 10 * i))
+    out, _ = step(sched)  # idle engine: the first 4 at once
+    assert list(out.num_scheduled_tokens) == ["a", "b", "c", "d"]
+    admitted = []
+    for _ in range(2):  # a, b, c finish one a step: 1, then 2 free rows: kept out
+        out, _ = step(sched)
+        admitted.append([r.req_id for r in out.scheduled_new_reqs])
+    assert admitted == [[], []], admitted
+    out, _ = step(sched)  # 3 free rows now
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["w0", "w1", "w2"]
+    drain(sched)
+
+    # The wait cap: one free row, admitted after 2 deferred steps.
+    sched = make_scheduler(max_num_seqs=2, admission_min_batch=2, admission_max_wait_steps=2)
+    sched.add_request(make_request("x", 4, max_tokens=1, start=0))
+    sched.add_request(make_request("y", 4, max_tokens=30, start=100))
+    for i in range(3):
+        sched.add_request(make_request(f"v{i}", 4, max_tokens=5, start=200 + 10 * i))
+    step(sched)
+    news = []
+    for _ in range(4):
+        out, _ = step(sched)
+        news.append([r.req_id for r in out.scheduled_new_reqs])
+    assert news == [[], [], ["v0"], []], news
+    drain(sched)
+
+    with pytest.raises(ValueError, match="admission_min_batch"):
+        make_scheduler(admission_min_batch=0)
 
 
 def test_decode_budget_shared_fcfs():
