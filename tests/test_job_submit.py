@@ -40,14 +40,28 @@ def cluster(tmp_path_factory):
     env.pop("TRITON_INTERPRET", None)  # a plain CPU run, as a user's job would be
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
                PATH=os.pathsep.join(path + [env.get("PATH", "")]))
-    gcs, dash = free_port(), free_port()
-    subprocess.run([f"{BIN}/ray", "start", "--head", f"--port={gcs}", "--num-cpus=4", "--include-dashboard=true",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats"],
-                   env=env, check=True, capture_output=True, timeout=120)
+    dash = start_head(env)
     try:
         yield env, f"http://127.0.0.1:{dash}", tmp
     finally:
         subprocess.run([f"{BIN}/ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def start_head(env, attempts: int = 3) -> int:
+    """`ray start --head` on fresh free ports; returns the dashboard port. A port found free can be taken
+    by another process before the head binds it (seen once in CI on the dashboard port): a failed start
+    is stopped and retried on new ports."""
+    errors = []
+    for _ in range(attempts):
+        gcs, dash = free_port(), free_port()
+        r = subprocess.run([f"{BIN}/ray", "start", "--head", f"--port={gcs}", "--num-cpus=4",
+                            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                            "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=120)
+        if r.returncode == 0:
+            return dash
+        errors.append(r.stderr[-2000:])
+        subprocess.run([f"{BIN}/ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+    raise RuntimeError("ray start --head failed %d times:\n%s" % (attempts, "\n---\n".join(errors)))
 
 
 def submit(env, address, *args):
