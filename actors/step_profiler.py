@@ -103,15 +103,16 @@ class StepTimer:
     # the tokens it waits for (its own, or the previous step's with lag) read back, return.
     HOST_MARKS = ("enter", "launched", "tokens", "exit")
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
         self._steps: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event | None]] = []
         self._calls: list[dict[str, float]] = []
+        self._clock = clock
 
     def mark(self, name: str) -> None:
         if name == "enter":
             self._calls.append({})
         if self._calls:
-            self._calls[-1][name] = time.perf_counter()
+            self._calls[-1][name] = self._clock()
 
     def host_phases(self) -> list[dict[str, float]]:
         """Per execute_model call, in ms: prepare (entry -> GPU work queued), wait (-> tokens read back),

@@ -221,13 +221,13 @@ def reference(tmp_path_factory):
     return path, prompts, [r.tokens for r in refs]
 
 
-def engine_config(path: str, async_on: bool, tight: bool) -> EngineConfig:
+def engine_config(path: str, async_on: bool, tight: bool, tp: int = 1) -> EngineConfig:
     cache = (CacheConfig(block_size=8, num_gpu_blocks=26) if tight
              else CacheConfig(block_size=8, cpu_kv_cache_gib=0.01))
     sched = SchedulerConfig(max_num_seqs=6 if tight else 16, max_num_batched_tokens=32 if tight else 256,
                             async_scheduling=async_on, debug_invariants=True)
-    return EngineConfig(model=ModelConfig(model=path, dtype="float32"), parallel=ParallelConfig(device="cpu"),
-                        cache=cache, scheduler=sched)
+    return EngineConfig(model=ModelConfig(model=path, dtype="float32"),
+                        parallel=ParallelConfig(device="cpu", tensor_parallel_size=tp), cache=cache, scheduler=sched)
 
 
 def stop_plan(expected: list[list[int]]):
@@ -284,6 +284,17 @@ def test_engine_async_matches_hf_and_sync(reference):
     first = next(iter(sampled.values()))
     assert all(len(t) == NEW_TOKENS for t in first.values())
     assert all(s == first for s in sampled.values()), sampled
+
+
+def test_engine_async_tp2_matches_hf(reference):
+    """Both ranks feed the in-flight step's tokens into the next step on their own device and answer
+    with the previous step's output: TP=2 (gloo processes) with async scheduling still equals HF."""
+    path, prompts, expected = reference
+    plan = stop_plan(expected)
+    tokens, stats = run_engine(engine_config(path, async_on=True, tight=True, tp=2), prompts, plan)
+    for i, (_, _, want) in enumerate(plan):
+        assert tokens[f"g{i}"] == want, f"prompt {i}: {tokens[f'g{i}']} vs {want}"
+    assert stats["num_preemptions"] > 0, stats
 
 
 def test_engine_async_abort_and_reused_id_while_in_flight(reference):

@@ -50,3 +50,19 @@ def test_profile_traces_the_requested_steps(tmp_path):
             engine.step()
         (path,) = worker.stop_profile()
         assert os.path.getsize(path) > 0
+
+
+def test_step_timer_host_phases_follow_the_marks():
+    """Each execute_model call's host phases are differences of its marks; `outside` runs from one call's
+    return to the next call's entry; a call without every mark (a lagged first call) is left out."""
+    from actors.step_profiler import StepTimer
+
+    clock = iter([0.0, 1.0, 3.0, 3.5,            # call 1: prepare 1, wait 2, complete 0.5 (s)
+                  10.0, 10.25,                   # call 2: entered and launched, never read tokens
+                  20.0, 20.5, 21.0, 21.125])     # call 3
+    timer = StepTimer(clock=lambda: next(clock))
+    for names in (StepTimer.HOST_MARKS, ("enter", "launched"), StepTimer.HOST_MARKS):
+        for name in names:
+            timer.mark(name)
+    assert timer.host_phases() == [{"prepare_ms": 500.0, "wait_ms": 500.0, "complete_ms": 125.0,
+                                    "outside_ms": 16500.0}]

@@ -48,6 +48,19 @@ def test_stress_local_passes_every_check_with_two_kills(tmp_path):
     print(f"stress run: {elapsed:.1f}s, {report}")
 
 
+def test_stress_with_async_scheduling_recovers_from_kills():
+    """With async scheduling the workers hold one step's output when they die: the requests of that
+    step are re-queued like any other in-flight request, and every end check still passes."""
+    r = kvray("stress", "--config", "configs/stress-local.yaml", "--set", "scheduler.async_scheduling=true",
+              "--requests", "120", "--kill-workers", "2", "--abort-rate", "0.1", "--seed", "1")
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert lines, r.stderr[-4000:]
+    report = json.loads(lines[-1])
+    assert r.returncode == 0 and report["checks_failed"] == [], (report, r.stderr[-4000:])
+    assert report["lost"] == 0 and report["duplicated"] == 0 and report["mismatched"] == 0, report
+    assert report["worker_restarts"] == 2 and report["leaked_blocks"] == 0, report
+
+
 def test_kill_count_past_the_restart_budget_is_refused_at_once():
     r = kvray("stress", "--config", "configs/stress-local.yaml", "--kill-workers", "9", timeout=60)
     assert r.returncode == 2
