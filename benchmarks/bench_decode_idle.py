@@ -52,9 +52,36 @@ def idle_stats(steps: list[dict], batch: int) -> dict:
             "decode_tok_s": batch * len(gaps) / (total / 1e3)}
 
 
-def run_config(model_dir: str, name: str, args) -> dict:
-    from cluster import LLM, SamplingParams
+def random_prompts(n: int, length: int, smoke: bool) -> list[dict]:
+    rng = np.random.default_rng(0)
+    vocab = 200 if smoke else 100_000
+    return [{"prompt_token_ids": rng.integers(3, vocab, length).tolist()} for _ in range(n)]
+
+
+def timed_decode(llm, prompts: list[dict], warm: int, output_len: int):
+    """Warm up on the first `warm` prompts, then generate all of them with rank 0 of replica 0 timing
+    its steps. Returns (outputs, seconds, timed steps, host phases); shuts the LLM down."""
     import ray
+
+    from cluster import SamplingParams
+
+    try:
+        # Warm-up: Triton compiles its kernel variants, cuBLAS picks algorithms, graphs are captured.
+        llm.generate(prompts[:warm], SamplingParams(max_tokens=8, ignore_eos=True))
+        driver = llm.engines.drivers[0]
+        timing = ray.get(driver.worker_call.remote(0, "start_step_timing"))
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+        elapsed = time.perf_counter() - t0
+        phases = ray.get(driver.worker_call.remote(0, "collect_host_phases")) if timing else []
+        steps = ray.get(driver.worker_call.remote(0, "collect_step_timing")) if timing else []
+    finally:
+        llm.shutdown()
+    return outs, elapsed, steps, phases
+
+
+def run_config(model_dir: str, name: str, args) -> dict:
+    from cluster import LLM
 
     graphs, async_on = CONFIGS[name]
     device = "cpu" if args.smoke else "cuda"
@@ -64,21 +91,8 @@ def run_config(model_dir: str, name: str, args) -> dict:
               max_num_seqs=args.batch, max_num_batched_tokens=max(args.max_num_batched_tokens, args.batch),
               enable_prefix_caching=False, enforce_eager=not graphs, async_scheduling=async_on,
               transport="compiled_graph", **extra)
-    rng = np.random.default_rng(0)
-    vocab = 200 if args.smoke else 100_000
-    prompts = [{"prompt_token_ids": rng.integers(3, vocab, args.prompt_len).tolist()} for _ in range(args.batch)]
-    try:
-        # Warm-up: Triton compiles its kernel variants, cuBLAS picks algorithms.
-        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-        driver = llm.engines.drivers[0]
-        timing = ray.get(driver.worker_call.remote(0, "start_step_timing"))
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
-        elapsed = time.perf_counter() - t0
-        phases = ray.get(driver.worker_call.remote(0, "collect_host_phases")) if timing else []
-        steps = ray.get(driver.worker_call.remote(0, "collect_step_timing")) if timing else []
-    finally:
-        llm.shutdown()
+    outs, elapsed, steps, phases = timed_decode(llm, random_prompts(args.batch, args.prompt_len, args.smoke),
+                                                args.batch, args.output_len)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == args.batch * args.output_len, f"{name}: {n_out} tokens"
     res = {"config": name, "output_tok_s": n_out / elapsed}

@@ -13,22 +13,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_idle import idle_stats  # noqa: E402
+from bench_decode_idle import idle_stats, random_prompts, timed_decode  # noqa: E402
 from common import make_random_model, record  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2)]  # (tensor_parallel_size, data_parallel_size)
 
 
 def run_layout(model_dir: str, tp: int, dp: int, args) -> dict:
-    import ray
-
-    from cluster import LLM, SamplingParams
+    from cluster import LLM
 
     device = "cpu" if args.smoke else "cuda"
     extra = ({"dtype": "float32", "cpu_kv_cache_gib": 0.05} if args.smoke else
@@ -36,19 +31,8 @@ def run_layout(model_dir: str, tp: int, dp: int, args) -> dict:
     llm = LLM(model=model_dir, device=device, tensor_parallel_size=tp, data_parallel_size=dp,
               max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.batch,
               max_num_batched_tokens=max(8192, args.batch), enable_prefix_caching=False, **extra)
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(3, 100 if args.smoke else 100_000, args.prompt_len).tolist()}
-               for _ in range(args.batch * dp)]
-    try:
-        llm.generate(prompts[:args.batch], SamplingParams(max_tokens=8, ignore_eos=True))  # compile, capture
-        driver = llm.engines.drivers[0]
-        timing = ray.get(driver.worker_call.remote(0, "start_step_timing"))
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
-        elapsed = time.perf_counter() - t0
-        steps = ray.get(driver.worker_call.remote(0, "collect_step_timing")) if timing else []
-    finally:
-        llm.shutdown()
+    outs, elapsed, steps, _ = timed_decode(llm, random_prompts(args.batch * dp, args.prompt_len, args.smoke),
+                                           args.batch, args.output_len)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"tp": tp, "dp": dp, "output_tok_s": n_out / elapsed}
     if steps:
