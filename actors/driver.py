@@ -19,7 +19,8 @@ from typing import Any, Iterable
 
 from cluster.config import EngineConfig
 from kvcore.messages import EngineCoreOutput
-from kvcore.request import Request, SamplingParams
+from kvcore.request import (Request, RequestValidationError, SamplingParams, check_request_id,
+                             check_token_ids, validate)
 
 logger = logging.getLogger(__name__)
 
@@ -152,24 +153,23 @@ class EngineDriver:
         return errors
 
     def _check(self, spec: RequestSpec) -> str | None:
+        """Everything a request carries is checked again here: a client's objects are not trusted."""
         rid = spec.request_id
         if self._fatal is not None:
             return f"engine replica {self.replica} is down: {self._fatal}"
-        if not isinstance(rid, str) or not rid:
-            return f"request_id={rid!r}: must be a non-empty string"
+        err = check_request_id(rid)
+        if err is not None:
+            return err
         if rid in self._live:
             return f"request {rid!r}: request_id is already in use by an unfinished request"
         if not isinstance(spec.sampling_params, SamplingParams):
             return f"request {rid!r}: sampling_params must be a SamplingParams"
-        ids = spec.prompt_token_ids
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            return f"request {rid!r}: prompt_token_ids must be a list of integers"
-        vocab = self.info.get("vocab_size")
-        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            return (f"request {rid!r}: prompt_token_ids has id(s) {bad[:5]} outside the vocabulary "
-                    f"[0, {vocab})")
-        return None
+        try:
+            validate(spec.sampling_params)
+        except RequestValidationError as e:
+            return f"request {rid!r}: {e}"
+        err = check_token_ids("prompt_token_ids", spec.prompt_token_ids, self.info.get("vocab_size"))
+        return None if err is None else f"request {rid!r}: {err}"
 
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._cv:

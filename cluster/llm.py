@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from actors.driver import RequestSpec, RequestTiming
 from cluster.config import ConfigError, EngineConfig, apply_overrides, load_config, validate_for_model
 from cluster.engines import EngineFailure, EngineGroup, Finished
-from kvcore.request import SamplingParams
+from kvcore.request import SamplingParams, check_text, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,9 @@ class LLM:
             keys = set(prompt)
             if keys == {"prompt_token_ids"}:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                        for t in ids):
-                    raise PromptError(f"prompts[{index}].prompt_token_ids: must be a list of integers")
+                err = check_token_ids(f"prompts[{index}].prompt_token_ids", ids)
+                if err is not None:
+                    raise PromptError(err)
                 return None, list(ids)
             if keys == {"prompt"}:
                 prompt = prompt["prompt"]
@@ -102,6 +102,9 @@ class LLM:
                                   f"'prompt_token_ids', got keys {sorted(keys)}")
         if not isinstance(prompt, str):
             raise PromptError(f"prompts[{index}]={prompt!r}: must be a str or a dict with 'prompt_token_ids'")
+        err = check_text(f"prompts[{index}]", prompt)
+        if err is not None:
+            raise PromptError(err)
         if self.tokenizer is None:
             raise PromptError(f"prompts[{index}]: text prompt, but the model has no tokenizer.json here; "
                               f"pass {{'prompt_token_ids': [...]}} instead")

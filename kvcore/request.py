@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-import math
+import reprlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,18 +12,132 @@ class RequestValidationError(ValueError):
     """A request field breaks a rule; the message names the field and the rule."""
 
 
+# The ranges below are what the worker's buffers hold: token ids and top_k go into int32 arrays,
+# a seed into a torch.Generator (int64), temperatures into float32. A value past them would pass here
+# and then fail (OverflowError, NaN logits) inside a worker, taking the whole replica down.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOKENS_LIMIT = 2**24        # longer than any model's context; max_model_len caps it further
+MAX_TEMPERATURE = 100.0         # past this the distribution is uniform to float32 precision anyway
+GREEDY_TEMPERATURE = 1e-5       # below this a temperature is greedy (vLLM's _SAMPLING_EPS): 1/t overflows
+MAX_STOP_TOKEN_IDS = 1024
+MAX_ID_CHARS = 512              # request ids land in output records and logs
+
+
 def _check(cond: bool, field_name: str, value: Any, rule: str) -> None:
     if not cond:
-        raise RequestValidationError(f"SamplingParams.{field_name}={value!r}: {rule}")
+        raise RequestValidationError(f"SamplingParams.{field_name}={_short(value)}: {rule}")
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib with ints cut by size: repr() of a 5,000-digit int raises (and a list of them is huge)."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return repr(x) if x.bit_length() < 256 else f"<{x.bit_length()}-bit int>"
+
+
+_REPR = _ShortRepr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
+
+
+def _short(value: Any) -> str:
+    """A bounded repr: an error message never carries a whole (possibly huge or nested) value."""
+    try:
+        return _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - a hostile __repr__ must not replace the real error
+        return f"<{type(value).__name__}>"
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_field(sp: Any, name: str, lo: int, hi: int, rule: str) -> None:
+    v = getattr(sp, name)
+    _check(_is_int(v), name, v, "must be an integer")
+    _check(lo <= v <= hi, name, v, rule)
+
+
+def validate(sp: "SamplingParams") -> None:
+    """Every rule of every SamplingParams field; raises RequestValidationError naming the first broken one.
+
+    Called on construction and again by the driver on what it receives: a SamplingParams can be
+    changed after construction, and one unpickled from a client never ran __post_init__.
+    Comparisons are written so that NaN, infinities and ints too big for a float fail them.
+    """
+    t = sp.temperature
+    _check(_is_number(t), "temperature", t, "must be a number")
+    _check(0 <= t <= MAX_TEMPERATURE, "temperature", t,
+           f"must be finite and >= 0 and <= {MAX_TEMPERATURE:g} (below {GREEDY_TEMPERATURE:g} is greedy)")
+    p = sp.top_p
+    _check(_is_number(p), "top_p", p, "must be a number")
+    _check(0 < p <= 1, "top_p", p, "must be in (0, 1]")
+    _int_field(sp, "top_k", -1, INT32_MAX, f"must be >= -1 (0 or -1 disables top-k) and <= {INT32_MAX}")
+    _int_field(sp, "max_tokens", 1, MAX_TOKENS_LIMIT, f"must be >= 1 and <= {MAX_TOKENS_LIMIT}")
+    _check(isinstance(sp.ignore_eos, bool), "ignore_eos", sp.ignore_eos, "must be a bool")
+    stop = sp.stop_token_ids
+    rule = f"must be a list of at most {MAX_STOP_TOKEN_IDS} integers in [0, {INT32_MAX}]"
+    _check(isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", stop, rule)
+    _check(all(_is_int(i) and 0 <= i <= INT32_MAX for i in stop), "stop_token_ids", stop, rule)
+    s = sp.seed
+    _check(s is None or (_is_int(s) and INT64_MIN <= s <= INT64_MAX), "seed", s,
+           f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
+
+
+def check_token_ids(field_name: str, ids: Any, vocab_size: int | None = None) -> str | None:
+    """The one check of a token-id list; -> None when fine, else the message (naming the field and the rule).
+
+    The ids go into int32 buffers, so without a vocabulary they must still fit int32.
+    """
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        return f"{field_name}: must be a list of integers"
+    hi = INT32_MAX + 1 if vocab_size is None else vocab_size
+    bad = [t for t in ids if not 0 <= t < hi]
+    if bad:
+        shown = ", ".join(_short(t) for t in bad[:5])
+        where = f"outside the vocabulary [0, {vocab_size})" if vocab_size is not None else \
+            f"outside [0, {INT32_MAX}] (int32)"
+        return f"{field_name} has id(s) [{shown}] {where}"
+    return None
+
+
+def check_text(field_name: str, text: Any) -> str | None:
+    """-> None for a str that is valid Unicode, else the message; a lone surrogate cannot be encoded."""
+    if not isinstance(text, str):
+        return f"{field_name}: must be a string, got {type(text).__name__}"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"{field_name}: not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} at index "
+                f"{e.start}); strings must be valid UTF-8")
+    return None
+
+
+def check_request_id(rid: Any) -> str | None:
+    """-> None for a usable request id (a non-empty printable string, bounded), else the message."""
+    if not isinstance(rid, str) or not rid:
+        return f"request_id={_short(rid)}: must be a non-empty string"
+    if len(rid) > MAX_ID_CHARS:
+        return f"request_id={_short(rid)}: must be at most {MAX_ID_CHARS} characters"
+    err = check_text("request_id", rid)
+    if err is not None:
+        return err
+    if not rid.isprintable():
+        return f"request_id={_short(rid)}: must be printable (no control characters or newlines)"
+    return None
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings, validated on construction (vLLM's names and meanings)."""
+    """Per-request sampling settings, validated on construction (vLLM's names and meanings).
+
+    Ranges: see validate(). A temperature below GREEDY_TEMPERATURE is greedy, as in vLLM.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -34,27 +148,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        _check(isinstance(t, (int, float)) and not isinstance(t, bool), "temperature", t, "must be a number")
-        _check(math.isfinite(t) and t >= 0, "temperature", t, "must be finite and >= 0")
-        p = self.top_p
-        _check(isinstance(p, (int, float)) and not isinstance(p, bool), "top_p", p, "must be a number")
-        _check(0 < p <= 1, "top_p", p, "must be in (0, 1]")
-        _check(_is_int(self.top_k), "top_k", self.top_k, "must be an integer")
-        _check(self.top_k >= -1, "top_k", self.top_k, "must be >= -1 (0 or -1 disables top-k)")
-        _check(_is_int(self.max_tokens), "max_tokens", self.max_tokens, "must be an integer")
-        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
-        _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", self.stop_token_ids,
-               "must be a list of non-negative integers")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               self.stop_token_ids, "must be a list of non-negative integers")
+        validate(self)
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
+
+    def validate(self) -> None:
+        validate(self)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":

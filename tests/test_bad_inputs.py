@@ -44,12 +44,14 @@ API_CASES = {
     "empty_text_prompt": ("", "prompt_token_ids is empty"),
     "token_ids_outside_vocab": ({"prompt_token_ids": [5, 260, 99999]},
                                 "prompt_token_ids has id(s) [260, 99999] outside the vocabulary [0, 260)"),
-    "negative_token_id": ({"prompt_token_ids": [-1, 3]}, "outside the vocabulary [0, 260)"),
+    "negative_token_id": ({"prompt_token_ids": [-1, 3]}, "has id(s) [-1] outside [0, "),
     "prompt_longer_than_max_model_len": ({"prompt_token_ids": [7] * (MAX_MODEL_LEN + 10)},
                                          f"exceeds max_model_len={MAX_MODEL_LEN}"),
     "prompt_token_ids_not_ints": ({"prompt_token_ids": [1, "2", 3.0]}, "prompt_token_ids: must be a list of integers"),
     "prompt_token_ids_not_a_list": ({"prompt_token_ids": "1 2 3"}, "prompt_token_ids: must be a list of integers"),
     "prompt_dict_with_both_keys": ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one of 'prompt' or"),
+    "text_prompt_lone_surrogate": ("a\udc80b", "not valid Unicode (lone surrogate U+DC80 at index 1)"),
+    "token_id_past_int32": ({"prompt_token_ids": [1, 2**40]}, "has id(s) [1099511627776] outside [0, 2147483647]"),
 }
 
 
@@ -76,8 +78,16 @@ def test_bad_request_fails_alone(api_run, case):
     ("temperature", -0.5, "SamplingParams.temperature=-0.5: must be finite and >= 0"),
     ("top_p", 0, "SamplingParams.top_p=0: must be in (0, 1]"),
     ("top_k", -5, "SamplingParams.top_k=-5: must be >= -1 (0 or -1 disables top-k)"),
-    ("stop_token_ids", [-3], "SamplingParams.stop_token_ids=[-3]: must be a list of non-negative integers"),
-    ("seed", "x", "SamplingParams.seed='x': must be an integer or None"),
+    ("stop_token_ids", [-3], "SamplingParams.stop_token_ids=[-3]: must be a list of at most 1024 integers in "
+                             "[0, 2147483647]"),
+    ("seed", "x", "SamplingParams.seed='x': must be None or an integer in [-9223372036854775808, "
+                  "9223372036854775807] (int64)"),
+    ("top_k", 2**31, "SamplingParams.top_k=2147483648: must be >= -1 (0 or -1 disables top-k) and <= 2147483647"),
+    ("seed", 2**64, "SamplingParams.seed=18446744073709551616: must be None or an integer in"),
+    ("max_tokens", 2**24 + 1, "SamplingParams.max_tokens=16777217: must be >= 1 and <= 16777216"),
+    ("temperature", 1e300, "SamplingParams.temperature=1e+300: must be finite and >= 0 and <= 100"),
+    ("temperature", float("nan"), "SamplingParams.temperature=nan: must be finite"),
+    ("temperature", 10**400, "SamplingParams.temperature=<1329-bit int>: must be finite"),
 ])
 def test_bad_sampling_params_are_refused_when_built(field, value, rule):
     with pytest.raises(RequestValidationError) as e:
@@ -260,3 +270,46 @@ def test_cluster_without_enough_gpus_fails_at_once(llm):
     msg = str(e.value)
     assert time.monotonic() - t0 < 20
     assert "asked for 2 bundle(s) {'GPU': 1.0}" in msg and "the cluster does not have that many" in msg, msg
+
+
+# ---- the driver re-validates what it receives ----------------------------------------------------------
+def _mutated(**fields):
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    for k, v in fields.items():  # changed after construction: __post_init__ never sees it
+        setattr(sp, k, v)
+    return sp
+
+
+@pytest.mark.parametrize("fields,rule", [
+    ({"max_tokens": 0}, "SamplingParams.max_tokens=0: must be >= 1"),
+    ({"temperature": float("nan")}, "SamplingParams.temperature=nan: must be finite"),
+    ({"top_k": 2**40}, "SamplingParams.top_k=1099511627776: must be >= -1"),
+    ({"seed": 2**64}, "SamplingParams.seed=18446744073709551616: must be None or an integer"),
+    ({"stop_token_ids": [2**31]}, "SamplingParams.stop_token_ids=[2147483648]: must be a list"),
+])
+def test_params_changed_after_construction_are_refused_by_the_driver(llm, fields, rule):
+    bad, good = llm.generate([{"prompt_token_ids": [1, 2]}] * 2, [_mutated(**fields), GOOD])
+    assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].token_ids == []
+    assert rule in bad.error, bad.error
+    assert good.error is None and len(good.outputs[0].token_ids) == 4
+
+
+def test_tiny_temperature_is_greedy(llm):
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    greedy, tiny, mutated = llm.generate([prompt] * 3, [
+        SamplingParams(max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=1e-50, max_tokens=6, ignore_eos=True, seed=3),
+        _mutated(temperature=1e-50, max_tokens=6)])
+    assert tiny.outputs[0].token_ids == greedy.outputs[0].token_ids == mutated.outputs[0].token_ids
+    assert len(set(greedy.outputs[0].token_ids)) > 1  # not a degenerate token-0 stream
+
+
+@pytest.mark.parametrize("rid,rule", [
+    ("\ud800", "request_id: not valid Unicode (lone surrogate U+D800 at index 0)"),
+    ("a\nb", "request_id='a\\nb': must be printable"),
+    ("x" * 600, "must be at most 512 characters"),
+    ("", "request_id='': must be a non-empty string"),
+])
+def test_bad_request_ids_are_refused_by_the_driver(llm, rid, rule):
+    errors = llm.engines.submit([RequestSpec(rid, [1, 2], GOOD)])
+    assert rule in errors[rid], errors
