@@ -5,13 +5,13 @@ target dtype, then fills it from safetensors only, each rank reading just its ow
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from actors.hf_config import read_config_json
 from actors.models.registry import build_model
 
 TINY_RANDOM = "tiny-random"
@@ -35,17 +35,8 @@ def resolve_model_dir(name: str) -> str:
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{model_dir}: no config.json (not an HF model directory)")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return cfg
+    """config.json, every field kvray reads checked (see actors.hf_config)."""
+    return read_config_json(model_dir)
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any]) -> torch.dtype:

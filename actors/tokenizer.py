@@ -7,31 +7,17 @@ returns None then.
 """
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+from actors.hf_config import read_eos_token_ids
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
 class TokenizerNotFoundError(FileNotFoundError):
     """No tokenizer.json in the model directory: only token-id prompts can be served."""
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 class Tokenizer:
@@ -51,13 +37,7 @@ class Tokenizer:
             tok = _HFTokenizer.from_file(path)
         except Exception as e:  # the Rust library raises a bare Exception subclass
             raise ValueError(f"{path}: cannot load tokenizer ({e})") from e
-        # EOS: config.json first (the model's own), then generation_config.json adds any others
-        # (Llama-3 instruct lists its end-of-turn token only there).
-        eos: list[int] = []
-        for file in ("config.json", "generation_config.json"):
-            for token_id in _as_list(_read_json(os.path.join(model_dir, file)).get("eos_token_id")):
-                if token_id not in eos:
-                    eos.append(token_id)
+        eos = read_eos_token_ids(model_dir)
         return cls(tok, eos)
 
     def encode(self, text: str) -> list[int]:
