@@ -15,6 +15,8 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from cluster.config_yaml import MAX_BYTES, YamlLimitError, load_yaml
+
 
 class ConfigError(ValueError):
     """A config field breaks a rule; the message names the field, the value and the rule."""
@@ -264,7 +266,9 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {item!r}: must look like section.field=value, e.g. cache.block_size=32")
     key, raw = item.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+        value = load_yaml(raw) if raw.strip() != "" else ""
+    except YamlLimitError as e:
+        raise ConfigError(f"--set {key.strip()!r}: the value is refused: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from None
     return key.strip(), value
@@ -305,7 +309,11 @@ def load_config(path: str | os.PathLike | None = None,
             raise ConfigError(f"config file {str(path)!r}: not found")
         try:
             with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
+                data = load_yaml(f.read(MAX_BYTES + 1)) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r}: not UTF-8 (byte {e.start})") from None
+        except YamlLimitError as e:
+            raise ConfigError(f"config file {str(path)!r}: refused: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(path)!r}: not valid YAML: {e}") from None
     try:
