@@ -33,7 +33,8 @@ from typing import Any
 from kvcore.messages import (BlockIds, CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                              SchedulerOutput)
 from kvcore.request import Request, RequestStatus
-from kvcore.scheduler import Scheduler, _set_finished_status
+from kvcore.scheduler import Scheduler
+from kvcore.stopping import append_until_stop, set_finished_status
 
 _PREEMPTED = RequestStatus.PREEMPTED
 
@@ -84,7 +85,7 @@ class AsyncScheduler(Scheduler):
             rid = request.request_id
             c = request.num_computed_tokens
             total = len(request.all_token_ids) + pending.get(rid, 0)
-            if total >= rules[rid][1]:
+            if total >= rules[rid].token_limit:
                 continue  # its pending tokens reach its length limit: it finishes when they arrive
             n = total - c
             if n != 1:
@@ -111,7 +112,7 @@ class AsyncScheduler(Scheduler):
             budget -= n
             if c + n >= total:
                 samplers[rid] = request
-        self._fill_running_rows(num_scheduled, cached, deltas)
+        cached.add_running_rows(num_scheduled, deltas)
         self._num_running_scheduled = len(num_scheduled)
         return budget
 
@@ -153,15 +154,15 @@ class AsyncScheduler(Scheduler):
             request = samplers.get(rid)
             rule = rules.get(rid)
             # Finished (a late stop, an abort) since the step was scheduled, or not expected to sample.
-            if request is None or rule is None or rule[0] is not request:
+            if request is None or rule is None or rule.request is not request:
                 continue
-            _, token_limit, eos, stop_ids, stops = rule
+            _, token_limit, _, _, stops = rule
             if len(token_ids) == 1:  # the common case, inlined as in the base class
                 tok = token_ids[0]
                 request.output_token_ids.append(tok)
                 request.all_token_ids.append(tok)
             else:
-                token_ids = self._append_until_stop(rule, token_ids)
+                token_ids = append_until_stop(rule, token_ids)
                 tok = token_ids[-1]
             if request.num_tokens < token_limit and tok not in stops:
                 outputs.append(EngineCoreOutput(rid, token_ids, False, None, None, None,
@@ -171,7 +172,7 @@ class AsyncScheduler(Scheduler):
                 left_queue.add(rid)  # preempted with its token pending: queued, holding no blocks
             else:
                 self.kv_cache_manager.free(request)
-            _set_finished_status(request, tok, eos, stop_ids)
+            set_finished_status(rule, tok)
             self._retire(request)
             stopped.add(rid)
             outputs.append(EngineCoreOutput(rid, token_ids, True, request.get_finished_reason(),

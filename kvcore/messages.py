@@ -51,6 +51,18 @@ class CachedRequestData:
         self.resumed_token_ids.append(resumed_token_ids)
         self.num_computed_tokens.append(num_computed_tokens)
 
+    def add_running_rows(self, req_ids: dict[str, int], deltas: list[tuple[int, BlockIds]]) -> None:
+        """The other per-row lists of running requests whose num_computed_tokens the scheduler already
+        appended, in order: no resume, and new blocks only in the rows `deltas` names (row, ids)."""
+        self.req_ids.extend(req_ids)
+        k = len(req_ids)
+        new_block_ids = self.new_block_ids
+        new_block_ids.extend([None] * k)
+        for row, ids in deltas:
+            new_block_ids[row] = ids
+        self.resumed_from_preemption.extend([False] * k)
+        self.resumed_token_ids.extend([None] * k)
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
+from kvcore.admission import AdmissionGate, RequestFit, check_positive_int
 from kvcore.messages import (BlockIds, CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                              NewRequestData, SchedulerOutput)
 from kvcore.request import Request, RequestStatus
-
-# Per live request, what update_from_output needs to check stops in one lookup:
-# (request, token count that ends it (prompt + max_tokens, capped by max_model_len),
-#  the EOS id unless ignore_eos (else None), stop_token_ids as a frozenset (None when empty),
-#  every token that stops it (EOS and stop ids; maybe empty): one set test per sampled token).
-_StopRule = tuple[Request, int, "int | None", "frozenset[int] | None", "frozenset[int]"]
+from kvcore.stopping import StopRule, append_until_stop, make_stop_rule, set_finished_status
 
 # _apply_sampled builds the EngineCoreOutput of an unfinished request by filling a bare instance (one
 # per running request per step, so the __init__ call is worth skipping); it sets exactly these fields.
@@ -33,17 +30,6 @@ if tuple(f.name for f in dataclasses.fields(EngineCoreOutput)) != _UNFINISHED_FI
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_positive_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"Scheduler.{name}={value!r}: must be an integer >= {minimum}")
 
 
 class Scheduler:
@@ -53,20 +39,19 @@ class Scheduler:
                  max_model_len: int, long_prefill_token_threshold: int = 0,
                  admission_min_batch: int = 1, admission_max_wait_steps: int = 16,
                  debug_invariants: bool = False) -> None:
-        _check_positive_int("max_num_seqs", max_num_seqs, 1)
-        _check_positive_int("admission_min_batch", admission_min_batch, 1)
-        _check_positive_int("admission_max_wait_steps", admission_max_wait_steps, 0)
-        _check_positive_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        _check_positive_int("max_model_len", max_model_len, 1)
-        _check_positive_int("long_prefill_token_threshold", long_prefill_token_threshold, 0)
+        check_positive_int("max_num_seqs", max_num_seqs, 1)
+        check_positive_int("admission_min_batch", admission_min_batch, 1)
+        check_positive_int("admission_max_wait_steps", admission_max_wait_steps, 0)
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_positive_int("max_model_len", max_model_len, 1)
+        check_positive_int("long_prefill_token_threshold", long_prefill_token_threshold, 0)
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.admission_min_batch = admission_min_batch
-        self.admission_max_wait_steps = admission_max_wait_steps
-        self._admission_deferrals = 0  # consecutive steps that kept waiting requests out
+        self._gate = AdmissionGate(max_num_seqs, admission_min_batch, admission_max_wait_steps)
         self.debug_invariants = debug_invariants
 
         self.requests: dict[str, Request] = {}  # live: waiting or running
@@ -77,58 +62,13 @@ class Scheduler:
         # Outputs of requests finished outside update_from_output (rejected, aborted).
         self._pending_outputs: list[EngineCoreOutput] = []
         self._pending_ids: set[str] = set()
-        self._stop_rules: dict[str, _StopRule] = {}
+        self._stop_rules: dict[str, StopRule] = {}
         self._step_id = 0
         self._num_preemptions = 0
-
-        self._init_geometry()
-
-    # ------------------------------------------------------------------ pool geometry
-
-    def _init_geometry(self) -> None:
-        cfg = self.kv_cache_manager.kv_cache_config
-        specs = [g.kv_cache_spec for g in cfg.kv_cache_groups]
-        self._block_sizes = [s.block_size for s in specs]
-        self._windows = [getattr(s, "sliding_window", None) for s in specs]
-        self._num_pool_blocks = self.kv_cache_manager.block_pool.num_blocks
-        # Fast path of _schedule_running: allocate_slots is a no-op when the new tokens land in the
-        # request's last block (already allocated: it holds position c - 1) without filling it (no
-        # block to register in the prefix cache). That holds for full-attention groups of one block
-        # size; a sliding window also frees blocks as decode advances, so it always asks the manager.
-        uniform = len(set(self._block_sizes)) == 1 and all(w is None for w in self._windows)
-        # 1 disables the fast path without a branch in the loop: c % 1 is never non-zero.
-        self._fast_block_size = self._block_sizes[0] if uniform else 1
-
-    def _max_blocks_needed(self, num_tokens: int) -> int:
-        """Blocks one request can hold at once with `num_tokens` tokens, over all groups (one pool)."""
-        max_chunk = self.max_num_batched_tokens
-        if self.long_prefill_token_threshold:
-            max_chunk = min(max_chunk, self.long_prefill_token_threshold)
-        total = 0
-        for bs, window in zip(self._block_sizes, self._windows):
-            need = _cdiv(num_tokens, bs)
-            if window is not None:
-                # Live blocks cover the window behind the computed tokens plus one chunk.
-                need = min(need, _cdiv(window - 1 + max_chunk, bs) + 1)
-            total += need
-        return total
-
-    def _reject_reason(self, request: Request) -> str | None:
-        rid = request.request_id
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            return f"request {rid!r}: prompt_token_ids is empty; a request needs at least one prompt token"
-        total = num_prompt + request.max_tokens
-        if total > self.max_model_len:
-            return (f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) = "
-                    f"{total} tokens exceeds max_model_len={self.max_model_len}")
-        need = self._max_blocks_needed(total)
-        usable = self._num_pool_blocks - 1
-        if need > usable:
-            return (f"request {rid!r}: prompt + max_tokens = {total} tokens needs {need} KV-cache blocks "
-                    f"(block sizes {self._block_sizes}) but the pool holds only {usable} usable blocks "
-                    f"(num_blocks={self._num_pool_blocks}, block 0 is the null block)")
-        return None
+        self._fit = RequestFit(kv_cache_manager.kv_cache_config, kv_cache_manager.block_pool.num_blocks,
+                               max_model_len, min(max_num_batched_tokens, long_prefill_token_threshold or
+                                                  max_num_batched_tokens))
+        self._fast_block_size = self._fit.fast_block_size
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -136,7 +76,7 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests or rid in self._pending_ids:
             raise ValueError(f"add_request: request_id {rid!r} is already in use by an unfinished request")
-        reason = self._reject_reason(request)
+        reason = self._fit.reject_reason(request)
         if reason is not None:
             # Finished at once, never queued: it could never be scheduled.
             request.status = RequestStatus.FINISHED_ERROR
@@ -145,12 +85,7 @@ class Scheduler:
             return
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
-        params = request.sampling_params
-        eos = None if params.ignore_eos else request.eos_token_id
-        stop_ids = frozenset(params.stop_token_ids) if params.stop_token_ids else None
-        self._stop_rules[rid] = (
-            request, min(request.num_prompt_tokens + params.max_tokens, self.max_model_len), eos, stop_ids,
-            frozenset(params.stop_token_ids if eos is None else [*params.stop_token_ids, eos]))
+        self._stop_rules[rid] = make_stop_rule(request, self.max_model_len)
         self.waiting.append(request)
 
     def abort(self, req_ids: Iterable[str]) -> None:
@@ -250,22 +185,8 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             request.num_computed_tokens = c + n
             budget -= n
-        self._fill_running_rows(num_scheduled, cached, deltas)
+        cached.add_running_rows(num_scheduled, deltas)
         return budget
-
-    @staticmethod
-    def _fill_running_rows(num_scheduled: dict[str, int], cached: CachedRequestData,
-                           deltas: list[tuple[int, BlockIds]]) -> None:
-        """The per-row lists of the running requests just scheduled (num_computed_tokens is already
-        filled): only they are in num_scheduled so far, in scheduling order."""
-        cached.req_ids.extend(num_scheduled)
-        k = len(num_scheduled)
-        new_block_ids = cached.new_block_ids
-        new_block_ids.extend([None] * k)
-        for row, ids in deltas:
-            new_block_ids[row] = ids
-        cached.resumed_from_preemption.extend([False] * k)
-        cached.resumed_token_ids.extend([None] * k)
 
     def _preempt_until_fits(self, request: Request, n: int, preempted: set[str]) -> Any:
         """After allocate_slots failed for a running request: preempt from the tail until it fits.
@@ -291,28 +212,10 @@ class Scheduler:
         self._num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _admission_deferred(self) -> bool:
-        """Whether this step keeps the waiting requests out to admit them later, together.
-
-        A step that starts new prompts mixes their prefill into the running decodes, and such a step
-        cannot replay a decode CUDA graph: it launches every kernel from the host. When requests finish
-        one or two at a time, admitting each at once makes nearly every step mixed. With
-        admission_min_batch > 1 they are admitted once that many rows are free (or every waiting
-        request fits, or nothing runs, or they have waited admission_max_wait_steps steps), so most
-        steps stay pure decode (TGI batches its prefills for the same reason)."""
-        free = self.max_num_seqs - len(self.running)
-        if free <= 0:
-            return True  # no row to admit into: not a deferral
-        if (not self.running or free >= min(self.admission_min_batch, len(self.waiting))
-                or self._admission_deferrals >= self.admission_max_wait_steps):
-            self._admission_deferrals = 0
-            return False
-        self._admission_deferrals += 1
-        return True
-
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
                           new_reqs: list[NewRequestData]) -> int:
-        if self.admission_min_batch > 1 and self.waiting and self._admission_deferred():
+        if self.admission_min_batch > 1 and self.waiting and self._gate.deferred(len(self.running),
+                                                                                  len(self.waiting)):
             return budget
         manager = self.kv_cache_manager
         threshold = self.long_prefill_token_threshold
@@ -386,7 +289,7 @@ class Scheduler:
             # Aborted mid-step, or not part of this step: nothing to append.
             if rule is None or rid not in scheduled:
                 continue
-            request, token_limit, eos, stop_ids, stops = rule
+            request, token_limit, _, _, stops = rule
             all_ids = request.all_token_ids
             num_tokens = len(all_ids)
             if request.num_computed_tokens < num_tokens:
@@ -405,28 +308,18 @@ class Scheduler:
                     emit(o)
                     continue
             else:
-                token_ids = self._append_until_stop(rule, token_ids)
+                token_ids = append_until_stop(rule, token_ids)
                 tok = token_ids[-1]
                 if len(all_ids) < token_limit and tok not in stops:
                     emit(new_output(rid, token_ids, False, None, None, None, request.num_cached_tokens))
                     continue
-            _set_finished_status(request, tok, eos, stop_ids)
+            set_finished_status(rule, tok)
             self.kv_cache_manager.free(request)
             self._retire(request)
             stopped.add(rid)
             emit(EngineCoreOutput(rid, token_ids, True, request.get_finished_reason(), request.stop_reason,
                                   None, request.num_cached_tokens))
         return stopped
-
-    @staticmethod
-    def _append_until_stop(rule: _StopRule, token_ids: list[int]) -> list[int]:
-        """Append tokens one at a time; those after the first stop are dropped. Returns the kept ones."""
-        request, token_limit, _, _, stops = rule
-        for k, tok in enumerate(token_ids):
-            request.append_output_token_ids(tok)
-            if request.num_tokens >= token_limit or tok in stops:
-                return token_ids[:k + 1]
-        return token_ids
 
     # ------------------------------------------------------------------ introspection
 
@@ -447,7 +340,8 @@ class Scheduler:
         return self._num_preemptions
 
     def stats(self) -> dict[str, Any]:
-        queries, hits = _prefix_counts(self.kv_cache_manager.prefix_cache_stats)
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        queries, hits = prefix.queries, prefix.hits
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
@@ -462,22 +356,3 @@ class Scheduler:
         # Only running requests may hold blocks; a row of any other request is a leak.
         self.kv_cache_manager.check_invariants(self.running)
 
-
-def _set_finished_status(request: Request, tok: int, eos: int | None,
-                         stop_ids: frozenset[int] | None) -> None:
-    """Which stop fired on `tok`, the last token kept: a stop the model chose (EOS, stop token)
-    beats a length cap, so a stop token that also reaches the limit reports "stop"."""
-    if tok == eos:
-        request.status = _STOPPED
-    elif stop_ids is not None and tok in stop_ids:
-        request.status = _STOPPED
-        request.stop_reason = tok
-    else:
-        request.status = _LENGTH
-
-
-def _prefix_counts(stats: Any) -> tuple[int, int]:
-    """(queried tokens, hit tokens) from the manager's prefix-cache stats (object or dict)."""
-    if isinstance(stats, dict):
-        return int(stats.get("queries", 0)), int(stats.get("hits", 0))
-    return int(getattr(stats, "queries", 0)), int(getattr(stats, "hits", 0))
