@@ -218,6 +218,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 = not scheduled yet
         self.num_preemptions = 0
+        # Output tokens scheduled but not yet received (async scheduling: the step that samples them is
+        # still in flight). The scheduler plans with all_token_ids plus these many tokens.
+        self.num_output_placeholders = 0
         self.block_hashes: list[Any] = []
         self.stop_reason: int | None = None
         self.error: str | None = None

@@ -98,14 +98,23 @@ class Scheduler:
             if request is None or rid in aborted:
                 continue
             aborted.add(rid)
-            if request.status == _RUNNING:
-                self.kv_cache_manager.free(request)
+            self._release(request)
             request.status = RequestStatus.FINISHED_ABORTED
             self._retire(request)
             self._emit_finished(request)
         if aborted:
-            self.running = [r for r in self.running if r.request_id not in aborted]
-            self.waiting = deque(r for r in self.waiting if r.request_id not in aborted)
+            self._drop_from_queues(aborted, from_waiting=True)
+
+    def _release(self, request: Request) -> None:
+        """Give back what a request about to finish holds: a running one its blocks (a waiting or
+        preempted one holds none)."""
+        if request.status == _RUNNING:
+            self.kv_cache_manager.free(request)
+
+    def _drop_from_queues(self, req_ids: set[str], from_waiting: bool) -> None:
+        self.running = [r for r in self.running if r.request_id not in req_ids]
+        if from_waiting:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in req_ids)
 
     def _retire(self, request: Request) -> None:
         del self.requests[request.request_id]
@@ -141,6 +150,7 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted,
             step_id=self._step_id)
         self._finished_req_ids = set()
+        self._update_after_schedule(out)
         if self.debug_invariants:
             self._check_invariants()
         return out
@@ -150,6 +160,7 @@ class Scheduler:
         # The hot loop of a decode-heavy step: kept flat on purpose (locals, no per-request calls
         # unless blocks may change).
         running = self.running
+        rules = self._stop_rules
         threshold = self.long_prefill_token_threshold
         last_pos = self.max_model_len - 1  # the final token's KV is never needed
         fast_bs = self._fast_block_size
@@ -162,7 +173,10 @@ class Scheduler:
             if budget <= 0:
                 break
             c = request.num_computed_tokens
-            n = len(request.all_token_ids) - c
+            p = request.num_output_placeholders  # always 0 unless steps overlap
+            if p and len(request.all_token_ids) + p >= rules[request.request_id].token_limit:
+                continue  # its pending tokens reach its length limit: it finishes when they arrive
+            n = len(request.all_token_ids) + p - c
             if n != 1:  # a decode (n == 1) always fits: budget >= 1 and c + 1 < max_model_len
                 if threshold and n > threshold:
                     n = threshold
@@ -212,6 +226,10 @@ class Scheduler:
         self._num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Hook: the step is decided. The synchronous scheduler applies its output before the next
+        schedule(), so it has nothing to note."""
+
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
                           new_reqs: list[NewRequestData]) -> int:
         if self.admission_min_batch > 1 and self.waiting and self._gate.deferred(len(self.running),
@@ -221,6 +239,8 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: a resume carries the full token list
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = manager.get_computed_blocks(request)
             else:
@@ -263,37 +283,46 @@ class Scheduler:
             raise ValueError(f"update_from_output: step {scheduler_output.step_id} scheduled "
                              f"{scheduler_output.total_num_scheduled_tokens} tokens but model_runner_output "
                              f"is None; only an empty step may have no runner output")
+        expected = self._expected_samplers(scheduler_output)
         outputs = self._pending_outputs
         self._pending_outputs = []
         self._pending_ids.clear()
         if model_runner_output is not None and scheduler_output.total_num_scheduled_tokens:
-            stopped = self._apply_sampled(scheduler_output, model_runner_output, outputs)
-            if stopped:
-                self.running = [r for r in self.running if r.request_id not in stopped]
+            self._apply_sampled(scheduler_output, model_runner_output, outputs, expected)
         if self.debug_invariants:
             self._check_invariants()
         return outputs
 
+    def _expected_samplers(self, scheduler_output: SchedulerOutput) -> dict[str, Request] | None:
+        """Hook: which live requests may take a token from this step's output. None: every request
+        the step scheduled whose prompt is computed (its output always follows its schedule)."""
+        return None
+
     def _apply_sampled(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
-                       outputs: list[EngineCoreOutput]) -> set[str]:
+                       outputs: list[EngineCoreOutput], expected: dict[str, Request] | None) -> None:
         rules = self._stop_rules
         scheduled = scheduler_output.num_scheduled_tokens
         emit = outputs.append
         new_output = EngineCoreOutput
         new_bare = object.__new__
         stopped: set[str] = set()
+        from_waiting = False  # a request preempted while its token was in flight stops from the queue
         for rid, token_ids in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             if not token_ids:
                 continue  # a partial prefill chunk samples nothing
             rule = rules.get(rid)
-            # Aborted mid-step, or not part of this step: nothing to append.
-            if rule is None or rid not in scheduled:
-                continue
-            request, token_limit, _, _, stops = rule
+            if rule is None:
+                continue  # finished (a late stop, an abort) since the step was scheduled
+            request = rule[0]
             all_ids = request.all_token_ids
             num_tokens = len(all_ids)
-            if request.num_computed_tokens < num_tokens:
-                continue  # still prefilling: a token here would be a runner bug, not output
+            if expected is None:
+                # Not part of this step, or still prefilling: a token here would be a runner bug.
+                if rid not in scheduled or request.num_computed_tokens < num_tokens:
+                    continue
+            elif expected.get(rid) is not request:
+                continue  # not expected to sample, or its id now belongs to a new request
+            token_limit, stops = rule[1], rule[4]
             if len(token_ids) == 1:  # the common case, inlined
                 tok = token_ids[0]
                 request.output_token_ids.append(tok)
@@ -313,13 +342,15 @@ class Scheduler:
                 if len(all_ids) < token_limit and tok not in stops:
                     emit(new_output(rid, token_ids, False, None, None, None, request.num_cached_tokens))
                     continue
+            from_waiting |= request.status != _RUNNING
+            self._release(request)
             set_finished_status(rule, tok)
-            self.kv_cache_manager.free(request)
             self._retire(request)
             stopped.add(rid)
-            emit(EngineCoreOutput(rid, token_ids, True, request.get_finished_reason(), request.stop_reason,
-                                  None, request.num_cached_tokens))
-        return stopped
+            emit(new_output(rid, token_ids, True, request.get_finished_reason(), request.stop_reason,
+                            None, request.num_cached_tokens))
+        if stopped:
+            self._drop_from_queues(stopped, from_waiting)
 
     # ------------------------------------------------------------------ introspection
 
@@ -355,4 +386,3 @@ class Scheduler:
     def _check_invariants(self) -> None:
         # Only running requests may hold blocks; a row of any other request is a leak.
         self.kv_cache_manager.check_invariants(self.running)
-
