@@ -45,11 +45,28 @@ def empty_kv_cache_blocks(num_groups: int) -> KVCacheBlocks:
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups since creation (or the last reset), counted in tokens."""
+    """Prefix-cache lookups since creation (or the last reset), counted in tokens, once per admission.
+
+    A request resumed after preemption mostly hits its own blocks; as in vLLM its lookups are kept
+    apart (preempted_*) so that they do not inflate the hit rate.
+    """
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
 
     @property
     def hit_rate(self) -> float:
@@ -92,15 +109,14 @@ class KVCacheManager:
 
         The last token is never counted as computed: the model must run at least one token to produce
         the next token's logits, so the hit covers at most num_tokens - 1 tokens, in whole blocks.
+        A lookup is only counted in `prefix_cache_stats` when allocate_slots admits the request with
+        its blocks: a request that did not fit looks again next step, and is still one query.
         """
         if not self.enable_caching:
             return self.empty_kv_cache_blocks, 0
         update_request_block_hashes(request, self.block_size)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1)
-        self.prefix_cache_stats.requests += 1
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_hit_tokens
         return KVCacheBlocks(blocks), num_hit_tokens
 
     def reset_prefix_cache(self) -> bool:
@@ -117,7 +133,8 @@ class KVCacheManager:
 
         Returns only the newly allocated blocks per group, or None when the pool cannot hold them, in
         which case nothing at all has changed. On success it also registers the full blocks these
-        tokens complete in the prefix cache, so a request admitted later (even in the same step) hits.
+        tokens complete in the prefix cache, so a request admitted later (even in the same step) hits,
+        and counts the lookup that `new_computed_blocks` came from (the request is admitted now).
         """
         if new_computed_blocks is None and not num_new_computed_tokens and num_new_tokens > 0 \
                 and request.request_id in self._rows_of_group0:
@@ -138,6 +155,9 @@ class KVCacheManager:
             num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
             update_request_block_hashes(request, self.block_size)
             self.coordinator.cache_blocks(request, min(num_tokens, request.num_tokens))
+            if new_computed_blocks is not None:
+                self.prefix_cache_stats.record(request.num_tokens, num_new_computed_tokens,
+                                               preempted=request.num_preemptions > 0)
         return KVCacheBlocks(new_blocks)
 
     def _allocate_general(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,

@@ -225,13 +225,17 @@ def test_views_usage_stats_and_reset():
     assert m.get_block_ids("nobody") == ([],)
     assert m.num_groups == 1 and m.empty_kv_cache_blocks.get_block_ids() == ([],)
     assert empty_kv_cache_blocks(2).get_block_ids() == ([], [])
-    m.get_computed_blocks(req("b", SHARED + [2]))
+    m.get_computed_blocks(req("x", SHARED + [3]))  # a lookup alone is not a query: nothing admitted
+    b = req("b", SHARED + [2])
+    admit(m, b)
     s = m.prefix_cache_stats
     assert (s.requests, s.queries, s.hits) == (2, 98, 48) and s.hit_rate == pytest.approx(48 / 98)
-    assert m.reset_prefix_cache() is False  # a still holds blocks
+    assert m.reset_prefix_cache() is False  # a and b still hold blocks
     m.free(a)
+    m.free(b)
     assert m.reset_prefix_cache() is True
-    assert m.get_computed_blocks(req("c", SHARED + [2]))[1] == 0
+    c = req("c", SHARED + [2])
+    assert admit(m, c)[1] == 0
     assert m.prefix_cache_stats.queries == 49
 
 

@@ -424,6 +424,30 @@ def test_prefix_hits_counted_and_skip_computation():
     assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0
 
 
+def test_prefix_lookup_counted_once_under_memory_pressure():
+    """A request that does not fit looks up the prefix cache again every step; it is one query, counted
+    when it is admitted, so a full pool does not inflate the hit rate."""
+    sched = make_scheduler(num_blocks=7, block_size=4, max_model_len=64)  # 6 usable blocks
+    shared = list(range(12))
+    sched.add_request(Request("a", shared + [50, 51], SamplingParams(max_tokens=8, ignore_eos=True)))
+    sched.add_request(Request("b", shared + list(range(60, 69)), SamplingParams(max_tokens=1)))
+    steps_waiting = 0
+    for _ in range(20):
+        out, _ = step(sched)
+        if "b" in out.num_scheduled_tokens:
+            (new,) = [r for r in out.scheduled_new_reqs if r.req_id == "b"]
+            assert new.num_computed_tokens == 12  # a's prompt blocks, freed but still cached
+            break
+        steps_waiting += 1
+    else:
+        raise AssertionError("b was never admitted")
+    assert steps_waiting >= 5, steps_waiting  # b looked up, did not fit, and looked again
+    drain(sched)
+    stats = sched.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (14 + 21, 12), stats
+    assert stats["prefix_cache_hit_rate"] == pytest.approx(12 / 35)
+
+
 def test_decode_blocks_become_prefix_hits():
     # Output tokens fill blocks too; a later request with those tokens as prompt hits them.
     sched = make_scheduler(block_size=4)
