@@ -111,20 +111,23 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, sliding_window: int | None = None,
                     max_query_len: int | None = None, max_seq_len: int | None = None,
-                    backend: str = "torch") -> None:
+                    backend: str = "torch", softcap: float | None = None) -> None:
     """Causal GQA attention of a mixed batch over the paged cache (see the team contract).
 
     Sequence b's queries are rows query_start_loc[b]:query_start_loc[b+1] and sit at the LAST
     q_len positions of its seq_len tokens. max_query_len / max_seq_len are host ints that size the
     Triton grid without a device sync; max_query_len must be >= every sequence's q_len (a smaller
     value leaves rows unwritten), max_seq_len only steers the split-KV heuristic. When omitted they
-    are read from the device (a sync)."""
+    are read from the device (a sync). `softcap` (Gemma-2) caps each scaled score at
+    softcap * tanh(score / softcap) before the mask and softmax."""
     _check_backend(backend)
+    _require(softcap is None or (isinstance(softcap, (int, float)) and softcap > 0),
+             f"softcap must be None or a positive number, got {softcap!r}")
     _check_attention_args(query, key_cache, value_cache, out, query_start_loc, seq_lens,
                           block_table, sliding_window)
     if backend == "torch":
         paged_attention_ref(query, key_cache, value_cache, out, query_start_loc, seq_lens,
-                            block_table, scale, sliding_window)
+                            block_table, scale, sliding_window, softcap)
         return
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) \
@@ -137,4 +140,5 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return
     from kvcore.kernels.paged_attention import paged_attention_triton
     paged_attention_triton(query, key_cache, value_cache, out, query_start_loc, seq_lens,
-                           block_table, scale, sliding_window, max_query_len, max_seq_len)
+                           block_table, scale, sliding_window, max_query_len, max_seq_len,
+                           softcap=softcap)

@@ -18,6 +18,8 @@ Design
   GPU, so each program takes a 1/NUM_SPLITS share of its tile range, writes a normalised partial
   output and its log-sum-exp; a reduce kernel combines them. The share is computed on the device
   from seq_lens, so a split count baked into a CUDA graph stays correct for any context length.
+- Gemma-2's attention-logit soft-cap (cap * tanh(score / cap)) is a constexpr branch, so the
+  uncapped kernel compiles to exactly what it was.
 - Host ints max_query_len / max_seq_len only size the grid and pick heuristics: no device sync.
 """
 from __future__ import annotations
@@ -38,11 +40,11 @@ _MIN_TOKENS_PER_SPLIT = 128
 
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q, t_lo, t_hi, kv_lo, kv_hi, pos, window,
-                  k_base, v_base, bt_row, dims, dmask, scale_log2,
+                  k_base, v_base, bt_row, dims, dmask, scale_log2, softcap,
                   stride_kb, stride_ks, stride_vb, stride_vs,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
                   USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  UPCAST_DOT: tl.constexpr):
+                  UPCAST_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     for t in range(t_lo, t_hi):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (cols >= kv_lo) & (cols < kv_hi)
@@ -53,6 +55,11 @@ def _attend_tiles(acc, l_i, m_i, q, t_lo, t_hi, kv_lo, kv_hi, pos, window,
         if UPCAST_DOT:
             k = k.to(tl.float32)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            # Gemma-2: cap * tanh(score / cap), with the score scaled by `scale` alone (the host
+            # passes it without log2(e)); tanh(x) = 1 - 2 / (e^2x + 1) saturates cleanly at +-1.
+            qk = (1.0 - 2.0 / (tl.math.exp2(qk * (2.0 * 1.4426950408889634 / softcap)) + 1.0)) \
+                * (softcap * 1.4426950408889634)
         if MASKED:
             visible = col_ok[None, :] & (cols[None, :] <= pos[:, None])
             if USE_WINDOW:
@@ -78,7 +85,7 @@ def _attend_tiles(acc, l_i, m_i, q, t_lo, t_hi, kv_lo, kv_hi, pos, window,
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
-    scale_log2, window, num_q_tiles,
+    scale_log2, softcap, window, num_q_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -86,6 +93,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
     NUM_SPLITS: tl.constexpr, Q_FILTER: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     # Heaviest (latest) query tiles first: under causal masking they have the most KV to read.
@@ -150,19 +158,19 @@ def _paged_attention_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, tl.maximum(s_lo, t_first), tl.minimum(s_hi, t_a), kv_lo, kv_hi, pos,
-        window, k_base, v_base, bt_row, dims, dmask, scale_log2,
+        window, k_base, v_base, bt_row, dims, dmask, scale_log2, softcap,
         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW,
-        DOT_PRECISION, UPCAST_DOT)
+        DOT_PRECISION, UPCAST_DOT, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, tl.maximum(s_lo, t_a), tl.minimum(s_hi, t_b), kv_lo, kv_hi, pos,
-        window, k_base, v_base, bt_row, dims, dmask, scale_log2,
+        window, k_base, v_base, bt_row, dims, dmask, scale_log2, softcap,
         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW,
-        DOT_PRECISION, UPCAST_DOT)
+        DOT_PRECISION, UPCAST_DOT, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, tl.maximum(s_lo, t_b), tl.minimum(s_hi, t_last), kv_lo, kv_hi, pos,
-        window, k_base, v_base, bt_row, dims, dmask, scale_log2,
+        window, k_base, v_base, bt_row, dims, dmask, scale_log2, softcap,
         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW,
-        DOT_PRECISION, UPCAST_DOT)
+        DOT_PRECISION, UPCAST_DOT, SOFTCAP)
 
     # Rows that saw nothing (padding rows, or an empty split) keep l == 0: divide by 1 instead.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -264,7 +272,7 @@ def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_o, part_lse,
         a["query_start_loc"], a["seq_lens"], block_table,
-        a["scale_log2"], a["window"], num_q_tiles,
+        a["scale_log2"], a["softcap"], a["window"], num_q_tiles,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -274,7 +282,7 @@ def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_SIZE=key_cache.shape[1], HEAD_PAD=a["head_pad"],
         USE_WINDOW=a["window"] > 0, NUM_SPLITS=num_splits, Q_FILTER=q_filter,
-        DOT_PRECISION=a["precision"], UPCAST_DOT=a["upcast"],
+        DOT_PRECISION=a["precision"], UPCAST_DOT=a["upcast"], SOFTCAP=a["softcap"] > 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -285,7 +293,7 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
                            block_table: torch.Tensor, scale: float,
                            sliding_window: int | None, max_query_len: int, max_seq_len: int,
                            num_splits: int | None = None, block_m: int | None = None,
-                           block_n: int | None = None) -> None:
+                           block_n: int | None = None, softcap: float | None = None) -> None:
     """See kvcore.kernels.ops.paged_attention. num_splits / block_m / block_n override the
     heuristics (tests force the split path and small tiles with them).
 
@@ -312,7 +320,8 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
     upcast = _interpreting() and query.dtype == torch.bfloat16
     a = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out,
              query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-             num_seqs=num_seqs, group=group, scale_log2=scale * _LOG2E,
+             num_seqs=num_seqs, group=group, scale_log2=scale if softcap else scale * _LOG2E,
+             softcap=float(softcap or 0.0),
              window=sliding_window or 0, head_pad=max(16, triton.next_power_of_2(head_size)),
              precision="ieee" if query.dtype == torch.float32 or upcast else "tf32",
              upcast=upcast, part_o=out, part_lse=out)  # partials unused when NUM_SPLITS == 1

@@ -56,16 +56,19 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | Non
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """q [N, Hkv, G*Lq, D], k/v [N, Hkv, Lk, D], allowed [N, 1, G*Lq, Lk] -> [N, Hkv, G*Lq, D]."""
+                      scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q [N, Hkv, G*Lq, D], k/v [N, Hkv, Lk, D], allowed [N, 1, G*Lq, Lk] -> [N, Hkv, G*Lq, D].
+    `softcap`: Gemma-2's cap * tanh(score / cap), in HF's order (scale first, mask after)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_row: torch.Tensor, seq_len: int, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
+                 sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
     """Attention for one sequence's chunk: query [Lq, Hq, D] -> [Lq, Hq, D] float32."""
     q_len, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -87,7 +90,7 @@ def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         q_pos = torch.arange(first_pos + s, first_pos + e, device=query.device).repeat(group)
         k_pos = torch.arange(start, end, device=query.device)
         allowed = _visible(q_pos, k_pos, sliding_window)
-        o = _masked_attention(q[None], k[None], v[None], allowed[None, None], scale)[0]
+        o = _masked_attention(q[None], k[None], v[None], allowed[None, None], scale, softcap)[0]
         out[s:e] = o.view(num_kv_heads, group, e - s, head_size).permute(2, 0, 1, 3).reshape(
             e - s, num_heads, head_size)
     return out
@@ -95,7 +98,7 @@ def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
 def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_rows: torch.Tensor, seq_lens: list[int], scale: float,
-                  sliding_window: int | None) -> torch.Tensor:
+                  sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
     """One token per sequence, all sequences at once, padded to the longest gathered range:
     query [N, Hq, D] -> [N, Hq, D] float32."""
     n, num_heads, head_size = query.shape
@@ -122,14 +125,14 @@ def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     v = v.masked_fill(~in_range[:, :, None, None], 0.0).permute(0, 2, 1, 3)
     q = query.float().view(n, num_kv_heads, group, head_size)
     allowed = _visible((seq_t - 1)[:, None], k_pos, sliding_window) & in_range[:, None, :]
-    o = _masked_attention(q, k, v, allowed[:, None], scale)   # [N, Hkv, G, D]
+    o = _masked_attention(q, k, v, allowed[:, None], scale, softcap)   # [N, Hkv, G, D]
     return o.reshape(n, num_heads, head_size)
 
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, scale: float,
-                        sliding_window: int | None = None) -> None:
+                        sliding_window: int | None = None, softcap: float | None = None) -> None:
     """Causal (optionally sliding-window) GQA attention of a mixed batch over the paged cache.
     Writes out[:query_start_loc[B]]; rows beyond are left untouched."""
     starts = query_start_loc.tolist()
@@ -139,12 +142,12 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         tok = torch.tensor([starts[b] for b in decode_ids], device=query.device)
         rows = torch.tensor(decode_ids, device=query.device)
         o = _decode_batch(query[tok], key_cache, value_cache, block_table[rows],
-                          [lens[b] for b in decode_ids], scale, sliding_window)
+                          [lens[b] for b in decode_ids], scale, sliding_window, softcap)
         out[tok] = o.to(out.dtype)
     for b in range(len(lens)):
         s, e = starts[b], starts[b + 1]
         if e - s <= 1:
             continue
         o = _prefill_one(query[s:e], key_cache, value_cache, block_table[b], lens[b], scale,
-                         sliding_window)
+                         sliding_window, softcap)
         out[s:e] = o.to(out.dtype)
