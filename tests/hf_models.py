@@ -52,7 +52,26 @@ def _qwen3_hybrid():
                        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
 
 
-FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "qwen3_hybrid": _qwen3_hybrid}
+def _gemma2():
+    from transformers import Gemma2Config
+    # Default pattern (even layers slide), window 24 < most prompts; small caps so both bite.
+    return Gemma2Config(**COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                        query_pre_attn_scalar=24, attn_logit_softcapping=4.0, final_logit_softcapping=8.0)
+
+
+def _gemma3():
+    from transformers import Gemma3TextConfig
+    # Local layers use their own base; only the global one is scaled (linear), as HF maps them.
+    rope = {"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=5000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=100.0)}
+    return Gemma3TextConfig(**COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                            query_pre_attn_scalar=24, rope_parameters=rope,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                         "sliding_attention"])
+
+
+FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "qwen3_hybrid": _qwen3_hybrid,
+            "gemma2": _gemma2, "gemma3": _gemma3}
 
 
 def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:

@@ -18,7 +18,8 @@ BACKENDS = ("torch", "triton")
 
 class Attention(nn.Module):
     def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 sliding_window: int | None = None, backend: str = "torch") -> None:
+                 sliding_window: int | None = None, backend: str = "torch",
+                 softcap: float | None = None) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"attention_backend={backend!r}: must be one of {BACKENDS}")
@@ -29,7 +30,10 @@ class Attention(nn.Module):
         self.layer_name = layer_name
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"{layer_name}: attn_logit_softcapping={softcap} must be > 0")
         self.sliding_window = sliding_window
+        self.softcap = softcap
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
 
@@ -54,5 +58,6 @@ class Attention(nn.Module):
             out[n:].zero_()  # padding rows: the kernels leave them untouched
         ops.paged_attention(query, key_cache, value_cache, out, md.query_start_loc, md.seq_lens,
                             md.block_table, self.scale, sliding_window=self.sliding_window,
-                            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, backend=self.backend)
+                            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, backend=self.backend,
+                            softcap=self.softcap)
         return out.view(num_tokens, self.num_heads * self.head_size)

@@ -46,12 +46,15 @@ class VocabParallelEmbedding(nn.Module):
         out = out * in_range.unsqueeze(-1).to(out.dtype)
         return ps.all_reduce(out)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         """Full-vocabulary float32 logits on every rank: local GEMM in the model dtype (as HF does),
-        then all-gather over the vocab dimension, dropping the padding columns."""
+        then all-gather over the vocab dimension, dropping the padding columns. `softcap` (Gemma)
+        applies cap * tanh(logits / cap) in the model dtype, as HF does, before the float32 cast."""
         local = F.linear(hidden, self.weight)
-        full = ps.all_gather(local, dim=-1)
-        return full[..., : self.num_embeddings].float()
+        full = ps.all_gather(local, dim=-1)[..., : self.num_embeddings]
+        if softcap is not None:
+            full = torch.tanh(full / softcap) * softcap
+        return full.float()
 
 
 class ParallelLMHead(VocabParallelEmbedding):

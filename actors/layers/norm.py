@@ -37,3 +37,19 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 (scale = 1 + w), and the product is
+    taken in float32 before rounding to the input dtype (Llama rounds first, then multiplies).
+    Always the torch ops: the Triton kernel rounds at Llama's points."""
+
+    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = new_param((hidden_size,), params_dtype, default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)

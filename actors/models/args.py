@@ -27,6 +27,12 @@ class ModelArgs:
     mlp_bias: bool
     qk_norm: bool
     layer_windows: tuple[int | None, ...]   # per layer: the sliding window, or None for full attention
+    hidden_act: str = "silu"
+    query_scale: float | None = None        # softmax scale of attention; None: head_dim ** -0.5
+    attn_softcap: float | None = None       # Gemma-2: cap * tanh(score / cap) on attention scores
+    final_softcap: float | None = None      # Gemma: the same on the final logits
+    local_rope: RopeParams | None = None    # Gemma-3: the sliding layers' own RoPE
+    gemma_norms: bool = False               # RMSNorms scale by (1 + w) in float32 (Gemma)
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:
@@ -43,10 +49,11 @@ def _positive_int(cfg: dict[str, Any], key: str, value: Any = None) -> int:
 
 
 def parse_args(cfg: dict[str, Any], *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool,
-               layer_windows: list[int | None]) -> ModelArgs:
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
+               layer_windows: list[int | None], act_key: str = "hidden_act",
+               acts: tuple[str, ...] = ("silu",)) -> ModelArgs:
+    act = cfg.get(act_key) or acts[0]
+    if act not in acts:
+        raise ValueError(f"config.json: {act_key}={act!r} is not supported (supported: {list(acts)})")
     num_heads = _positive_int(cfg, "num_attention_heads")
     hidden = _positive_int(cfg, "hidden_size")
     num_kv = _positive_int(cfg, "num_key_value_heads", cfg.get("num_key_value_heads") or num_heads)
@@ -66,7 +73,7 @@ def parse_args(cfg: dict[str, Any], *, qkv_bias: bool, o_bias: bool, mlp_bias: b
         rope=rope_params_from_config(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=qk_norm,
-        layer_windows=tuple(layer_windows))
+        layer_windows=tuple(layer_windows), hidden_act=act)
 
 
 def _window(cfg: dict[str, Any], key: str = "sliding_window") -> int:
@@ -104,3 +111,25 @@ def mistral_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
     num_layers = _positive_int(cfg, "num_hidden_layers")
     window = _window(cfg) if cfg.get("sliding_window") is not None else None
     return [window] * num_layers
+
+
+def typed_layer_windows(cfg: dict[str, Any], default_pattern: int) -> list[int | None]:
+    """Gemma-2/3: `layer_types` when given, else every `sliding_window_pattern`-th layer is global and
+    the others slide (Gemma-2: every second, Gemma-3: every sixth), as their HF configs derive it."""
+    num_layers = _positive_int(cfg, "num_hidden_layers")
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        pattern = _positive_int(cfg, "sliding_window_pattern", cfg.get("sliding_window_pattern") or default_pattern)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if not isinstance(layer_types, list):
+        raise ValueError(f"config.json: layer_types={layer_types!r} must be a list")
+    windows: list[int | None] = []
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            windows.append(None)
+        elif kind == "sliding_attention":
+            windows.append(_window(cfg))
+        else:
+            raise ValueError(f"config.json: layer_types[{i}]={kind!r} is not supported "
+                             "(supported: 'full_attention', 'sliding_attention')")
+    return windows

@@ -16,7 +16,7 @@ from actors.layers.activation import SiluAndMul
 from actors.layers.attention import Attention
 from actors.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from actors.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from actors.layers.norm import RMSNorm
+from actors.layers.norm import GemmaRMSNorm, RMSNorm
 from actors.layers.rotary import RotaryEmbedding
 from actors.layers.weight_utils import ShardShapeError
 from actors.models.args import ModelArgs
@@ -47,12 +47,14 @@ class DecoderAttention(nn.Module):
                                           args.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, args.o_bias, dtype,
                                         name="num_attention_heads * head_dim")
-        self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype, backend) if args.qk_norm else None
-        self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype, backend) if args.qk_norm else None
+        self.q_norm, self.k_norm = (_qk_norm(args, dtype, backend), _qk_norm(args, dtype, backend)) \
+            if args.qk_norm else (None, None)
         self.rotary_emb = rotary
+        scale = args.query_scale if args.query_scale is not None else d ** -0.5
         self.attn = Attention(attention_layer_name(layer_idx), self.qkv_proj.num_heads,
-                              self.qkv_proj.num_kv_heads, d, d ** -0.5,
-                              sliding_window=args.layer_windows[layer_idx], backend=backend)
+                              self.qkv_proj.num_kv_heads, d, scale,
+                              sliding_window=args.layer_windows[layer_idx], backend=backend,
+                              softcap=args.attn_softcap)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
@@ -71,8 +73,20 @@ class DecoderAttention(nn.Module):
         a strided view too (the cache-write and attention kernels take row strides)."""
         if self.q_norm is None or self.k_norm is None:
             return self.rotary_emb.forward_fused(positions, q, k)
+        if isinstance(self.q_norm, GemmaRMSNorm):
+            # The fused kernel rounds as Llama's norm does; Gemma's (1 + w) norm runs in torch.
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)
+            return self.rotary_emb.forward_fused(positions, q, k)
         return self.rotary_emb.forward_fused(positions, q, k, self.q_norm.weight, self.k_norm.weight,
                                              self.q_norm.eps)
+
+
+def _qk_norm(args: ModelArgs, dtype: torch.dtype, backend: str) -> nn.Module:
+    if args.gemma_norms:
+        return GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype)
+    return RMSNorm(args.head_dim, args.rms_norm_eps, dtype, backend)
 
 
 class DecoderMLP(nn.Module):
@@ -126,12 +140,14 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """The model API the runner uses (see the team contracts): forward, compute_logits,
-    attention_layers, load_weights."""
+    attention_layers, load_weights. Families with another layer layout set `model_class`."""
+
+    model_class: type[nn.Module] = DecoderModel
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype, attention_backend: str = "torch") -> None:
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.model = DecoderModel(args, dtype, attention_backend)
+        self.model = type(self).model_class(args, dtype, attention_backend)
         self.lm_head = (self.model.embed_tokens if args.tie_word_embeddings
                         else ParallelLMHead(args.vocab_size, args.hidden_size, dtype))
 
@@ -139,7 +155,7 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden)
+        return self.lm_head.logits(hidden, self.args.final_softcap)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -7,11 +7,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from actors.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from actors.models.llama import LlamaForCausalLM, MistralForCausalLM
 from actors.models.qwen2 import Qwen2ForCausalLM
 from actors.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
