@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
-from cluster.config import EngineConfig
+from actors.engine_config import EngineConfig
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import (Request, RequestValidationError, SamplingParams, check_request_id,
                              check_token_ids, validate)
@@ -113,7 +113,7 @@ class EngineDriver:
     def _build_engine(self) -> None:
         from actors.engine_core import EngineCore
         from actors.ray_executor import RayExecutor
-        from cluster.config import validate_for_model
+        from actors.engine_config import validate_for_model
 
         executor = RayExecutor(self.config, self.pg, worker_cls=self.worker_cls)
         try:

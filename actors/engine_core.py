@@ -16,7 +16,7 @@ import logging
 from typing import Any, Iterable
 
 from actors.executor_base import Executor
-from cluster.config import EngineConfig
+from actors.engine_config import EngineConfig
 from kvcore.async_scheduler import AsyncScheduler
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput

@@ -16,7 +16,7 @@ from typing import Any
 
 from actors.executor_base import Executor
 from actors.worker import Worker
-from cluster.config import EngineConfig
+from actors.engine_config import EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 _SHUTDOWN = "__shutdown__"

@@ -24,7 +24,7 @@ from actors.input_batch import CachedRequestState, InputBatch
 from actors.sampler import Sampler, SamplingMetadata, request_generator
 from actors.step_profiler import StepTimer
 from actors.token_readback import SampledStep, TokenReadback
-from cluster.config import EngineConfig
+from actors.engine_config import EngineConfig
 from kvcore.buffers import CpuGpuBuffer
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec,

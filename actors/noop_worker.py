@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from cluster.config import EngineConfig
+from actors.engine_config import EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 

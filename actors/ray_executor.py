@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.executor_base import Executor
 from actors.transport import WorkerFailure, gather_ranks, make_transport
-from cluster.config import EngineConfig
+from actors.engine_config import EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import torch
 from actors import parallel_state
 from actors.model_runner import ModelRunner
 from actors.step_profiler import StepProfiler
-from cluster.config import EngineConfig
+from actors.engine_config import EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
 

@@ -1,8 +1,8 @@
 """cluster: how a user runs kvray: config loading, Ray connection and placement, the LLM API, the CLI,
 the batch job.
 
-Exports are resolved lazily so that `import cluster.config` (which the worker processes do) stays
-light and never pulls in Ray or the driver.
+Exports are resolved lazily, so that importing one module of cluster/ never pulls in Ray or the
+driver through this package.
 """
 from typing import Any
 

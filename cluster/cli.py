@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config (default: the built-in defaults of cluster/config.py: CPU, tiny-random, TP=1)")
+    p.add_argument("--config", help="YAML config (default: the built-in defaults of actors/engine_config.py: CPU, tiny-random, TP=1)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field, e.g. --set cache.block_size=32 (repeatable)")
 

@@ -1,0 +1,306 @@
+"""Engine configuration: frozen dataclasses, one per section, every field validated.
+
+Each section checks its own fields on construction, so a config built in code is held to the same rules
+as one read from YAML. A broken rule raises ConfigError naming the field, the value and the rule.
+Rules that need the model's own config (heads, context length) live in `validate_for_model`.
+Below cluster/ (the driver and the workers are built from it); reading YAML and `--set` strings is
+cluster/config.py's job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A config field breaks a rule; the message names the field, the value and the rule."""
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEVICES = ("cpu", "cuda")
+STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+TRANSPORTS = ("compiled_graph", "actor_calls")
+
+
+def _fail(section: str, name: str, value: Any, rule: str) -> None:
+    raise ConfigError(f"config: {section}.{name}={value!r}: {rule}")
+
+
+class _Section:
+    """Type checks from the annotations, then the section's own range rules (`_rules`)."""
+
+    SECTION = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = _coerce(self.SECTION, f.name, getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)
+        self._rules()
+
+    def _rules(self) -> None:  # pragma: no cover - every section overrides
+        pass
+
+    def _check(self, cond: bool, name: str, rule: str) -> None:
+        if not cond:
+            _fail(self.SECTION, name, getattr(self, name), rule)
+
+
+def _coerce(section: str, name: str, value: Any, hint: Any) -> Any:
+    """Accept `value` for annotation `hint` (int for float, None for Optional), else fail by type."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if value is None:
+        if optional:
+            return None
+        _fail(section, name, value, f"must be a {base.__name__}, not null")
+    if base is bool:
+        if not isinstance(value, bool):
+            _fail(section, name, value, "must be a bool (true/false)")
+    elif base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(section, name, value, "must be an integer")
+    elif base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(section, name, value, "must be a number")
+        value = float(value)
+        if not math.isfinite(value):
+            _fail(section, name, value, "must be finite")
+    elif base is str:
+        if not isinstance(value, str):
+            _fail(section, name, value, "must be a string")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    SECTION = "model"
+    model: str = "tiny-random"        # HF directory, or "tiny-random" (built in, written on first use)
+    dtype: str = "auto"               # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None = from the model's config (max_position_embeddings)
+    seed: int = 0
+    attention_backend: str = "auto"   # auto (triton on cuda, torch on cpu) | torch | triton
+    enforce_eager: bool = False       # True disables CUDA graphs
+
+    def _rules(self) -> None:
+        self._check(self.model.strip() != "", "model", "must name an HF model directory or 'tiny-random'")
+        self._check(self.dtype in DTYPES, "dtype", f"must be one of {list(DTYPES)}")
+        self._check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+                    "must be >= 1 (or null for the model's own limit)")
+        self._check(self.seed >= 0, "seed", "must be >= 0")
+        self._check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+                    f"must be one of {list(ATTENTION_BACKENDS)}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Section):
+    SECTION = "parallel"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    device: str = "cpu"               # cpu | cuda
+    placement_strategy: str = "STRICT_PACK"  # STRICT_PACK | PACK | SPREAD | STRICT_SPREAD
+    gpus_per_worker: float = 1.0      # < 1 shares a GPU between ranks (then gloo, since NCCL refuses)
+    distributed_backend: str = "auto"  # auto (nccl on whole GPUs, gloo otherwise) | nccl | gloo
+    placement_timeout_s: float = 60.0
+    step_timeout_s: float = 120.0
+    max_worker_restarts: int = 0
+
+    def _rules(self) -> None:
+        self._check(1 <= self.tensor_parallel_size <= 1024, "tensor_parallel_size", "must be in [1, 1024]")
+        self._check(1 <= self.data_parallel_size <= 1024, "data_parallel_size", "must be in [1, 1024]")
+        self._check(self.device in DEVICES, "device", f"must be one of {list(DEVICES)}")
+        self._check(self.placement_strategy in STRATEGIES, "placement_strategy",
+                    f"must be one of {list(STRATEGIES)}")
+        self._check(0 < self.gpus_per_worker <= 1, "gpus_per_worker",
+                    "must be in (0, 1]: one rank uses at most one GPU; a fraction shares a GPU")
+        self._check(self.distributed_backend in DIST_BACKENDS, "distributed_backend",
+                    f"must be one of {list(DIST_BACKENDS)}")
+        if self.distributed_backend == "nccl":
+            self._check(self.device == "cuda", "distributed_backend", "nccl needs parallel.device=cuda")
+            self._check(self.gpus_per_worker == 1.0, "distributed_backend",
+                        "nccl refuses two ranks on one GPU; use gloo (or auto) when gpus_per_worker < 1")
+        self._check(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0 seconds")
+        self._check(self.step_timeout_s > 0, "step_timeout_s", "must be > 0 seconds")
+        self._check(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
+
+    @property
+    def collective_backend(self) -> str:
+        """NCCL on whole GPUs; gloo on the CPU or when ranks share a GPU (NCCL refuses that)."""
+        if self.distributed_backend != "auto":
+            return self.distributed_backend
+        return "nccl" if self.device == "cuda" and self.gpus_per_worker == 1.0 else "gloo"
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Section):
+    SECTION = "cache"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None     # None = as many as fit in gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9   # of each GPU; ranks sharing one split it by gpus_per_worker
+    cpu_kv_cache_gib: float = 1.0         # KV budget on the CPU device
+    enable_prefix_caching: bool = True
+
+    def _rules(self) -> None:
+        bs = self.block_size
+        self._check(1 <= bs <= 1024 and bs & (bs - 1) == 0, "block_size", "must be a power of two in [1, 1024]")
+        self._check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "num_gpu_blocks",
+                    "must be >= 2 (block 0 is the null block), or null to size from memory")
+        self._check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        self._check(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", "must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Section):
+    SECTION = "scheduler"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0  # 0 = no per-request cap on a prefill chunk
+    # Admit waiting requests into a running batch only once this many rows are free (1 = at once), or
+    # after admission_max_wait_steps steps: fewer mixed prefill+decode steps, which run without graphs.
+    admission_min_batch: int = 1
+    admission_max_wait_steps: int = 16
+    async_scheduling: bool = False
+    debug_invariants: bool = False
+
+    def _rules(self) -> None:
+        self._check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        self._check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+                    f"must be >= scheduler.max_num_seqs ({self.max_num_seqs}): every running sequence "
+                    f"needs at least one token per step")
+        self._check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+                    "must be >= 0 (0 = no cap)")
+        self._check(1 <= self.admission_min_batch <= self.max_num_seqs, "admission_min_batch",
+                    f"must be in [1, scheduler.max_num_seqs ({self.max_num_seqs})]")
+        self._check(self.admission_max_wait_steps >= 0, "admission_max_wait_steps", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RayConfig(_Section):
+    SECTION = "ray"
+    address: str | None = None        # None = RAY_ADDRESS if set, else a local Ray
+    namespace: str = "kvray"
+    transport: str = "compiled_graph"  # compiled_graph | actor_calls
+    num_cpus: int | None = None       # logical CPUs of an embedded local Ray (None = enough for the config)
+    include_dashboard: bool = False   # embedded local Ray only
+
+    def _rules(self) -> None:
+        self._check(self.address is None or self.address.strip() != "", "address",
+                    "must be a Ray address such as 'auto' or 'host:6379', or null")
+        self._check(self.namespace.strip() != "", "namespace", "must not be empty")
+        self._check(self.transport in TRANSPORTS, "transport", f"must be one of {list(TRANSPORTS)}")
+        self._check(self.num_cpus is None or self.num_cpus >= 1, "num_cpus", "must be >= 1, or null")
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig,
+                             "scheduler": SchedulerConfig, "ray": RayConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"config: {name}={getattr(self, name)!r}: must be a {cls.__name__}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "EngineConfig":
+        return config_from_dict(d or {})
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def replace(self, **flat: Any) -> "EngineConfig":
+        """A copy with fields changed by short name (`block_size=32`) or dotted name."""
+        return override_fields(self, flat)
+
+
+# Short names accepted by LLM(...) and from_config(**overrides): every field by its own name, which is
+# vLLM's keyword for it (LLM(model=..., block_size=..., max_num_seqs=...)). Names must stay unique
+# across sections, or a short name would silently pick one of them.
+FIELD_PATHS: dict[str, str] = {f.name: f"{sec}.{f.name}" for sec, cls in SECTIONS.items()
+                               for f in dataclasses.fields(cls)}
+assert len(FIELD_PATHS) == sum(len(dataclasses.fields(c)) for c in SECTIONS.values()), \
+    "config field names must be unique across sections"
+
+
+def config_from_dict(d: Mapping[str, Any]) -> EngineConfig:
+    """Build from {section: {field: value}}; unknown sections or keys are errors naming them."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"config: the top level must be a mapping of sections {list(SECTIONS)}, "
+                          f"got {type(d).__name__}")
+    unknown = [k for k in d if k not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"config: unknown section(s) {unknown}; known sections are {list(SECTIONS)}")
+    sections = {}
+    for name, cls in SECTIONS.items():
+        body = d.get(name) or {}
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"config: {name}={body!r}: a section must be a mapping of fields")
+        known = [f.name for f in dataclasses.fields(cls)]
+        bad = [k for k in body if k not in known]
+        if bad:
+            raise ConfigError(f"config: unknown key(s) {[f'{name}.{k}' for k in bad]}; "
+                              f"known keys in [{name}] are {known}")
+        sections[name] = cls(**body)
+    return EngineConfig(**sections)
+
+
+def override_fields(config: EngineConfig, overrides: Mapping[str, Any]) -> EngineConfig:
+    """Apply 'section.field' (or short-name) -> value overrides, or a whole section as a mapping."""
+    d = config.to_dict()
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and key in SECTIONS:  # a whole section: parallel={...}
+            for k, v in value.items():
+                _set_path(d, f"{key}.{k}", v)
+            continue
+        _set_path(d, key if "." in key else FIELD_PATHS.get(key, key), value)
+    return config_from_dict(d)
+
+
+def _set_path(d: dict, path: str, value: Any) -> None:
+    parts = path.split(".")
+    if len(parts) != 2 or parts[0] not in SECTIONS:
+        raise ConfigError(f"config override {path!r}: unknown key; use section.field with a section in "
+                          f"{list(SECTIONS)}, or one of the field names {sorted(FIELD_PATHS)}")
+    section, name = parts
+    if name not in d[section]:
+        raise ConfigError(f"config override {path!r}: unknown key; known keys in [{section}] are "
+                          f"{list(d[section])}")
+    d[section][name] = value
+
+
+def validate_for_model(config: EngineConfig, hf_config: Mapping[str, Any]) -> None:
+    """Rules that need the model: heads split evenly over TP ranks, context within the model's limit."""
+    tp = config.parallel.tensor_parallel_size
+    heads = int(hf_config.get("num_attention_heads", 0))
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    name = config.model.model
+    if heads and heads % tp:
+        raise ConfigError(f"config: parallel.tensor_parallel_size={tp}: must divide the model's "
+                          f"num_attention_heads={heads} ({name})")
+    if kv_heads and kv_heads % tp and tp % kv_heads:
+        raise ConfigError(f"config: parallel.tensor_parallel_size={tp}: must divide the model's "
+                          f"num_key_value_heads={kv_heads}, or be a multiple of it ({name})")
+    limit = hf_config.get("max_position_embeddings")
+    mml = config.model.max_model_len
+    if mml is not None and limit is not None and mml > int(limit):
+        raise ConfigError(f"config: model.max_model_len={mml}: must be <= the model's "
+                          f"max_position_embeddings={limit} ({name})")
+
+
+def resolved_max_model_len(config: EngineConfig, hf_config: Mapping[str, Any]) -> int:
+    if config.model.max_model_len is not None:
+        return config.model.max_model_len
+    return int(hf_config.get("max_position_embeddings", 2048))
