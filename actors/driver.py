@@ -95,7 +95,7 @@ class EngineDriver:
     # ---- set-up -----------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
         """Reserve the placement group, start the workers, build the engine, start the loop."""
-        from cluster.metrics import EngineMetrics
+        from actors.metrics import EngineMetrics
         from cluster.placement import create_placement_group
 
         self.pg = create_placement_group(self.config, name=f"kvray-{self.config.ray.namespace}-"
