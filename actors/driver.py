@@ -1,6 +1,7 @@
 """The driver actor of one engine replica: EngineCore (scheduler + KV-cache manager) over a RayExecutor.
 
-It is a threaded Ray actor. `start()` reserves the placement group and starts the TP workers; then a
+It is a threaded Ray actor. `start()` starts the TP workers in the placement group the client reserved
+for it (the client owns and removes it, so a driver killed from outside leaks nothing); then a
 background thread runs the step loop, while client calls (add_requests, abort, get_outputs, stats)
 run on other actor threads. Client calls never wait for a step: new requests and aborts go through an
 inbox that the loop drains before each step, and outputs wait in an outbox until the client polls.
@@ -65,12 +66,12 @@ class _Live:
 
 
 class EngineDriver:
-    def __init__(self, config: EngineConfig, replica: int = 0,
+    def __init__(self, config: EngineConfig, placement_group: Any, replica: int = 0,
                  worker_cls: str = "actors.worker.Worker") -> None:
         self.config = config
         self.replica = replica
         self.worker_cls = worker_cls
-        self.pg = None
+        self.pg = placement_group
         self.engine = None
         self.info: dict[str, Any] = {}
         self._cv = threading.Condition()
@@ -94,12 +95,9 @@ class EngineDriver:
 
     # ---- set-up -----------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
-        """Reserve the placement group, start the workers, build the engine, start the loop."""
+        """Start the workers, build the engine, start the loop."""
         from actors.metrics import EngineMetrics
-        from cluster.placement import create_placement_group
 
-        self.pg = create_placement_group(self.config, name=f"kvray-{self.config.ray.namespace}-"
-                                                          f"r{self.replica}-{id(self):x}")
         try:
             self._build_engine()
         except BaseException:
@@ -423,15 +421,11 @@ class EngineDriver:
         self._release()
 
     def _release(self) -> None:
-        from cluster.placement import remove
-
         if self.engine is not None:
             try:
                 self.engine.shutdown()
             except Exception as e:  # noqa: BLE001 - workers may already be gone
                 logger.debug("engine shutdown: %s", e)
-        remove(self.pg)
-        self.pg = None
 
 
 def _error_output(rid: str, message: str) -> EngineCoreOutput:

@@ -16,7 +16,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.driver import PollResult, RequestSpec, RequestTiming, driver_actor_class
 from cluster.config import EngineConfig
-from cluster.placement import connect
+from cluster.placement import connect, create_placement_group, remove
 from kvcore.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -51,14 +51,20 @@ class EngineGroup:
         # Named, so an operator (or a failure test) can find a job's drivers: `ray list actors`,
         # ray.util.list_named_actors(); the suffix keeps concurrent jobs in one namespace apart.
         tag = uuid.uuid4().hex[:8]
-        self.drivers = [cls.options(namespace=config.ray.namespace, name=f"{DRIVER_NAME_PREFIX}{tag}-r{i}")
-                        .remote(config, i, worker_cls) for i in range(n)]
         self.outstanding = [0] * n
         self.owner: dict[str, int] = {}
         self._polls: dict[Any, int] = {}
         self.fatal: str | None = None
         self.infos: list[dict[str, Any]] = []
+        self.drivers: list[Any] = []
+        # This process owns each replica's placement group, not its driver: a driver killed from outside
+        # must not take its reservation with it, nor leave it behind.
+        self.pgs: list[Any] = []
         try:
+            for i in range(n):
+                self.pgs.append(create_placement_group(config, name=f"kvray-{config.ray.namespace}-{tag}-r{i}"))
+            self.drivers = [cls.options(namespace=config.ray.namespace, name=f"{DRIVER_NAME_PREFIX}{tag}-r{i}")
+                            .remote(config, pg, i, worker_cls) for i, pg in enumerate(self.pgs)]
             self.infos = ray.get([d.start.remote() for d in self.drivers])
         except Exception as e:
             self.shutdown()
@@ -157,6 +163,9 @@ class EngineGroup:
             except Exception as e:  # noqa: BLE001 - already gone
                 logger.debug("ray.kill(driver): %s", e)
         self.drivers = []
+        for pg in self.pgs:
+            remove(pg)
+        self.pgs = []
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
             self.started_ray = False

@@ -137,3 +137,23 @@ def test_placement_not_satisfiable_now_fails_within_its_timeout():
         assert elapsed < 12
     finally:
         remove_placement_group(blocker)
+
+
+def test_a_driver_killed_from_outside_leaves_no_placement_group_behind():
+    # TP=4 of the 6 CPUs: were the first group's bundles leaked, the second could not be placed.
+    group = EngineGroup(noop_config(tensor_parallel_size=4), worker_cls=NOOP)
+    pg = group.pgs[0]
+    ray.kill(group.drivers[0], no_restart=True)
+    group.shutdown()
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+    again = EngineGroup(noop_config(tensor_parallel_size=4), worker_cls=NOOP)
+    try:
+        again.submit([RequestSpec("r0", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))])
+        done = []
+        for _ in range(40):
+            done += [i for i in again.poll(timeout_s=0.5) if isinstance(i, Finished)]
+            if done:
+                break
+        assert [d.output.request_id for d in done] == ["r0"] and done[0].output.error is None
+    finally:
+        again.shutdown()
