@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from actors.layers.activation import SiluAndMul
 from actors.layers.norm import RMSNorm
 from actors.layers.rotary import RopeParams, RotaryEmbedding
-from kvcore.kernels import layer_ops
-from kvcore.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
+from actors.layers.kernels import layer_ops
+from actors.layers.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
 
 GEN = torch.Generator().manual_seed(0)
 EXACT_RATE = 0.999

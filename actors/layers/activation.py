@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcore.kernels import layer_ops
+from actors.layers.kernels import layer_ops
 
 
 class SiluAndMul(nn.Module):

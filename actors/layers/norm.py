@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from actors.layers.weight_utils import default_weight_loader, new_param
-from kvcore.kernels import layer_ops
+from actors.layers.kernels import layer_ops
 
 
 class RMSNorm(nn.Module):

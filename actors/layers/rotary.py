@@ -5,7 +5,7 @@ the cos/sin table are computed in float32 on the CPU with the same operations HF
 the model's device; at use they are cast to the activation dtype, as HF does before multiplying.
 
 Backend "torch" runs the ops below; "triton" runs one kernel for q and k together (see
-kvcore/kernels/qk_norm_rope.py), which can also apply Qwen3's per-head q/k RMSNorm first
+actors/layers/kernels/qk_norm_rope.py), which can also apply Qwen3's per-head q/k RMSNorm first
 (`forward_fused`) and reads q/k straight out of the QKV projection's output.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvcore.kernels import layer_ops
+from actors.layers.kernels import layer_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

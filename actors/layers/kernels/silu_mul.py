@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvcore.kernels.rounding import interpreting, round_to
+from actors.layers.kernels.rounding import interpreting, round_to
 
 BLOCK = 1024
 

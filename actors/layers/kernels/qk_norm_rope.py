@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernels.rounding import round_to
+from actors.layers.kernels.rounding import round_to
 
 TILE_ELEMS = 2048  # elements of one program's tile: enough bytes in flight, few registers
 

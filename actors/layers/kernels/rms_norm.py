@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernels.rounding import round_to
+from actors.layers.kernels.rounding import round_to
 
 
 @triton.jit

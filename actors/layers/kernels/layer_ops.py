@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
+from actors.layers.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
 
 BACKENDS = ("torch", "triton")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,7 +55,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _require(0 < n <= MAX_HIDDEN, f"x's last dim (hidden size) must be in 1..{MAX_HIDDEN}, got {n}")
     _require(len({t.device for t in (x, weight, residual) if t is not None}) == 1,
              "x, weight and residual must be on one device")
-    from kvcore.kernels.rms_norm import rms_norm_triton
+    from actors.layers.kernels.rms_norm import rms_norm_triton
     out = rms_norm_triton(_rows(x), weight, eps,
                           None if residual is None else _rows(residual))
     if residual is None:
@@ -107,7 +107,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     tensors = (q, k, positions, cos_sin_cache, q_weight, k_weight)
     _require(len({t.device for t in tensors if t is not None}) == 1, "all tensors must be on one device")
     _require(cos_sin_cache.stride(-1) == 1, "cos_sin_cache: rows must be contiguous (stride 1)")
-    from kvcore.kernels.qk_norm_rope import qk_norm_rope_triton
+    from actors.layers.kernels.qk_norm_rope import qk_norm_rope_triton
     return qk_norm_rope_triton(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps)
 
 
@@ -119,6 +119,6 @@ def silu_and_mul(x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     _check_float("x", x)
     if backend == "torch":
         return silu_and_mul_ref(x)
-    from kvcore.kernels.silu_mul import silu_and_mul_triton
+    from actors.layers.kernels.silu_mul import silu_and_mul_triton
     out = silu_and_mul_triton(_rows(x))
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
