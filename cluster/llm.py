@@ -47,7 +47,7 @@ class PromptError(ValueError):
 def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]:
     """The tokenizer and config.json as this client sees them (None where the model is not local)."""
     from actors.loader import read_hf_config, resolve_model_dir
-    from actors.tokenizer import load_tokenizer_if_present
+    from cluster.tokenizer import load_tokenizer_if_present
 
     try:
         model_dir = resolve_model_dir(config.model.model)

@@ -22,7 +22,7 @@ from actors.models.checkpoint import (CorruptCheckpointError, MissingTensorError
                                       UnexpectedTensorError)
 from actors.models.registry import UnsupportedArchitectureError
 from actors.models.tiny_random import ensure_tiny_random
-from actors.tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer_if_present
+from cluster.tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer_if_present
 
 TINY = dict(vocab_size=123, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
