@@ -1,0 +1,60 @@
+"""The layers import downwards only: cluster/ -> actors/ -> kvcore/. Every module is parsed (imports inside
+functions count too), so a lazy upward import cannot hide from the check."""
+import ast
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# What each package must never import (top-level module names).
+FORBIDDEN = {
+    "kvcore": {"actors", "cluster", "ray"},
+    "actors": {"cluster"},
+}
+# The scheduler decides which tokens run; it never touches a tensor.
+TENSOR_FREE = ("kvcore/scheduler.py", "kvcore/async_scheduler.py", "kvcore/request.py")
+TENSOR_LIBS = {"torch", "triton", "numpy"}
+
+
+def imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, dotted module) for every import statement in the file, relative ones resolved."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1])
+                found.append((node.lineno, f"{base}.{node.module}" if node.module else base))
+            else:
+                found.append((node.lineno, node.module or ""))
+    return found
+
+
+def modules_of(package: str) -> list[pathlib.Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_upward_imports(package):
+    files = modules_of(package)
+    assert files, f"no modules found under {package}/"
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in files for line, mod in imported_modules(p)
+           if mod.split(".")[0] in FORBIDDEN[package]]
+    assert not bad, "upward import(s):\n" + "\n".join(bad)
+
+
+def test_the_scheduler_never_imports_a_tensor_library():
+    bad = [f"{name}:{line} imports {mod}" for name in TENSOR_FREE
+           for line, mod in imported_modules(ROOT / name) if mod.split(".")[0] in TENSOR_LIBS]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "kvcore"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("def f():\n    import ray.util\n    from . import spec\n    from .x import y\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [m for _, m in imported_modules(pkg / "m.py")] == ["ray.util", "kvcore", "kvcore.x"]
