@@ -6,8 +6,10 @@ cannot satisfy within `parallel.placement_timeout_s` fails with what was asked a
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -52,13 +54,48 @@ def connect(config: EngineConfig) -> bool:
 
 def start_local_ray(num_cpus: int, namespace: str | None = None, include_dashboard: bool = False,
                     **kwargs: Any) -> None:
-    """An embedded Ray on this machine whose worker processes can import kvray."""
+    """An embedded Ray on this machine whose worker processes can import kvray, reachable from it only.
+
+    Every Ray process it starts listens on the loopback address (GCS, raylet, object manager, core
+    workers, dashboard and its agent, runtime-env agent, metrics): nothing that does not already run
+    on this machine can reach it. A cluster started with `ray start` is never started here (connect()
+    joins it as it is), so its own settings hold.
+    """
     # Workers inherit this environment: make the kvray packages importable there even when this
     # process found them through sys.path rather than an installed distribution.
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if _REPO_ROOT not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT, *paths])
-    ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=include_dashboard, **kwargs)
+    with _loopback_node_ip():
+        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=include_dashboard,
+                 _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
+
+
+LOOPBACK = "127.0.0.1"
+# Ray takes a node address of 127.0.0.1 for a placeholder and replaces it with the machine's outward
+# IP (services.resolve_ip_for_localhost), unless clusters are off, as they are by default on macOS and
+# Windows; then every server binds the loopback address. The switch is an environment variable read
+# at `import ray`, so the already-imported constant is set for the duration of ray.init as well; the
+# raylet and the workers it starts inherit the variable.
+_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_node_ip() -> Iterator[None]:
+    from ray._private import ray_constants
+
+    old_env, old_flag = os.environ.get(_LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        # Restored so that a later connect() to a real cluster reports this machine's own address.
+        ray_constants.ENABLE_RAY_CLUSTER = old_flag
+        if old_env is None:
+            os.environ.pop(_LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[_LOCAL_ONLY_ENV] = old_env
 
 
 def describe_cluster() -> dict[str, Any]:
