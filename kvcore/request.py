@@ -84,6 +84,7 @@ def validate(sp: "SamplingParams") -> None:
     rule = f"must be a list of at most {MAX_STOP_TOKEN_IDS} integers in [0, {INT32_MAX}]"
     _check(isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", stop, rule)
     _check(all(_is_int(i) and 0 <= i <= INT32_MAX for i in stop), "stop_token_ids", stop, rule)
+    _int_field(sp, "min_tokens", 0, sp.max_tokens, f"must be >= 0 and <= max_tokens ({sp.max_tokens})")
     s = sp.seed
     _check(s is None or (_is_int(s) and INT64_MIN <= s <= INT64_MAX), "seed", s,
            f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
@@ -146,6 +147,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    min_tokens: int = 0  # EOS and stop_token_ids do not stop a request before this many output tokens
 
     def __post_init__(self) -> None:
         validate(self)

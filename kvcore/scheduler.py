@@ -18,7 +18,7 @@ from kvcore.admission import AdmissionGate, RequestFit, check_positive_int
 from kvcore.messages import (BlockIds, CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                              NewRequestData, SchedulerOutput)
 from kvcore.request import Request, RequestStatus
-from kvcore.stopping import StopRule, append_until_stop, make_stop_rule, set_finished_status
+from kvcore.stopping import StopRule, append_until_stop, make_stop_rule, set_finished_status, stops_on
 
 # _apply_sampled builds the EngineCoreOutput of an unfinished request by filling a bare instance (one
 # per running request per step, so the __init__ call is worth skipping); it sets exactly these fields.
@@ -327,7 +327,7 @@ class Scheduler:
                 tok = token_ids[0]
                 request.output_token_ids.append(tok)
                 all_ids.append(tok)
-                if num_tokens + 1 < token_limit and tok not in stops:
+                if num_tokens + 1 < token_limit and (tok not in stops or num_tokens + 1 < rule[5]):
                     # = EngineCoreOutput(rid, token_ids, False, None, None, None, num_cached_tokens),
                     # filled in place: half the cost of the dataclass __init__ call (see _UNFINISHED_FIELDS).
                     o = new_bare(EngineCoreOutput)
@@ -339,7 +339,7 @@ class Scheduler:
             else:
                 token_ids = append_until_stop(rule, token_ids)
                 tok = token_ids[-1]
-                if len(all_ids) < token_limit and tok not in stops:
+                if not stops_on(rule, tok, len(all_ids)):
                     emit(new_output(rid, token_ids, False, None, None, None, request.num_cached_tokens))
                     continue
             from_waiting |= request.status != _RUNNING

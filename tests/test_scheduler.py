@@ -293,6 +293,38 @@ def test_max_model_len_stop():
     assert len(tokens_of(outs["a"])) == 4 and outs["a"][-1].finish_reason == "length"
 
 
+def test_min_tokens_holds_eos_and_stop_tokens_back():
+    """No stop on EOS or a stop token before min_tokens outputs (the sampler masks them; the scheduler
+    keeps the rule even if one is sampled); the min_tokens-th output may stop; length still caps."""
+    sched = make_scheduler()
+    sp = lambda **kw: SamplingParams(max_tokens=10, **kw)  # noqa: E731
+    sched.add_request(Request("eos", list(range(5)), sp(min_tokens=3), eos_token_id=7))
+    sched.add_request(Request("stop", list(range(5)), sp(min_tokens=4, stop_token_ids=[7]), eos_token_id=None))
+    sched.add_request(Request("zero", list(range(5)), sp(min_tokens=0), eos_token_id=7))
+    sched.add_request(Request("max", list(range(5)), SamplingParams(max_tokens=3, min_tokens=3), eos_token_id=8))
+    outs = drain(sched, lambda rid, pos: 7)  # every sampled token is 7
+    assert tokens_of(outs["eos"]) == [7, 7, 7] and outs["eos"][-1].finish_reason == "stop"
+    assert outs["eos"][-1].stop_reason is None
+    assert tokens_of(outs["stop"]) == [7] * 4 and outs["stop"][-1].stop_reason == 7
+    assert tokens_of(outs["zero"]) == [7] and outs["zero"][-1].finish_reason == "stop"
+    assert tokens_of(outs["max"]) == [7] * 3 and outs["max"][-1].finish_reason == "length"
+    # Several tokens in one output (append_until_stop) follow the same rule.
+    req = Request("multi", list(range(5)), sp(min_tokens=2), eos_token_id=7)
+    sched.add_request(req)
+    out = sched.schedule()
+    (o,) = sched.update_from_output(out, ModelRunnerOutput(["multi"], [[7, 7, 7]], out.step_id))
+    assert o.new_token_ids == [7, 7] and o.finish_reason == "stop"
+
+
+def test_min_tokens_validated():
+    with pytest.raises(ValueError, match=r"SamplingParams.min_tokens=5: must be >= 0 and <= max_tokens \(4\)"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match=r"SamplingParams.min_tokens=-1"):
+        SamplingParams(min_tokens=-1)
+    with pytest.raises(ValueError, match=r"SamplingParams.min_tokens=1.5: must be an integer"):
+        SamplingParams(min_tokens=1.5)
+
+
 def test_tokens_after_stop_are_dropped():
     sched = make_scheduler()
     req = make_request("a", 5, max_tokens=10, stop=(9,))
