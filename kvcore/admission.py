@@ -1,7 +1,7 @@
 """Which requests the scheduler may take at all, and when it lets the waiting ones in.
 
 `RequestFit` holds the pool's geometry and refuses, at add time, a request that could never be
-scheduled (no prompt, longer than max_model_len, more blocks than the pool holds). `AdmissionGate`
+scheduled (no prompt, a prompt longer than max_model_len, more blocks than the pool holds). `AdmissionGate`
 decides whether a step keeps the waiting requests out to admit them later, together.
 """
 from __future__ import annotations
@@ -52,14 +52,16 @@ class RequestFit:
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             return f"request {rid!r}: prompt_token_ids is empty; a request needs at least one prompt token"
-        total = num_prompt + request.max_tokens
-        if total > self.max_model_len:
-            return (f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) = "
-                    f"{total} tokens exceeds max_model_len={self.max_model_len}")
+        if num_prompt > self.max_model_len:
+            return (f"request {rid!r}: prompt ({num_prompt} tokens) exceeds max_model_len={self.max_model_len}; "
+                    f"a prompt must fit the model's context")
+        # max_tokens past max_model_len is capped there (finish_reason "length"), as in vLLM.
+        total = min(num_prompt + request.max_tokens, self.max_model_len)
         need = self.max_blocks_needed(total)
         usable = self.num_pool_blocks - 1
         if need > usable:
-            return (f"request {rid!r}: prompt + max_tokens = {total} tokens needs {need} KV-cache blocks "
+            return (f"request {rid!r}: prompt + max_tokens = {total} tokens (capped by max_model_len="
+                    f"{self.max_model_len}) needs {need} KV-cache blocks "
                     f"(block sizes {self.block_sizes}) but the pool holds only {usable} usable blocks "
                     f"(num_blocks={self.num_pool_blocks}, block 0 is the null block)")
         return None

@@ -316,6 +316,13 @@ def test_min_tokens_holds_eos_and_stop_tokens_back():
     assert o.new_token_ids == [7, 7] and o.finish_reason == "stop"
 
 
+def test_min_tokens_past_max_model_len_finishes_with_length():
+    sched = make_scheduler(max_model_len=12, block_size=4)
+    sched.add_request(Request("a", list(range(8)), SamplingParams(max_tokens=10, min_tokens=6), eos_token_id=7))
+    outs = drain(sched, lambda rid, pos: 7)
+    assert tokens_of(outs["a"]) == [7] * 4 and outs["a"][-1].finish_reason == "length"
+
+
 def test_min_tokens_validated():
     with pytest.raises(ValueError, match=r"SamplingParams.min_tokens=5: must be >= 0 and <= max_tokens \(4\)"):
         SamplingParams(max_tokens=4, min_tokens=5)
@@ -384,16 +391,30 @@ def test_aborted_ids_reach_workers():
 
 # ---------------------------------------------------------------- impossible and duplicate requests
 
-def test_too_long_for_max_model_len_is_rejected():
+def test_prompt_longer_than_max_model_len_is_rejected():
     sched = make_scheduler(max_model_len=32)
-    sched.add_request(make_request("long", 30, max_tokens=5))
+    sched.add_request(make_request("long", 33, max_tokens=5))
     assert sched.has_unfinished_requests() and sched.num_waiting == 0
     out = sched.schedule()
     assert out.is_empty
     (o,) = sched.update_from_output(out, None)
     assert o.finished and o.finish_reason == "error"
-    assert "max_model_len=32" in o.error and "35" in o.error
+    assert "prompt (33 tokens) exceeds max_model_len=32" in o.error
     assert not sched.has_unfinished_requests()
+
+
+def test_max_tokens_past_max_model_len_is_capped_with_length():
+    """As in vLLM: prompt + max_tokens past max_model_len is not an error; the generation stops at
+    max_model_len with finish_reason "length". A prompt of exactly max_model_len gets one token."""
+    sched = make_scheduler(max_model_len=32, block_size=4)
+    sched.add_request(make_request("over", 30, max_tokens=5))
+    sched.add_request(make_request("full", 32, max_tokens=5, start=100))
+    sched.add_request(make_request("huge", 4, max_tokens=10**6, start=200))
+    outs = drain(sched)
+    assert len(tokens_of(outs["over"])) == 2 and outs["over"][-1].finish_reason == "length"
+    assert len(tokens_of(outs["full"])) == 1 and outs["full"][-1].finish_reason == "length"
+    assert len(tokens_of(outs["huge"])) == 28 and outs["huge"][-1].finish_reason == "length"
+    assert all(o.error is None for v in outs.values() for o in v)
 
 
 def test_more_blocks_than_pool_is_rejected():
