@@ -20,7 +20,7 @@ from actors.engine_config import EngineConfig
 from kvcore.async_scheduler import AsyncScheduler
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from kvcore.request import Request
+from kvcore.request import Request, RequestStatus
 from kvcore.scheduler import Scheduler
 from kvcore.spec import KVCacheConfig, make_kv_cache_config
 
@@ -66,6 +66,13 @@ class EngineCore:
 
     def abort(self, req_ids: Iterable[str]) -> None:
         self.scheduler.abort(req_ids)
+
+    def finish_requests(self, req_ids: Iterable[str],
+                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish requests from outside before the next step (the client's stop string matched, its
+        stream went away): blocks go back to the pool now; with a step in flight its late token for
+        them is dropped."""
+        self.scheduler.finish_requests(req_ids, finished_status)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._outstanding is not None

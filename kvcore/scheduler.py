@@ -90,20 +90,29 @@ class Scheduler:
 
     def abort(self, req_ids: Iterable[str]) -> None:
         """Abort waiting or running requests; unknown or already finished ids are ignored."""
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: Iterable[str] | str,
+                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish waiting or running requests from outside (the client aborted them, a client-side stop
+        string matched); their blocks go back to the pool now and each gets one finished output.
+        Unknown or already finished ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finish_requests: finished_status={finished_status!r} is not a finished status")
         if isinstance(req_ids, str):
             req_ids = [req_ids]
-        aborted: set[str] = set()
+        done: set[str] = set()
         for rid in req_ids:
             request = self.requests.get(rid)
-            if request is None or rid in aborted:
+            if request is None or rid in done:
                 continue
-            aborted.add(rid)
+            done.add(rid)
             self._release(request)
-            request.status = RequestStatus.FINISHED_ABORTED
+            request.status = finished_status
             self._retire(request)
             self._emit_finished(request)
-        if aborted:
-            self._drop_from_queues(aborted, from_waiting=True)
+        if done:
+            self._drop_from_queues(done, from_waiting=True)
 
     def _release(self, request: Request) -> None:
         """Give back what a request about to finish holds: a running one its blocks (a waiting or

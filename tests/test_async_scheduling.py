@@ -27,7 +27,7 @@ from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfi
 from kvcore.async_scheduler import AsyncScheduler
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
-from kvcore.request import Request, SamplingParams
+from kvcore.request import Request, RequestStatus, SamplingParams
 from kvcore.scheduler import Scheduler
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
@@ -312,9 +312,15 @@ def test_engine_async_abort_and_reused_id_while_in_flight(reference):
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         assert engine._outstanding is not None
-        engine.abort(["x"])
+        # The driver's abort path (here as a client-side stop string would use it): finished now.
+        engine.finish_requests(["x"], RequestStatus.FINISHED_STOPPED)
+        manager = engine.kv_cache_manager
+        assert manager.get_block_ids("x") == ([],), "x's blocks are not back in the pool"
+        ended = []
         for out in engine.step():  # tells the workers; x's token from the step in flight is dropped
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            ended += [(out.request_id, out.finish_reason)] if out.finished else []
+        assert ended == [("x", "stop")], ended
         engine.add_request(Request("x", prompts[1], sp, eos_token_id=None))
         tokens.pop("x", None)
         while engine.has_unfinished():
@@ -323,7 +329,6 @@ def test_engine_async_abort_and_reused_id_while_in_flight(reference):
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         assert tokens["y"] == expected[2]
         assert tokens["x"] == expected[1], tokens["x"]
-        manager = engine.kv_cache_manager
         assert manager.block_pool.num_free_blocks == manager.block_pool.num_blocks - 1, "blocks leaked"
 
 

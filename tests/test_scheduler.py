@@ -380,6 +380,24 @@ def test_abort_waiting_and_running_frees_blocks():
     assert sched.update_from_output(sched.schedule(), None) == []
 
 
+def test_finish_requests_with_a_status_frees_blocks_and_reports_it():
+    """The driver's abort path (a client-side stop string, a dropped stream): finish_requests frees a
+    running request's blocks at once and reports the status it was given."""
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 40))
+    sched.add_request(make_request("b", 20, start=100))
+    step(sched)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)
+    sched.finish_requests("b")  # ABORTED by default
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == 63
+    out = sched.schedule()
+    assert out.finished_req_ids == {"a", "b"}
+    outs = sched.update_from_output(out, None)
+    assert {(o.request_id, o.finish_reason) for o in outs} == {("a", "stop"), ("b", "abort")}
+    with pytest.raises(ValueError, match="finished_status=.*RUNNING.* is not a finished status"):
+        sched.finish_requests(["x"], RequestStatus.RUNNING)
+
+
 def test_aborted_ids_reach_workers():
     sched = make_scheduler()
     sched.add_request(make_request("a", 10))
