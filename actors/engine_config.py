@@ -9,10 +9,11 @@ cluster/config.py's job.
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from kvcore.request import check_text, short_repr
 
 
 class ConfigError(ValueError):
@@ -27,8 +28,20 @@ DIST_BACKENDS = ("auto", "nccl", "gloo")
 TRANSPORTS = ("compiled_graph", "actor_calls")
 
 
+# Generic ranges every field is held to (int64, a bounded finite float, a bounded valid string), so a
+# value no rule foresaw still gets a named error here and never an OverflowError in a worker.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_FLOAT = 1e15
+MAX_STR_CHARS = 4096
+MAX_TIMEOUT_S = 1e6       # about 11 days: longer than any step or placement wait, and within what
+                          # threading and Ray accept as a timeout
+MAX_TOKENS = 2**24        # kvcore.request.MAX_TOKENS_LIMIT: positions and lengths fit int32 with room
+
+
 def _fail(section: str, name: str, value: Any, rule: str) -> None:
-    raise ConfigError(f"config: {section}.{name}={value!r}: {rule}")
+    # short_repr: a value from YAML may be huge (or an alias bomb); the message carries only its start
+    raise ConfigError(f"config: {section}.{name}={short_repr(value)}: {rule}")
 
 
 class _Section:
@@ -66,15 +79,22 @@ def _coerce(section: str, name: str, value: Any, hint: Any) -> Any:
     elif base is int:
         if isinstance(value, bool) or not isinstance(value, int):
             _fail(section, name, value, "must be an integer")
+        if not INT64_MIN <= value <= INT64_MAX:
+            _fail(section, name, value, f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
     elif base is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(section, name, value, "must be a number")
+        if not -MAX_FLOAT <= value <= MAX_FLOAT:  # NaN, inf and ints too big for a float fail here
+            _fail(section, name, value, f"must be finite, in [-{MAX_FLOAT:g}, {MAX_FLOAT:g}]")
         value = float(value)
-        if not math.isfinite(value):
-            _fail(section, name, value, "must be finite")
     elif base is str:
         if not isinstance(value, str):
             _fail(section, name, value, "must be a string")
+        err = check_text(f"config: {section}.{name}", value)
+        if err is not None:
+            raise ConfigError(err)
+        if len(value) > MAX_STR_CHARS:
+            _fail(section, name, value, f"must be at most {MAX_STR_CHARS} characters")
     return value
 
 
@@ -91,9 +111,9 @@ class ModelConfig(_Section):
     def _rules(self) -> None:
         self._check(self.model.strip() != "", "model", "must name an HF model directory or 'tiny-random'")
         self._check(self.dtype in DTYPES, "dtype", f"must be one of {list(DTYPES)}")
-        self._check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
-                    "must be >= 1 (or null for the model's own limit)")
-        self._check(self.seed >= 0, "seed", "must be >= 0")
+        self._check(self.max_model_len is None or 1 <= self.max_model_len <= MAX_TOKENS, "max_model_len",
+                    f"must be in [1, {MAX_TOKENS}] (or null for the model's own limit)")
+        self._check(0 <= self.seed <= INT64_MAX, "seed", f"must be in [0, {INT64_MAX}] (int64)")
         self._check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                     f"must be one of {list(ATTENTION_BACKENDS)}")
 
@@ -125,9 +145,9 @@ class ParallelConfig(_Section):
             self._check(self.device == "cuda", "distributed_backend", "nccl needs parallel.device=cuda")
             self._check(self.gpus_per_worker == 1.0, "distributed_backend",
                         "nccl refuses two ranks on one GPU; use gloo (or auto) when gpus_per_worker < 1")
-        self._check(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0 seconds")
-        self._check(self.step_timeout_s > 0, "step_timeout_s", "must be > 0 seconds")
-        self._check(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
+        for name in ("placement_timeout_s", "step_timeout_s"):
+            self._check(0 < getattr(self, name) <= MAX_TIMEOUT_S, name, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds")
+        self._check(0 <= self.max_worker_restarts <= 1000, "max_worker_restarts", "must be in [0, 1000]")
 
     @property
     def collective_backend(self) -> str:
@@ -149,10 +169,11 @@ class CacheConfig(_Section):
     def _rules(self) -> None:
         bs = self.block_size
         self._check(1 <= bs <= 1024 and bs & (bs - 1) == 0, "block_size", "must be a power of two in [1, 1024]")
-        self._check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "num_gpu_blocks",
-                    "must be >= 2 (block 0 is the null block), or null to size from memory")
+        self._check(self.num_gpu_blocks is None or 2 <= self.num_gpu_blocks <= INT32_MAX, "num_gpu_blocks",
+                    f"must be in [2, {INT32_MAX}] (block 0 is the null block; ids are int32), or null to "
+                    "size from memory")
         self._check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
-        self._check(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", "must be > 0")
+        self._check(0 < self.cpu_kv_cache_gib <= 2**20, "cpu_kv_cache_gib", "must be > 0 and <= 1048576")
 
 
 @dataclass(frozen=True)
@@ -169,15 +190,17 @@ class SchedulerConfig(_Section):
     debug_invariants: bool = False
 
     def _rules(self) -> None:
-        self._check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        self._check(1 <= self.max_num_seqs <= MAX_TOKENS, "max_num_seqs", f"must be in [1, {MAX_TOKENS}]")
+        self._check(self.max_num_batched_tokens <= INT32_MAX, "max_num_batched_tokens", f"must be <= {INT32_MAX}")
         self._check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                     f"must be >= scheduler.max_num_seqs ({self.max_num_seqs}): every running sequence "
                     f"needs at least one token per step")
-        self._check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
-                    "must be >= 0 (0 = no cap)")
+        self._check(0 <= self.long_prefill_token_threshold <= INT32_MAX, "long_prefill_token_threshold",
+                    f"must be in [0, {INT32_MAX}] (0 = no cap)")
         self._check(1 <= self.admission_min_batch <= self.max_num_seqs, "admission_min_batch",
                     f"must be in [1, scheduler.max_num_seqs ({self.max_num_seqs})]")
-        self._check(self.admission_max_wait_steps >= 0, "admission_max_wait_steps", "must be >= 0")
+        self._check(0 <= self.admission_max_wait_steps <= INT32_MAX, "admission_max_wait_steps",
+                    f"must be in [0, {INT32_MAX}]")
 
 
 @dataclass(frozen=True)
@@ -194,7 +217,8 @@ class RayConfig(_Section):
                     "must be a Ray address such as 'auto' or 'host:6379', or null")
         self._check(self.namespace.strip() != "", "namespace", "must not be empty")
         self._check(self.transport in TRANSPORTS, "transport", f"must be one of {list(TRANSPORTS)}")
-        self._check(self.num_cpus is None or self.num_cpus >= 1, "num_cpus", "must be >= 1, or null")
+        self._check(self.num_cpus is None or 1 <= self.num_cpus <= 2**20, "num_cpus",
+                    "must be in [1, 1048576], or null")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig,

@@ -26,7 +26,7 @@ MAX_ID_CHARS = 512              # request ids land in output records and logs
 
 def _check(cond: bool, field_name: str, value: Any, rule: str) -> None:
     if not cond:
-        raise RequestValidationError(f"SamplingParams.{field_name}={_short(value)}: {rule}")
+        raise RequestValidationError(f"SamplingParams.{field_name}={short_repr(value)}: {rule}")
 
 
 class _ShortRepr(reprlib.Repr):
@@ -41,7 +41,7 @@ _REPR.maxstring = _REPR.maxother = 60
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     """A bounded repr: an error message never carries a whole (possibly huge or nested) value."""
     try:
         return _REPR.repr(value)
@@ -100,7 +100,7 @@ def check_token_ids(field_name: str, ids: Any, vocab_size: int | None = None) ->
     hi = INT32_MAX + 1 if vocab_size is None else vocab_size
     bad = [t for t in ids if not 0 <= t < hi]
     if bad:
-        shown = ", ".join(_short(t) for t in bad[:5])
+        shown = ", ".join(short_repr(t) for t in bad[:5])
         where = f"outside the vocabulary [0, {vocab_size})" if vocab_size is not None else \
             f"outside [0, {INT32_MAX}] (int32)"
         return f"{field_name} has id(s) [{shown}] {where}"
@@ -122,14 +122,14 @@ def check_text(field_name: str, text: Any) -> str | None:
 def check_request_id(rid: Any) -> str | None:
     """-> None for a usable request id (a non-empty printable string, bounded), else the message."""
     if not isinstance(rid, str) or not rid:
-        return f"request_id={_short(rid)}: must be a non-empty string"
+        return f"request_id={short_repr(rid)}: must be a non-empty string"
     if len(rid) > MAX_ID_CHARS:
-        return f"request_id={_short(rid)}: must be at most {MAX_ID_CHARS} characters"
+        return f"request_id={short_repr(rid)}: must be at most {MAX_ID_CHARS} characters"
     err = check_text("request_id", rid)
     if err is not None:
         return err
     if not rid.isprintable():
-        return f"request_id={_short(rid)}: must be printable (no control characters or newlines)"
+        return f"request_id={short_repr(rid)}: must be printable (no control characters or newlines)"
     return None
 
 
