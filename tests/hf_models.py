@@ -70,8 +70,21 @@ def _gemma3():
                                          "sliding_attention"])
 
 
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+    # Layer 1 is dense (mlp_only_layers); top-2 of 8 experts, weights not renormalised (HF's default).
+    return Qwen3MoeConfig(**COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1])
+
+
+def _mixtral():
+    from transformers import MixtralConfig
+    return MixtralConfig(**{**COMMON, "intermediate_size": 32}, num_hidden_layers=2, num_key_value_heads=2,
+                         num_local_experts=4, num_experts_per_tok=2)
+
+
 FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "qwen3_hybrid": _qwen3_hybrid,
-            "gemma2": _gemma2, "gemma3": _gemma3}
+            "gemma2": _gemma2, "gemma3": _gemma3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
 
 
 def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:

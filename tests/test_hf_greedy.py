@@ -29,7 +29,7 @@ NEW_TOKENS = 20
 BLOCK_SIZE = 8
 # Tight pools: a bit more than one longest request needs, so requests must take turns.
 TIGHT_BLOCKS = {"llama": 40, "qwen2": 40, "qwen3": 40, "mistral": 36, "qwen3_hybrid": 52,
-                "gemma2": 52, "gemma3": 52}
+                "gemma2": 52, "gemma3": 52, "qwen3_moe": 40, "mixtral": 40}
 TIGHT_TOKENS = 32
 SAMPLED = {
     "s-seeded": SamplingParams(temperature=0.9, max_tokens=NEW_TOKENS, ignore_eos=True, seed=1234),

@@ -10,6 +10,16 @@ from actors.layers.rotary import RopeParams, rope_params_from_config
 
 
 @dataclass(frozen=True)
+class MoeArgs:
+    num_experts: int
+    top_k: int
+    intermediate_size: int          # per expert
+    normalize_topk: bool            # renormalise the top-k weights to sum to 1
+    float32_weights: bool           # Mixtral keeps routing weights in float32; Qwen3-MoE casts them
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int
     hidden_size: int
@@ -33,6 +43,7 @@ class ModelArgs:
     final_softcap: float | None = None      # Gemma: the same on the final logits
     local_rope: RopeParams | None = None    # Gemma-3: the sliding layers' own RoPE
     gemma_norms: bool = False               # RMSNorms scale by (1 + w) in float32 (Gemma)
+    moe: MoeArgs | None = None              # mixture-of-experts feed-forward (Qwen3-MoE, Mixtral)
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:

@@ -103,10 +103,10 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 backend: str) -> None:
+                 backend: str, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(args, layer_idx, rotary, dtype, backend)
-        self.mlp = DecoderMLP(args, dtype, backend)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
 
@@ -126,8 +126,13 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype)
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope, backend)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, dtype, backend) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, dtype, backend, self.make_mlp(args, i, dtype, backend))
+                                    for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
+
+    def make_mlp(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype, backend: str) -> nn.Module:
+        """Layer `layer_idx`'s feed-forward block (mixture-of-experts models override this)."""
+        return DecoderMLP(args, dtype, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

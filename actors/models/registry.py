@@ -9,6 +9,7 @@ from torch import nn
 
 from actors.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from actors.models.llama import LlamaForCausalLM, MistralForCausalLM
+from actors.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from actors.models.qwen2 import Qwen2ForCausalLM
 from actors.models.qwen3 import Qwen3ForCausalLM
 
@@ -17,8 +18,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
