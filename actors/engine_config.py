@@ -165,6 +165,9 @@ class CacheConfig(_Section):
     gpu_memory_utilization: float = 0.9   # of each GPU; ranks sharing one split it by gpus_per_worker
     cpu_kv_cache_gib: float = 1.0         # KV budget on the CPU device
     enable_prefix_caching: bool = True
+    # Manage sliding-window layers' caches as full attention (vLLM's disable_hybrid_kv_cache_manager):
+    # same outputs, fewer concurrent requests; for comparison and debugging.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def _rules(self) -> None:
         bs = self.block_size

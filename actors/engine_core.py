@@ -22,7 +22,7 @@ from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvcore.request import Request, RequestStatus
 from kvcore.scheduler import Scheduler
-from kvcore.spec import KVCacheConfig, make_kv_cache_config
+from kvcore.spec import KVCacheConfig, make_kv_cache_config, max_concurrency
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,10 @@ class EngineCore:
         self._num_tokens_scheduled = 0
         self._num_partial_prefills = 0  # scheduled chunks that ended before the prompt did
         self._outstanding: SchedulerOutput | None = None  # async: run by the workers, output not yet back
-        logger.info("EngineCore: %d KV blocks in %d group(s), max_model_len=%d", num_blocks,
-                    len(self.kv_cache_config.kv_cache_groups), self.max_model_len)
+        self.max_concurrency = max_concurrency(self.kv_cache_config, self.max_model_len, sc.max_num_batched_tokens)
+        logger.info("EngineCore: %d KV blocks in %d group(s), max_model_len=%d, max concurrency %.2fx "
+                    "(requests of max_model_len tokens held at once)", num_blocks,
+                    len(self.kv_cache_config.kv_cache_groups), self.max_model_len, self.max_concurrency)
 
     def _resolve_max_model_len(self) -> int:
         # The workers resolved it from the model's config (they hold it); all ranks agree.
@@ -122,7 +124,8 @@ class EngineCore:
         stats.update(num_steps=self._num_steps, num_tokens_scheduled=self._num_tokens_scheduled,
                      num_partial_prefills=self._num_partial_prefills,
                      num_blocks=self.kv_cache_config.num_blocks,
-                     num_kv_cache_groups=len(self.kv_cache_config.kv_cache_groups))
+                     num_kv_cache_groups=len(self.kv_cache_config.kv_cache_groups),
+                     max_concurrency=round(self.max_concurrency, 2))
         return stats
 
     def shutdown(self) -> None:

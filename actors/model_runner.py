@@ -134,8 +134,9 @@ class ModelRunner:
         for layer in self._model().attention_layers():
             kw = dict(block_size=block_size, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
                       dtype=self.dtype)
+            hybrid = layer.sliding_window and not self.config.cache.disable_hybrid_kv_cache_manager
             specs[layer.layer_name] = (SlidingWindowSpec(**kw, sliding_window=layer.sliding_window)
-                                       if layer.sliding_window else FullAttentionSpec(**kw))
+                                       if hybrid else FullAttentionSpec(**kw))
         return specs
 
     @torch.inference_mode()

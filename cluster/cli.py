@@ -198,12 +198,30 @@ def cmd_info(config: EngineConfig) -> int:
                 "total_request": need, "fits_cluster_totals": fits,
             },
             "cluster": cluster,
+            "kv_cache": _kv_cache_info(config),
         }
         print(json.dumps(report, indent=2))
         return 0 if fits else 1
     finally:
         if started:
             ray.shutdown()
+
+
+def _kv_cache_info(config: EngineConfig) -> dict:
+    """One rank's KV layout and max concurrency at max_model_len (hybrid groups vs all full attention),
+    from config.json alone; the pool size is known here only when fixed or on the CPU."""
+    from actors.kv_memory import kv_cache_report
+    from actors.loader import read_hf_config, resolve_dtype, resolve_model_dir
+    try:
+        hf_config = read_hf_config(resolve_model_dir(config.model.model))
+        c = config.cache
+        budget = int(c.cpu_kv_cache_gib * 2**30) if config.parallel.device == "cpu" else None
+        return kv_cache_report(hf_config, resolve_dtype(config.model.dtype, hf_config), c.block_size,
+                               config.parallel.tensor_parallel_size, resolved_max_model_len(config, hf_config),
+                               config.scheduler.max_num_batched_tokens, c.num_gpu_blocks,
+                               None if c.num_gpu_blocks else budget)
+    except (OSError, ValueError) as e:
+        return {"error": str(e)}
 
 
 if __name__ == "__main__":

@@ -69,16 +69,52 @@ class KVCacheConfig:
 
 
 def group_layers_by_spec(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
-    """One group per distinct spec, in the order specs first appear (full attention usually first)."""
+    """Layers of one spec, cut into groups of (about) equal size, as vLLM's hybrid allocator does.
+
+    One block id costs a page in every memory slot, and there are as many slots as layers in the
+    largest group; so with 10 global and 52 sliding layers in two groups, a global block would pay
+    for 52 pages and the window would save almost nothing. Cutting every kind into groups of the
+    smallest kind's size (10: one global group, six sliding ones, the last shorter) makes a block
+    cost 10 pages, and a sliding group's few blocks are cheap. When the kinds are within 25% of each
+    other the largest size is used instead, so no group is split needlessly. Groups keep the order
+    in which their kinds first appear (full attention usually first)."""
     if not layer_specs:
         raise ValueError("group_layers_by_spec: the model has no attention layers")
-    groups: dict[KVCacheSpec, list[str]] = {}
+    by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in layer_specs.items():
-        groups.setdefault(spec, []).append(name)
-    page_sizes = {s.page_size_bytes for s in groups}
+        by_spec.setdefault(spec, []).append(name)
+    page_sizes = {s.page_size_bytes for s in by_spec}
     if len(page_sizes) != 1:
         raise ValueError(f"all KV-cache groups must share one page size to share a pool; got {sorted(page_sizes)}")
-    return [KVCacheGroupSpec(names, spec) for spec, names in groups.items()]
+    sizes = [len(names) for names in by_spec.values()]
+    group_size = max(sizes) if max(sizes) <= 1.25 * min(sizes) else min(sizes)
+    return [KVCacheGroupSpec(names[i:i + group_size], spec) for spec, names in by_spec.items()
+            for i in range(0, len(names), group_size)]
+
+
+def as_full_attention(layer_specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """Every layer's cache managed as full attention (vLLM's disable_hybrid_kv_cache_manager):
+    sliding-window layers keep every block, while attention still applies their window."""
+    return {name: FullAttentionSpec(s.block_size, s.num_kv_heads, s.head_size, s.dtype)
+            for name, s in layer_specs.items()}
+
+
+def blocks_per_request(spec: KVCacheSpec, max_model_len: int, max_num_batched_tokens: int) -> int:
+    """Blocks one request of max_model_len tokens holds at its peak in a group of this spec. A
+    sliding window keeps the window plus one step's chunk, one block more for alignment, as vLLM
+    counts it."""
+    full = spec.max_blocks_per_request(max_model_len)
+    if not isinstance(spec, SlidingWindowSpec):
+        return full
+    tokens = min(spec.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+    return min(full, -(-tokens // spec.block_size) + 1)
+
+
+def max_concurrency(config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int) -> float:
+    """How many requests of max_model_len tokens the pool holds at once (block 0 excluded)."""
+    per_request = sum(blocks_per_request(g.kv_cache_spec, max_model_len, max_num_batched_tokens)
+                      for g in config.kv_cache_groups)
+    return (config.num_blocks - 1) / per_request
 
 
 def bytes_per_block(groups: list[KVCacheGroupSpec]) -> int:
