@@ -8,8 +8,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from actors.layers.fused_moe import route_topk  # noqa: E402
-from kvcore.kernels.fused_moe import align_by_expert, fused_moe_triton  # noqa: E402
-from kvcore.kernels.moe_reference import fused_moe_ref  # noqa: E402
+from actors.layers.kernels.fused_moe import align_by_expert, fused_moe_triton  # noqa: E402
+from actors.layers.kernels.moe_reference import fused_moe_ref  # noqa: E402
 
 
 def make(num_tokens, num_experts, top_k, hidden, inter, dtype, seed=0, skip_expert=None):

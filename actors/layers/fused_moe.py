@@ -56,10 +56,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
-            from kvcore.kernels.fused_moe import fused_moe_triton
+            from actors.layers.kernels.fused_moe import fused_moe_triton
             out = fused_moe_triton(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
-            from kvcore.kernels.moe_reference import fused_moe_ref
+            from actors.layers.kernels.moe_reference import fused_moe_ref
             out = fused_moe_ref(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return ps.all_reduce(out)
 

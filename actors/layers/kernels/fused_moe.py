@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernels.rounding import round_to
+from actors.layers.kernels.rounding import round_to
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -117,7 +117,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                      topk_ids: torch.Tensor, block_m: int | None = None, block_n: int = 64,
                      block_k: int = 64) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk [T, top_k] -> [T, H]."""
-    from kvcore.kernels import layer_ops
+    from actors.layers.kernels import layer_ops
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
