@@ -24,10 +24,12 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    generator: torch.Generator | None
+    seed: int  # the Philox key of its draws (actors/sampler.request_seed); unused when greedy
     block_ids: BlockIds
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    penalty_slot: int = -1  # its row in the runner's PenaltyState, -1 without penalties
+    min_tokens_ban: list[int] = field(default_factory=list)  # ids masked until min_tokens outputs
 
     @property
     def num_tokens(self) -> int:
@@ -59,11 +61,21 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int32)  # 0 = disabled
         self.greedy = np.ones(max_num_reqs, dtype=bool)
-        self.generators: dict[int, torch.Generator] = {}  # row -> generator of a sampling request
-        # The per-row scalars that move with a request (condense, swap); token ids and generators,
-        # sized or sparse differently, are moved by hand.
+        self.seed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.penalty_slot = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: no logprobs
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
+        self.min_tokens_ban: dict[int, list[int]] = {}  # row -> ids banned until min_tokens (sparse)
+        # The per-row scalars that move with a request (condense, swap); token ids and the sparse
+        # ban lists are moved by hand.
         self._row_scalars = (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                             self.temperature, self.top_p, self.top_k, self.greedy)
+                             self.temperature, self.top_p, self.top_k, self.greedy, self.seed,
+                             self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+                             self.penalty_slot, self.min_tokens, self.num_logprobs, self.num_prompt_logprobs)
 
         self.block_table = MultiGroupBlockTable(max_num_reqs, max_model_len, max_num_batched_tokens,
                                                 pin_memory, device, block_sizes)
@@ -109,10 +121,18 @@ class InputBatch:
         self.temperature[row] = sp.temperature
         self.top_p[row] = sp.top_p
         self.top_k[row] = sp.top_k if sp.top_k > 0 else 0
-        if state.generator is not None:
-            self.generators[row] = state.generator
+        self.seed[row] = state.seed
+        self.presence_penalty[row] = sp.presence_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.repetition_penalty[row] = sp.repetition_penalty
+        self.penalty_slot[row] = state.penalty_slot
+        self.min_tokens[row] = sp.min_tokens if state.min_tokens_ban else 0
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.num_prompt_logprobs[row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
+        if state.min_tokens_ban and sp.min_tokens:
+            self.min_tokens_ban[row] = state.min_tokens_ban
         else:
-            self.generators.pop(row, None)
+            self.min_tokens_ban.pop(row, None)
         self.block_table.add_row(state.block_ids, row)
         return row
 
@@ -122,7 +142,7 @@ class InputBatch:
         if row is None:
             return None
         self.index_to_req_id[row] = None
-        self.generators.pop(row, None)
+        self.min_tokens_ban.pop(row, None)
         self.block_table.clear_row(row)
         if row == self._num_rows - 1:
             self._num_rows -= 1
@@ -146,9 +166,9 @@ class InputBatch:
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
         for arr in self._row_scalars:
             arr[dst] = arr[src]
-        gen = self.generators.pop(src, None)
-        if gen is not None:
-            self.generators[dst] = gen
+        ban = self.min_tokens_ban.pop(src, None)
+        if ban is not None:
+            self.min_tokens_ban[dst] = ban
         self.block_table.move_row(src, dst)
         self.block_table.clear_row(src)  # move_row copies; a stale source row must not linger
         self.index_to_req_id[dst], self.index_to_req_id[src] = req_id, None
@@ -167,7 +187,7 @@ class InputBatch:
         assert self._num_rows == self.num_reqs
 
     def swap_states(self, i: int, j: int) -> None:
-        """Exchange two occupied rows (all arrays, generator and block-table row)."""
+        """Exchange two occupied rows (all arrays, ban lists and block-table row)."""
         ri, rj = self.index_to_req_id[i], self.index_to_req_id[j]
         if ri is None or rj is None:
             raise ValueError(f"InputBatch.swap_states({i}, {j}): both rows must be occupied")
@@ -177,11 +197,11 @@ class InputBatch:
         self.token_ids_cpu[[i, j], :n] = self.token_ids_cpu[[j, i], :n]
         for arr in self._row_scalars:
             arr[[i, j]] = arr[[j, i]]
-        gi, gj = self.generators.pop(i, None), self.generators.pop(j, None)
-        if gi is not None:
-            self.generators[j] = gi
-        if gj is not None:
-            self.generators[i] = gj
+        bi, bj = self.min_tokens_ban.pop(i, None), self.min_tokens_ban.pop(j, None)
+        if bi is not None:
+            self.min_tokens_ban[j] = bi
+        if bj is not None:
+            self.min_tokens_ban[i] = bj
         self.block_table.swap_row(i, j)
         self.index_to_req_id[i], self.index_to_req_id[j] = rj, ri
         self.req_id_to_index[ri], self.req_id_to_index[rj] = j, i

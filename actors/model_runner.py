@@ -19,16 +19,36 @@ import torch
 
 from actors import parallel_state
 from actors.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
-from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from actors.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    set_forward_context,
+)
 from actors.input_batch import CachedRequestState, InputBatch
-from actors.sampler import Sampler, SamplingMetadata, request_generator
+from actors.logprobs import MAX_LOGPROBS
+from actors.penalty_state import PenaltyState
+from actors.sampler import Sampler, SamplingMetadata, request_seed
+from actors.sampling_inputs import SamplingInputs
+from actors.step_logprobs import (
+    LogprobsCollector,
+    PromptPlan,
+    compute_prompt_logprobs,
+    launch_copies,
+    prompt_plan,
+)
 from actors.step_profiler import StepTimer
 from actors.token_readback import SampledStep, TokenReadback
 from actors.engine_config import EngineConfig
 from kvcore.buffers import CpuGpuBuffer
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from kvcore.spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec,
-                         group_layers_by_spec, num_blocks_for_budget)
+from kvcore.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    group_layers_by_spec,
+    num_blocks_for_budget,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +87,7 @@ class StepInputs:
     sampling: SamplingMetadata | None  # for the sample rows, already on the device
     num_scheduled: np.ndarray        # tokens scheduled per row 0..num_reqs-1 (int64)
     graph_size: int | None = None    # a decode batch padded to this bucket (replayable), else None
+    prompt_plan: PromptPlan | None = None  # prompt positions whose logprobs this step computes
 
 
 class ModelRunner:
@@ -83,6 +104,9 @@ class ModelRunner:
         self.max_model_len = 0
         self.dtype = torch.float32
         self.sampler = Sampler()
+        self.penalty_state: PenaltyState | None = None  # built with the model (it needs the vocabulary)
+        self.logprobs = LogprobsCollector()
+        self.eos_token_id: int | None = None
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch: InputBatch | None = None
         self.kv_cache_config: KVCacheConfig | None = None
@@ -111,22 +135,26 @@ class ModelRunner:
         self.query_start_loc = CpuGpuBuffer(self.max_num_reqs + 1, dtype=torch.int32, **kw)
         self.seq_lens = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int32, **kw)
         self.logits_indices = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, **kw)
-        self.sample_temperature = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, **kw)
-        self.sample_top_p = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, **kw)
-        self.sample_top_k = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int32, **kw)
-        self.sample_greedy = CpuGpuBuffer(self.max_num_reqs, dtype=torch.bool, **kw)
+        self.sampling_inputs = SamplingInputs(self.max_num_reqs, self.device, self.pin_memory)
         self.feed_dst = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, **kw)
         self.feed_src = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, **kw)
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     # ---- model and KV cache -----------------------------------------------------------------
     def load_model(self) -> None:
-        from actors.loader import load_model  # the loader pulls in the model zoo; only workers need it
+        from actors.loader import (
+            load_model,  # the loader pulls in the model zoo; only workers need it
+        )
         self.model, self.hf_config = load_model(self.config.model.model, dtype=self.config.model.dtype,
                                                 attention_backend=self.backend, device=self.device)
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = resolve_max_model_len(self.config.model.max_model_len, self.hf_config)
+        get = self.hf_config.get if isinstance(self.hf_config, dict) else lambda k: getattr(self.hf_config, k, None)
+        eos = get("eos_token_id")
+        self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos  # as the driver's stop check
+        self.penalty_state = PenaltyState(int(get("vocab_size")), self.device)
+        self.sampler = Sampler(self.penalty_state)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         specs: dict[str, KVCacheSpec] = {}
@@ -152,13 +180,14 @@ class ModelRunner:
         rows = min(self.max_num_reqs, n)
         logits = model.compute_logits(hidden[:rows])
         del hidden
-        # The sampler's sort over the vocabulary (top-k/top-p) is part of a step's peak too.
-        gens = [torch.Generator(device=self.device).manual_seed(i) for i in range(rows)]
-        ones = torch.ones(rows, device=self.device)
-        self.sampler(logits, SamplingMetadata(
-            temperature=ones, greedy=torch.zeros(rows, dtype=torch.bool, device=self.device),
-            top_k=torch.full((rows,), 8, dtype=torch.int32, device=self.device), top_p=ones * 0.9,
-            generators=gens, all_greedy=False, need_top_k=True, need_top_p=True))
+        if self.device.type == "cuda":
+            # The step's logprobs (a vocabulary-wide log_softmax and top-k) are part of its peak; the
+            # sampling kernel itself allocates nothing. (The CPU budget is configured, not profiled.)
+            ones = torch.ones(rows, device=self.device)
+            ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self.sampler(logits, SamplingMetadata(
+                temperature=ones, top_k=ids.to(torch.int32) + 8, top_p=ones * 0.9, seeds=ids, positions=ids,
+                all_greedy=False, need_filter=True, num_logprobs=MAX_LOGPROBS))
 
     def determine_num_blocks(self) -> int:
         """Blocks this rank can hold: the override, else the memory budget left after a profile run."""
@@ -324,16 +353,28 @@ class ModelRunner:
     # ---- per-step state ---------------------------------------------------------------------
     def _new_state(self, nr: NewRequestData) -> CachedRequestState:
         sp = nr.sampling_params
-        gen = None if sp.greedy else request_generator(sp.seed, self.config.model.seed, nr.req_id, self.device)
-        return CachedRequestState(req_id=nr.req_id, prompt_token_ids=list(nr.prompt_token_ids),
-                                  sampling_params=sp, generator=gen,
-                                  block_ids=tuple(list(b) for b in nr.block_ids),
-                                  num_computed_tokens=nr.num_computed_tokens)
+        state = CachedRequestState(req_id=nr.req_id, prompt_token_ids=list(nr.prompt_token_ids),
+                                   sampling_params=sp, seed=request_seed(sp.seed, self.config.model.seed, nr.req_id),
+                                   block_ids=tuple(list(b) for b in nr.block_ids),
+                                   num_computed_tokens=nr.num_computed_tokens)
+        if sp.has_penalties and self.penalty_state is not None:
+            state.penalty_slot = self.penalty_state.add(nr.req_id, state.prompt_token_ids, [])
+        if sp.min_tokens:
+            # What the scheduler's stop check would end the request on (vLLM's all_stop_token_ids).
+            eos = [] if sp.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
+            state.min_tokens_ban = list(dict.fromkeys([*sp.stop_token_ids, *eos]))
+        return state
+
+    def _forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        if self.penalty_state is not None:
+            self.penalty_state.remove(req_id)
+        self.logprobs.forget(req_id)
 
     def update_states(self, so: SchedulerOutput) -> None:
         batch = self._batch()
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
             batch.remove_request(req_id)
         for req_id in so.preempted_req_ids:
             batch.remove_request(req_id)  # its state stays: it comes back resumed
@@ -369,6 +410,10 @@ class ModelRunner:
                 assert new_ids is not None and tokens is not None, "a resumed request carries blocks and tokens"
                 state.block_ids = tuple(list(b) for b in new_ids)
                 state.output_token_ids = list(tokens[len(state.prompt_token_ids):])
+                if state.penalty_slot >= 0 and self.penalty_state is not None:
+                    # The device counts may hold an in-flight token the scheduler dropped: recount.
+                    self.penalty_state.add(req_id, state.prompt_token_ids, state.output_token_ids)
+                self.logprobs.restart_prompt(req_id)
                 batch.remove_request(req_id)
                 to_add.append(state)
                 continue
@@ -427,7 +472,10 @@ class ModelRunner:
         seq_lens_dev = self.seq_lens.copy_to_gpu(num_rows)
         logits_indices = self.logits_indices.copy_to_gpu(len(sample_rows))
         # Before the event below: the next step may rewrite these pinned sources once it has passed.
-        sampling = self._sampling_metadata(sample_rows) if len(sample_rows) else None
+        sampling = (self.sampling_inputs.build(batch, sample_rows,
+                                               seq_lens[sample_rows] - batch.num_prompt_tokens[sample_rows])
+                    if len(sample_rows) else None)
+        plan = prompt_plan(batch, num_reqs, computed, num_sched, cu - num_sched, self.logprobs.done)
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
@@ -448,7 +496,7 @@ class ModelRunner:
         self.slot_mappings_by_layer = {name: self.slot_mappings_by_gid[gid]
                                        for name, gid in self.layer_to_group.items()}
         return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows, sampling,
-                          num_sched, pad)
+                          num_sched, pad, plan)
 
     def _feed_in_flight_tokens(self, req_ids: list[str], starts: np.ndarray, input_ids: torch.Tensor) -> None:
         """Rows that sampled in the step still in flight start this step with that token, which only the
@@ -463,29 +511,6 @@ class ModelRunner:
         dst = self.feed_dst.copy_to_gpu(k)
         tokens = self._in_flight.device_tokens.index_select(0, self.feed_src.copy_to_gpu(k))
         input_ids.index_copy_(0, dst, tokens)
-
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        batch = self._batch()
-        n = len(rows)
-        greedy = batch.greedy[rows]
-        if greedy.all():
-            # Argmax needs no per-row parameters: skip their four copies (launches cost on the host).
-            return SamplingMetadata(None, None, None, None, [None] * n, all_greedy=True,
-                                    need_top_k=False, need_top_p=False)
-        self.sample_greedy.np[:n] = greedy
-        self.sample_temperature.np[:n] = batch.temperature[rows]
-        self.sample_top_p.np[:n] = batch.top_p[rows]
-        self.sample_top_k.np[:n] = batch.top_k[rows]
-        random = ~greedy
-        return SamplingMetadata(
-            temperature=self.sample_temperature.copy_to_gpu(n), greedy=self.sample_greedy.copy_to_gpu(n),
-            top_k=self.sample_top_k.copy_to_gpu(n), top_p=self.sample_top_p.copy_to_gpu(n),
-            # One C-level pass (no generators at all when every request is greedy), not a Python
-            # int() and lookup per row.
-            generators=list(map(batch.generators.get, rows.tolist())) if batch.generators else [None] * n,
-            all_greedy=False,
-            need_top_k=bool((batch.top_k[rows][random] > 0).any()),
-            need_top_p=bool((batch.top_p[rows][random] < 1.0).any()))
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -527,16 +552,23 @@ class ModelRunner:
             ctx = ForwardContext(attn_metadata=inputs.attn_metadata, layer_to_group=self.layer_to_group)
             with set_forward_context(ctx):
                 hidden = self._model()(inputs.input_ids, inputs.positions)
-        tokens = None
+        tokens = sample_lp = prompt_lp = None
         if inputs.sampling is not None:
             logits = self._model().compute_logits(hidden[inputs.logits_indices])
-            tokens = self.sampler(logits, inputs.sampling)
+            sampled = self.sampler(logits, inputs.sampling)
+            tokens, sample_lp = sampled.token_ids, sampled.logprobs
+        if inputs.prompt_plan is not None:
+            prompt_lp = compute_prompt_logprobs(self._model().compute_logits, hidden, inputs.prompt_plan)
+        step_lp = launch_copies(sample_lp, None if sample_lp is None else batch.num_logprobs[inputs.sample_rows],
+                                prompt_lp, inputs.prompt_plan, self.device.type == "cuda")
         if self.step_timer is not None:
             self.step_timer.end()  # also for a step that samples nothing, or its begin stays unpaired
         req_ids = batch.req_ids
         states = list(map(self.requests.__getitem__, req_ids))
-        return self.readback.start(so.step_id, req_ids, states, inputs.sample_rows, tokens,
+        step = self.readback.start(so.step_id, req_ids, states, inputs.sample_rows, tokens,
                                    index_for_feed=self.lag_outputs)
+        step.logprobs = step_lp
+        return step
 
     def _complete(self, step: SampledStep) -> ModelRunnerOutput | None:
         """Wait for the step's tokens and record them. Lagging, the batch may have changed since the
@@ -559,4 +591,6 @@ class ModelRunner:
             batch.append_tokens(rows_now[live], np.asarray(sampled)[live])
         if self.rank != 0:
             return None
-        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out_tokens, step_id=step.step_id)
+        logprobs, prompt_logprobs = self.logprobs.collect(step.logprobs, step.req_ids, step.sample_rows)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out_tokens, step_id=step.step_id,
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)

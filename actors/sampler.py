@@ -1,10 +1,19 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, one torch.Generator per sampling request.
+"""Batched sampling in one launch per step: greedy, penalties, min_tokens, temperature, top-k, top-p.
 
-Every tensor-parallel rank holds the same full-vocabulary logits and the same generators, so every rank
-draws the same tokens and no token ever travels between ranks. A random row is sampled with the
-exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability p_i. Only the
-noise E is drawn per row (each row from its own generator, so a seeded request's tokens do not depend
-on what else is in the batch); everything else is one batched pass.
+Every tensor-parallel rank holds the same full-vocabulary logits and the same per-row parameters, so
+every rank draws the same tokens and no token ever travels between ranks. Randomness is counter-based
+(Philox keyed by the request's seed, counted by output position and vocabulary index; see
+actors/sample_kernel.py): there is no generator state at all, so a request's tokens depend only on its
+seed and its logits, never on the batch it ran in, nor on a restart of the worker.
+
+Seeds: a request's `seed`, else one derived from (engine seed, request id) by a stable hash, so an
+unseeded request also replays the same tokens after a restart of the same engine, and every rank
+derives the same one.
+
+Greedy rows (temperature 0) take the argmax of their (penalised) logits; a batch that is all greedy
+with nothing to apply is a plain argmax. The step's logprobs come from the raw logits (actors/logprobs.py).
+Nothing here reads a device value on the host: the sampler can be captured in a CUDA graph once its
+inputs live in static buffers (the kernel variant depends only on the host flags below).
 """
 from __future__ import annotations
 
@@ -13,82 +22,91 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.logprobs import LogprobsTensors, compute_logprobs
+from actors.penalty_state import PenaltyState
+from actors.sample_kernel import _sample_kernel, launch_sample
+from actors.sample_reference import sample_reference
+
 
 @dataclass
 class SamplingMetadata:
-    """Per-row parameters of the rows to sample (device tensors) and host-side summaries."""
+    """Per-row parameters of the rows to sample (device tensors) and host-side flags."""
 
-    # The four per-row tensors are None when every row is greedy (all_greedy).
-    temperature: torch.Tensor | None   # float32 [N]; ignored on greedy rows
-    greedy: torch.Tensor | None        # bool [N]
-    top_k: torch.Tensor | None         # int32/int64 [N]; 0 = disabled
-    top_p: torch.Tensor | None         # float32 [N]; 1.0 = disabled
-    generators: list[torch.Generator | None]  # one per row; None only on greedy rows
-    all_greedy: bool                   # host flags: skip work without reading device tensors
-    need_top_k: bool
-    need_top_p: bool
+    temperature: torch.Tensor | None  # float32 [N]; 0 = greedy. None only when all_greedy
+    top_k: torch.Tensor | None        # int32 [N]; 0 = disabled
+    top_p: torch.Tensor | None        # float32 [N]; 1 = disabled
+    seeds: torch.Tensor | None        # int64 [N]; see request_seed
+    positions: torch.Tensor | None    # int64 [N]; output position of the token being sampled
+    all_greedy: bool                  # no random row (then the five tensors above may be None)
+    need_filter: bool                 # some random row has top-k or top-p
+    penalty_slots: torch.Tensor | None = None  # int64 [N] into PenaltyState; -1 = none. None: no row
+    penalties: torch.Tensor | None = None      # float32 [3, N]: presence, frequency, repetition
+    ban_ids: torch.Tensor | None = None        # int32 [N, B]: ids masked to -inf (min_tokens); -1 pads
+    num_logprobs: int = -1                     # the largest k any row asked for; -1 = no row
+
+    @property
+    def plain_argmax(self) -> bool:
+        return self.all_greedy and self.penalty_slots is None and self.ban_ids is None
 
 
-def request_generator(seed: int | None, engine_seed: int, req_id: str, device: torch.device) -> torch.Generator:
-    """The generator of one sampling request: its own seed, else one derived from (engine seed, req_id).
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor              # int64 [N]
+    logprobs: LogprobsTensors | None     # with num_logprobs columns of top-k, when any row asked
 
-    The derivation uses a stable hash (not Python's per-process `hash`) so every rank builds the same one.
-    """
+
+def request_seed(seed: int | None, engine_seed: int, req_id: str) -> int:
+    """The Philox key of a request as a signed int64: its seed, else blake2b(engine seed, request id)."""
     if seed is None:
         digest = hashlib.blake2b(f"{engine_seed}:{req_id}".encode(), digest_size=8).digest()
-        seed = int.from_bytes(digest, "little") & ((1 << 63) - 1)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+        seed = int.from_bytes(digest, "little")
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p (nucleus) set to -inf; one sort for the batch.
-
-    top-p keeps the smallest prefix of the descending order whose probability reaches p (the first
-    token is always kept). Ties at the cut-off are broken by the sort order.
-    """
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k.to(torch.int64), torch.full_like(top_k, vocab, dtype=torch.int64))
-        drop |= ranks >= k.unsqueeze(1)
-    if top_p is not None:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p.unsqueeze(1)
-        drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def draw_exponential(shape: torch.Size, generators: list[torch.Generator | None], device: torch.device,
-                     rows: list[int]) -> torch.Tensor:
-    """Exp(1) noise [N, V]; row r drawn from generators[r] for r in `rows` (the random rows), 1 elsewhere."""
-    noise = torch.ones(shape, dtype=torch.float32, device=device)
-    for r in rows:
-        noise[r].exponential_(generator=generators[r])
-    return noise
+def triton_runs_on(device: torch.device) -> bool:
+    """The kernel runs on CUDA tensors, or on CPU ones under TRITON_INTERPRET=1 (set before import)."""
+    if device.type == "cuda":
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(_sample_kernel, InterpretedFunction)
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logits float [N, V] -> sampled token ids int64 [N]."""
-        logits = logits.float()
-        greedy_tokens = logits.argmax(dim=-1)
-        if md.all_greedy:
-            return greedy_tokens
-        # Greedy rows get temperature 1 so the division is harmless; their result is taken from argmax.
-        temp = torch.where(md.greedy, torch.ones_like(md.temperature), md.temperature)
-        scaled = logits / temp.unsqueeze(1)
-        if md.need_top_k or md.need_top_p:
-            scaled = apply_top_k_top_p(scaled, md.top_k if md.need_top_k else None,
-                                       md.top_p if md.need_top_p else None)
-        probs = scaled.softmax(dim=-1)
-        random_rows = [i for i, g in enumerate(md.generators) if g is not None]
-        noise = draw_exponential(probs.shape, md.generators, probs.device, random_rows)
-        random_tokens = (probs / noise).argmax(dim=-1)
-        return torch.where(md.greedy, greedy_tokens, random_tokens)
+    def __init__(self, penalty_state: PenaltyState | None = None, use_triton: bool | None = None) -> None:
+        self.penalty_state = penalty_state
+        self.use_triton = use_triton
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits float [N, V] -> sampled token ids int64 [N] (+ logprobs when asked)."""
+        if md.plain_argmax:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, md)
+        if md.penalty_slots is not None and self.penalty_state is not None:
+            self.penalty_state.record(md.penalty_slots, tokens)
+        lp = compute_logprobs(logits, tokens, md.num_logprobs) if md.num_logprobs >= 0 else None
+        return SamplerOutput(tokens, lp)
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        n = logits.shape[0]
+        dev = logits.device
+        temperature = md.temperature if md.temperature is not None else torch.zeros(n, device=dev)
+        top_k = md.top_k if md.top_k is not None else torch.zeros(n, dtype=torch.int32, device=dev)
+        top_p = md.top_p if md.top_p is not None else torch.ones(n, device=dev)
+        seeds = md.seeds if md.seeds is not None else torch.zeros(n, dtype=torch.int64, device=dev)
+        positions = md.positions if md.positions is not None else torch.zeros(n, dtype=torch.int64, device=dev)
+        pen = {}
+        if md.penalty_slots is not None:
+            if self.penalty_state is None:
+                raise RuntimeError("Sampler: penalty_slots given but the sampler has no PenaltyState")
+            pen = dict(penalty_slots=md.penalty_slots, penalties=md.penalties,
+                       counts=self.penalty_state.counts, prompt_mask=self.penalty_state.prompt_mask)
+        use_triton = self.use_triton if self.use_triton is not None else triton_runs_on(dev)
+        if use_triton:
+            # The interpreter vectorises one program's rows; a GPU program owns one row.
+            rows = 1 if dev.type == "cuda" else 16
+            return launch_sample(logits, temperature, top_k, top_p, seeds, positions,
+                                 need_filter=md.need_filter and not md.all_greedy, ban_ids=md.ban_ids,
+                                 rows_per_program=rows, **pen)
+        return sample_reference(logits, temperature, top_k, top_p, seeds, positions, ban_ids=md.ban_ids, **pen)

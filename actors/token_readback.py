@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from actors.input_batch import CachedRequestState
+from actors.logprobs import StepLogprobs
 
 
 @dataclass
@@ -30,6 +31,7 @@ class SampledStep:
     done: torch.cuda.Event | None
     # req_id -> index into device_tokens; built only when a later step is fed from the device.
     index_of: dict[str, int] = field(default_factory=dict)
+    logprobs: StepLogprobs | None = None  # set by the runner when the step computed any
 
     def tokens(self) -> list[int]:
         if self.host_tokens is None:

@@ -114,6 +114,9 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return self.empty_kv_cache_blocks, 0
+        if request.sampling_params is not None and request.sampling_params.prompt_logprobs is not None:
+            # As vLLM: every prompt position must be computed to score it (its blocks are still cached).
+            return self.empty_kv_cache_blocks, 0
         update_request_block_hashes(request, self.block_size)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1)

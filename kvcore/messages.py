@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvcore.request import SamplingParams
 
 BlockIds = tuple[list[int], ...]  # one list per KV-cache group
@@ -87,16 +89,38 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class Logprobs:
+    """Log-probabilities of P consecutive positions of one request, as compact arrays.
+
+    Row j: token_ids[j, 0] is the position's own token (the sampled one, or the prompt token) and
+    logprobs[j, 0] its logprob; columns 1..k are the top-k tokens by logprob, best first; ranks[j] is
+    the own token's rank (1 = most likely). Logprobs are the raw model's float32 log_softmax.
+    """
+
+    token_ids: np.ndarray  # int32 [P, 1 + k]
+    logprobs: np.ndarray   # float32 [P, 1 + k]
+    ranks: np.ndarray      # int32 [P]
+
+    def __len__(self) -> int:
+        return int(self.ranks.shape[0])
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """What rank 0 returns: the tokens it sampled, per scheduled request.
 
     sampled_token_ids[i] belongs to req_ids[i]; it is empty for a request whose prefill is still
-    partial this step (nothing is sampled for it).
+    partial this step (nothing is sampled for it). `logprobs` holds, for the requests that asked
+    (SamplingParams.logprobs) and sampled this step, one row per sampled token. `prompt_logprobs` holds,
+    for requests that asked and sampled their first token this step, every prompt position from the
+    second on (P = prompt length - 1): vLLM's prompt_logprobs without its leading None.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     step_id: int = 0
+    logprobs: dict[str, Logprobs] | None = None
+    prompt_logprobs: dict[str, Logprobs] | None = None
 
     @property
     def req_id_to_index(self) -> dict[str, int]:
@@ -114,3 +138,5 @@ class EngineCoreOutput:
     stop_reason: int | None = None  # the stop token id, when a stop token ended it
     error: str | None = None
     num_cached_tokens: int = 0
+    logprobs: Logprobs | None = None         # one row per new token, when SamplingParams.logprobs is set
+    prompt_logprobs: Logprobs | None = None  # with the first token, when SamplingParams.prompt_logprobs is set

@@ -22,6 +22,9 @@ MAX_TEMPERATURE = 100.0         # past this the distribution is uniform to float
 GREEDY_TEMPERATURE = 1e-5       # below this a temperature is greedy (vLLM's _SAMPLING_EPS): 1/t overflows
 MAX_STOP_TOKEN_IDS = 1024
 MAX_ID_CHARS = 512              # request ids land in output records and logs
+MAX_LOGPROBS = 20               # vLLM's default max_logprobs
+MAX_PENALTY = 2.0               # presence/frequency penalties in [-2, 2], as OpenAI and vLLM
+MAX_REPETITION_PENALTY = 100.0  # > 0; past this it only flips signs of far-gone logits
 
 
 def _check(cond: bool, field_name: str, value: Any, rule: str) -> None:
@@ -88,6 +91,22 @@ def validate(sp: "SamplingParams") -> None:
     s = sp.seed
     _check(s is None or (_is_int(s) and INT64_MIN <= s <= INT64_MAX), "seed", s,
            f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
+    _validate_penalties_and_logprobs(sp)
+
+
+def _validate_penalties_and_logprobs(sp: "SamplingParams") -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sp, name)
+        _check(_is_number(v), name, v, "must be a number")
+        _check(-MAX_PENALTY <= v <= MAX_PENALTY, name, v, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+    r = sp.repetition_penalty
+    _check(_is_number(r), "repetition_penalty", r, "must be a number")
+    _check(0 < r <= MAX_REPETITION_PENALTY, "repetition_penalty", r,
+           f"must be > 0 and <= {MAX_REPETITION_PENALTY:g} (1 disables it)")
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(sp, name)
+        _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name, v,
+               f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
 
 def check_token_ids(field_name: str, ids: Any, vocab_size: int | None = None) -> str | None:
@@ -148,6 +167,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     min_tokens: int = 0  # EOS and stop_token_ids do not stop a request before this many output tokens
+    # vLLM's penalties: presence/frequency subtract per output-token occurrence (OpenAI's definition),
+    # repetition divides positive / multiplies negative logits of tokens seen in prompt or output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None         # top-k log-probabilities per sampled token (0..20), plus its own
+    prompt_logprobs: int | None = None  # the same for each prompt token
 
     def __post_init__(self) -> None:
         validate(self)
@@ -156,6 +182,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         validate(self)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvcore.admission import AdmissionGate, RequestFit, check_positive_int
-from kvcore.messages import (BlockIds, CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+from kvcore.messages import (BlockIds, CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
                              NewRequestData, SchedulerOutput)
 from kvcore.request import Request, RequestStatus
 from kvcore.stopping import StopRule, append_until_stop, make_stop_rule, set_finished_status, stops_on
@@ -23,7 +23,7 @@ from kvcore.stopping import StopRule, append_until_stop, make_stop_rule, set_fin
 # _apply_sampled builds the EngineCoreOutput of an unfinished request by filling a bare instance (one
 # per running request per step, so the __init__ call is worth skipping); it sets exactly these fields.
 _UNFINISHED_FIELDS = ("request_id", "new_token_ids", "finished", "finish_reason", "stop_reason", "error",
-                      "num_cached_tokens")
+                      "num_cached_tokens", "logprobs", "prompt_logprobs")
 if tuple(f.name for f in dataclasses.fields(EngineCoreOutput)) != _UNFINISHED_FIELDS:
     raise RuntimeError(f"kvcore.scheduler: EngineCoreOutput fields changed; update _apply_sampled, which "
                        f"fills {_UNFINISHED_FIELDS} by hand")
@@ -298,6 +298,8 @@ class Scheduler:
         self._pending_ids.clear()
         if model_runner_output is not None and scheduler_output.total_num_scheduled_tokens:
             self._apply_sampled(scheduler_output, model_runner_output, outputs, expected)
+            if model_runner_output.logprobs or model_runner_output.prompt_logprobs:
+                _attach_logprobs(outputs, model_runner_output)
         if self.debug_invariants:
             self._check_invariants()
         return outputs
@@ -341,7 +343,7 @@ class Scheduler:
                     # filled in place: half the cost of the dataclass __init__ call (see _UNFINISHED_FIELDS).
                     o = new_bare(EngineCoreOutput)
                     o.request_id, o.new_token_ids, o.finished, o.finish_reason = rid, token_ids, False, None
-                    o.stop_reason = o.error = None
+                    o.stop_reason = o.error = o.logprobs = o.prompt_logprobs = None
                     o.num_cached_tokens = request.num_cached_tokens
                     emit(o)
                     continue
@@ -395,3 +397,20 @@ class Scheduler:
     def _check_invariants(self) -> None:
         # Only running requests may hold blocks; a row of any other request is a leak.
         self.kv_cache_manager.check_invariants(self.running)
+
+
+def _attach_logprobs(outputs: list[EngineCoreOutput], model_runner_output: ModelRunnerOutput) -> None:
+    """Hand each output the logprobs the runner computed for its request this step (the sampler's)."""
+    sampled = model_runner_output.logprobs or {}
+    prompt = model_runner_output.prompt_logprobs or {}
+    for o in outputs:
+        if o.new_token_ids:
+            lp = sampled.get(o.request_id)
+            if lp is not None:
+                o.logprobs = lp if len(lp) == len(o.new_token_ids) else _head(lp, len(o.new_token_ids))
+            o.prompt_logprobs = prompt.get(o.request_id, o.prompt_logprobs)
+
+
+def _head(lp: Logprobs, n: int) -> Logprobs:
+    """The rows of the tokens kept (a stop inside a multi-token step drops the rest)."""
+    return Logprobs(lp.token_ids[:n], lp.logprobs[:n], lp.ranks[:n])

@@ -23,8 +23,7 @@ def make_state(i: int, rng: np.random.Generator) -> CachedRequestState:
     n = len(prompt) + len(out)
     blocks = tuple(list(range(100 * i + 1, 100 * i + 1 + -(-n // bs))) for bs in BLOCK_SIZES)
     sp = SamplingParams(temperature=0.1 * i, top_p=0.5 + 0.05 * i, top_k=i, seed=i)
-    gen = None if sp.greedy else torch.Generator().manual_seed(i)
-    return CachedRequestState(f"r{i}", prompt, sp, gen, blocks, num_computed_tokens=len(prompt) // 2,
+    return CachedRequestState(f"r{i}", prompt, sp, 1000 + i, blocks, num_computed_tokens=len(prompt) // 2,
                               output_token_ids=out)
 
 
@@ -37,7 +36,7 @@ def row_view(batch: InputBatch, row: int) -> dict:
         prompt=int(batch.num_prompt_tokens[row]),
         computed=int(batch.num_computed_tokens[row]),
         temp=float(batch.temperature[row]), top_p=float(batch.top_p[row]), top_k=int(batch.top_k[row]),
-        greedy=bool(batch.greedy[row]), gen=id(batch.generators.get(row)),
+        greedy=bool(batch.greedy[row]), seed=int(batch.seed[row]),
         blocks=[bt.block_table.np[row, :bt.num_blocks_per_row[row]].tolist() for bt in batch.block_table.block_tables],
         block_tail_zero=all(not bt.block_table.np[row, bt.num_blocks_per_row[row]:].any()
                             for bt in batch.block_table.block_tables),
@@ -121,9 +120,7 @@ def test_swap_states():
     assert batch.index_to_req_id[0] == "r3" and batch.index_to_req_id[3] == "r0"
     after = by_req(batch)
     for rid in before:
-        gen_before, gen_after = before[rid].pop("gen"), after[rid].pop("gen")
         assert before[rid] == after[rid]
-        assert gen_before == gen_after
     batch.remove_request("r1")
     with pytest.raises(ValueError, match="both rows must be occupied"):
         batch.swap_states(1, 2)
@@ -153,16 +150,16 @@ def test_block_rows_follow_requests_through_commit():
 def test_append_token_and_limits():
     batch = make_batch()
     sp = SamplingParams()
-    state = CachedRequestState("a", list(range(MAX_LEN - 1)), sp, None, ([1] * 16, [1] * 8), 0)
+    state = CachedRequestState("a", list(range(MAX_LEN - 1)), sp, 0, ([1] * 16, [1] * 8), 0)
     row = batch.add_request(state)
     batch.append_token(row, 7)
     assert batch.num_tokens[row] == MAX_LEN and batch.token_ids_cpu[row, -1] == 7
     batch.append_token(row, 8)  # beyond max_model_len: not stored, never fed back
     assert batch.num_tokens[row] == MAX_LEN
-    too_long = CachedRequestState("b", list(range(MAX_LEN + 1)), sp, None, ([], []), 0)
+    too_long = CachedRequestState("b", list(range(MAX_LEN + 1)), sp, 0, ([], []), 0)
     with pytest.raises(ValueError, match="max_model_len"):
         batch.add_request(too_long)
     for i in range(MAX_REQS - 1):
-        batch.add_request(CachedRequestState(f"x{i}", [1], sp, None, ([1], [1]), 0))
+        batch.add_request(CachedRequestState(f"x{i}", [1], sp, 0, ([1], [1]), 0))
     with pytest.raises(RuntimeError, match="full"):
-        batch.add_request(CachedRequestState("y", [1], sp, None, ([1], [1]), 0))
+        batch.add_request(CachedRequestState("y", [1], sp, 0, ([1], [1]), 0))

@@ -1,105 +1,238 @@
-"""Sampler: greedy, top-k / top-p support, seeded determinism, temperature statistics (fixed seeds)."""
+"""The one-launch sampler: the Triton kernel (run by the interpreter) against its torch reference and
+the Philox stream; seeded tokens independent of the batch and of a restart; sampled frequencies against
+the target distribution (chi-square, fixed seeds); greedy rows; penalties against vLLM's formulas;
+the min_tokens ban; the device-side penalty counts."""
+import os
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 import torch
 
-from actors.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, request_generator
+from actors.penalty_state import PenaltyState
+from actors.sample_kernel import launch_sample, philox_uniform_triton
+from actors.sample_reference import philox_uniform, sample_reference, top_k_top_p_mask
+from actors.sampler import Sampler, SamplingMetadata, request_seed
 
-V = 32
-
-
-def metadata(temps, top_ks=None, top_ps=None, seeds=None, engine_seed=0, req_ids=None) -> SamplingMetadata:
-    n = len(temps)
-    top_ks = top_ks or [0] * n
-    top_ps = top_ps or [1.0] * n
-    seeds = seeds or [None] * n
-    req_ids = req_ids or [f"r{i}" for i in range(n)]
-    greedy = [t == 0.0 for t in temps]
-    gens = [None if g else request_generator(s, engine_seed, r, torch.device("cpu"))
-            for g, s, r in zip(greedy, seeds, req_ids)]
-    return SamplingMetadata(
-        temperature=torch.tensor(temps, dtype=torch.float32), greedy=torch.tensor(greedy),
-        top_k=torch.tensor(top_ks, dtype=torch.int32), top_p=torch.tensor(top_ps, dtype=torch.float32),
-        generators=gens, all_greedy=all(greedy),
-        need_top_k=any(k > 0 for k, g in zip(top_ks, greedy) if not g),
-        need_top_p=any(p < 1 for p, g in zip(top_ps, greedy) if not g))
+V = 48
 
 
-def test_greedy_is_argmax():
-    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(0))
-    out = Sampler()(logits, metadata([0.0] * 6))
-    assert torch.equal(out, logits.argmax(-1))
-    # Greedy rows mixed with random rows keep their argmax.
-    out = Sampler()(logits, metadata([0.0, 1.0, 0.0, 2.0, 0.0, 0.5]))
-    assert out[[0, 2, 4]].tolist() == logits.argmax(-1)[[0, 2, 4]].tolist()
+def _rows(n, seed=0, vocab=V):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g) * 3
+    temp = torch.rand(n, generator=g) + 0.3
+    top_k = torch.randint(0, 12, (n,), generator=g, dtype=torch.int32)
+    top_p = torch.rand(n, generator=g) * 0.9 + 0.1
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (n,), generator=g)
+    pos = torch.randint(0, 5000, (n,), generator=g)
+    return logits, temp, top_k, top_p, seeds, pos
 
 
-def test_top_k_top_p_restrict_support():
-    gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(4, V, generator=gen) * 3
-    masked = apply_top_k_top_p(logits, torch.tensor([3, 0, 1, 5]), torch.tensor([1.0, 0.6, 1.0, 0.3]))
-    order = logits.argsort(dim=-1, descending=True)
-    # Row 0: exactly its top 3; row 2: only the argmax.
-    assert set(torch.nonzero(masked[0] > float("-inf")).flatten().tolist()) == set(order[0, :3].tolist())
-    assert torch.nonzero(masked[2] > float("-inf")).flatten().tolist() == [int(order[2, 0])]
-    # Row 1: the smallest descending prefix with mass >= 0.6.
-    probs = logits[1].softmax(-1)[order[1]]
-    k = int((probs.cumsum(0) < 0.6).sum()) + 1
-    assert set(torch.nonzero(masked[1] > float("-inf")).flatten().tolist()) == set(order[1, :k].tolist())
-    # Row 3: both limits: the top-p prefix within the top 5.
-    kept3 = set(torch.nonzero(masked[3] > float("-inf")).flatten().tolist())
-    assert kept3 <= set(order[3, :5].tolist()) and int(order[3, 0]) in kept3
-    # Kept logits are unchanged.
-    assert torch.equal(masked[0][order[0, :3]], logits[0][order[0, :3]])
-
-    # Sampling many times never leaves the support.
-    md = metadata([1.0] * 4, top_ks=[3, 0, 1, 5], top_ps=[1.0, 0.6, 1.0, 0.3], seeds=[1, 2, 3, 4])
-    sampler = Sampler()
-    for _ in range(200):
-        out = sampler(logits, md)
-        for row in range(4):
-            assert masked[row, out[row]] > float("-inf")
+def _penalty_inputs(n, vocab=V, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    state = PenaltyState(vocab, torch.device("cpu"), initial_slots=2)
+    slots = []
+    for i in range(n):
+        if i % 3 == 2:
+            slots.append(-1)
+            continue
+        prompt = torch.randint(0, vocab, (6,), generator=g).tolist()
+        out = torch.randint(0, vocab, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()
+        slots.append(state.add(f"r{i}", prompt, out))
+    pen = torch.stack([torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 4 - 2,
+                       torch.rand(n, generator=g) * 1.5 + 0.5])
+    return state, torch.tensor(slots), pen
 
 
-def test_top_p_always_keeps_the_top_token():
-    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
-    masked = apply_top_k_top_p(logits, None, torch.tensor([0.01]))
-    assert masked[0, 0] == 5.0 and torch.isinf(masked[0, 1:]).all()
+def test_philox_uniforms_match_torch_bit_for_bit():
+    seeds = torch.tensor([0, 1, -5, 2 ** 62 + 3, -(2 ** 63)])
+    pos = torch.tensor([0, 7, 123456, 2 ** 31 + 5, 2 ** 32 - 1])
+    u = philox_uniform_triton(seeds, pos, 300)
+    assert torch.equal(u, philox_uniform(seeds, pos, 300))
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
 
 
-def test_seeded_determinism_independent_of_batch():
-    gen = torch.Generator().manual_seed(2)
-    logits = torch.randn(5, V, generator=gen)
+@pytest.mark.parametrize("need_filter", [False, True])
+def test_kernel_matches_reference(need_filter):
+    n = 12
+    logits, temp, top_k, top_p, seeds, pos = _rows(n)
+    temp[[0, 5]] = 0.0  # greedy rows in the batch
+    if not need_filter:
+        top_k, top_p = torch.zeros_like(top_k), torch.ones_like(top_p)
+    state, slots, pen = _penalty_inputs(n)
+    ban = torch.full((n, 2), -1, dtype=torch.int32)
+    ban[1] = torch.tensor([int(logits[1].argmax()), 3])
+    ban[5, 0] = int(logits[5].argmax())
+    kw = dict(penalty_slots=slots, penalties=pen, counts=state.counts, prompt_mask=state.prompt_mask, ban_ids=ban)
+    ref = sample_reference(logits, temp, top_k, top_p, seeds, pos, **kw)
+    # One program of all rows and one tile (cheap under the interpreter), and several tiles of 16.
+    for block_v in ([V, 16] if not need_filter else [V]):
+        out = launch_sample(logits, temp, top_k, top_p, seeds, pos, need_filter=need_filter,
+                            rows_per_program=n, block_v=block_v, **kw)
+        assert out.tolist() == ref.tolist(), block_v
+    plain = launch_sample(logits, temp, top_k, top_p, seeds, pos, need_filter=need_filter, rows_per_program=n)
+    assert plain.tolist() == sample_reference(logits, temp, top_k, top_p, seeds, pos).tolist()
+    assert int(out[5]) != int(logits[5].argmax())  # a greedy row never takes a banned token
 
-    def draws(rows, seeds, steps=10):
-        md = metadata([0.9] * len(rows), seeds=seeds, req_ids=[f"q{r}" for r in rows])
-        return [Sampler()(logits[rows], md).tolist() for _ in range(steps)]
 
-    alone = draws([2], [1234])
-    in_batch = draws([0, 2, 4], [7, 1234, None])
-    assert [d[0] for d in alone] == [d[1] for d in in_batch]
-    assert alone == draws([2], [1234])  # same seed, same stream
-    assert alone != draws([2], [999])    # another seed, another stream
+def test_greedy_rows_are_argmax():
+    logits, *_ = _rows(6)
+    greedy = SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False)
+    assert torch.equal(Sampler()(logits, greedy).token_ids, logits.argmax(-1))
+    # Mixed with random rows (the kernel path), greedy rows keep their argmax; ties pick the first index.
+    logits[0, 7] = logits[0, 3] = logits[0].max() + 1
+    temp = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 0.5])
+    md = SamplingMetadata(temp, torch.zeros(6, dtype=torch.int32), torch.ones(6), torch.arange(6),
+                          torch.zeros(6, dtype=torch.int64), all_greedy=False, need_filter=False)
+    out = Sampler()(logits, md).token_ids
+    assert out[[0, 2, 4]].tolist() == logits.argmax(-1)[[0, 2, 4]].tolist() and int(out[0]) == 3
+
+
+def _draw(logits_row, seed, positions, temp, top_k=0, top_p=1.0, **kw):
+    n = len(positions)
+    return launch_sample(logits_row.expand(n, -1).contiguous(), torch.full((n,), temp),
+                         torch.full((n,), top_k, dtype=torch.int32), torch.full((n,), top_p),
+                         torch.full((n,), seed, dtype=torch.int64), torch.tensor(list(positions), dtype=torch.int64),
+                         need_filter=top_k > 0 or top_p < 1, rows_per_program=n, **kw)
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch():
+    """One request's 16 positions, alone and scattered among other rows in two shuffled batches."""
+    logits, temp, top_k, top_p, seeds, pos = _rows(24, seed=3)
+    target, steps = 4, 16
+    temp[target], top_k[target], top_p[target] = 2.0, 0, 0.95
+    rep = lambda t: t[target:target + 1].expand(steps, *t.shape[1:])  # noqa: E731
+    positions = torch.arange(steps)
+
+    def alone(seed):
+        return launch_sample(rep(logits).contiguous(), rep(temp), rep(top_k), rep(top_p),
+                             torch.full((steps,), seed), positions, need_filter=True, rows_per_program=steps)
+
+    want = alone(int(seeds[target])).tolist()
+    for perm_seed in range(2):
+        cols = [torch.cat([rep(t), t]) for t in (logits, temp, top_k, top_p, seeds)]
+        cols.append(torch.cat([positions, pos]))
+        perm = torch.randperm(steps + 24, generator=torch.Generator().manual_seed(perm_seed))
+        out = launch_sample(*(c[perm].contiguous() for c in cols), need_filter=True, rows_per_program=64)
+        inv = torch.argsort(perm)
+        assert out[inv[:steps]].tolist() == want
+    assert len(set(want)) > 2 and alone(int(seeds[target]) + 1).tolist() != want
+
+
+def test_seeded_tokens_survive_a_restart():
+    """A fresh process (no interpreter: the plain-CPU path, the torch reference) draws the same tokens."""
+    logits, temp, top_k, top_p, seeds, pos = _rows(4, seed=5)
+    here = launch_sample(logits, temp, top_k, top_p, seeds, pos, need_filter=True, rows_per_program=4)
+    code = ("import torch,sys; from actors.sample_reference import sample_reference as s; "
+            "a=torch.load(sys.argv[1]); print(s(*a).tolist())")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sampler-restart-{os.getpid()}.pt")
+    torch.save((logits, temp, top_k, top_p, seeds, pos), path)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.getcwd()}
+    try:
+        res = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, env=env,
+                             timeout=120, check=True)
+    finally:
+        os.unlink(path)
+    assert res.stdout.strip() == str(here.tolist())
 
 
 def test_unseeded_requests_derive_from_engine_seed_and_req_id():
-    a = request_generator(None, 0, "req-a", torch.device("cpu"))
-    a2 = request_generator(None, 0, "req-a", torch.device("cpu"))
-    b = request_generator(None, 0, "req-b", torch.device("cpu"))
-    a_other_engine = request_generator(None, 1, "req-a", torch.device("cpu"))
-    x = [torch.rand(8, generator=g) for g in (a, a2, b, a_other_engine)]
-    assert torch.equal(x[0], x[1])  # what every rank builds for the same request
-    assert not torch.equal(x[0], x[2]) and not torch.equal(x[0], x[3])
+    a = request_seed(None, 0, "req-a")
+    assert a == request_seed(None, 0, "req-a")  # what every rank and every restart derives
+    assert a != request_seed(None, 0, "req-b") and a != request_seed(None, 1, "req-a")
+    assert request_seed(7, 0, "x") == 7 == request_seed(7, 3, "y")
+    assert request_seed(2 ** 64 - 1, 0, "x") == -1  # any int maps onto a 64-bit key
 
 
-def test_temperature_statistics():
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    sampler = Sampler()
-    n = 4000
-    for temp in (0.5, 1.0, 2.0):
-        md = metadata([temp], seeds=[42])
-        counts = np.zeros(4)
-        for _ in range(n):
-            counts[int(sampler(logits, md)[0])] += 1
-        expected = (logits[0] / temp).softmax(-1).numpy()
-        # Standard error of each frequency is <= 0.008 at n=4000; allow ~5 standard errors.
-        assert np.abs(counts / n - expected).max() < 0.04, (temp, counts / n, expected)
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    kept = probs > 0
+    assert counts[~kept].sum() == 0, "a token outside the support was sampled"
+    exp = probs[kept] * counts.sum()
+    return float(((counts[kept] - exp) ** 2 / exp).sum()), int(kept.sum()) - 1
+
+
+# Upper 0.1% points of chi-square (df 1..8): the draws are fixed by the seeds, so this is not flaky.
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
+
+
+@pytest.mark.parametrize("temp,top_k,top_p,penalised", [(0.7, 0, 1.0, False), (1.3, 5, 1.0, False),
+                                                        (1.0, 0, 0.8, False), (1.1, 6, 0.9, True)])
+def test_sampled_frequencies_match_the_target(temp, top_k, top_p, penalised):
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.8, 0.3]])
+    vocab, n = logits.shape[1], 6000
+    kw, x = {}, logits.clone()
+    if penalised:
+        state = PenaltyState(vocab, torch.device("cpu"))
+        slot = state.add("r", [0, 3], [1, 1, 4])
+        kw = dict(penalty_slots=torch.full((n,), slot), penalties=torch.tensor([[0.4], [0.3], [1.5]]).expand(3, n),
+                  counts=state.counts, prompt_mask=state.prompt_mask)
+        # vLLM's formulas by hand: token 0 and 3 in the prompt, 1 twice and 4 once in the output.
+        x = torch.tensor([[2.0 / 1.5, 1.5 / 1.5 - 0.3 * 2 - 0.4, 1.0, 0.5 / 1.5, 0.0 * 1.5 - 0.3 - 0.4,
+                           -0.5, -1.0, 0.8, 0.3]])
+    tokens = _draw(logits[0], 1234, range(n), temp, top_k, top_p, **kw)
+    y = x / temp
+    keep = top_k_top_p_mask(y, torch.tensor([top_k]), torch.tensor([top_p]))
+    probs = torch.where(keep, y, float("-inf")).softmax(-1)[0].numpy()
+    counts = np.bincount(tokens.numpy(), minlength=vocab)
+    stat, df = _chi_square(counts, probs)
+    assert stat < CHI2_999[df], (stat, df, counts / n, probs)
+
+
+def test_top_k_top_p_threshold_semantics():
+    y = torch.tensor([[3.0, 1.0, 1.0, 0.5, -1.0, 2.0]])
+    # top-k keeps ties at the k-th value (as vLLM's top-k does).
+    keep = top_k_top_p_mask(y, torch.tensor([3]), torch.tensor([1.0]))
+    assert keep[0].tolist() == [True, True, True, False, False, True]
+    # top-p keeps the smallest prefix reaching p; the first token always.
+    p = y.softmax(-1)[0]
+    keep = top_k_top_p_mask(y, torch.tensor([0]), torch.tensor([float(p[0] + p[5]) - 1e-3]))
+    assert keep[0].tolist() == [True, False, False, False, False, True]
+    keep = top_k_top_p_mask(y, torch.tensor([0]), torch.tensor([0.01]))
+    assert keep[0].tolist() == [True, False, False, False, False, False]
+
+
+def vllm_penalties(logits, prompt_tokens, output_tokens, presence, frequency, repetition):
+    """vLLM's apply_penalties, as written there (bin counts from padded token lists)."""
+    num_seqs, vocab = logits.shape
+
+    def bins(tokens):
+        counts = torch.zeros(num_seqs, vocab + 1, dtype=torch.long)
+        counts.scatter_add_(1, tokens, torch.ones_like(tokens))
+        counts = counts[:, :vocab]
+        return counts, counts > 0
+
+    _, prompt_mask = bins(prompt_tokens)
+    output_bin_counts, output_mask = bins(output_tokens)
+    penalties = torch.where(prompt_mask | output_mask, repetition.unsqueeze(1).repeat(1, vocab), 1.0)
+    logits = logits * torch.where(logits > 0, 1.0 / penalties, penalties)
+    logits = logits - frequency.unsqueeze(1) * output_bin_counts
+    return logits - presence.unsqueeze(1) * output_mask
+
+
+def test_penalties_match_vllm_formulas_and_counts_grow_on_device():
+    n, vocab = 6, V
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(n, vocab, generator=g) * 2
+    state = PenaltyState(vocab, torch.device("cpu"), initial_slots=2)  # grows while adding
+    prompts = [torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(n)]
+    outputs = [[] for _ in range(n)]
+    slots = torch.tensor([state.add(f"r{i}", prompts[i], []) for i in range(n)])
+    pen = torch.stack([torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 4 - 2,
+                       torch.rand(n, generator=g) * 1.5 + 0.5])
+    sampler = Sampler(state)
+    for step in range(6):
+        md = SamplingMetadata(torch.zeros(n), torch.zeros(n, dtype=torch.int32), torch.ones(n),
+                              torch.zeros(n, dtype=torch.int64), torch.full((n,), step), all_greedy=True,
+                              need_filter=False, penalty_slots=slots, penalties=pen)
+        tokens = sampler(logits, md).token_ids
+        pad = lambda rows: torch.tensor([r + [vocab] * (10 - len(r)) for r in rows])  # noqa: E731
+        want = vllm_penalties(logits, pad(prompts), pad(outputs), pen[0], pen[1], pen[2]).argmax(-1)
+        assert tokens.tolist() == want.tolist(), step
+        for i, t in enumerate(tokens.tolist()):
+            outputs[i].append(t)
+        for i in range(n):  # the device counts equal the output histogram
+            assert state.counts[slots[i]].tolist() == np.bincount(outputs[i], minlength=vocab).tolist()
+    assert len(set(map(tuple, outputs))) > 1 and any(len(set(o)) > 1 for o in outputs)
+    state.remove("r0")
+    assert state.add("new", [1], []) == int(slots[0]) and int(state.counts[slots[0]].sum()) == 0

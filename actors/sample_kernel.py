@@ -1,0 +1,230 @@
+"""One Triton launch that samples every row of a step: penalties, min-tokens ban, temperature, top-k,
+top-p and a Gumbel-max draw from a counter-based generator.
+
+Randomness: the uniform of vocabulary entry v for the token at output position `pos` of a request with
+seed `s` is Philox4x32-10 with key s (64 bits) and counter (v, pos, 0, 0), Triton's `tl.rand` with the
+64-bit offset pos << 32 | v. It depends on nothing else: not the row, not the batch, not the process,
+so a seeded request draws the same tokens in any batch and after any restart. The draw is the
+exponential race in log space: argmax_v y_v - log(-log u_v) picks v with probability softmax(y)_v.
+
+Top-k and top-p are thresholds found by bisection on the float's order-preserving integer key (33 passes
+each over the row, exact): top-k keeps every token whose value is >= the k-th largest; top-p then keeps
+every token whose strictly-larger tokens hold less than p of the top-k mass. Ties at a cut-off are all
+kept (vLLM's top-k does the same; its top-p splits ties by sort order). Rows without either filter
+make one pass. The plain-torch reference is actors/sample_reference.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INT32_MIN = -(2 ** 31)
+BISECT_STEPS = 33  # an int32 key range (2**32 + 1 wide) halves to adjacent keys in 33 steps
+
+
+@triton.jit
+def _uniform(seed, pos, offs):
+    """Philox uniforms in [0, 1) for (seed [R], pos [R]) x vocabulary offsets [V] -> [R, V]."""
+    counter = (pos[:, None].to(tl.int64) << 32) | offs[None, :].to(tl.int64)
+    return tl.rand(seed[:, None], counter)
+
+
+@triton.jit
+def _order_key(y):
+    """An int64 key with the float32 order: bits for positives, sign-magnitude flipped for negatives."""
+    bits = y.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+
+
+@triton.jit
+def _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
+            counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b,
+            HAS_PENALTY: tl.constexpr, NUM_BAN: tl.constexpr):
+    """The processed, temperature-scaled logits of a [R, BLOCK_V] tile; -inf outside the vocabulary."""
+    m2 = rmask[:, None] & (offs[None, :] < V)
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + offs[None, :], mask=m2,
+                other=float("-inf")).to(tl.float32)
+    if HAS_PENALTY:
+        # vLLM's apply_penalties: repetition over prompt + output tokens, then frequency and presence
+        # over the output tokens' counts.
+        pm = m2 & (slot[:, None] >= 0)
+        base = slot[:, None].to(tl.int64) * stride_c + offs[None, :]
+        cnt = tl.load(counts_ptr + base, mask=pm, other=0)
+        seen = (tl.load(pmask_ptr + base, mask=pm, other=0) != 0) | (cnt > 0)
+        r = rep[:, None]
+        x = tl.where(seen, x * tl.where(x > 0, 1.0 / r, r), x)
+        x = x - freq[:, None] * cnt.to(tl.float32)
+        x = x - pres[:, None] * (cnt > 0).to(tl.float32)
+    for j in tl.static_range(NUM_BAN):
+        banned = tl.load(ban_ptr + rows.to(tl.int64) * stride_b + j, mask=rmask, other=-1)
+        x = tl.where(offs[None, :] == banned[:, None], float("-inf"), x)
+    return x / t_eff[:, None]
+
+
+@triton.jit
+def _argmax_update(s, start, best, best_i):
+    """Fold a tile's row maxima into the running ones; the first index wins ties, as torch.argmax."""
+    tile_best = tl.max(s, axis=1)
+    tile_arg = tl.argmax(s, axis=1).to(tl.int64) + start
+    upd = tile_best > best
+    return tl.where(upd, tile_best, best), tl.where(upd, tile_arg, best_i)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr,
+                   slot_ptr, pen_ptr, stride_p, counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b,
+                   n_rows, V,
+                   BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr,
+                   NUM_BAN: tl.constexpr, HAS_FILTER: tl.constexpr, STEPS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0)
+    greedy = temp <= 0.0
+    t_eff = tl.where(greedy, 1.0, temp)
+    seed = tl.load(seed_ptr + rows, mask=rmask, other=0)
+    pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
+    slot = tl.full((BLOCK_R,), -1, tl.int64)
+    pres = tl.zeros((BLOCK_R,), tl.float32)
+    freq = tl.zeros((BLOCK_R,), tl.float32)
+    rep = tl.full((BLOCK_R,), 1.0, tl.float32)
+    if HAS_PENALTY:
+        slot = tl.load(slot_ptr + rows, mask=rmask, other=-1).to(tl.int64)
+        pres = tl.load(pen_ptr + rows, mask=rmask, other=0.0)
+        freq = tl.load(pen_ptr + stride_p + rows, mask=rmask, other=0.0)
+        rep = tl.load(pen_ptr + 2 * stride_p + rows, mask=rmask, other=1.0)
+    base = tl.arange(0, BLOCK_V)
+    neg_inf = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    zero_i = tl.zeros((BLOCK_R,), tl.int64)
+
+    # Pass 1: the row maximum, the greedy argmax and (no filter) the race's winner.
+    m, g_arg = neg_inf, zero_i
+    best, best_i = neg_inf, zero_i
+    for start in range(0, V, BLOCK_V):
+        offs = start + base
+        y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
+                    counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, HAS_PENALTY, NUM_BAN)
+        m, g_arg = _argmax_update(y, start, m, g_arg)
+        if not HAS_FILTER:
+            score = y - tl.log(-tl.log(_uniform(seed, pos, offs)))
+            best, best_i = _argmax_update(score, start, best, best_i)
+
+    if HAS_FILTER:
+        top_k = tl.load(topk_ptr + rows, mask=rmask, other=0)
+        top_k = tl.where((top_k <= 0) | (top_k > V), V, top_k)
+        top_p = tl.load(topp_ptr + rows, mask=rmask, other=1.0)
+        key_max = _order_key(m)
+        # top-k: the largest key t with count(key >= t) >= k.
+        t_k = tl.full((BLOCK_R,), INT32_MIN, tl.int64)
+        if tl.max((top_k < V).to(tl.int32), axis=0) > 0:
+            lo, hi = t_k, key_max + 1
+            for _ in range(STEPS):
+                mid = lo + (hi - lo) // 2
+                cnt = zero_i
+                for start in range(0, V, BLOCK_V):
+                    offs = start + base
+                    y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
+                                counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, HAS_PENALTY, NUM_BAN)
+                    hit = (_order_key(y) >= mid[:, None]) & (offs[None, :] < V)
+                    cnt += tl.sum(hit.to(tl.int64), axis=1)
+                ok = cnt >= top_k
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid)
+            t_k = lo
+        # top-p: the smallest key t whose strictly-larger kept tokens hold less than p of the kept mass.
+        thr = t_k
+        if tl.min(top_p, axis=0) < 1.0:
+            lo, hi = t_k - 1, key_max
+            total = tl.zeros((BLOCK_R,), tl.float32)
+            for it in range(STEPS + 1):
+                # Iteration 0 measures the kept mass at lo (= all of it) with the same sum as the rest.
+                mid = tl.where(it == 0, lo, lo + (hi - lo) // 2)
+                mass = tl.zeros((BLOCK_R,), tl.float32)
+                for start in range(0, V, BLOCK_V):
+                    offs = start + base
+                    y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
+                                counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, HAS_PENALTY, NUM_BAN)
+                    key = _order_key(y)
+                    e = tl.where((key > mid[:, None]) & (key >= t_k[:, None]), tl.exp(y - m[:, None]), 0.0)
+                    mass += tl.sum(e, axis=1)
+                if it == 0:
+                    total = mass
+                else:
+                    ok = mass < top_p * total
+                    hi = tl.where(ok, mid, hi)
+                    lo = tl.where(ok, lo, mid)
+            thr = tl.where(top_p < 1.0, hi, t_k)
+        for start in range(0, V, BLOCK_V):
+            offs = start + base
+            y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
+                        counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, HAS_PENALTY, NUM_BAN)
+            score = y - tl.log(-tl.log(_uniform(seed, pos, offs)))
+            score = tl.where(_order_key(y) >= thr[:, None], score, float("-inf"))
+            best, best_i = _argmax_update(score, start, best, best_i)
+
+    tl.store(out_ptr + rows, tl.where(greedy, g_arg, best_i), mask=rmask)
+
+
+@triton.jit
+def _uniform_kernel(out_ptr, seed_ptr, pos_ptr, V, BLOCK_V: tl.constexpr):
+    """The uniforms the sampler draws for one row, for tests against the torch Philox."""
+    row = tl.program_id(0)
+    seed = tl.load(seed_ptr + row + tl.zeros((1,), tl.int32))
+    pos = tl.load(pos_ptr + row + tl.zeros((1,), tl.int32))
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        u = _uniform(seed, pos, offs)
+        tl.store(out_ptr + row * V + offs[None, :], u, mask=offs[None, :] < V)
+
+
+def philox_uniform_triton(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
+    _uniform_kernel[(seeds.shape[0],)](out, seeds, positions, vocab, BLOCK_V=128)
+    return out
+
+
+def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  seeds: torch.Tensor, positions: torch.Tensor, *, need_filter: bool,
+                  penalty_slots: torch.Tensor | None = None, penalties: torch.Tensor | None = None,
+                  counts: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None,
+                  ban_ids: torch.Tensor | None = None, rows_per_program: int = 1,
+                  block_v: int | None = None) -> torch.Tensor:
+    """Sampled token ids int64 [N] for logits [N, V] (any float dtype, unit stride along V).
+
+    penalties is float32 [3, >=N] (presence, frequency, repetition); counts int32 and prompt_mask
+    uint8/bool [slots, V] are indexed by penalty_slots (-1: none). ban_ids int32 [N, B] (-1 pads) are
+    set to -inf. rows_per_program > 1 only for the interpreter (it vectorises a program's rows).
+    """
+    n, vocab = logits.shape
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    # The kernel reads per-row values at unit stride (a no-op for the runner's buffers).
+    temperature, top_k, top_p, seeds, positions = (
+        t.contiguous() for t in (temperature, top_k, top_p, seeds, positions))
+    if penalty_slots is not None:
+        penalty_slots = penalty_slots.contiguous()
+        if penalties.stride(1) != 1:
+            penalties = penalties.contiguous()
+    if ban_ids is not None and ban_ids.stride(1) != 1:
+        ban_ids = ban_ids.contiguous()
+    has_pen = penalty_slots is not None
+    dummy = temperature
+    if block_v is None:
+        block_v = min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(vocab))
+    block_v = triton.next_power_of_2(block_v)
+    rows_per_program = triton.next_power_of_2(rows_per_program)
+    num_ban = 0 if ban_ids is None else ban_ids.shape[1]
+    grid = (triton.cdiv(n, rows_per_program),)
+    _sample_kernel[grid](
+        logits, logits.stride(0), out, temperature, top_k, top_p, seeds, positions,
+        penalty_slots if has_pen else dummy, penalties if has_pen else dummy,
+        penalties.stride(0) if has_pen else 0,
+        counts if has_pen else dummy, prompt_mask if has_pen else dummy,
+        counts.stride(0) if has_pen else 0,
+        ban_ids if num_ban else dummy, ban_ids.stride(0) if num_ban else 0,
+        n, vocab, BLOCK_R=rows_per_program, BLOCK_V=block_v, HAS_PENALTY=has_pen, NUM_BAN=num_ban,
+        HAS_FILTER=need_filter, STEPS=BISECT_STEPS, num_warps=8 if logits.is_cuda else 4)
+    return out

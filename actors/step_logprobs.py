@@ -1,0 +1,120 @@
+"""The runner's logprobs bookkeeping: which prompt positions a step scores, and the per-request
+messages once the step's results are on the host.
+
+Prompt logprobs: the logits at position q score prompt token q + 1, so a prefill chunk covering
+positions [s, e) of a prompt of length P yields the rows for tokens s + 1 .. min(e, P - 1). They are
+computed in the step itself, from the chunk's hidden states (in slices, so the vocabulary-wide logits
+of a long chunk never exist at once), and the chunks of one request are handed out together with its
+first sampled token. A request asking for them is not served from the prefix cache (as in vLLM), so
+every position is computed once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from actors.input_batch import InputBatch
+from actors.logprobs import LogprobsTensors, StepLogprobs, compute_logprobs, concat
+from kvcore.messages import Logprobs
+
+PROMPT_SLICE = 1024  # prompt positions whose logits exist at once
+
+
+@dataclass
+class PromptPlan:
+    token_index: np.ndarray  # int64 [M]: rows of the step's hidden states
+    targets: np.ndarray      # int64 [M]: the prompt token each row scores
+    segments: list[tuple[str, int, int]]  # (req_id, rows, k), in order
+    max_k: int
+
+
+def prompt_plan(batch: InputBatch, num_reqs: int, computed: np.ndarray, num_sched: np.ndarray,
+                starts: np.ndarray, done: set[str]) -> PromptPlan | None:
+    rows = np.flatnonzero(batch.num_prompt_logprobs[:num_reqs] >= 0)
+    if not len(rows):
+        return None
+    index, targets, segments = [], [], []
+    for row in rows.tolist():
+        rid = batch.index_to_req_id[row]
+        if rid in done:
+            continue
+        s = int(computed[row])
+        last = min(s + int(num_sched[row]), int(batch.num_prompt_tokens[row]) - 1)
+        if last <= s:
+            continue
+        index.append(int(starts[row]) + np.arange(last - s, dtype=np.int64))
+        targets.append(batch.token_ids_cpu[row, s + 1:last + 1].astype(np.int64))
+        segments.append((rid, last - s, int(batch.num_prompt_logprobs[row])))
+    if not segments:
+        return None
+    return PromptPlan(np.concatenate(index), np.concatenate(targets), segments, max(k for _, _, k in segments))
+
+
+def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor, plan: PromptPlan) -> LogprobsTensors:
+    dev = hidden.device
+    index = torch.from_numpy(plan.token_index).to(dev)
+    targets = torch.from_numpy(plan.targets).to(dev)
+    parts = []
+    for a in range(0, len(plan.token_index), PROMPT_SLICE):
+        logits = compute_logits(hidden[index[a:a + PROMPT_SLICE]])
+        parts.append(compute_logprobs(logits, targets[a:a + PROMPT_SLICE], plan.max_k))
+    if len(parts) == 1:
+        return parts[0]
+    return LogprobsTensors(torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]),
+                           torch.cat([p.ranks for p in parts]))
+
+
+def launch_copies(sample: LogprobsTensors | None, sample_k: np.ndarray | None,
+                  prompt: LogprobsTensors | None, plan: PromptPlan | None, cuda: bool) -> StepLogprobs | None:
+    """Queue the host copies (before the step's readback event, which then covers them)."""
+    if sample is None and prompt is None:
+        return None
+    return StepLogprobs(sample.to_host(cuda) if sample is not None else None, sample_k,
+                        prompt.to_host(cuda) if prompt is not None else None,
+                        plan.segments if plan is not None else None)
+
+
+class LogprobsCollector:
+    """Per-request prompt chunks until the first token, and the messages of each completed step."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[Logprobs]] = {}
+        self.done: set[str] = set()  # prompt logprobs handed out: never again (e.g. after a preemption)
+
+    def forget(self, req_id: str) -> None:
+        self.parts.pop(req_id, None)
+        self.done.discard(req_id)
+
+    def restart_prompt(self, req_id: str) -> None:
+        """A resumed request recomputes its prompt: chunks of the earlier attempt are dropped."""
+        self.parts.pop(req_id, None)
+
+    def collect(self, lp: StepLogprobs | None, req_ids: list[str], sample_rows: np.ndarray,
+                live: set[str] | None = None) -> tuple[dict[str, Logprobs] | None, dict[str, Logprobs] | None]:
+        if lp is None:
+            return None, None
+        sampled: dict[str, Logprobs] | None = None
+        if lp.prompt is not None and lp.prompt_segments:
+            a = 0
+            for rid, n, k in lp.prompt_segments:
+                self.parts.setdefault(rid, []).append(lp.prompt.rows(a, a + n, k))
+                a += n
+        prompt: dict[str, Logprobs] | None = None
+        rows = sample_rows.tolist()
+        if lp.sample is not None:
+            sampled = {}
+            for i, row in enumerate(rows):
+                k = int(lp.sample_k[i])
+                if k >= 0:
+                    sampled[req_ids[row]] = lp.sample.row(i, k)
+        if self.parts:
+            for row in rows:
+                rid = req_ids[row]
+                chunks = self.parts.pop(rid, None)
+                if chunks is not None:
+                    prompt = prompt or {}
+                    prompt[rid] = concat(chunks)
+                    self.done.add(rid)
+        return sampled, prompt

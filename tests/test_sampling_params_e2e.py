@@ -1,0 +1,152 @@
+"""The real engine (EngineCore + LocalExecutor + model runner + the one-launch sampler) on a tiny HF
+Qwen3, against HF transformers in float32 on the CPU:
+
+- logprobs and prompt_logprobs equal HF's log_softmax within 1e-4 (own token, top-k, rank), with
+  chunked prefill splitting the prompt and sync and async scheduling;
+- presence / frequency / repetition penalties on greedy rows equal a direct torch implementation of
+  vLLM's formulas applied to HF's logits, step by step;
+- min_tokens keeps a stop token from ending the request early.
+All requests of a scenario run in one batch, so they also show the per-row parameters stay per row.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+import hf_models as H
+from actors.engine_core import EngineCore
+from actors.local_executor import LocalExecutor
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvcore.request import Request, SamplingParams
+from test_sampler import vllm_penalties
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen3"))
+    return path, H.save_hf_model("qwen3", path)
+
+
+def run(path: str, requests: dict[str, tuple[list[int], SamplingParams]], async_scheduling=False):
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, debug_invariants=True,
+                            async_scheduling=async_scheduling)
+    config = EngineConfig(model=ModelConfig(model=path, dtype="float32", seed=0),
+                          parallel=ParallelConfig(tensor_parallel_size=1, device="cpu"),
+                          cache=CacheConfig(block_size=8, num_gpu_blocks=None, cpu_kv_cache_gib=0.01),
+                          scheduler=sched)
+    executor = LocalExecutor(config)
+    try:
+        engine = EngineCore(config, executor)
+        for rid, (prompt, sp) in requests.items():
+            engine.add_request(Request(rid, prompt, sp, eos_token_id=EOS))
+        outs: dict[str, list] = {rid: [] for rid in requests}
+        for _ in range(2000):
+            if not engine.has_unfinished():
+                break
+            for o in engine.step():
+                assert o.error is None, f"{o.request_id}: {o.error}"
+                outs[o.request_id].append(o)
+        assert not engine.has_unfinished()
+        return outs
+    finally:
+        executor.shutdown()
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def check_rows(rows_ids, rows_lp, ranks, own: list[int], lp: torch.Tensor, k: int) -> None:
+    """rows [P, 1 + k] against HF logprob rows lp [P, V] scoring tokens `own`."""
+    assert rows_ids.shape == (len(own), 1 + k) and len(ranks) == len(own)
+    for j, tok in enumerate(own):
+        assert rows_ids[j, 0] == tok
+        assert abs(float(rows_lp[j, 0]) - float(lp[j, tok])) < 1e-4
+        assert int(ranks[j]) == int((lp[j] >= lp[j, tok]).sum())
+        if k:
+            top = lp[j].topk(k)
+            assert rows_ids[j, 1:].tolist() == top.indices.tolist()
+            assert torch.allclose(torch.from_numpy(rows_lp[j, 1:]), top.values, atol=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logprobs_and_prompt_logprobs_equal_hf(model, async_scheduling):
+    path, hf = model
+    prompts = H.make_prompts()
+    reqs = {
+        # 47 prompt tokens through a 24-token budget: prompt logprobs arrive from several chunks.
+        "greedy": (prompts[3][:47], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=5, prompt_logprobs=3)),
+        "sampled": (prompts[0], SamplingParams(temperature=1.0, top_k=10, max_tokens=4, ignore_eos=True,
+                                               seed=7, logprobs=0)),
+        "plain": (prompts[2], SamplingParams(max_tokens=3, ignore_eos=True)),
+        "prompt-only": (prompts[0][:4], SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=0)),
+    }
+    outs = run(path, reqs, async_scheduling)
+    for rid, (prompt, sp) in reqs.items():
+        tokens = [t for o in outs[rid] for t in o.new_token_ids]
+        assert len(tokens) == sp.max_tokens
+        lp = hf_logprobs(hf, prompt + tokens)
+        if sp.logprobs is None:
+            assert all(o.logprobs is None for o in outs[rid])
+        else:
+            rows = [o.logprobs for o in outs[rid] if o.new_token_ids]
+            assert all(r is not None and len(r) == 1 for r in rows)
+            ids = torch.cat([torch.from_numpy(r.token_ids) for r in rows]).numpy()
+            lps = torch.cat([torch.from_numpy(r.logprobs) for r in rows]).numpy()
+            ranks = [int(r.ranks[0]) for r in rows]
+            check_rows(ids, lps, ranks, tokens, lp[len(prompt) - 1:len(prompt) - 1 + len(tokens)], sp.logprobs)
+        with_prompt = [o.prompt_logprobs for o in outs[rid] if o.prompt_logprobs is not None]
+        if sp.prompt_logprobs is None:
+            assert not with_prompt
+            continue
+        assert len(with_prompt) == 1 and outs[rid][0].prompt_logprobs is not None  # with the first token
+        p = with_prompt[0]
+        check_rows(p.token_ids, p.logprobs, p.ranks, prompt[1:], lp[:len(prompt) - 1], sp.prompt_logprobs)
+    greedy = [t for o in outs["greedy"] for t in o.new_token_ids]
+    assert greedy == H.hf_greedy(hf, prompts[3][:47], 5).tokens
+
+
+def test_penalties_equal_vllm_formulas_on_hf_logits(model):
+    path, hf = model
+    prompts = H.make_prompts()
+    cases = {"rep": (1.4, 0.0, 0.0), "freq": (1.0, 0.0, 1.5), "pres": (1.0, 1.2, 0.0), "all": (1.2, 0.5, 0.7)}
+    n = 8
+    reqs = {rid: (prompts[i % 3][:20], SamplingParams(max_tokens=n, ignore_eos=True, repetition_penalty=r,
+                                                      presence_penalty=pr, frequency_penalty=f))
+            for i, (rid, (r, pr, f)) in enumerate(cases.items())}
+    reqs["plain"] = (prompts[0][:20], SamplingParams(max_tokens=n, ignore_eos=True))
+    outs = run(path, reqs)
+    for rid, (prompt, sp) in reqs.items():
+        got = [t for o in outs[rid] for t in o.new_token_ids]
+        out: list[int] = []
+        for _ in range(n):
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + out])).logits[0, -1:].float()
+            pad = lambda ids: torch.tensor([ids + [H.VOCAB] * (40 - len(ids))])  # noqa: E731
+            pen = vllm_penalties(logits, pad(prompt), pad(out), torch.tensor([sp.presence_penalty]),
+                                 torch.tensor([sp.frequency_penalty]), torch.tensor([sp.repetition_penalty]))
+            out.append(int(pen.argmax(-1)))
+        assert got == out, rid
+    assert len({tuple(t for o in outs[r] for t in o.new_token_ids) for r in reqs}) > 2  # penalties act
+
+
+def test_min_tokens_holds_back_stop_tokens(model):
+    path, hf = model
+    prompt = H.make_prompts()[2]
+    first = H.hf_greedy(hf, prompt, 1).tokens[0]
+    reqs = {
+        "stops": (prompt, SamplingParams(max_tokens=8, stop_token_ids=[first])),
+        "held": (prompt, SamplingParams(max_tokens=8, stop_token_ids=[first], min_tokens=4)),
+        "held-eos": (prompt, SamplingParams(max_tokens=6, min_tokens=6)),
+    }
+    outs = run(path, reqs)
+    tokens = {rid: [t for o in outs[rid] for t in o.new_token_ids] for rid in reqs}
+    assert tokens["stops"] == [first] and outs["stops"][-1].finish_reason == "stop"
+    assert len(tokens["held"]) >= 4 and first not in tokens["held"][:4]
+    assert tokens["held"][4:] == [] or outs["held"][-1].finish_reason in ("stop", "length")
+    assert len(tokens["held-eos"]) == 6 and EOS not in tokens["held-eos"]
