@@ -40,7 +40,7 @@ def _order_key(y):
 @triton.jit
 def _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
             counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b,
-            HAS_PENALTY: tl.constexpr, NUM_BAN: tl.constexpr):
+            num_ban, HAS_PENALTY: tl.constexpr, HAS_BAN: tl.constexpr):
     """The processed, temperature-scaled logits of a [R, BLOCK_V] tile; -inf outside the vocabulary."""
     m2 = rmask[:, None] & (offs[None, :] < V)
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + offs[None, :], mask=m2,
@@ -56,9 +56,11 @@ def _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq,
         x = tl.where(seen, x * tl.where(x > 0, 1.0 / r, r), x)
         x = x - freq[:, None] * cnt.to(tl.float32)
         x = x - pres[:, None] * (cnt > 0).to(tl.float32)
-    for j in tl.static_range(NUM_BAN):
-        banned = tl.load(ban_ptr + rows.to(tl.int64) * stride_b + j, mask=rmask, other=-1)
-        x = tl.where(offs[None, :] == banned[:, None], float("-inf"), x)
+    if HAS_BAN:
+        # A runtime loop: stop_token_ids may be long, and unrolling would compile a variant per width.
+        for j in range(num_ban):
+            banned = tl.load(ban_ptr + rows.to(tl.int64) * stride_b + j, mask=rmask, other=-1)
+            x = tl.where(offs[None, :] == banned[:, None], float("-inf"), x)
     return x / t_eff[:, None]
 
 
@@ -74,9 +76,9 @@ def _argmax_update(s, start, best, best_i):
 @triton.jit
 def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr,
                    slot_ptr, pen_ptr, stride_p, counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b,
-                   n_rows, V,
+                   num_ban, n_rows, V,
                    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr,
-                   NUM_BAN: tl.constexpr, HAS_FILTER: tl.constexpr, STEPS: tl.constexpr):
+                   HAS_BAN: tl.constexpr, HAS_FILTER: tl.constexpr, STEPS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0)
@@ -103,7 +105,7 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
     for start in range(0, V, BLOCK_V):
         offs = start + base
         y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                    counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, HAS_PENALTY, NUM_BAN)
+                    counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
         m, g_arg = _argmax_update(y, start, m, g_arg)
         if not HAS_FILTER:
             score = y - tl.log(-tl.log(_uniform(seed, pos, offs)))
@@ -124,7 +126,7 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
                 for start in range(0, V, BLOCK_V):
                     offs = start + base
                     y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                                counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, HAS_PENALTY, NUM_BAN)
+                                counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
                     hit = (_order_key(y) >= mid[:, None]) & (offs[None, :] < V)
                     cnt += tl.sum(hit.to(tl.int64), axis=1)
                 ok = cnt >= top_k
@@ -143,7 +145,7 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
                 for start in range(0, V, BLOCK_V):
                     offs = start + base
                     y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                                counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, HAS_PENALTY, NUM_BAN)
+                                counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
                     key = _order_key(y)
                     e = tl.where((key > mid[:, None]) & (key >= t_k[:, None]), tl.exp(y - m[:, None]), 0.0)
                     mass += tl.sum(e, axis=1)
@@ -157,7 +159,7 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
         for start in range(0, V, BLOCK_V):
             offs = start + base
             y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                        counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, HAS_PENALTY, NUM_BAN)
+                        counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
             score = y - tl.log(-tl.log(_uniform(seed, pos, offs)))
             score = tl.where(_order_key(y) >= thr[:, None], score, float("-inf"))
             best, best_i = _argmax_update(score, start, best, best_i)
@@ -224,7 +226,7 @@ def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         penalties.stride(0) if has_pen else 0,
         counts if has_pen else dummy, prompt_mask if has_pen else dummy,
         counts.stride(0) if has_pen else 0,
-        ban_ids if num_ban else dummy, ban_ids.stride(0) if num_ban else 0,
-        n, vocab, BLOCK_R=rows_per_program, BLOCK_V=block_v, HAS_PENALTY=has_pen, NUM_BAN=num_ban,
+        ban_ids if num_ban else dummy, ban_ids.stride(0) if num_ban else 0, num_ban,
+        n, vocab, BLOCK_R=rows_per_program, BLOCK_V=block_v, HAS_PENALTY=has_pen, HAS_BAN=num_ban > 0,
         HAS_FILTER=need_filter, STEPS=BISECT_STEPS, num_warps=8 if logits.is_cuda else 4)
     return out

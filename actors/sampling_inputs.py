@@ -68,13 +68,12 @@ class SamplingInputs:
     def _ban_ids(self, batch: InputBatch, rows: np.ndarray, ban_rows: list[int]) -> torch.Tensor:
         n = len(rows)
         lists = [batch.min_tokens_ban[int(rows[j])] for j in ban_rows]
-        width = 1 << max(0, (max(map(len, lists)) - 1).bit_length())  # a power of two: few kernel variants
+        width = max(map(len, lists))
         if self.ban is None or self.ban.np.shape[1] < width:
             self.ban = CpuGpuBuffer(self.max_num_reqs, width, dtype=torch.int32, device=self.device,
                                     pin_memory=self.pin_memory)
-        width = self.ban.np.shape[1]
         buf = self.ban.np
-        buf[:n] = -1
+        buf[:n, :width] = -1
         for j, ids in zip(ban_rows, lists):
             buf[j, :len(ids)] = ids
-        return self.ban.copy_to_gpu(n)
+        return self.ban.copy_to_gpu(n)[:, :width]
