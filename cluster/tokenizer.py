@@ -26,6 +26,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.model_dir: str | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "Tokenizer":
@@ -38,11 +39,14 @@ class Tokenizer:
         except Exception as e:  # the Rust library raises a bare Exception subclass
             raise ValueError(f"{path}: cannot load tokenizer ({e})") from e
         eos = read_eos_token_ids(model_dir)
-        return cls(tok, eos)
+        out = cls(tok, eos)
+        out.model_dir = model_dir  # where the client finds the chat template and special tokens
+        return out
 
-    def encode(self, text: str) -> list[int]:
-        # No BOS/EOS insertion beyond what tokenizer.json's post-processor defines.
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # No BOS/EOS insertion beyond what tokenizer.json's post-processor defines; none at all without
+        # add_special_tokens (a rendered chat template already holds them).
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -21,7 +21,7 @@ from actors.models.args import qwen_layer_windows
 from actors.models.checkpoint import (CorruptCheckpointError, MissingTensorError, TensorShapeError,
                                       UnexpectedTensorError)
 from actors.models.registry import UnsupportedArchitectureError
-from actors.models.tiny_random import ensure_tiny_random
+from actors.models.tiny_random import VERSION, ensure_tiny_random
 from cluster.tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer_if_present
 
 TINY = dict(vocab_size=123, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -203,8 +203,8 @@ def _prefill_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def test_tiny_random_in_hf_and_ours(tmp_path, monkeypatch) -> None:
     path = ensure_tiny_random(str(tmp_path))
-    assert path == os.path.join(str(tmp_path), "tiny-random", "v1")
-    assert sorted(os.listdir(os.path.dirname(path))) == ["v1"], "no temporary folder left behind"
+    assert path == os.path.join(str(tmp_path), "tiny-random", f"v{VERSION}")
+    assert sorted(os.listdir(os.path.dirname(path))) == [f"v{VERSION}"], "no temporary folder left behind"
     hf = transformers.Qwen3ForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     assert hf.config.layer_types.count("sliding_attention") == 2
     monkeypatch.setenv("KVRAY_CACHE", str(tmp_path))

@@ -19,15 +19,20 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-VERSION = 1
+VERSION = 2
 SEED = 1234
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 EOS_ID, PAD_ID = 256, 259
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+                  "tokenizer_config.json")
 # Weight scales: large enough that greedy decoding never meets a near-tie in float32 (top-2 logit
 # margins stay well above float32 noise) and varied enough that greedy text does not collapse into
 # one repeated token.
 EMBED_STD, LINEAR_STD, NORM_JITTER = 1.0, 0.3, 0.1
+# ChatML, as Qwen models use it (v2 added it; the weights are those of v1).
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                 "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                 "{% endif %}")
 
 
 def tiny_random_config() -> dict[str, Any]:
@@ -115,7 +120,8 @@ def _write_model(path: str) -> None:
         "config.json": cfg,
         "generation_config.json": {"eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": False},
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": SPECIAL_TOKENS[0],
-                                  "pad_token": SPECIAL_TOKENS[3], "model_max_length": cfg["max_position_embeddings"]},
+                                  "pad_token": SPECIAL_TOKENS[3], "model_max_length": cfg["max_position_embeddings"],
+                                  "chat_template": CHAT_TEMPLATE},
     }
     for name, content in files.items():
         with open(os.path.join(path, name), "w") as f:
