@@ -246,7 +246,8 @@ class EngineDriver:
     def _make_request(self, spec: RequestSpec, done: list[int]) -> Request:
         # After a restart the tokens produced so far join the prompt, and only the rest is generated.
         sp = spec.sampling_params if not done else replace(
-            spec.sampling_params, max_tokens=spec.sampling_params.max_tokens - len(done))
+            spec.sampling_params, max_tokens=spec.sampling_params.max_tokens - len(done),
+            min_tokens=max(0, spec.sampling_params.min_tokens - len(done)))
         return Request(spec.request_id, spec.prompt_token_ids + done, sp,
                        eos_token_id=self.info.get("eos_token_id"))
 

@@ -25,6 +25,8 @@ MAX_ID_CHARS = 512              # request ids land in output records and logs
 MAX_LOGPROBS = 20               # vLLM's default max_logprobs
 MAX_PENALTY = 2.0               # presence/frequency penalties in [-2, 2], as OpenAI and vLLM
 MAX_REPETITION_PENALTY = 100.0  # > 0; past this it only flips signs of far-gone logits
+MAX_N = 1024                    # samples per prompt (each is an engine request)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024  # each new token scans the text's tail for every one
 
 
 def _check(cond: bool, field_name: str, value: Any, rule: str) -> None:
@@ -92,6 +94,7 @@ def validate(sp: "SamplingParams") -> None:
     _check(s is None or (_is_int(s) and INT64_MIN <= s <= INT64_MAX), "seed", s,
            f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
     _validate_penalties_and_logprobs(sp)
+    _validate_output_fields(sp)
 
 
 def _validate_penalties_and_logprobs(sp: "SamplingParams") -> None:
@@ -107,6 +110,19 @@ def _validate_penalties_and_logprobs(sp: "SamplingParams") -> None:
         v = getattr(sp, name)
         _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name, v,
                f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+
+
+def _validate_output_fields(sp: "SamplingParams") -> None:
+    """n, stop strings and detokenization: handled on the client (cluster/output_processor.py)."""
+    _int_field(sp, "n", 1, MAX_N, f"must be >= 1 and <= {MAX_N}")
+    stop = [sp.stop] if isinstance(sp.stop, str) else [] if sp.stop is None else sp.stop
+    rule = (f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+            f"{MAX_STOP_CHARS} characters")
+    _check(isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOP_STRINGS, "stop", sp.stop, rule)
+    _check(all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop), "stop", sp.stop, rule)
+    for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        _check(isinstance(getattr(sp, name), bool), name, getattr(sp, name), "must be a bool")
+    _check(not stop or sp.detokenize, "stop", sp.stop, "stop strings need detokenize=True")
 
 
 def check_token_ids(field_name: str, ids: Any, vocab_size: int | None = None) -> str | None:
@@ -174,11 +190,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None         # top-k log-probabilities per sampled token (0..20), plus its own
     prompt_logprobs: int | None = None  # the same for each prompt token
+    # Handled on the client (cluster/output_processor.py), vLLM's names and meanings.
+    n: int = 1                          # samples of the prompt, each an engine request
+    stop: str | list[str] | None = None  # stop strings, normalized to a list
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         validate(self)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def validate(self) -> None:
         validate(self)
