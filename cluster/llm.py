@@ -1,7 +1,8 @@
 """The offline API, shaped like vLLM's: LLM(model=..., ...).generate(prompts, sampling_params).
 
-Prompts are tokenized here, on the client, and outputs decoded here; the engines see token ids only.
-Outputs come back in input order. A bad prompt gets an output whose finish_reason is "error" (with the
+Prompts are tokenized here, on the client (chat messages rendered with the model's chat template first),
+and outputs are made here by the OutputProcessor (detokenization, stop strings, n samples, logprobs); the
+engines see token ids only. Outputs come back in input order. A bad prompt gets an output whose finish_reason is "error" (with the
 message in `.error`) while the others proceed; a replica that fails for good raises EngineFailure.
 """
 from __future__ import annotations
@@ -9,35 +10,19 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
-from actors.driver import RequestSpec, RequestTiming
+from actors.driver import RequestSpec
+from cluster.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
 from cluster.config import ConfigError, EngineConfig, apply_overrides, load_config, validate_for_model
 from cluster.engines import EngineFailure, EngineGroup, Finished
+from cluster.logprobs import engine_computes_logprobs
+from cluster.output_processor import OutputProcessor
+from cluster.outputs import CompletionOutput, Logprob, RequestOutput, error_output
+from cluster.sampling_defaults import default_sampling_params
 from kvcore.request import SamplingParams, check_text, check_token_ids
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: int | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    error: str | None = None
-    num_cached_tokens: int = 0
-    metrics: RequestTiming | None = None
 
 
 class PromptError(ValueError):
@@ -58,6 +43,15 @@ def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]
     return load_tokenizer_if_present(model_dir), read_hf_config(model_dir)
 
 
+def client_model_dir(config: EngineConfig) -> str | None:
+    from actors.loader import resolve_model_dir
+
+    try:
+        return resolve_model_dir(config.model.model)
+    except FileNotFoundError:
+        return None
+
+
 def check_client_model(config: EngineConfig, hf_config: dict[str, Any]) -> None:
     """Fail on this machine, before any actor starts, when the config cannot run this model."""
     from actors.models.registry import resolve_architecture
@@ -75,6 +69,8 @@ class LLM:
             kwargs["model"] = model
         self.config = apply_overrides(config, kwargs) if kwargs else config
         self.tokenizer, hf_config = load_client_model(self.config)
+        self.model_dir = client_model_dir(self.config) if hf_config is not None else None
+        self._default_params: SamplingParams | None = None
         if hf_config is not None:
             check_client_model(self.config, hf_config)  # fail before any actor starts
         self._ids = itertools.count()
@@ -113,63 +109,109 @@ class LLM:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
-    # ---- generate ---------------------------------------------------------------------------
+    # ---- generate and chat ------------------------------------------------------------------
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate/chat use without sampling_params: the model's generation_config.json, else vLLM's."""
+        if self._default_params is None:
+            self._default_params = default_sampling_params(self.model_dir)
+        return self._default_params
+
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        if self.engines is None:
-            raise RuntimeError("LLM.generate: this LLM is shut down")
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
-        params = _params_list(sampling_params, len(prompts))
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        specs, index_of = [], {}
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            rid = str(next(self._ids))
+        encoded: list[Encoded] = []
+        for i, prompt in enumerate(prompts):
             try:
-                text, ids = self.encode(i, prompt)
+                encoded.append(self.encode(i, prompt))
             except PromptError as e:
-                results[i] = _error_result(rid, prompt if isinstance(prompt, str) else None, [], str(e))
+                encoded.append(EncodeError(prompt if isinstance(prompt, str) else None, str(e)))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, rendered with the model's chat
+        template (or `chat_template`), then generated as LLM.generate does; one output per conversation."""
+        if self.tokenizer is None:
+            raise PromptError("LLM.chat: the model has no tokenizer.json on this machine")
+        template = resolve_chat_template(self.tokenizer.model_dir, chat_template)
+        tokens = special_tokens(self.tokenizer.model_dir) if self.tokenizer.model_dir else {}
+        conversations, _ = as_conversations(messages)
+        encoded: list[Encoded] = []
+        for conv in conversations:
+            try:
+                text = render_chat(conv, template, add_generation_prompt=add_generation_prompt, tokens=tokens,
+                                   tools=tools, **(chat_template_kwargs or {}))
+            except ChatTemplateError as e:
+                encoded.append(EncodeError(None, str(e)))
                 continue
-            results[i] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)], finished=False)
-            specs.append(RequestSpec(rid, ids, sp))
+            # The template placed the special tokens itself (as vLLM's LLM.chat tokenizes).
+            encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def _run(self, encoded: list[Encoded], sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
+        if self.engines is None:
+            raise RuntimeError("LLM.generate: this LLM is shut down")
+        params = _params_list(sampling_params, len(encoded), self.get_default_sampling_params)
+        processor = OutputProcessor(self.tokenizer)
+        results: list[RequestOutput | None] = [None] * len(encoded)
+        index_of: dict[str, int] = {}
+        specs: list[RequestSpec] = []
+        for i, (enc, sp) in enumerate(zip(encoded, params)):
+            rid = str(next(self._ids))
+            if isinstance(enc, EncodeError):
+                results[i] = error_output(rid, enc.prompt, [], enc.message)
+                continue
+            text, ids = enc
+            err = self._unsupported(sp)
+            if err is not None:
+                results[i] = error_output(rid, text, ids, err)
+                continue
+            _, subs = processor.add_request(rid, text, ids, sp)
             index_of[rid] = i
-        for rid, err in self.engines.submit(specs).items():
-            res = results[index_of.pop(rid)]
-            res.error, res.finished = err, True
-            res.outputs[0].finish_reason = "error"
-        self._collect(results, index_of, use_tqdm)
+            specs.extend(RequestSpec(child_id, ids, child_sp) for child_id, child_sp in subs)
+        for child_id, err in self.engines.submit(specs).items():
+            parent = processor.fail(child_id, err)
+            if parent is not None:
+                results[index_of[parent.request_id]] = parent.output()
+        self._collect(processor, results, index_of, _progress(len(index_of), use_tqdm))
         return results  # type: ignore[return-value]
 
-    def _collect(self, results: list[RequestOutput | None], index_of: dict[str, int], use_tqdm: bool) -> None:
-        bar = _progress(len(index_of), use_tqdm)
-        while index_of:
-            for item in self.engines.poll(timeout_s=1.0):
-                o = item.output if isinstance(item, Finished) else item
-                i = index_of.get(o.request_id)
-                if i is None:
-                    continue  # an error record already handled at submit
-                res = results[i]
-                res.outputs[0].token_ids.extend(o.new_token_ids)
-                if isinstance(item, Finished):
-                    self._complete(res, item)
-                    del index_of[o.request_id]
-                    if bar is not None:
-                        bar.update(1)
-            if self.engines.fatal is not None:
-                if bar is not None:
-                    bar.close()
-                raise EngineFailure(self.engines.fatal)
-        if bar is not None:
-            bar.close()
+    def _unsupported(self, sp: SamplingParams) -> str | None:
+        """A request this client or engine cannot serve as asked (never silently ignored)."""
+        if (sp.logprobs is not None or sp.prompt_logprobs is not None) and not engine_computes_logprobs():
+            return "SamplingParams.logprobs/prompt_logprobs: this engine does not compute logprobs yet"
+        if sp.stop and self.tokenizer is None:
+            return (f"SamplingParams.stop={sp.stop!r}: stop strings need the model's tokenizer.json on this "
+                    "machine")
+        return None
 
-    def _complete(self, res: RequestOutput, item: Finished) -> None:
-        o = item.output
-        comp = res.outputs[0]
-        comp.finish_reason, comp.stop_reason = o.finish_reason, o.stop_reason
-        comp.text = self.decode(comp.token_ids)
-        res.finished, res.error, res.metrics = True, o.error, item.timing
-        res.num_cached_tokens = o.num_cached_tokens
+    def _collect(self, processor: OutputProcessor, results: list[RequestOutput | None], index_of: dict[str, int],
+                 bar: Any) -> None:
+        try:
+            while processor.has_unfinished():
+                aborts = []
+                for item in self.engines.poll(timeout_s=1.0):
+                    o, timing = (item.output, item.timing) if isinstance(item, Finished) else (item, None)
+                    parent, abort = processor.process_output(o, timing)
+                    if abort:
+                        aborts.append(o.request_id)  # a stop string ended it here: free its engine slot
+                    if parent is not None:
+                        results[index_of[parent.request_id]] = parent.output()
+                        if bar is not None:
+                            bar.update(1)
+                if aborts:
+                    self.engines.abort(aborts)
+                if self.engines.fatal is not None:
+                    raise EngineFailure(self.engines.fatal)
+        finally:
+            if bar is not None:
+                bar.close()
 
     # ---- introspection and teardown ---------------------------------------------------------
     def stats(self) -> list[dict[str, Any]]:
@@ -187,9 +229,18 @@ class LLM:
         self.shutdown()
 
 
-def _params_list(sp: Any, n: int) -> list[SamplingParams]:
+@dataclass
+class EncodeError:
+    prompt: str | None
+    message: str
+
+
+Encoded = Union[tuple[Optional[str], list[int]], EncodeError]  # a prompt's (text, token ids), or why not
+
+
+def _params_list(sp: Any, n: int, default: Callable[[], SamplingParams]) -> list[SamplingParams]:
     if sp is None:
-        return [SamplingParams()] * n
+        return [default()] * n
     if isinstance(sp, SamplingParams):
         return [sp] * n
     sp = list(sp)
@@ -201,16 +252,13 @@ def _params_list(sp: Any, n: int) -> list[SamplingParams]:
     return sp
 
 
-def _error_result(rid: str, prompt: str | None, ids: list[int], message: str) -> RequestOutput:
-    return RequestOutput(rid, prompt, ids, [CompletionOutput(0, "", [], "error")], True, message)
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled or total == 0:
         return None
     from tqdm import tqdm
 
     return tqdm(total=total, desc="generate", unit="req")
 
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "PromptError", "ConfigError", "EngineFailure"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "PromptError", "ChatTemplateError", "ConfigError",
+           "EngineFailure"]
