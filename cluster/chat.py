@@ -19,6 +19,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from actors.hf_config import read_json_object
+
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -30,11 +32,7 @@ class ChatTemplateError(ValueError):
 
 def _read_tokenizer_config(model_dir: str) -> dict[str, Any]:
     path = os.path.join(model_dir, TOKENIZER_CONFIG)
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
+    return read_json_object(path) if os.path.isfile(path) else {}
 
 
 def load_chat_template(model_dir: str) -> str | None:

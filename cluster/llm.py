@@ -70,7 +70,8 @@ class LLM:
         self.config = apply_overrides(config, kwargs) if kwargs else config
         self.tokenizer, hf_config = load_client_model(self.config)
         self.model_dir = client_model_dir(self.config) if hf_config is not None else None
-        self._default_params: SamplingParams | None = None
+        # Read now, so a bad generation_config.json fails here rather than at the first generate.
+        self._default_params = default_sampling_params(self.model_dir)
         if hf_config is not None:
             check_client_model(self.config, hf_config)  # fail before any actor starts
         self._ids = itertools.count()
@@ -115,8 +116,6 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate/chat use without sampling_params: the model's generation_config.json, else vLLM's."""
-        if self._default_params is None:
-            self._default_params = default_sampling_params(self.model_dir)
         return self._default_params
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -5,14 +5,11 @@ SamplingParams the caller builds keeps its own values.
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
 from typing import Any
 
-from kvcore.request import SamplingParams
-
-logger = logging.getLogger(__name__)
+from actors.hf_config import ModelConfigError, read_json_object
+from kvcore.request import RequestValidationError, SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
 # generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
@@ -29,10 +26,7 @@ def generation_config_overrides(model_dir: str | None) -> dict[str, Any]:
     path = os.path.join(model_dir, GENERATION_CONFIG)
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        cfg = json.load(f)
-    if not isinstance(cfg, dict):
-        return {}
+    cfg = read_json_object(path)
     return {field: cfg[key] for key, field in GENERATION_CONFIG_KEYS.items() if cfg.get(key) is not None}
 
 
@@ -40,7 +34,5 @@ def default_sampling_params(model_dir: str | None) -> SamplingParams:
     overrides = generation_config_overrides(model_dir)
     try:
         return SamplingParams(**{**VLLM_DEFAULTS, **overrides})
-    except ValueError as e:
-        # A checkpoint's odd value (say top_k=-5) must not make the model unusable: say so, use vLLM's.
-        logger.warning("%s/%s: %s; using vLLM's defaults", model_dir, GENERATION_CONFIG, e)
-        return SamplingParams(**VLLM_DEFAULTS)
+    except RequestValidationError as e:  # a checkpoint's value out of range (say top_k=-5): name the file
+        raise ModelConfigError(f"{os.path.join(str(model_dir), GENERATION_CONFIG)}: {e}") from None

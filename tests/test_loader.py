@@ -236,7 +236,7 @@ def test_tiny_random_deterministic_and_race_free(tmp_path) -> None:
     paths.append(results[0])
     blobs = [open(os.path.join(p, "model.safetensors"), "rb").read() for p in paths]
     assert blobs[0] == blobs[1]
-    assert sorted(os.listdir(os.path.dirname(paths[1]))) == ["v1"]
+    assert sorted(os.listdir(os.path.dirname(paths[1]))) == [f"v{VERSION}"]
 
 
 def test_tokenizer(tmp_path) -> None:

@@ -3,6 +3,7 @@ emits them (one EngineCoreOutput per step per request), and decoded with the tin
 whose multi-byte characters span several tokens."""
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
@@ -11,11 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.hf_config import ModelConfigError
 from actors.models.tiny_random import EOS_ID, SPECIAL_TOKENS, ensure_tiny_random
 from actors.tokenizer import Tokenizer
 from cluster.detokenizer import IncrementalDetokenizer, check_stop_strings
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import Logprob
+from cluster.sampling_defaults import VLLM_DEFAULTS, default_sampling_params
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams
 
@@ -200,18 +203,19 @@ def test_no_logprobs_unless_asked(tok) -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(n=0), "SamplingParams.n=0: must be an integer >= 1"),
+    (dict(n=0), "SamplingParams.n=0: must be >= 1 and <= 1024"),
     (dict(logprobs=21), "SamplingParams.logprobs=21: must be None or an integer in [0, 20]"),
     (dict(prompt_logprobs=-1), "SamplingParams.prompt_logprobs=-1: must be None or an integer in [0, 20]"),
-    (dict(stop=[""]), "SamplingParams.stop=['']: must be a non-empty string or a list of non-empty strings"),
+    (dict(stop=[""]), "SamplingParams.stop=['']: must be a non-empty string or a list of at most 64 non-empty"),
+    (dict(stop=["x" * 1025]), "non-empty strings of at most 1024 characters"),
     (dict(stop=3), "SamplingParams.stop=3: must be a non-empty string"),
     (dict(include_stop_str_in_output=1), "SamplingParams.include_stop_str_in_output=1: must be a bool"),
-    (dict(min_tokens=17), "SamplingParams.min_tokens=17: must be an integer in [0, max_tokens=16]"),
+    (dict(min_tokens=17), "SamplingParams.min_tokens=17: must be >= 0 and <= max_tokens=16"),
     (dict(presence_penalty=2.5), "SamplingParams.presence_penalty=2.5: must be a number in [-2, 2]"),
     (dict(frequency_penalty=float("nan")), "SamplingParams.frequency_penalty=nan: must be a number in [-2, 2]"),
     (dict(repetition_penalty=0.0), "SamplingParams.repetition_penalty=0.0: must be a number in (0, 2]"),
     (dict(skip_special_tokens="no"), "SamplingParams.skip_special_tokens='no': must be a bool"),
-    (dict(detokenize=False, stop="x"), "SamplingParams.stop=['x']: stop strings need detokenize=True"),
+    (dict(detokenize=False, stop="x"), "SamplingParams.stop='x': stop strings need detokenize=True"),
 ])
 def test_new_fields_are_validated(kwargs, message) -> None:
     with pytest.raises(RequestValidationError) as e:
@@ -222,3 +226,15 @@ def test_new_fields_are_validated(kwargs, message) -> None:
 def test_stop_normalized_to_a_list() -> None:
     assert SamplingParams(stop="x").stop == ["x"] and SamplingParams().stop == []
     assert SamplingParams.from_dict({"stop": ["a", "b"], "n": 2, "logprobs": 0}).stop == ["a", "b"]
+
+
+def test_defaults_follow_generation_config(tmp_path) -> None:
+    assert default_sampling_params(None) == SamplingParams(**VLLM_DEFAULTS)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 64,
+         "do_sample": True, "min_p": None}))
+    d = default_sampling_params(str(tmp_path))
+    assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.max_tokens) == (0.6, 0.95, 20, 1.1, 64)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": -5}))
+    with pytest.raises(ModelConfigError, match=r"generation_config.json: SamplingParams.top_k=-5"):
+        default_sampling_params(str(tmp_path))
