@@ -42,6 +42,11 @@ class IncrementalDetokenizer:
         self.output_text += delta
         return delta
 
+    def append(self, token_id: int) -> None:
+        """Take a token without decoding it yet: a request with no stop string needs its text only at the
+        end, and one flush() then gives the same text in one decode instead of two per token."""
+        self.tokens.append(token_id)
+
     def flush(self) -> str:
         """At the end of the stream: the text still held back (an unfinished character decodes as U+FFFD,
         as a full decode of the same tokens would show it)."""

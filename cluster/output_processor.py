@@ -50,7 +50,9 @@ class RequestState:
             self.completion.token_ids.append(tok)
             if self.detokenizer is None or (skip_last and k == len(o.new_token_ids) - 1):
                 continue
-            if self._check_stop(self.detokenizer.decode_next(tok)):
+            if not self.params.stop:
+                self.detokenizer.append(tok)  # decoded once, at the end
+            elif self._check_stop(self.detokenizer.decode_next(tok)):
                 self.logprobs.truncate(len(self.completion.token_ids))
                 return True
         if o.finished:

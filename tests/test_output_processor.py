@@ -64,6 +64,10 @@ def test_incremental_text_equals_full_decode(tok, text, prompt) -> None:
     assert "".join(pieces) + detok.flush() == tok.decode(ids) == detok.output_text
     # Nothing is emitted half-way through a multi-byte character.
     assert all("\ufffd" not in p for p in pieces)
+    lazy = IncrementalDetokenizer(tok, ids_of(tok, prompt))
+    for t in ids:
+        lazy.append(t)
+    assert lazy.flush() == detok.output_text
 
 
 def test_unfinished_character_at_the_end_is_flushed_as_a_full_decode_shows_it(tok) -> None:
