@@ -1,12 +1,13 @@
-"""Logprobs from the engine's lists into vLLM's shape: per position {token_id: Logprob(logprob, rank,
+"""Logprobs from the engine's arrays into vLLM's shape: per position {token_id: Logprob(logprob, rank,
 decoded_token)}.
 
-The engine output carries them as vLLM's LogprobsLists (plain lists, no tensors, on the control plane):
-row i belongs to the i-th new token; `logprob_token_ids[i]` is [sampled token, top-1, ..., top-k],
-`logprobs[i]` their log-probabilities, `sampled_token_ranks[i]` the sampled token's rank (1 = most
-likely). `new_logprobs` covers sampled tokens; `new_prompt_logprobs` covers prompt positions 1.. (the
-first prompt token has none), where column 0 is the prompt's own next token; it may come in several
-chunks (chunked prefill).
+The engine output carries them as kvcore.messages.Logprobs (compact arrays, filled by the sampler on the
+device): row j is one position; `token_ids[j, 0]` is the position's own token (the sampled one, or the
+prompt token) and `logprobs[j, 0]` its logprob, columns 1..k the top-k tokens best first, `ranks[j]`
+the own token's rank (1 = most likely). `EngineCoreOutput.logprobs` has one row per new token;
+`EngineCoreOutput.prompt_logprobs` comes with the first token and covers prompt positions 1.. (the
+first prompt token has none, so vLLM's list starts with None). Rows may hold more than k columns (the
+batch's widest request): each request keeps its own k.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from typing import Any
 from cluster.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from kvcore.messages import EngineCoreOutput
 
-SAMPLE_FIELD = "new_logprobs"
-PROMPT_FIELD = "new_prompt_logprobs"
+SAMPLE_FIELD = "logprobs"
+PROMPT_FIELD = "prompt_logprobs"
 
 
 def engine_computes_logprobs() -> bool:
@@ -52,7 +53,7 @@ class LogprobsProcessor:
         if lists is None:
             raise ValueError(f"SamplingParams.{name} was set but the engine output carries no {name}")
         return [self._position(ids, lps, rank, k) for ids, lps, rank in
-                zip(lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks)]
+                zip(_rows_of(lists.token_ids), _rows_of(lists.logprobs), _rows_of(lists.ranks))]
 
     def _position(self, token_ids: list[int], logprobs: list[float], rank: int, k: int) -> dict[int, Logprob]:
         # The chosen token first (its own rank), then ranks 1..k; a chosen token inside the top k appears
@@ -74,3 +75,8 @@ class LogprobsProcessor:
             for row in self.logprobs[num_tokens:]:
                 self.cumulative_logprob -= next(iter(row.values())).logprob
             del self.logprobs[num_tokens:]
+
+
+def _rows_of(a: Any) -> list[Any]:
+    """A numpy array's rows as plain Python values (one conversion per field, not per element)."""
+    return a.tolist() if hasattr(a, "tolist") else list(a)

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from cluster import LLM, SamplingParams
+from cluster.logprobs import engine_computes_logprobs
 from cluster.placement import start_local_ray
 
 COMMON = dict(device="cpu", dtype="float32", block_size=8, max_num_seqs=8, max_num_batched_tokens=128,
@@ -116,7 +117,32 @@ def test_defaults_and_unsupported_requests(llm) -> None:
     assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.max_tokens) == (1.0, 1.0, 0, 1.0, 16)
     out = llm.generate([PROMPT], use_tqdm=False)[0]
     assert out.error is None and len(out.outputs[0].token_ids) >= 1
-    from cluster.logprobs import engine_computes_logprobs
     if not engine_computes_logprobs():
         bad = llm.generate([PROMPT], SamplingParams(logprobs=2), use_tqdm=False)[0]
         assert bad.outputs[0].finish_reason == "error" and "SamplingParams.logprobs" in bad.error
+
+
+@pytest.mark.skipif(not engine_computes_logprobs(), reason="needs the sampler's logprobs in EngineCoreOutput")
+def test_logprobs_equal_hf_log_softmax(llm) -> None:
+    prompt = "Logprobs, checked against HF in float32"  # unseen here: no prefix-cache hit skips its logits
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    c, p = out.outputs[0], out.prompt_token_ids
+    ids = p + c.token_ids
+    model = transformers.Qwen3ForCausalLM.from_pretrained(llm.model_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        lsm = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for i, pos in enumerate(c.logprobs):
+        row, tok = lsm[len(p) - 1 + i], c.token_ids[i]
+        assert pos[tok].rank == 1 and abs(pos[tok].logprob - row[tok].item()) < 1e-4
+        top = row.topk(5)
+        assert {t: r for t, r in ((t, v.rank) for t, v in pos.items())} == \
+            {int(t): r for r, t in enumerate(top.indices.tolist(), start=1)}
+        assert all(abs(pos[int(t)].logprob - v) < 1e-4 for t, v in zip(top.indices.tolist(), top.values.tolist()))
+        assert pos[tok].decoded_token == llm.get_tokenizer().decode([tok], skip_special_tokens=False)
+    assert c.cumulative_logprob == pytest.approx(sum(pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+    for j in range(1, len(p)):
+        row, own = lsm[j - 1], out.prompt_logprobs[j][p[j]]
+        assert abs(own.logprob - row[p[j]].item()) < 1e-4
+        assert own.rank == 1 + int((row > row[p[j]]).sum())

@@ -8,17 +8,18 @@ import random
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.hf_config import ModelConfigError
 from actors.models.tiny_random import EOS_ID, SPECIAL_TOKENS, ensure_tiny_random
-from actors.tokenizer import Tokenizer
 from cluster.detokenizer import IncrementalDetokenizer, check_stop_strings
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import Logprob
 from cluster.sampling_defaults import VLLM_DEFAULTS, default_sampling_params
+from cluster.tokenizer import Tokenizer
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams
 
@@ -43,7 +44,7 @@ def stream(proc: OutputProcessor, rid: str, tokens: list[int], finish: tuple[str
         last = k == len(steps) - 1
         o = EngineCoreOutput(rid, step, finished=last, finish_reason=finish[0] if last else None,
                              stop_reason=finish[1] if last else None)
-        if extra:  # the logprob fields the sampler adds, on a stand-in (EngineCoreOutput is slotted)
+        if extra:  # the logprob fields the sampler fills, on a stand-in until EngineCoreOutput has them
             o = SimpleNamespace(**{f.name: getattr(o, f.name) for f in fields(o)},
                                 **{name: rows[k] for name, rows in extra.items()})
         parent, abort = proc.process_output(o)
@@ -155,15 +156,15 @@ def test_refused_child_fails_the_parent_alone(tok) -> None:
 
 
 @dataclass
-class FakeLogprobsLists:
-    """The shape of vLLM's LogprobsLists, as the engine output carries it."""
+class Logprobs:
+    """The shape of kvcore.messages.Logprobs (the sampler's), for this client-side test."""
 
-    logprob_token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    sampled_token_ranks: list[int]
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
 
 
-def _rows(rng: random.Random, chosen: list[int], k: int) -> FakeLogprobsLists:
+def _rows(rng: random.Random, chosen: list[int], k: int) -> Logprobs:
     ids, lps, ranks = [], [], []
     for tok_id in chosen:
         top = rng.sample(range(256), k)
@@ -171,7 +172,8 @@ def _rows(rng: random.Random, chosen: list[int], k: int) -> FakeLogprobsLists:
         ids.append([tok_id, *top])
         lps.append([-rng.random() * 5 for _ in range(k + 1)])
         ranks.append(rank)
-    return FakeLogprobsLists(ids, lps, ranks)
+    return Logprobs(np.array(ids, dtype=np.int32).reshape(len(chosen), k + 1),
+                    np.array(lps, dtype=np.float32).reshape(len(chosen), k + 1), np.array(ranks, dtype=np.int32))
 
 
 def test_logprobs_shaped_as_vllm_with_a_fake_engine_output(tok) -> None:
@@ -181,19 +183,19 @@ def test_logprobs_shaped_as_vllm_with_a_fake_engine_output(tok) -> None:
     proc = OutputProcessor(tok)
     proc.add_request("r", None, [5, 6, 7], SamplingParams(logprobs=3, prompt_logprobs=2, stop="c"))
     sample = [_rows(rng, ids[:2], 5), _rows(rng, ids[2:], 5)]  # wider than asked: cut to 3
-    prompt = [_rows(rng, [6, 7], 4), FakeLogprobsLists([], [], [])]
-    parent, aborts = stream(proc, "r", ids, per_step=2, new_logprobs=sample, new_prompt_logprobs=prompt)
+    prompt = [_rows(rng, [6, 7], 4), None]  # with the first token only
+    parent, aborts = stream(proc, "r", ids, per_step=2, logprobs=sample, prompt_logprobs=prompt)
     res = parent.output()
     c = res.outputs[0]
     assert aborts == ["r"] and c.text == "ab" and len(c.token_ids) == 3 == len(c.logprobs)
     flat = [(sample[i // 2], i % 2) for i in range(3)]
     for pos, (lists, row) in zip(c.logprobs, flat):
-        want = {lists.logprob_token_ids[row][0]: Logprob(lists.logprobs[row][0], lists.sampled_token_ranks[row])}
-        for r, (t, lp) in enumerate(zip(lists.logprob_token_ids[row][1:4], lists.logprobs[row][1:4]), start=1):
-            want.setdefault(t, Logprob(lp, r))
-        assert {t: (v.logprob, v.rank) for t, v in pos.items()} == {t: (v.logprob, v.rank) for t, v in want.items()}
+        want = {int(lists.token_ids[row, 0]): (float(lists.logprobs[row, 0]), int(lists.ranks[row]))}
+        for r, (t, lp) in enumerate(zip(lists.token_ids[row, 1:4], lists.logprobs[row, 1:4]), start=1):
+            want.setdefault(int(t), (float(lp), r))
+        assert {t: (v.logprob, v.rank) for t, v in pos.items()} == want
         assert all(v.decoded_token == tok.decode([t], skip_special_tokens=False) for t, v in pos.items())
-    assert c.cumulative_logprob == pytest.approx(sum(lists.logprobs[row][0] for lists, row in flat))
+    assert c.cumulative_logprob == pytest.approx(sum(float(lists.logprobs[row, 0]) for lists, row in flat))
     assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == 3
     assert list(res.prompt_logprobs[1])[0] == 6 and len(res.prompt_logprobs[1]) <= 3
 
@@ -214,10 +216,10 @@ def test_no_logprobs_unless_asked(tok) -> None:
     (dict(stop=["x" * 1025]), "non-empty strings of at most 1024 characters"),
     (dict(stop=3), "SamplingParams.stop=3: must be a non-empty string"),
     (dict(include_stop_str_in_output=1), "SamplingParams.include_stop_str_in_output=1: must be a bool"),
-    (dict(min_tokens=17), "SamplingParams.min_tokens=17: must be >= 0 and <= max_tokens=16"),
-    (dict(presence_penalty=2.5), "SamplingParams.presence_penalty=2.5: must be a number in [-2, 2]"),
-    (dict(frequency_penalty=float("nan")), "SamplingParams.frequency_penalty=nan: must be a number in [-2, 2]"),
-    (dict(repetition_penalty=0.0), "SamplingParams.repetition_penalty=0.0: must be a number in (0, 2]"),
+    (dict(min_tokens=17), "SamplingParams.min_tokens=17: must be >= 0 and <= max_tokens (16)"),
+    (dict(presence_penalty=2.5), "SamplingParams.presence_penalty=2.5: must be in [-2, 2]"),
+    (dict(frequency_penalty=float("nan")), "SamplingParams.frequency_penalty=nan: must be in [-2, 2]"),
+    (dict(repetition_penalty=0.0), "SamplingParams.repetition_penalty=0.0: must be > 0 and <= 100 (1 disables it)"),
     (dict(skip_special_tokens="no"), "SamplingParams.skip_special_tokens='no': must be a bool"),
     (dict(detokenize=False, stop="x"), "SamplingParams.stop='x': stop strings need detokenize=True"),
 ])
