@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, fields
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ from cluster.output_processor import OutputProcessor
 from cluster.outputs import Logprob
 from cluster.sampling_defaults import VLLM_DEFAULTS, default_sampling_params
 from cluster.tokenizer import Tokenizer
-from kvcore.messages import EngineCoreOutput
+from kvcore.messages import EngineCoreOutput, Logprobs
 from kvcore.request import RequestValidationError, SamplingParams
 
 IM_END = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -44,9 +42,8 @@ def stream(proc: OutputProcessor, rid: str, tokens: list[int], finish: tuple[str
         last = k == len(steps) - 1
         o = EngineCoreOutput(rid, step, finished=last, finish_reason=finish[0] if last else None,
                              stop_reason=finish[1] if last else None)
-        if extra:  # the logprob fields the sampler fills, on a stand-in until EngineCoreOutput has them
-            o = SimpleNamespace(**{f.name: getattr(o, f.name) for f in fields(o)},
-                                **{name: rows[k] for name, rows in extra.items()})
+        for name, rows in extra.items():  # the logprob fields the sampler fills
+            setattr(o, name, rows[k])
         parent, abort = proc.process_output(o)
         if abort:
             aborts.append(rid)
@@ -155,15 +152,6 @@ def test_refused_child_fails_the_parent_alone(tok) -> None:
     assert res.error == "refused" and [c.finish_reason for c in res.outputs] == ["error", "length"]
 
 
-@dataclass
-class Logprobs:
-    """The shape of kvcore.messages.Logprobs (the sampler's), for this client-side test."""
-
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    ranks: np.ndarray
-
-
 def _rows(rng: random.Random, chosen: list[int], k: int) -> Logprobs:
     ids, lps, ranks = [], [], []
     for tok_id in chosen:
@@ -176,8 +164,8 @@ def _rows(rng: random.Random, chosen: list[int], k: int) -> Logprobs:
                     np.array(lps, dtype=np.float32).reshape(len(chosen), k + 1), np.array(ranks, dtype=np.int32))
 
 
-def test_logprobs_shaped_as_vllm_with_a_fake_engine_output(tok) -> None:
-    """Formatting only: the engine's own logprobs are checked against HF where the sampler computes them."""
+def test_logprobs_shaped_as_vllm(tok) -> None:
+    """Formatting, with hand-made arrays; the engine's own values are checked against HF in test_api_outputs."""
     rng = random.Random(0)
     ids = ids_of(tok, "abcd")
     proc = OutputProcessor(tok)
