@@ -18,6 +18,8 @@ before the first divergence; and HF fp32's top-1/top-2 logit margin where the di
 
   python benchmarks/bf16_divergence.py            # H200, about 2 minutes
   python benchmarks/bf16_divergence.py --smoke    # CPU, tiny-random, 4 prompts, 8 tokens
+  python benchmarks/bf16_divergence.py --shape gemma-3-12b --num-layers 12   # the new families likewise
+  python benchmarks/bf16_divergence.py --smoke --shape qwen3-30b-a3b         # CPU, a tiny Qwen3-MoE
 """
 from __future__ import annotations
 
@@ -148,7 +150,9 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny-random, 4 prompts, 8 new tokens")
+    p.add_argument("--num-layers", type=int, default=None, help="fewer layers than the shape has")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, 4 prompts, 8 new tokens: tiny-random, or a tiny model of --shape's family if given")
     args = p.parse_args()
     t_start = time.perf_counter()
     if args.smoke:
@@ -156,8 +160,10 @@ def main() -> int:
         args.device, args.num_prompts, args.length_groups = "cpu", 4, 2
         args.min_len, args.max_len, args.new_tokens, args.max_num_batched_tokens = 16, 40, 8, 256
         model_dir, vocab = resolve_model_dir("tiny-random"), 256
+        if args.shape != "qwen3-0.6b":
+            model_dir = make_random_model(args.shape, args.model_dir, dtype="float32", tiny=True)
     else:
-        model_dir = make_random_model(args.shape, args.model_dir, dtype="float32")
+        model_dir = make_random_model(args.shape, args.model_dir, dtype="float32", num_layers=args.num_layers)
         vocab = SHAPES[args.shape]["vocab_size"]
     n = args.new_tokens
     prompts = make_prompts(args.num_prompts, args.length_groups, args.min_len, args.max_len, vocab)
@@ -206,12 +212,14 @@ def main() -> int:
             print(f"    (all at HF top-2 margins below {TIE_MARGIN:g}: float32 near-ties, not a bug)")
     print(f"total {time.perf_counter() - t_start:.1f}s")
     if not args.smoke:
-        for r, tag in zip(rows, ["hf_bf16", "kvray_fp32", "kvray_bf16"]):
+        # The original shape keeps its metric names; the others carry theirs.
+        pre = "" if args.shape == "qwen3-0.6b" else args.shape.replace("-", "_").replace(".", "p") + "_"
+        for r, tag in zip(rows, [pre + "hf_bf16", pre + "kvray_fp32", pre + "kvray_bf16"]):
             record("bf16_divergence", f"{tag}_identical_frac", r.identical_frac, "fraction")
             record("bf16_divergence", f"{tag}_first_div_median", float(np.median(r.first_div)), "tokens")
             record("bf16_divergence", f"{tag}_first_div_p10", float(np.percentile(r.first_div, 10)), "tokens")
             record("bf16_divergence", f"{tag}_prefix_frac_mean", r.prefix_frac_mean, "fraction")
-        record("bf16_divergence", "kvray_fp32_matches_hf", 1.0 if not bad else 0.0, "bool")
+        record("bf16_divergence", pre + "kvray_fp32_matches_hf", 1.0 if not bad else 0.0, "bool")
     return 1 if real else 0
 
 

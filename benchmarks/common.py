@@ -23,7 +23,46 @@ SHAPES = {
         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         hidden_act="silu", rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    # Hybrid attention: 40 local (window 1024, base 1e4) and 8 global layers (base 1e6, linear x8).
+    "gemma-3-12b": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=3840, intermediate_size=15360,
+        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262208,
+        max_position_embeddings=131072, sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=256,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    # Soft-capped attention and logits, every second layer local (window 4096).
+    "gemma-2-2b": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=2304, intermediate_size=9216,
+        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+        max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True),
+    # Mixture of experts: 128 experts of 768, top 8, renormalised.
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        hidden_act="silu"),
+    # Mixtral's layout (8 experts, top 2, float32 routing weights) at a small size.
+    "mixtral-small": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=1024, intermediate_size=3584,
+        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu"),
 }
+
+# --smoke: every shape shrunk to a CPU-sized model of the same family (same layer kinds and routing).
+TINY_FIELDS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+TINY_OPTIONAL = dict(moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=16, query_pre_attn_scalar=16, sliding_window_pattern=2)
+
+
+def tiny_shape(shape: str) -> dict:
+    fields = dict(SHAPES[shape], **TINY_FIELDS)
+    fields.update({k: v for k, v in TINY_OPTIONAL.items() if k in SHAPES[shape]})
+    return fields
 
 
 def git_commit() -> str:
@@ -56,15 +95,18 @@ def record(script: str, metric: str, value: float, unit: str) -> dict:
     return rec
 
 
-def make_random_model(shape: str, out_dir: str, dtype: str = "bfloat16", num_layers: int | None = None) -> str:
-    """Write an HF-format directory with random weights of a named shape (transformers does the init)."""
+def make_random_model(shape: str, out_dir: str, dtype: str = "bfloat16", num_layers: int | None = None,
+                      tiny: bool = False) -> str:
+    """Write an HF-format directory with random weights of a named shape (transformers does the init);
+    `tiny`: the shape's family at TINY_FIELDS' size."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(out_dir) / (shape + (f"-{num_layers}l" if num_layers else "") + f"-{dtype}")
+    path = Path(out_dir) / (shape + ("-tiny" if tiny else "") + (f"-{num_layers}l" if num_layers else "")
+                            + f"-{dtype}")
     if (path / "config.json").exists():
         return str(path)
-    fields = dict(SHAPES[shape])
+    fields = tiny_shape(shape) if tiny else dict(SHAPES[shape])
     if num_layers:
         fields["num_hidden_layers"] = num_layers
     model_type = fields.pop("model_type")

@@ -1,0 +1,38 @@
+"""The family benchmarks' CPU smoke modes: the fused-MoE kernel benchmark checks the kernel against the
+expert loop on tiny shapes under the interpreter; the tiny model of each benchmark shape is the family
+it claims to be (same architecture, layer kinds and routing fields)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import SHAPES, tiny_shape  # noqa: E402
+
+
+def test_bench_moe_kernel_smoke():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_moe_kernel.py"), "--smoke"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("fused == loop") == 3, out.stdout
+
+
+@pytest.mark.parametrize("shape", ["gemma-3-12b", "gemma-2-2b", "qwen3-30b-a3b", "mixtral-small"])
+def test_tiny_shapes_keep_their_family(shape, tmp_path):
+    from common import make_random_model
+    path = make_random_model(shape, str(tmp_path), dtype="float32", tiny=True)
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    assert cfg["architectures"] == SHAPES[shape]["architectures"]
+    assert cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 4
+    tiny = tiny_shape(shape)
+    if "sliding_window" in SHAPES[shape]:
+        assert {"sliding_attention", "full_attention"} <= set(cfg["layer_types"]), cfg["layer_types"]
+        assert cfg["sliding_window"] == tiny["sliding_window"]
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if key in SHAPES[shape]:
+            assert cfg[key] == tiny[key]
