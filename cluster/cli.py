@@ -1,18 +1,19 @@
 """`kvray`: the command line.
 
-  kvray run  --config C [--input prompts.jsonl] [--output out.jsonl] [--set k=v ...] [--summary-json P]
-  kvray info --config C [--set k=v ...]
-  kvray stress --config C [--requests N] [--duration S] [--kill-workers K] [--abort-rate R] [--seed X]
-               [--report DIR]   (the last line printed is the JSON report; exit 1 when a check fails)
+  kvray [-v] run  --config C [--input FILE|DIR|GLOB|-] [--output out.jsonl] [--set k=v ...] [--summary-json P]
+  kvray [-v] info --config C [--set k=v ...] [--json]
+  kvray [-v] stress --config C [--requests N] [--duration S] [--kill-workers K] [--abort-rate R] [--seed X]
+                    [--report DIR]   (the last line printed is the JSON report; exit 1 when a check fails)
+  kvray --version
 
 All three work unchanged under `ray job submit --working-dir . -- kvray ...` (RAY_ADDRESS is set there).
-Exit codes: 0 done, 1 the engine or the cluster failed, 2 bad config or arguments.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -20,15 +21,39 @@ from cluster.config import ConfigError, EngineConfig, load_config, resolved_max_
 
 log = logging.getLogger("kvray")
 
+EXIT_OK = 0              # every line answered
+EXIT_FAILED = 1          # the engine or the cluster failed (or the output could not be written): rerun to resume
+EXIT_USAGE = 2           # a bad config, argument, input or output path, or a model path that does not exist
+EXIT_LINE_ERRORS = 3     # the job finished, but some lines got error records (the count is on the last line)
+EXIT_INTERRUPTED = 130   # Ctrl-C
+
+EXIT_CODES = f"""exit codes: {EXIT_OK} every line answered; {EXIT_FAILED} the engine or cluster failed (rerun to resume);
+{EXIT_USAGE} bad config, arguments, input/output path or model path (checked before Ray starts);
+{EXIT_LINE_ERRORS} finished, some lines got error records; {EXIT_INTERRUPTED} interrupted (rerun to resume)"""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvray")
+    except PackageNotFoundError:
+        return "0.1.0 (not installed)"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvray", description="Ray-distributed, tensor-parallel LLM inference")
+    p = argparse.ArgumentParser(prog="kvray", description="Ray-distributed, tensor-parallel LLM inference",
+                                epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"kvray {_version()}")
+    p.add_argument("-v", "--verbose", action="store_true", help="Ray's and kvray's detail logs, tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a batch of prompts (JSON lines) through the engines")
     _common(run)
-    run.add_argument("--input", help="JSON lines: {id?, prompt | prompt_token_ids, sampling fields?}; "
-                                     "without it, a built-in synthetic workload")
-    run.add_argument("--output", help="JSON lines, appended as requests finish; a rerun skips ids already there")
+    run.add_argument("--input", help="JSON lines (kvray's {id?, prompt | prompt_token_ids, sampling fields?} or "
+                                     "OpenAI Batch API lines): a file, a directory of *.jsonl shards, a glob, "
+                                     "or - for stdin; without it, a built-in synthetic workload")
+    run.add_argument("--output", help="JSON lines, appended as requests finish; a rerun skips ids answered "
+                                      "there and retries failed ones (default: kvray-<timestamp>.out.jsonl)")
     run.add_argument("--summary-json", help="also write the summary as JSON to this path")
     run.add_argument("--num-requests", type=int, default=32, help="size of the synthetic workload")
     run.add_argument("--max-tokens", type=int, default=16, help="default max_tokens for input lines without one")
@@ -39,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--profile-steps", type=int, default=5, help="steps to trace with --profile")
     run.add_argument("--profile-skip", type=int, default=8,
                      help="steps to let pass before tracing with --profile (past the first prefills)")
-    info = sub.add_parser("info", help="what the cluster has, and what the config would place where")
+    info = sub.add_parser("info", help="what the cluster has, and where the config would place each engine")
     _common(info)
+    info.add_argument("--json", action="store_true", help="the whole report as JSON instead of a table")
     st = sub.add_parser("stress", help="drive every replica with a hostile workload, kill workers, check "
                                        "nothing is lost, duplicated or corrupted")
     _common(st)
@@ -62,73 +88,137 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cluster import console
+    from cluster.job_input import JobError
+
     args = build_parser().parse_args(argv)
+    console.configure(args.verbose)
     try:
         config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"kvray: {e}", file=sys.stderr)
-        return 2
-    try:
+        check_model(config)
         if args.command == "stress":
             return cmd_stress(config, args)
-        return cmd_run(config, args) if args.command == "run" else cmd_info(config)
-    except ConfigError as e:
-        print(f"kvray: {e}", file=sys.stderr)
-        return 2
+        return cmd_run(config, args) if args.command == "run" else cmd_info(config, args)
+    except (ConfigError, JobError) as e:
+        return _fail(EXIT_USAGE, str(e))
     except Exception as e:  # noqa: BLE001 - the message is the interface: one clear line, then exit 1
-        from cluster.job import JobError
+        if args.verbose:
+            log.exception("failed")
+        return _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
 
-        print(f"kvray: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2 if isinstance(e, JobError) else 1
+
+def _fail(code: int, message: str) -> int:
+    print(f"kvray: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr)
+    return code
+
+
+def _embedded(config: EngineConfig) -> bool:
+    return not (config.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def check_model(config: EngineConfig) -> None:
+    """The model must exist here before Ray starts, when Ray runs here too; on a cluster it may live
+    on the nodes only (token-id prompts still work then)."""
+    from actors.loader import resolve_model_dir
+    from actors.models.registry import UnsupportedArchitectureError
+    from cluster.llm import check_client_model, load_client_model
+
+    if _embedded(config):
+        try:
+            resolve_model_dir(config.model.model)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"model.model: {e}") from None
+    try:
+        _, hf_config = load_client_model(config)
+        if hf_config is not None:
+            check_client_model(config, hf_config)
+    except UnsupportedArchitectureError as e:
+        raise ConfigError(str(e)) from None
 
 
 def cmd_run(config: EngineConfig, args: Any) -> int:
-    from cluster.engines import EngineGroup
-    from cluster.job import (Job, JobError, check_output_writable, format_summary, read_items, summarize,
-                             synthetic_items)
-    from cluster.llm import check_client_model, load_client_model
+    from cluster.job_input import JobError, count_lines, resolve_shards
+    from cluster.job_output import OutputFile, check_not_an_input, default_output_path
+
+    shards = resolve_shards(args.input) if args.input is not None else []
+    output_path = args.output or default_output_path()
+    check_not_an_input(output_path, args.input, shards)
+    out = OutputFile(output_path)  # opened and locked before any engine starts
+    try:
+        _warn_oversubscribed(config)
+        total = count_lines(shards) if shards else args.num_requests
+        return _run_engines(config, args, shards, out, total)
+    except KeyboardInterrupt:
+        print(f"\nkvray: interrupted; the records so far are in {output_path}; run the same command with "
+              f"--output {output_path} to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except JobError as e:
+        return _fail(EXIT_FAILED, str(e))
+    finally:
+        out.close()
+
+
+def _warn_oversubscribed(config: EngineConfig) -> None:
+    from cluster.info import machine_shortfall
+
+    p = config.parallel
+    if _embedded(config):
+        _, note = machine_shortfall(config)
+        if note:
+            log.warning("%s (parallel.tensor_parallel_size=%d x data_parallel_size=%d): expect it to be slow",
+                        note, p.tensor_parallel_size, p.data_parallel_size)
+    if p.device == "cuda" and p.gpus_per_worker < 1.0:
+        log.warning("parallel.gpus_per_worker=%g: %d ranks share each GPU", p.gpus_per_worker,
+                    round(1 / p.gpus_per_worker))
+
+
+def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total: int | None) -> int:
+    from cluster.engines import EngineFailure, EngineGroup
+    from cluster.job import Job, format_summary, summarize, synthetic_items
+    from cluster.job_input import InputReader
+    from cluster.llm import load_client_model
     from kvcore.request import SamplingParams
 
-    if args.input is not None:
-        import os
-
-        if not os.path.isfile(args.input):
-            raise JobError(f"--input {args.input!r}: no such file")
-    check_output_writable(args.output)  # before any engine starts
     tokenizer, hf_config = load_client_model(config)
-    if hf_config is not None:
-        check_client_model(config, hf_config)
     engines = EngineGroup(config)
     try:
         info = engines.info
-        if args.input is not None:
-            items = read_items(args.input, SamplingParams(max_tokens=args.max_tokens))
+        if shards:
+            items = InputReader(shards, SamplingParams(max_tokens=args.max_tokens))
         else:
             mml = info.get("max_model_len") or resolved_max_model_len(config, hf_config or {})
             items = synthetic_items(args.num_requests, config.model.seed, int(info["vocab_size"]), mml)
-        job = Job(config, engines, tokenizer, args.output, progress=not args.no_progress)
+        job = Job(config, engines, tokenizer, out.path, progress=not args.no_progress, total=total, output=out)
         traces = _start_profile(engines, args)
-        stats = job.run(items)
+        try:
+            stats = job.run(items)
+        except EngineFailure as e:
+            return _fail(EXIT_FAILED, f"EngineFailure: {e}; {job.stats.completed + job.stats.errors} record(s) "
+                                      f"are in {out.path}: rerun with --output {out.path} to resume")
         summary = summarize(stats, engines.stats())
         if traces is not None:
             summary["profile_traces"] = _stop_profile(engines)
     finally:
         engines.shutdown()
     print(format_summary(summary))
+    if not args.output:
+        for rid, text in stats.samples:
+            print(f"  {rid}: {text[:100]!r}")
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
-    print(json.dumps(summary))
-    return 0
+    print(json.dumps(summary), flush=True)
+    if stats.errors:
+        print(f"kvray: {stats.errors} of {stats.completed + stats.errors} line(s) got error records "
+              f"(exit {EXIT_LINE_ERRORS}); see {out.path}", file=sys.stderr)
+        return EXIT_LINE_ERRORS
+    return EXIT_OK
 
 
 def _start_profile(engines: Any, args: Any) -> str | None:
     """With --profile, every replica's workers trace a few steps; the trace directory, else None."""
     if not args.profile:
         return None
-    import os
-
     import ray
 
     if args.profile_steps < 1 or args.profile_skip < 0:
@@ -151,7 +241,6 @@ def _stop_profile(engines: Any) -> list[str]:
 def cmd_stress(config: EngineConfig, args: Any) -> int:
     import ray
 
-    from cluster.llm import check_client_model, load_client_model
     from cluster.placement import connect
     from cluster.stress import StressOptions, check_options, run_stress
 
@@ -160,11 +249,8 @@ def cmd_stress(config: EngineConfig, args: Any) -> int:
     try:
         check_options(config, opts)
     except ValueError as e:
-        print(f"kvray: {e}", file=sys.stderr)
-        return 2
-    _, hf_config = load_client_model(config)
-    if hf_config is not None:
-        check_client_model(config, hf_config)
+        return _fail(EXIT_USAGE, str(e))
+    _warn_oversubscribed(config)
     started = connect(config)
     try:
         report, code = run_stress(config, opts)
@@ -177,34 +263,47 @@ def cmd_stress(config: EngineConfig, args: Any) -> int:
     return code
 
 
-def cmd_info(config: EngineConfig) -> int:
+def cmd_info(config: EngineConfig, args: Any) -> int:
+    """Exit 0 when the config fits (or only oversubscribes CPU cores), 1 with a one-line reason when not."""
     import ray
 
-    from cluster.placement import bundles_for, connect, describe_cluster, total_request
+    from cluster.info import machine_shortfall, plan, table
+    from cluster.placement import bundles_for, connect, describe_cluster, start_local_ray, total_request
 
-    started = connect(config)
+    embedded = _embedded(config)
+    short, note = machine_shortfall(config) if embedded else (None, None)
+    if embedded:
+        # Sized to this machine, not to the config: the answer is about what the machine has.
+        start_local_ray(num_cpus=os.cpu_count() or 1, namespace=config.ray.namespace, include_dashboard=False)
+        started = True
+    else:
+        started = connect(config)
     try:
         cluster = describe_cluster()
-        need = total_request(config)
-        have = cluster["cluster_resources"]
-        fits = all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
-        p = config.parallel
-        report = {
-            "config": config.to_dict(),
-            "placement": {
-                "engines": p.data_parallel_size, "workers_per_engine": p.tensor_parallel_size,
-                "bundles_per_engine": bundles_for(config), "strategy": p.placement_strategy,
-                "collective_backend": p.collective_backend, "transport": config.ray.transport,
-                "total_request": need, "fits_cluster_totals": fits,
-            },
-            "cluster": cluster,
-            "kv_cache": _kv_cache_info(config),
-        }
-        print(json.dumps(report, indent=2))
-        return 0 if fits else 1
     finally:
         if started:
             ray.shutdown()
+    engines_on, why = plan(config, cluster["nodes"])
+    if embedded and note and why:
+        why = None  # CPU ranks beyond the cores: the run oversubscribes them (the embedded Ray makes room)
+    why = short or why
+    p = config.parallel
+    report = {
+        "config": config.to_dict(),
+        "placement": {
+            "engines": p.data_parallel_size, "workers_per_engine": p.tensor_parallel_size,
+            "bundles_per_engine": bundles_for(config), "strategy": p.placement_strategy,
+            "collective_backend": p.collective_backend, "transport": config.ray.transport,
+            "total_request": total_request(config), "fits": why is None, "engines_on": engines_on,
+            "verdict": f"does not fit: {why}" if why else (note or "fits"),
+        },
+        "cluster": cluster,
+        "kv_cache": _kv_cache_info(config),
+    }
+    print(json.dumps(report, indent=2) if args.json else table(report))
+    if why:
+        return _fail(EXIT_FAILED, f"the config does not fit: {why}")
+    return EXIT_OK
 
 
 def _kv_cache_info(config: EngineConfig) -> dict:

@@ -1,42 +1,32 @@
-"""The batch job behind `kvray run`: read prompts (JSON lines), stream them through the engines, append
-each finished output to the output file as one whole JSON line (flushed), and summarise the run.
+"""The batch job behind `kvray run`: stream input lines (cluster/job_input.py) through the engines, a
+bounded window at a time, append each finished request to the output file as one whole JSON line
+(cluster/job_output.py; OpenAI Batch lines for OpenAI Batch input, cluster/job_batch.py), and
+summarise the run.
 
-Resumable: each output record carries the input's `id` (from the input, else its line number) and
-`line`; a rerun with the same output file skips what is already answered. Records of lines that
-cannot be parsed have `"id": null` and are skipped by line number. A half-written last line (the job
-was killed mid-write) is cut off before appending. Requests lost to an engine failure are not
-written, so a resubmitted job answers them.
+Resumable: a rerun with the same output file skips every id that already has a successful record and
+answers the rest, earlier failures included. Requests lost to an engine failure are not written, so a
+rerun answers them. Nothing grows with the input: the job holds the window's requests, and one
+8-byte digest per id for resume and duplicate checks.
 """
 from __future__ import annotations
 
-import json
-import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from actors.driver import RequestSpec
 from cluster.config import EngineConfig
 from cluster.engines import EngineFailure, EngineGroup, Finished
-from kvcore.request import RequestValidationError, SamplingParams
+from cluster.job_batch import batch_output
+from cluster.job_input import InputReader, Item, JobError, Limits, max_token_chars, read_items
+from cluster.job_output import OutputFile, load_done
+from kvcore.request import SamplingParams
 
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
-SAMPLING_KEYS = tuple(SamplingParams.__dataclass_fields__)
+__all__ = ["Job", "JobError", "JobStats", "Item", "read_items", "load_done", "synthetic_items", "summarize",
+           "format_summary"]
 
-
-class JobError(RuntimeError):
-    """The job cannot run (input missing, output unwritable); the message names the path."""
-
-
-@dataclass
-class Item:
-    line: int
-    id: str | None
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    sampling: SamplingParams | None = None
-    error: str | None = None
+NUM_SAMPLES = 3
 
 
 @dataclass
@@ -45,67 +35,14 @@ class JobStats:
     completed: int = 0
     errors: int = 0
     skipped: int = 0
+    earlier_errors: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
-
-
-# ---- input ---------------------------------------------------------------------------------------
-def parse_line(line_no: int, text: str, default_sp: SamplingParams) -> Item:
-    """One input line -> an Item (with `error` set when the line breaks a rule)."""
-    try:
-        rec = json.loads(text)
-    except json.JSONDecodeError as e:
-        return Item(line_no, None, error=f"line {line_no}: not valid JSON ({e.msg} at column {e.colno})")
-    if not isinstance(rec, dict):
-        return Item(line_no, None, error=f"line {line_no}: must be a JSON object, got {type(rec).__name__}")
-    rid = rec.get("id", line_no)
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
-        return Item(line_no, None, error=f"line {line_no}: id={rid!r} must be a non-empty string or an integer")
-    item = Item(line_no, str(rid))
-    unknown = sorted(set(rec) - {"id", *PROMPT_KEYS, *SAMPLING_KEYS})
-    present = [k for k in PROMPT_KEYS if k in rec]
-    if unknown:
-        item.error = (f"line {line_no}: unknown field(s) {unknown}; allowed: id, prompt | prompt_token_ids, "
-                      f"and sampling fields {list(SAMPLING_KEYS)}")
-    elif len(present) != 1:
-        item.error = f"line {line_no}: needs exactly one of 'prompt' or 'prompt_token_ids', got {present}"
-    elif "prompt" in rec and not isinstance(rec["prompt"], str):
-        item.error = f"line {line_no}: prompt must be a string"
-    elif "prompt_token_ids" in rec and not _int_list(rec["prompt_token_ids"]):
-        item.error = f"line {line_no}: prompt_token_ids must be a list of integers"
-    if item.error:
-        return item
-    item.prompt, item.prompt_token_ids = rec.get("prompt"), rec.get("prompt_token_ids")
-    overrides = {k: rec[k] for k in SAMPLING_KEYS if k in rec}
-    try:
-        item.sampling = SamplingParams(**{**default_sp.__dict__, **overrides}) if overrides else default_sp
-    except (RequestValidationError, TypeError) as e:
-        item.error = f"line {line_no}: {e}"
-    return item
-
-
-def _int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-
-
-def read_items(path: str, default_sp: SamplingParams) -> Iterator[Item]:
-    if not os.path.isfile(path):
-        raise JobError(f"--input {path!r}: no such file")
-    seen: set[str] = set()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_no, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            item = parse_line(line_no, text, default_sp)
-            if item.id is not None and item.id in seen:
-                item = Item(line_no, None, error=f"line {line_no}: duplicate id {item.id!r} (first used earlier "
-                                                 f"in the input); ids must be unique")
-            elif item.id is not None:
-                seen.add(item.id)
-            yield item
+    samples: list[tuple[str, str]] = field(default_factory=list)
+    output_path: str | None = None
 
 
 def synthetic_items(n: int, seed: int, vocab_size: int, max_model_len: int) -> Iterator[Item]:
@@ -121,179 +58,182 @@ def synthetic_items(n: int, seed: int, vocab_size: int, max_model_len: int) -> I
         yield Item(i + 1, f"synthetic-{i}", prompt_token_ids=prompt, sampling=sp)
 
 
-# ---- output --------------------------------------------------------------------------------------
-def load_done(path: str | None) -> tuple[set[str], set[int]]:
-    """Ids (and, for unparseable lines, line numbers) already answered in an existing output file."""
-    ids: set[str] = set()
-    lines: set[int] = set()
-    if not path or not os.path.exists(path):
-        return ids, lines
-    _cut_partial_line(path)
-    with open(path, encoding="utf-8") as f:
-        for text in f:
-            try:
-                rec = json.loads(text)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("id") is not None:
-                ids.add(str(rec["id"]))
-            elif isinstance(rec.get("line"), int):
-                lines.add(rec["line"])
-    return ids, lines
-
-
-def _cut_partial_line(path: str) -> None:
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-def check_output_writable(path: str | None) -> None:
-    """Fail before any engine starts when the output file cannot be appended to."""
-    f = open_output(path)
-    if f is not None:
-        f.close()
-
-
-def open_output(path: str | None):
-    if path is None:
-        return None
-    try:
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        return open(path, "a", encoding="utf-8")
-    except OSError as e:
-        raise JobError(f"--output {path!r}: cannot be written ({_why_unwritable(path, e)})") from None
-
-
-def _why_unwritable(path: str, e: OSError) -> str:
-    # makedirs on a path through a regular file says only "File exists": name the file instead.
-    parent = os.path.dirname(os.path.abspath(path))
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if parent and not os.path.isdir(parent):
-        return f"{parent!r} is a file, not a directory"
-    return e.strerror or str(e)
-
-
-def write_record(f, rec: dict[str, Any]) -> None:
-    if f is not None:
-        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        f.flush()
-
-
 # ---- the run -------------------------------------------------------------------------------------
 class Job:
     def __init__(self, config: EngineConfig, engines: EngineGroup, tokenizer: Any,
-                 output_path: str | None, progress: bool = True) -> None:
+                 output_path: str | None, progress: bool = True, total: int | None = None,
+                 output: OutputFile | None = None) -> None:
         self.config = config
         self.engines = engines
         self.tokenizer = tokenizer
         self.output_path = output_path
+        self.out = output
         self.progress = progress
-        self.stats = JobStats()
+        self.total = total
+        self.stats = JobStats(output_path=output_path)
         self.window = max(1, 2 * config.scheduler.max_num_seqs * config.parallel.data_parallel_size)
+        self.live: dict[str, tuple[Item, list[int]]] = {}
+        self.bar: Any = None
 
-    def run(self, items: Iterator[Item]) -> JobStats:
-        done_ids, done_lines = load_done(self.output_path)
-        out = open_output(self.output_path)
-        bar = _bar(self.progress)
-        live: dict[str, tuple[Item, list[int]]] = {}
+    def run(self, items: Iterable[Item]) -> JobStats:
+        """Every item ends as one record (or a skip); raises EngineFailure / JobError (a failed write)
+        with everything written so far whole."""
+        if self.out is None and self.output_path is not None:
+            self.out = OutputFile(self.output_path)
+        done = self.out.done if self.out is not None else None
+        self.stats.earlier_errors = self.out.earlier_errors if self.out is not None else 0
+        if isinstance(items, InputReader):
+            self._configure(items, done)
+        self.bar = _Bar(self.progress, self.total)
         t0 = time.monotonic()
         try:
             pending = iter(items)
             exhausted = False
-            while not exhausted or live:
-                while not exhausted and len(live) < self.window:
+            while not exhausted or self.live:
+                batch: list[Item] = []
+                while not exhausted and len(self.live) + len(batch) < self.window:
                     item = next(pending, None)
                     if item is None:
                         exhausted = True
-                        break
-                    if (item.id in done_ids) if item.id is not None else (item.line in done_lines):
+                    elif item.skip or (done is not None and item.id is not None and item.id in done):
                         self.stats.skipped += 1
-                        continue
-                    self._submit(item, live, out, bar)
-                self._drain(live, out, bar)
+                        self.bar.update(self.stats, 1)
+                    elif item.error is not None:
+                        self.stats.requests += 1
+                        self._write_error(item, item.error)
+                    else:
+                        batch.append(item)
+                self._submit(batch)
+                self._drain()
         finally:
             self.stats.wall_s = time.monotonic() - t0
-            if out is not None:
-                out.close()
-            if bar is not None:
-                bar.close()
+            self.bar.close()
+            if self.out is not None:
+                self.out.close()
         return self.stats
 
-    def _submit(self, item: Item, live: dict, out, bar) -> None:
-        self.stats.requests += 1
-        if item.error is None and item.prompt_token_ids is None:
-            if self.tokenizer is None:
-                item.error = f"line {item.line}: text prompt, but the model has no tokenizer.json here"
-            else:
-                item.prompt_token_ids = self.tokenizer.encode(item.prompt)
-        if item.error is not None:
-            self._write_error(item, item.error, out, bar)
-            return
-        rid = item.id
-        live[rid] = (item, [])
-        err = self.engines.submit([RequestSpec(rid, item.prompt_token_ids, item.sampling)]).get(rid)
-        if err is not None:
-            del live[rid]
-            if self.engines.fatal is not None:
-                # Refused because its replica is down: not this request's fault, so no record is
-                # written and a resubmitted job answers it.
-                raise EngineFailure(self.engines.fatal)
-            self._write_error(item, err, out, bar)
+    def _configure(self, reader: InputReader, done: Any) -> None:
+        if done is not None:
+            reader.done = done
+        if reader.tokenizer is None:
+            reader.tokenizer = self.tokenizer
+        if reader.render_chat is None and self.tokenizer is not None:
+            from cluster.job_batch import make_chat_renderer
 
-    def _drain(self, live: dict, out, bar) -> None:
-        if not live:
+            reader.render_chat = make_chat_renderer(self.tokenizer)
+        mml = self.engines.info.get("max_model_len") if self.engines.infos else None
+        if reader.limits.max_model_len is None and mml:
+            reader.limits = Limits(int(mml), max_token_chars(self.tokenizer) if self.tokenizer else 64)
+
+    def _submit(self, batch: list[Item]) -> None:
+        if not batch:
+            return
+        specs = []
+        for item in batch:
+            self.stats.requests += 1
+            self.live[item.id] = (item, [])
+            specs.append(RequestSpec(item.id, item.prompt_token_ids, item.sampling))
+        refused = self.engines.submit(specs)
+        if refused and self.engines.fatal is not None:
+            # Refused because its replica is down: not these requests' fault, so no record is written
+            # and a rerun answers them.
+            raise EngineFailure(self.engines.fatal)
+        for rid, err in refused.items():
+            item, _ = self.live.pop(rid)
+            self._write_error(item, err)
+
+    def _drain(self) -> None:
+        if not self.live:
             return
         for got in self.engines.poll(timeout_s=0.5):
             o = got.output if isinstance(got, Finished) else got
-            entry = live.get(o.request_id)
+            entry = self.live.get(o.request_id)
             if entry is None:
                 continue
             entry[1].extend(o.new_token_ids)
             if isinstance(got, Finished):
-                del live[o.request_id]
-                self._write_done(entry[0], entry[1], got, out, bar)
+                del self.live[o.request_id]
+                self._write_done(entry[0], entry[1], got)
         if self.engines.fatal is not None:
             raise EngineFailure(self.engines.fatal)
 
-    def _write_done(self, item: Item, tokens: list[int], got: Finished, out, bar) -> None:
+    def _write_done(self, item: Item, tokens: list[int], got: Finished) -> None:
         o, t = got.output, got.timing
         if o.finish_reason == "error":
-            self._write_error(item, o.error or "error", out, bar)
+            self._write_error(item, o.error or "error", status=500)
             return
+        try:
+            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+            n_prompt = len(item.prompt_token_ids)
+            if item.fmt == "openai":
+                rec = batch_output(item, tokens, text, o.finish_reason, None, n_prompt)
+            else:
+                rec = {"id": item.id, "line": item.line, "prompt_tokens": n_prompt, "output_token_ids": tokens,
+                       "text": text, "finish_reason": o.finish_reason, "error": None,
+                       "num_cached_tokens": o.num_cached_tokens, "ttft_s": None if t is None else t.ttft_s,
+                       "e2e_s": None if t is None else t.e2e_s}
+                if item.file is not None:
+                    rec["file"] = item.file
+            data = self.out.encode(rec) if self.out is not None else b""
+        except Exception as e:  # noqa: BLE001 - a record that cannot be written fails its line alone
+            self._write_error(item, f"line {item.line}: the output cannot be written ({type(e).__name__}: {e})")
+            return
+        if self.out is not None:
+            self.out.write(data)
         s = self.stats
         s.completed += 1
-        s.input_tokens += len(item.prompt_token_ids)
+        s.input_tokens += n_prompt
         s.output_tokens += len(tokens)
-        if t is not None and t.ttft_s is not None:
+        if t is not None and t.ttft_s is not None and len(s.ttft_s) < 100_000:  # bounded: a sample suffices
             s.ttft_s.append(t.ttft_s)
             if len(tokens) > 1:
                 s.tpot_s.append((t.e2e_s - t.ttft_s) / (len(tokens) - 1))
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
-        write_record(out, {"id": item.id, "line": item.line, "prompt_tokens": len(item.prompt_token_ids),
-                           "output_token_ids": tokens, "text": text, "finish_reason": o.finish_reason,
-                           "error": None, "num_cached_tokens": o.num_cached_tokens,
-                           "ttft_s": None if t is None else t.ttft_s, "e2e_s": None if t is None else t.e2e_s})
-        if bar is not None:
-            bar.update(1)
+        if len(s.samples) < NUM_SAMPLES and text is not None:
+            s.samples.append((item.id, text))
+        self.bar.update(s, 1)
 
-    def _write_error(self, item: Item, message: str, out, bar) -> None:
+    def _write_error(self, item: Item, message: str, status: int = 400) -> None:
         self.stats.errors += 1
-        write_record(out, {"id": item.id, "line": item.line, "output_token_ids": [], "text": None,
-                           "finish_reason": "error", "error": message})
-        if bar is not None:
-            bar.update(1)
+        # The message may quote the line's own bad text (a lone surrogate): keep it writable.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        rid = item.id.encode("utf-8", "backslashreplace").decode("utf-8") if item.id is not None else None
+        if item.fmt == "openai":
+            rec = batch_output(item, [], None, None, message, 0, status=status)
+        else:
+            rec = {"id": rid, "line": item.line, "output_token_ids": [], "text": None, "finish_reason": "error",
+                   "error": message}
+            if item.file is not None:
+                rec["file"] = item.file.encode("utf-8", "backslashreplace").decode("utf-8")
+        if self.out is not None:
+            self.out.write(self.out.encode(rec))
+        self.bar.update(self.stats, 1)
 
 
-def _bar(enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
+class _Bar:
+    """tqdm with the total (when the input could be counted), ETA, output tok/s and errors so far."""
 
-    return tqdm(desc="kvray run", unit="req", mininterval=0.5)
+    def __init__(self, enabled: bool, total: int | None) -> None:
+        self.bar = None
+        self.t0 = time.monotonic()
+        self.last = 0.0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="kvray run", unit="req", mininterval=0.5, dynamic_ncols=True)
+
+    def update(self, stats: JobStats, n: int) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(n)
+        now = time.monotonic()
+        if now - self.last >= 0.5:
+            self.last = now
+            self.bar.set_postfix_str(f"{stats.output_tokens / max(now - self.t0, 1e-9):.0f} tok/s, "
+                                     f"{stats.errors} errors", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -310,8 +250,9 @@ def summarize(stats: JobStats, engine_stats: list[dict[str, Any]]) -> dict[str, 
     queries = sum(int(s.get("prefix_cache_queries", 0)) for s in engine_stats)
     hits = sum(int(s.get("prefix_cache_hits", 0)) for s in engine_stats)
     return {
+        "output": stats.output_path,
         "requests": stats.requests, "completed": stats.completed, "errors": stats.errors,
-        "skipped_already_done": stats.skipped,
+        "skipped_already_done": stats.skipped, "earlier_error_records": stats.earlier_errors,
         "input_tokens": stats.input_tokens, "output_tokens": stats.output_tokens,
         "wall_s": round(wall, 3),
         "output_tok_per_s": round(stats.output_tokens / wall, 2) if wall > 0 else None,

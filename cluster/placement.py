@@ -47,6 +47,11 @@ def connect(config: EngineConfig) -> bool:
         ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
         return False
     need = int(total_request(config).get("CPU", 0))
+    existing = running_local_cluster()
+    if existing:
+        # Joining it would need it to have kvray's resources, and would disturb its other users.
+        logger.warning("a Ray cluster is already running on this machine (%s): starting a private local Ray "
+                       "for this job (RAY_ADDRESS=%s would use that cluster instead)", existing, existing)
     start_local_ray(num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, need + 1),
                     namespace=config.ray.namespace, include_dashboard=config.ray.include_dashboard)
     return True
@@ -66,8 +71,10 @@ def start_local_ray(num_cpus: int, namespace: str | None = None, include_dashboa
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if _REPO_ROOT not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT, *paths])
+    # address="local": a new private instance even when `ray start` left a cluster on this machine
+    # (plain ray.init() would join that one, and then refuse num_cpus).
     with _loopback_node_ip():
-        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=include_dashboard,
+        ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=include_dashboard,
                  _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
 
 
@@ -98,9 +105,20 @@ def _loopback_node_ip() -> Iterator[None]:
             os.environ[_LOCAL_ONLY_ENV] = old_env
 
 
+def running_local_cluster() -> str | None:
+    """The address of a Ray cluster that `ray start` left running on this machine, else None."""
+    try:
+        from ray._private.services import find_bootstrap_address
+
+        return find_bootstrap_address(None)
+    except Exception as e:  # noqa: BLE001 - a private API: without it, just start the private Ray
+        logger.debug("looking for a running Ray cluster: %s", e)
+        return None
+
+
 def describe_cluster() -> dict[str, Any]:
     """What the cluster has: totals, what is free now, and the nodes."""
-    nodes = [{"node_ip": n.get("NodeManagerAddress"), "alive": n.get("Alive"),
+    nodes = [{"node_id": n.get("NodeID", ""), "node_ip": n.get("NodeManagerAddress"), "alive": n.get("Alive"),
               "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")}}
              for n in ray.nodes()]
     return {"cluster_resources": _plain(ray.cluster_resources()),

@@ -1,0 +1,125 @@
+"""`kvray info`: what the cluster has, and where each engine's bundles would go.
+
+The placement is a dry run of the config's strategy on the cluster's idle capacity (totals per node,
+not what other jobs hold right now). An embedded Ray is sized to this machine (its real cores and GPUs),
+so a config the machine cannot hold is never reported as fitting; CPU ranks that outnumber the cores
+are "oversubscribed": `kvray run` still runs them, sharing cores, and says so.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from cluster.config import EngineConfig
+from cluster.placement import bundles_for, total_request
+
+GIB = float(1 << 30)
+
+
+def plan(config: EngineConfig, nodes: list[dict[str, Any]]) -> tuple[list[list[str | None]], str | None]:
+    """-> (per engine, the node id of each bundle or None), and why the first engine that does not fit
+    does not (None when all fit)."""
+    p = config.parallel
+    free = {n["node_id"]: dict(n["resources"]) for n in nodes if n["alive"]}
+    out: list[list[str | None]] = []
+    why = None
+    for e in range(p.data_parallel_size):
+        got = _place(bundles_for(config), free, p.placement_strategy)
+        if got is None:
+            why = why or (f"engine {e} of {p.data_parallel_size}: {p.tensor_parallel_size} bundle(s) of "
+                          f"{bundles_for(config)[0]} with {p.placement_strategy} do not fit what is left")
+            out.append([None] * p.tensor_parallel_size)
+        else:
+            out.append(got)
+    return out, why
+
+
+def _fits(bundle: dict[str, float], res: dict[str, float]) -> bool:
+    return all(res.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())
+
+
+def _take(bundle: dict[str, float], res: dict[str, float]) -> None:
+    for k, v in bundle.items():
+        res[k] = res.get(k, 0.0) - v
+
+
+def _place(bundles: list[dict[str, float]], free: dict[str, dict[str, float]], strategy: str) -> list[str] | None:
+    trial = {k: dict(v) for k, v in free.items()}
+    chosen: list[str] = []
+    if strategy == "STRICT_PACK":
+        total: dict[str, float] = {}
+        for b in bundles:
+            for k, v in b.items():
+                total[k] = total.get(k, 0.0) + v
+        node = next((n for n, r in trial.items() if _fits(total, r)), None)
+        if node is None:
+            return None
+        chosen = [node] * len(bundles)
+        for b in bundles:
+            _take(b, trial[node])
+    else:
+        for b in bundles:
+            options = [n for n, r in trial.items() if _fits(b, r)]
+            if strategy in ("SPREAD", "STRICT_SPREAD"):
+                fresh = [n for n in options if n not in chosen]
+                if strategy == "STRICT_SPREAD" or fresh:
+                    options = fresh
+            elif chosen and chosen[-1] in options:  # PACK: stay on the node in use while it has room
+                options = [chosen[-1]]
+            if not options:
+                return None
+            chosen.append(options[0])
+            _take(b, trial[options[0]])
+    free.clear()
+    free.update(trial)
+    return chosen
+
+
+def machine_shortfall(config: EngineConfig) -> tuple[str | None, str | None]:
+    """For an embedded Ray: (why the machine cannot hold the config, a note when CPU ranks would share
+    cores)."""
+    need = total_request(config)
+    cores = os.cpu_count() or 1
+    if need.get("GPU", 0.0) > 0:
+        gpus = _local_gpus()
+        if gpus + 1e-9 < need["GPU"]:
+            return (f"the config asks for {need['GPU']:g} GPU(s) and this machine has {gpus}; "
+                    f"set RAY_ADDRESS to use a cluster, or --set parallel.device=cpu"), None
+    cpu_ranks = int(need.get("CPU", 0.0))
+    if cpu_ranks > cores:
+        return None, f"oversubscribed: {cpu_ranks} CPU rank(s) would share this machine's {cores} core(s)"
+    return None, None
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable CUDA: no GPUs
+        return 0
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as a few readable lines."""
+    nodes = report["cluster"]["nodes"]
+    rows = [("node", "ip", "alive", "CPUs", "GPUs", "memory GiB", "bundles")]
+    where: dict[str, list[str]] = {}
+    for e, placed in enumerate(report["placement"]["engines_on"]):
+        for rank, node in enumerate(placed):
+            if node is not None:
+                where.setdefault(node, []).append(f"e{e}r{rank}")
+    for n in nodes:
+        r = n["resources"]
+        rows.append((n["node_id"][:12], str(n["node_ip"]), "yes" if n["alive"] else "no", f"{r.get('CPU', 0):g}",
+                     f"{r.get('GPU', 0):g}", f"{r.get('memory', 0) / GIB:.1f}", " ".join(where.get(n["node_id"], []))
+                     or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    p = report["placement"]
+    lines.append("")
+    lines.append(f"config: {p['engines']} engine(s) x {p['workers_per_engine']} rank(s), bundle "
+                 f"{p['bundles_per_engine'][0]}, {p['strategy']}, transport {p['transport']}; "
+                 f"asks {p['total_request']} of {report['cluster']['cluster_resources']}")
+    lines.append(f"verdict: {p['verdict']}")
+    return "\n".join(lines)
