@@ -102,6 +102,11 @@ def _sampling(where: str, body: dict[str, Any], url: str) -> dict[str, Any]:
             if "logprobs" in fields and body.get("logprobs"):
                 sp["logprobs"] = body.get("top_logprobs") or 0
             continue
+        if k == "n":
+            if v != 1 or isinstance(v, bool):
+                raise BatchLineError(f"{where}: body.n={v!r}: kvray run answers one completion a line (n=1)")
+            if "n" not in fields:
+                continue
         name = _RENAMED.get(k, k)
         if name not in fields:
             raise BatchLineError(f"{where}: body.{k} is not a field kvray knows; sampling fields: "
@@ -109,8 +114,6 @@ def _sampling(where: str, body: dict[str, Any], url: str) -> dict[str, Any]:
         if name == "stop" and isinstance(v, str):
             v = [v]
         sp[name] = v
-    if sp.get("n", 1) != 1:
-        raise BatchLineError(f"{where}: body.n={sp['n']!r}: kvray run answers one completion a line (n=1)")
     return sp
 
 

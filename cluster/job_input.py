@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterator
 
+from cluster.job_batch import BatchLineError, parse_batch_record
 from cluster.job_keys import KeySet
 from kvcore.request import RequestValidationError, SamplingParams
 
@@ -198,8 +199,7 @@ class InputReader:
                 return item
             rec = _decode(where, raw)
             if fmt == "openai":
-                from cluster.job_batch import parse_batch_record
-
+                item.batch = {"custom_id": _usable_custom_id(rec)}  # its error line names it too
                 fields = parse_batch_record(where, rec, self.render_chat)
                 item.batch = {k: fields.pop(k) for k in ("custom_id", "url", "model")}
                 item.id = item.batch["custom_id"]  # checked: a valid, printable string
@@ -218,7 +218,7 @@ class InputReader:
                 item.skip = True
                 return item
             self._prepare(where, item, fields)
-        except _LineError as e:
+        except (_LineError, BatchLineError) as e:
             item.error = str(e)
         except Exception as e:  # noqa: BLE001 - whatever breaks on one line fails that line alone
             item.error = f"{where}: {type(e).__name__}: {e}"
@@ -242,9 +242,17 @@ class InputReader:
             raise _LineError(f"{where}: prompt has {len(item.prompt):,} characters, more than "
                              f"max_model_len={self.limits.max_model_len} tokens can hold (a token spans at most "
                              f"{self.limits.max_token_chars} characters here); refused before tokenizing")
-        # A rendered chat template already holds its special tokens: add none.
-        item.prompt_token_ids = (self.tokenizer.encode(item.prompt, add_special_tokens=False)
-                                 if fields.get("chat") else self.tokenizer.encode(item.prompt))
+        item.prompt_token_ids = (encode_rendered_chat(self.tokenizer, item.prompt) if fields.get("chat")
+                                 else self.tokenizer.encode(item.prompt))
+
+
+def encode_rendered_chat(tokenizer: Any, text: str) -> list[int]:
+    """A rendered chat template already holds its special tokens: add none (where the tokenizer can)."""
+    import inspect
+
+    if "add_special_tokens" in inspect.signature(tokenizer.encode).parameters:
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text)
 
 
 class _LineError(ValueError):
@@ -309,6 +317,17 @@ def _check_id(where: str, rid: str) -> None:
     check_text(where, "id", rid)
     if not rid.isprintable():
         raise _LineError(f"{where}: id={_short(rid)} must be printable (no control characters)")
+
+
+def _usable_custom_id(rec: Any) -> str | None:
+    cid = rec.get("custom_id") if isinstance(rec, dict) else None
+    if not isinstance(cid, str) or not cid or not cid.isprintable():
+        return None
+    try:
+        cid.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return cid
 
 
 def _int_list(v: Any) -> bool:

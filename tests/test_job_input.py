@@ -1,0 +1,185 @@
+"""`kvray run` input: every line parsed in isolation, bounded reads, shards, stdin, resume across shards.
+The job runs against an in-process engine double (tests/job_helpers.py): no Ray, milliseconds."""
+import io
+import json
+import os
+import sys
+
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.engines import EngineFailure
+from cluster.job import Job
+from cluster.job_input import InputReader, JobError, Limits, Shard, count_lines, resolve_shards
+from cluster.job_keys import KeySet
+from cluster.llm import load_client_model
+from kvcore.request import SamplingParams
+from tests.job_helpers import MAX_MODEL_LEN, FakeEngines, expected_tokens
+
+SP = SamplingParams(max_tokens=3, ignore_eos=True)
+HOSTILE = {
+    "int_5000_digits": (b'{"id": "big", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+                        "not valid JSON here (Exceeds the limit"),
+    "nested_100000_deep": (b"[" * 100_000 + b"]" * 100_000, "longer than any prompt the model can take"),
+    "nested_20000_deep_within_the_line_limit": (b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+                                                "nested too deeply"),
+    "id_lone_surrogate": (b'{"id": "\\ud800", "prompt": "x"}', "id is not valid Unicode (a lone surrogate U+D800"),
+    "prompt_lone_surrogate": (b'{"id": "ls", "prompt": "a\\udc80b"}',
+                              "prompt is not valid Unicode (a lone surrogate U+DC80 at character 1)"),
+    "invalid_utf8": (b'{"id": "u8", "prompt": "a\xff\xfeb"}', "not valid UTF-8 (byte 0xff at byte 25)"),
+    "id_control_character": (b'{"id": "a\\u0007b", "prompt": "x"}', "must be printable"),
+    "fifty_mb_line": (b'{"id": "huge", "prompt": "' + b"a" * (50 << 20) + b'"}',
+                      "longer than any prompt the model can take"),
+    "text_over_the_character_cap": (b'{"id": "long", "prompt": "' + b"b" * 5000 + b'"}', "refused before tokenizing"),
+    "bad_sampling_field": (b'{"id": "tp", "prompt": "x", "top_p": 0}', "top_p=0: must be in (0, 1]"),
+    "not_json": (b"not json", "not valid JSON (Expecting value"),
+    "engine_refusal": (b'{"id": "ov", "prompt_token_ids": [1, 300]}', "outside the vocabulary"),
+}
+
+
+class CountingTokenizer:
+    def __init__(self, tok):
+        self.tok, self._tok, self.chars = tok, tok._tok, 0
+
+    def encode(self, text, **kw):
+        self.chars += len(text)
+        return self.tok.encode(text, **kw)
+
+    def decode(self, ids):
+        return self.tok.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return CountingTokenizer(load_client_model(EngineConfig())[0])
+
+
+def run_job(tmp_path, shards_or_path, tokenizer, engines=None, out_name="out.jsonl"):
+    out = tmp_path / out_name
+    shards = resolve_shards(str(shards_or_path)) if not isinstance(shards_or_path, list) else shards_or_path
+    engines = engines or FakeEngines()
+    job = Job(EngineConfig(), engines, tokenizer, str(out), progress=False)
+    stats = job.run(InputReader(shards, SP))
+    return stats, [json.loads(x) for x in out.read_text().splitlines()], engines
+
+
+def test_every_hostile_line_fails_alone_and_the_good_ones_run(tmp_path, tokenizer):
+    lines, good = [], {}
+    for i, (name, (raw, _)) in enumerate(HOSTILE.items()):
+        good[f"good-{i}"] = [10 + i, 11]
+        lines.append(json.dumps({"id": f"good-{i}", "prompt_token_ids": good[f"good-{i}"]}).encode())
+        lines.append(raw)
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"\n".join(lines) + b"\n")
+    tokenizer.chars = 0
+    stats, recs, _ = run_job(tmp_path, inp, tokenizer)
+    by_line = {r["line"]: r for r in recs}
+    for i, (name, (_, message)) in enumerate(HOSTILE.items()):
+        rec = by_line[2 * i + 2]
+        assert rec["finish_reason"] == "error" and message in rec["error"], (name, rec["error"][:300])
+        assert len(rec["error"]) < 1000, name  # never the whole line quoted back
+        ok = by_line[2 * i + 1]
+        assert ok["error"] is None and ok["output_token_ids"] == expected_tokens(good[ok["id"]], 3), name
+    assert stats.errors == len(HOSTILE) and stats.completed == len(HOSTILE)
+    assert tokenizer.chars < 10_000, "an over-long text prompt was tokenized"
+    assert by_line[4]["id"] is None  # an invalid id is never written back as an id
+
+
+def test_a_fifty_mb_line_is_refused_without_being_held(tmp_path, tokenizer):
+    import tracemalloc
+
+    inp = tmp_path / "huge.jsonl"
+    inp.write_bytes(HOSTILE["fifty_mb_line"][0] + b"\n" + b'{"prompt": "ok"}\n')
+    tracemalloc.start()
+    try:
+        items = list(InputReader([Shard(str(inp), None)], SP, tokenizer, Limits(MAX_MODEL_LEN, 13)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "longer than any prompt" in items[0].error and items[1].error is None
+    assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB while reading a 50 MiB line"
+
+
+def test_stdin_is_an_input(tmp_path, tokenizer, monkeypatch):
+    data = b'{"id": "s1", "prompt_token_ids": [1, 2]}\n{"prompt": "hi"}\n'
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert resolve_shards("-")[0].is_stdin and resolve_shards("/dev/stdin")[0].is_stdin
+    assert count_lines(resolve_shards("-")) is None
+    stats, recs, _ = run_job(tmp_path, resolve_shards("-"), tokenizer)
+    assert {r["id"] for r in recs} == {"s1", "2"} and stats.completed == 2
+
+
+def make_shards(d, n_files=3, per_file=7):
+    d.mkdir()
+    (d / "sub").mkdir()
+    for f in range(n_files):
+        where = d / "sub" if f == 2 else d
+        lines = [json.dumps({"prompt_token_ids": [f, i + 1]}) for i in range(per_file)]
+        (where / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n")
+    (d / "notes.txt").write_text("not an input shard\n")
+
+
+def test_a_directory_of_shards_resumes_across_shards(tmp_path, tokenizer):
+    d = tmp_path / "shards"
+    make_shards(d)
+    shards = resolve_shards(str(d))
+    assert [s.label for s in shards] == ["part-0.jsonl", "part-1.jsonl", os.path.join("sub", "part-2.jsonl")]
+    assert count_lines(shards) == 21
+    with pytest.raises(EngineFailure):
+        run_job(tmp_path, shards, tokenizer, FakeEngines(fail_after=10))
+    first = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert 0 < len(first) < 21
+    stats, recs, engines = run_job(tmp_path, shards, tokenizer)
+    assert stats.skipped == len(first) and stats.completed == 21 - len(first)
+    ids = [r["id"] for r in recs]
+    assert len(ids) == len(set(ids)) == 21
+    for r in recs:
+        f, line = r["file"], r["line"]
+        assert r["id"] == f"{f}:{line}"
+        assert r["output_token_ids"] == expected_tokens([int(f[-7]), line], 3)
+    assert set(engines.submitted).isdisjoint(r["id"] for r in first)
+
+
+def test_a_glob_of_shards(tmp_path, tokenizer):
+    d = tmp_path / "g"
+    make_shards(d)
+    shards = resolve_shards(str(d / "*.jsonl"))
+    assert [s.label for s in shards] == [str(d / "part-0.jsonl"), str(d / "part-1.jsonl")]
+    stats, recs, _ = run_job(tmp_path, shards, tokenizer)
+    assert stats.completed == 14 and {r["file"] for r in recs} == {s.label for s in shards}
+
+
+def test_missing_and_empty_inputs_are_named(tmp_path):
+    with pytest.raises(JobError, match="no such file"):
+        resolve_shards(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(JobError, match="matches no file"):
+        resolve_shards(str(tmp_path / "*.jsonl"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(JobError, match="without any \\*.jsonl"):
+        resolve_shards(str(tmp_path / "empty"))
+
+
+def test_the_window_bounds_what_is_in_flight(tmp_path, tokenizer):
+    inp = tmp_path / "many.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_token_ids": [i % 200 + 1]}) + "\n" for i in range(3000)))
+    stats, recs, engines = run_job(tmp_path, inp, tokenizer)
+    config = EngineConfig()
+    assert stats.completed == 3000 and len(recs) == 3000
+    assert engines.max_open <= 2 * config.scheduler.max_num_seqs
+
+
+def test_keyset_is_compact_and_exact_for_members():
+    ks = KeySet()
+    for i in range(200_000):
+        ks.add(f"id-{i}")
+    assert len(ks) == 200_000 and ks._sorted.nbytes == 8 * 200_000
+    assert "id-0" in ks and "id-199999" in ks and "id-200000" not in ks
+    assert sum(f"other-{i}" in ks for i in range(10_000)) == 0
+
+
+def test_duplicate_ids_fail_the_second_line(tmp_path, tokenizer):
+    inp = tmp_path / "dup.jsonl"
+    inp.write_text('{"id": "x", "prompt_token_ids": [1]}\n{"id": "x", "prompt_token_ids": [2]}\n')
+    stats, recs, _ = run_job(tmp_path, inp, tokenizer)
+    by_line = {r["line"]: r for r in recs}
+    assert "line 2: duplicate id 'x'" in by_line[2]["error"] and by_line[1]["id"] == "x" and stats.completed == 1
