@@ -186,7 +186,7 @@ def test_unwritable_output_path(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--output '{out}': cannot be written ('{blocker}' is a file, not a directory)" in err, err
     assert kvray_main(["run", "--input", str(inp), "--output", str(tmp_path)]) == 2  # a directory
-    assert f"--output '{tmp_path}': cannot be written (Is a directory)" in capsys.readouterr().err
+    assert f"--output '{tmp_path}': a directory, not a regular file" in capsys.readouterr().err
 
 
 def test_malformed_set_override(capsys):

@@ -1,14 +1,18 @@
 """`kvray run` as a Ray job on a real (local) cluster: `ray start --head` with token authentication,
 `ray job submit --working-dir . -- kvray run --config configs/local.yaml --input ... --output ...`,
-then the output file is checked, a resubmission skips what is done, and the head is stopped."""
+then the output file is checked, a resubmission skips what is done and retries what failed, and the
+head is stopped (only it: every port it binds is a free one, its temp dir is private, and it is stopped
+by its own process group, never by `ray stop`)."""
 import json
 import os
 import secrets
+import signal
 import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -36,32 +40,90 @@ def cluster(tmp_path_factory):
         (shim / "kvray").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cluster.cli "$@"\n')
         (shim / "kvray").chmod(stat.S_IRWXU)
         path.insert(0, str(shim))
+    # A private Ray temp dir (short: Ray's socket paths must fit 107 bytes): the head is recorded there,
+    # not in /tmp/ray, so no other Ray user of this machine sees it or joins it.
+    ray_tmp = tempfile.mkdtemp(prefix="kvrt-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.pop("TRITON_INTERPRET", None)  # a plain CPU run, as a user's job would be
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
-               PATH=os.pathsep.join(path + [env.get("PATH", "")]))
-    dash = start_head(env)
+               RAY_TMPDIR=ray_tmp, PATH=os.pathsep.join(path + [env.get("PATH", "")]))
+    head, dash = start_head(env, ray_tmp)
     try:
         yield env, f"http://127.0.0.1:{dash}", tmp
     finally:
-        subprocess.run([f"{BIN}/ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_head(head, ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def start_head(env, attempts: int = 3) -> int:
-    """`ray start --head` on fresh free ports; returns the dashboard port. A port found free can be taken
-    by another process before the head binds it (seen once in CI on the dashboard port): a failed start
-    is stopped and retried on new ports."""
+HEAD_PORTS = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+              "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port",
+              "ray-client-server-port")
+
+
+def start_head(env, ray_tmp, attempts: int = 3):
+    """`ray start --head --block` on fresh free ports for every port the head binds (GCS, dashboard,
+    dashboard agent, metrics, runtime-env agent, raylet, object manager, client server), in its own
+    process group; returns (the process, the dashboard port). A port found free can be taken by another
+    process before the head binds it: a failed start is stopped and retried on new ports."""
     errors = []
     for _ in range(attempts):
-        gcs, dash = free_port(), free_port()
-        r = subprocess.run([f"{BIN}/ray", "start", "--head", f"--port={gcs}", "--num-cpus=4",
-                            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                            "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=120)
-        if r.returncode == 0:
-            return dash
-        errors.append(r.stderr[-2000:])
-        subprocess.run([f"{BIN}/ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        ports = {name: free_port() for name in HEAD_PORTS}
+        cmd = [f"{BIN}/ray", "start", "--head", "--block", "--num-cpus=4", "--include-dashboard=true",
+               "--dashboard-host=127.0.0.1", "--disable-usage-stats", *(f"--{k}={v}" for k, v in ports.items())]
+        log = open(os.path.join(ray_tmp, "head.log"), "w+")
+        head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and head.poll() is None:
+            if os.path.exists(os.path.join(ray_tmp, "ray", "ray_current_cluster")) and dashboard_up(ports["dashboard-port"]):
+                return head, ports["dashboard-port"]
+            time.sleep(1)
+        log.seek(0)
+        errors.append(log.read()[-2000:])
+        stop_head(head, ray_tmp)
     raise RuntimeError("ray start --head failed %d times:\n%s" % (attempts, "\n---\n".join(errors)))
+
+
+def dashboard_up(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def stop_head(head, ray_tmp):
+    """Stop only this head: SIGTERM to its process group (`ray start --block` shuts its processes down),
+    then any process still running from its private temp dir, by pid. Never `ray stop`, which stops every
+    Ray on the machine."""
+    try:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    deadline = time.monotonic() + 30
+    while True:
+        left = processes_using(ray_tmp)
+        if not left or time.monotonic() > deadline:
+            break
+        sig = signal.SIGKILL if time.monotonic() > deadline - 15 else signal.SIGTERM
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(1)
+
+
+def processes_using(path):
+    """Pids of the processes whose command line names path (this head's private temp dir)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if path.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
 
 
 def submit(env, address, *args):
@@ -86,7 +148,9 @@ def test_ray_job_submit_runs_kvray_and_resumes(cluster):
              {"id": "bad", "prompt": "x", "top_p": 0}]
     inp.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
     r = submit(env, address, "--input", str(inp), "--output", str(out), "--summary-json", str(summary))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # Two lines got error records: the job ends with exit code 3 (so Ray marks it failed), the count last.
+    assert r.returncode != 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "2 of 5 line(s) got error records (exit 3)" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
     recs = {(x["id"], x["line"]): x for x in map(json.loads, out.read_text().splitlines())}
     assert set(recs) == {("a", 1), ("b", 2), ("3", 3), ("bad", 4), (None, 5)}
     assert recs[("b", 2)]["finish_reason"] == "length" and len(recs[("b", 2)]["output_token_ids"]) == 4
@@ -96,15 +160,29 @@ def test_ray_job_submit_runs_kvray_and_resumes(cluster):
     assert "not valid JSON" in recs[(None, 5)]["error"]
     s = json.loads(summary.read_text())
     assert s["completed"] == 3 and s["errors"] == 2 and s["output_tokens"] >= 7
-    # Resubmitted with one more line: only the new line runs; nothing is answered twice.
-    with open(inp, "a") as f:
-        f.write(json.dumps({"id": "c", "prompt_token_ids": [9, 9], "max_tokens": 2, "ignore_eos": True}) + "\n")
+    # Resubmitted with the bad line fixed and one more line: those two run, the answered ones are skipped,
+    # the line that is still not JSON fails again; nothing that succeeded is answered twice.
+    lines[3] = {"id": "bad", "prompt": "x", "top_p": 0.5, "max_tokens": 2}
+    lines.append({"id": "c", "prompt_token_ids": [9, 9], "max_tokens": 2, "ignore_eos": True})
+    inp.write_text("\n".join(json.dumps(x) for x in lines[:4]) + "\nnot json\n" + json.dumps(lines[4]) + "\n")
     r = submit(env, address, "--input", str(inp), "--output", str(out), "--summary-json", str(summary))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ids = [(x["id"], x["line"]) for x in map(json.loads, out.read_text().splitlines())]
-    assert len(ids) == len(set(ids)) == 6 and ("c", 6) in ids
+    assert "1 of 3 line(s) got error records" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+    got = [x for x in map(json.loads, out.read_text().splitlines()) if x["error"] is None]
+    ids = [(x["id"], x["line"]) for x in got]
+    assert len(ids) == len(set(ids)) == 5 and ("c", 6) in ids and ("bad", 4) in ids
     s = json.loads(summary.read_text())
-    assert s["skipped_already_done"] == 5 and s["completed"] == 1
+    assert s["skipped_already_done"] == 3 and s["completed"] == 2 and s["earlier_error_records"] == 2
+
+
+def test_the_quick_start_works_beside_a_running_cluster(cluster, tmp_path):
+    """RAY_ADDRESS unset, a `ray start` cluster on the machine: kvray starts a private Ray and says so."""
+    env, _, _ = cluster
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run(["kvray", "run", "--config", "configs/local.yaml", "--no-progress", "--num-requests", "2",
+                        "--output", str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "a Ray cluster is already running on this machine" in r.stderr and "private local Ray" in r.stderr
+    assert len(out.read_text().splitlines()) == 2
 
 
 def test_the_cluster_refuses_a_wrong_token(cluster):

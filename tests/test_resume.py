@@ -118,7 +118,7 @@ def test_client_killed_at_random_points_then_rerun_answers_each_id_once(ray_addr
             p.send_signal(signal.SIGKILL)
             kills += 1
         p.communicate(timeout=60)
-        done_ids, _ = load_done(str(out))
+        done_ids, _ = load_done(str(out))  # (successful keys, error records)
         assert len(done_ids) == count_lines(out)  # whole lines only, no id twice
     assert kills >= 2, "the runs finished before they could be killed"
     # A kill in the middle of a write: the last record is only half there.

@@ -1,0 +1,115 @@
+"""`kvray` as a user meets it: --version, exit codes checked before Ray starts, a run without --output
+(a timestamped file, named in the summary, samples printed), stdin input, quiet by default and detail
+with -v, Ctrl-C with a one-line message, and `kvray info` (table, --json, a one-line reason for a
+non-zero exit). Each subprocess gets a private Ray temp dir, so it never joins another Ray here."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import ray
+
+from cluster.cli import EXIT_INTERRUPTED, EXIT_USAGE, main as kvray_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOISE = ("Token authentication is enabled", "Tearing down compiled DAG", "Started a local Ray instance",
+         "Teardown complete", "Traceback")
+
+
+@pytest.fixture
+def env():
+    ray_tmp = tempfile.mkdtemp(prefix="kvrc-", dir="/tmp")
+    e = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TRITON_INTERPRET")}
+    e.update(PYTHONPATH=REPO, RAY_TMPDIR=ray_tmp)
+    yield e
+
+
+def kvray(env, *args, cwd, stdin=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=cwd, env=env, stdin=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        kvray_main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("kvray 0.")
+
+
+def test_a_missing_model_exits_2_before_ray_starts(capsys, tmp_path):
+    assert kvray_main(["run", "--set", f"model.model={tmp_path / 'nope'}"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.model" in err[0] and "no such directory" in err[0]
+    assert not ray.is_initialized()
+
+
+def test_a_run_without_output_writes_a_timestamped_file_quietly(env, tmp_path):
+    with open(os.path.join(REPO, "examples", "prompts.jsonl"), "rb") as f:
+        r = kvray(env, "run", "--config", os.path.join(REPO, "configs", "local.yaml"), "--input", "-",
+                  cwd=tmp_path, stdin=f)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = [p for p in os.listdir(tmp_path) if p.startswith("kvray-") and p.endswith(".out.jsonl")]
+    assert len(files) == 1
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["output"] == files[0] and summary["completed"] == 3
+    assert "  hello: " in r.stdout  # a few sample completions
+    assert {json.loads(x)["id"] for x in (tmp_path / files[0]).read_text().splitlines()} == \
+        {"hello", "greedy-ids", "sampled"}
+    for noise in NOISE:
+        assert noise not in r.stderr, (noise, r.stderr[-3000:])
+    assert "kvray run: 3req" in r.stderr and "0 errors" in r.stderr  # the bar (stdin: no total to count)
+
+
+def test_verbose_brings_the_detail_back_and_dev_stdin_works(env, tmp_path):
+    with open(os.path.join(REPO, "examples", "prompts.jsonl"), "rb") as f:
+        r = kvray(env, "-v", "run", "--input", "/dev/stdin", "--output", str(tmp_path / "o.jsonl"), "--no-progress",
+                  cwd=tmp_path, stdin=f)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 3
+    assert "Token authentication is enabled" in r.stderr, r.stderr[-3000:]  # Ray's banners are back
+
+
+def test_ctrl_c_ends_with_where_the_output_is_and_how_to_resume(env, tmp_path):
+    out = tmp_path / "o.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "run", "--num-requests", "400", "--no-progress",
+                          "--set", "scheduler.max_num_seqs=2", "--output", str(out)], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and p.poll() is None and (not out.exists() or not out.read_text()):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_INTERRUPTED, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "interrupted" in last and f"--output {out} to resume" in last, err[-3000:]
+    assert "Traceback" not in err
+    assert out.read_bytes().endswith(b"\n")
+
+
+def test_info_table_json_and_a_one_line_reason(capsys):
+    assert kvray_main(["info", "--config", "configs/local.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:6] == ["node", "ip", "alive", "CPUs", "GPUs", "memory"]
+    assert "e0r0" in out and "verdict: fits" in out
+    assert kvray_main(["info", "--config", "configs/local.yaml", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["placement"]["fits"] and report["cluster"]["nodes"][0]["resources"]["CPU"] == os.cpu_count()
+    # An embedded Ray sized to this machine: a GPU config does not fit a machine without GPUs.
+    code = kvray_main(["info", "--config", "configs/gpu.yaml"])
+    captured = capsys.readouterr()
+    import torch
+
+    if not torch.cuda.is_available():
+        assert code == 1 and "verdict: does not fit" in captured.out
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and "asks for 1 GPU(s) and this machine has 0" in err[0]
+    # TP=2 x DP=2 CPU ranks: oversubscribed on fewer than 4 cores (the run shares them), never "fits".
+    assert kvray_main(["info", "--config", "configs/local-tp2.yaml"]) == 0
+    out = capsys.readouterr().out
+    if (os.cpu_count() or 1) < 4:
+        assert "verdict: oversubscribed: 4 CPU rank(s) would share this machine's" in out
+    else:
+        assert "verdict: fits" in out
