@@ -65,7 +65,7 @@ def run_job(tmp_path, shards_or_path, tokenizer, engines=None, out_name="out.jso
 
 def test_every_hostile_line_fails_alone_and_the_good_ones_run(tmp_path, tokenizer):
     lines, good = [], {}
-    for i, (name, (raw, _)) in enumerate(HOSTILE.items()):
+    for i, (_name, (raw, _)) in enumerate(HOSTILE.items()):
         good[f"good-{i}"] = [10 + i, 11]
         lines.append(json.dumps({"id": f"good-{i}", "prompt_token_ids": good[f"good-{i}"]}).encode())
         lines.append(raw)
