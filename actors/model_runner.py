@@ -185,9 +185,11 @@ class ModelRunner:
             # sampling kernel itself allocates nothing. (The CPU budget is configured, not profiled.)
             ones = torch.ones(rows, device=self.device)
             ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
-            self.sampler(logits, SamplingMetadata(
-                temperature=ones, top_k=ids.to(torch.int32) + 8, top_p=ones * 0.9, seeds=ids, positions=ids,
-                all_greedy=False, need_filter=True, num_logprobs=MAX_LOGPROBS))
+            # Both kernel variants of plain requests compile here, not on the first request that needs one.
+            for need_filter in (False, True):
+                self.sampler(logits, SamplingMetadata(
+                    temperature=ones, top_k=ids.to(torch.int32) + 8, top_p=ones * 0.9, seeds=ids, positions=ids,
+                    all_greedy=False, need_filter=need_filter, num_logprobs=MAX_LOGPROBS))
 
     def determine_num_blocks(self) -> int:
         """Blocks this rank can hold: the override, else the memory budget left after a profile run."""

@@ -38,7 +38,8 @@ def make_workload(kind: str, vocab: int, seed: int = 0) -> tuple[list[list[int]]
     return prompts, [int(x) for x in out_lens]
 
 
-def run_kvray(model_dir: str, prompts, out_lens, args, admission_min_batch: int = 1) -> dict:
+def run_kvray(model_dir: str, prompts, out_lens, args, admission_min_batch: int = 1,
+              logprobs: int | None = None) -> dict:
     from cluster import LLM, SamplingParams
 
     llm = LLM(model=model_dir, device="cuda", dtype="bfloat16", max_model_len=args.max_model_len,
@@ -49,7 +50,8 @@ def run_kvray(model_dir: str, prompts, out_lens, args, admission_min_batch: int 
     try:
         warm = [{"prompt_token_ids": p} for p in prompts[:8]]
         llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True))
-        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, logprobs=logprobs)
+                  for n in out_lens]
         driver = llm.engines.drivers[0]
         before = llm.engines.stats()[0]
         if args.profile:
@@ -121,6 +123,9 @@ def main() -> None:
     ap.add_argument("--admission-min-batch", type=int, nargs="+", default=[1],
                     help="scheduler.admission_min_batch; several values run side by side")
     ap.add_argument("--admission-max-wait-steps", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0.6 for nano-vllm's recipe")
+    ap.add_argument("--logprobs", type=int, metavar="K",
+                    help="also run with SamplingParams(logprobs=K), side by side: the throughput cost")
     ap.add_argument("--profile", metavar="DIR", help="torch profiler traces of a few worker steps into DIR")
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--profile-skip", type=int, default=40, help="steps of the timed run before the trace")
@@ -140,6 +145,14 @@ def main() -> None:
         record("bench_offline", f"offline_{tag}_output_tok_s_admit{admit}", tok_s, "tok/s")
         if i == 0:
             record("bench_offline", f"offline_{tag}_output_tok_s", tok_s, "tok/s")
+            headline_tok_s = tok_s
+    if args.logprobs is not None:
+        with_lp = run_kvray(model_dir, prompts, out_lens, args, args.admission_min_batch[0], args.logprobs)
+        lp_tok_s = with_lp["output_tokens"] / with_lp["elapsed_s"]
+        print(f"kvray with logprobs={args.logprobs}: {lp_tok_s:.0f} output tok/s "
+              f"({lp_tok_s / headline_tok_s:.3f} of without)", flush=True)
+        record("bench_offline", f"offline_{tag}_logprobs{args.logprobs}_output_tok_s", lp_tok_s, "tok/s")
+        record("bench_offline", f"offline_{tag}_logprobs{args.logprobs}_vs_none_ratio", lp_tok_s / headline_tok_s, "x")
     if args.hf:
         hf = run_hf(model_dir, prompts, out_lens)
         hf_tok_s = hf["output_tokens"] / hf["elapsed_s"]

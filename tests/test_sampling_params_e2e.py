@@ -12,15 +12,21 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import hf_models as H
 import pytest
 import torch
+from test_sampler import vllm_penalties
 
-import hf_models as H
 from actors.engine_core import EngineCore
 from actors.local_executor import LocalExecutor
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from cluster.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvcore.request import Request, SamplingParams
-from test_sampler import vllm_penalties
 
 EOS = 2
 
@@ -127,7 +133,7 @@ def test_penalties_equal_vllm_formulas_on_hf_logits(model):
         for _ in range(n):
             with torch.no_grad():
                 logits = hf(torch.tensor([prompt + out])).logits[0, -1:].float()
-            pad = lambda ids: torch.tensor([ids + [H.VOCAB] * (40 - len(ids))])  # noqa: E731
+            pad = lambda ids: torch.tensor([ids + [H.VOCAB] * (40 - len(ids))])
             pen = vllm_penalties(logits, pad(prompt), pad(out), torch.tensor([sp.presence_penalty]),
                                  torch.tensor([sp.frequency_penalty]), torch.tensor([sp.repetition_penalty]))
             out.append(int(pen.argmax(-1)))
