@@ -50,7 +50,8 @@ def run_kvray(model_dir: str, prompts, out_lens, args, admission_min_batch: int 
     try:
         warm = [{"prompt_token_ids": p} for p in prompts[:8]]
         llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True))
-        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, logprobs=logprobs)
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=getattr(args, "temperature", 0.0),
+                                 logprobs=logprobs)
                   for n in out_lens]
         driver = llm.engines.drivers[0]
         before = llm.engines.stats()[0]
