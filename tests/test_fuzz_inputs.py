@@ -5,6 +5,7 @@ engine across examples: every prompt of a generate call and every line of a job 
 (an output or an error), and the good ones next to them are served. The longer run is
 benchmarks/fuzz_long.py.
 """
+import json
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from cluster import LLM, SamplingParams
 from cluster.placement import start_local_ray
-from fuzz_strategies import json_values, prompts, sampling_fields, texts
+from fuzz_strategies import input_lines, json_values, prompts, sampling_fields, texts
 from kvcore.request import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_TEMPERATURE, MAX_TOKENS_LIMIT,
                             RequestValidationError, check_request_id, check_text, check_token_ids, validate)
 
@@ -84,3 +85,22 @@ def test_generate_answers_every_prompt_once_and_serves_the_good_one(llm, cases):
         assert o.finished
         assert (o.error is None) == (o.outputs[0].finish_reason != "error"), o
     assert outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == 3
+
+
+@ENGINE
+@given(st.lists(input_lines, min_size=1, max_size=12))
+def test_a_job_answers_every_line_once(llm, tmp_path_factory, lines):
+    from cluster.job import Job, read_items
+
+    tmp = tmp_path_factory.mktemp("fuzz")
+    good = json.dumps({"id": "good-last-7f3a9c", "prompt_token_ids": [5, 6], "max_tokens": 3, "ignore_eos": True})
+    data = b"\n".join([*lines, good.encode()]) + b"\n"
+    (tmp / "in.jsonl").write_bytes(data)
+    job = Job(llm.config, llm.engines, llm.tokenizer, str(tmp / "out.jsonl"), progress=False)
+    job.run(read_items(str(tmp / "in.jsonl"), GOOD))
+    recs = [json.loads(line) for line in (tmp / "out.jsonl").read_text(encoding="utf-8").splitlines()]
+    answered = sorted(r["line"] for r in recs)
+    assert answered == list(range(1, len(lines) + 2)), answered
+    last = next(r for r in recs if r["line"] == len(lines) + 1)
+    assert last["error"] is None and len(last["output_token_ids"]) == 3
+    assert llm.generate([GOOD_PROMPT], GOOD)[0].error is None  # and the engine keeps serving
