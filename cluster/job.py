@@ -18,9 +18,12 @@ from typing import Any, Iterable, Iterator
 from actors.driver import RequestSpec
 from cluster.config import EngineConfig
 from cluster.engines import EngineFailure, EngineGroup, Finished
-from cluster.job_batch import batch_output
+from cluster.job_batch import batch_error, batch_output
 from cluster.job_input import InputReader, Item, JobError, Limits, max_token_chars, read_items
 from cluster.job_output import OutputFile, load_done
+from cluster.job_records import kvray_record
+from cluster.output_processor import OutputProcessor
+from cluster.outputs import RequestOutput
 from kvcore.request import SamplingParams
 
 __all__ = ["Job", "JobError", "JobStats", "Item", "read_items", "load_done", "synthetic_items", "summarize",
@@ -72,7 +75,9 @@ class Job:
         self.total = total
         self.stats = JobStats(output_path=output_path)
         self.window = max(1, 2 * config.scheduler.max_num_seqs * config.parallel.data_parallel_size)
-        self.live: dict[str, tuple[Item, list[int]]] = {}
+        self.live: dict[str, Item] = {}
+        # Detokenization, stop strings, n samples and logprobs, exactly as LLM.generate makes them.
+        self.processor = OutputProcessor(tokenizer)
         self.bar: Any = None
 
     def run(self, items: Iterable[Item]) -> JobStats:
@@ -131,65 +136,59 @@ class Job:
         specs = []
         for item in batch:
             self.stats.requests += 1
-            self.live[item.id] = (item, [])
-            specs.append(RequestSpec(item.id, item.prompt_token_ids, item.sampling))
+            self.live[item.id] = item
+            _, subs = self.processor.add_request(item.id, item.prompt, item.prompt_token_ids, item.sampling)
+            specs.extend(RequestSpec(rid, item.prompt_token_ids, sp) for rid, sp in subs)
         refused = self.engines.submit(specs)
         if refused and self.engines.fatal is not None:
             # Refused because its replica is down: not these requests' fault, so no record is written
             # and a rerun answers them.
             raise EngineFailure(self.engines.fatal)
         for rid, err in refused.items():
-            item, _ = self.live.pop(rid)
-            self._write_error(item, err)
+            parent = self.processor.fail(rid, err)
+            if parent is not None:
+                self._write_output(self.live.pop(parent.request_id), parent.output(), status=400)
 
     def _drain(self) -> None:
         if not self.live:
             return
+        aborts = []
         for got in self.engines.poll(timeout_s=0.5):
-            o = got.output if isinstance(got, Finished) else got
-            entry = self.live.get(o.request_id)
-            if entry is None:
-                continue
-            entry[1].extend(o.new_token_ids)
-            if isinstance(got, Finished):
-                del self.live[o.request_id]
-                self._write_done(entry[0], entry[1], got)
+            o, timing = (got.output, got.timing) if isinstance(got, Finished) else (got, None)
+            parent, abort = self.processor.process_output(o, timing)
+            if abort:
+                aborts.append(o.request_id)  # a stop string ended it here: free its engine slot
+            if parent is not None and parent.request_id in self.live:
+                self._write_output(self.live.pop(parent.request_id), parent.output(), status=500)
+        if aborts:
+            self.engines.abort(aborts)
         if self.engines.fatal is not None:
             raise EngineFailure(self.engines.fatal)
 
-    def _write_done(self, item: Item, tokens: list[int], got: Finished) -> None:
-        o, t = got.output, got.timing
-        if o.finish_reason == "error":
-            self._write_error(item, o.error or "error", status=500)
+    def _write_output(self, item: Item, out: RequestOutput, status: int) -> None:
+        if out.error is not None:
+            self._write_error(item, out.error, status=status)
             return
+        tokens = sum(len(c.token_ids) for c in out.outputs)
         try:
-            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
-            n_prompt = len(item.prompt_token_ids)
-            if item.fmt == "openai":
-                rec = batch_output(item, tokens, text, o.finish_reason, None, n_prompt)
-            else:
-                rec = {"id": item.id, "line": item.line, "prompt_tokens": n_prompt, "output_token_ids": tokens,
-                       "text": text, "finish_reason": o.finish_reason, "error": None,
-                       "num_cached_tokens": o.num_cached_tokens, "ttft_s": None if t is None else t.ttft_s,
-                       "e2e_s": None if t is None else t.e2e_s}
-                if item.file is not None:
-                    rec["file"] = item.file
+            rec = batch_output(item, out) if item.fmt == "openai" else kvray_record(item, out)
             data = self.out.encode(rec) if self.out is not None else b""
         except Exception as e:  # noqa: BLE001 - a record that cannot be written fails its line alone
             self._write_error(item, f"line {item.line}: the output cannot be written ({type(e).__name__}: {e})")
             return
         if self.out is not None:
             self.out.write(data)
-        s = self.stats
+        s, t = self.stats, out.metrics
         s.completed += 1
-        s.input_tokens += n_prompt
-        s.output_tokens += len(tokens)
+        s.input_tokens += len(item.prompt_token_ids)
+        s.output_tokens += tokens
         if t is not None and t.ttft_s is not None and len(s.ttft_s) < 100_000:  # bounded: a sample suffices
             s.ttft_s.append(t.ttft_s)
-            if len(tokens) > 1:
-                s.tpot_s.append((t.e2e_s - t.ttft_s) / (len(tokens) - 1))
-        if len(s.samples) < NUM_SAMPLES and text is not None:
-            s.samples.append((item.id, text))
+            n = len(out.outputs[0].token_ids)
+            if n > 1:
+                s.tpot_s.append((t.e2e_s - t.ttft_s) / (n - 1))
+        if len(s.samples) < NUM_SAMPLES and self.tokenizer is not None:
+            s.samples.append((item.id, out.outputs[0].text))
         self.bar.update(s, 1)
 
     def _write_error(self, item: Item, message: str, status: int = 400) -> None:
@@ -198,7 +197,7 @@ class Job:
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         rid = item.id.encode("utf-8", "backslashreplace").decode("utf-8") if item.id is not None else None
         if item.fmt == "openai":
-            rec = batch_output(item, [], None, None, message, 0, status=status)
+            rec = batch_error(item, message, status)
         else:
             rec = {"id": rid, "line": item.line, "output_token_ids": [], "text": None, "finish_reason": "error",
                    "error": message}

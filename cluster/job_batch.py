@@ -102,11 +102,10 @@ def _sampling(where: str, body: dict[str, Any], url: str) -> dict[str, Any]:
             if "logprobs" in fields and body.get("logprobs"):
                 sp["logprobs"] = body.get("top_logprobs") or 0
             continue
-        if k == "n":
+        if k == "n" and "n" not in fields:
             if v != 1 or isinstance(v, bool):
-                raise BatchLineError(f"{where}: body.n={v!r}: kvray run answers one completion a line (n=1)")
-            if "n" not in fields:
-                continue
+                raise BatchLineError(f"{where}: body.n={v!r}: this engine answers one completion a line (n=1)")
+            continue
         name = _RENAMED.get(k, k)
         if name not in fields:
             raise BatchLineError(f"{where}: body.{k} is not a field kvray knows; sampling fields: "
@@ -140,32 +139,53 @@ def make_chat_renderer(tokenizer: Any) -> Callable[[list[Any]], str] | None:
 
 
 # ---- output -----------------------------------------------------------------------------------------
-def batch_output(item: Any, tokens: list[int], text: str | None, finish_reason: str | None,
-                 error: str | None, prompt_tokens: int, status: int = 200) -> dict[str, Any]:
-    """One OpenAI batch output line for an Item (its .batch holds custom_id, url, model)."""
+def batch_error(item: Any, message: str, status: int = 400) -> dict[str, Any]:
+    """The OpenAI batch output line of a line that failed (400: the request; 500: the engine)."""
+    code = "server_error" if status >= 500 else "invalid_request"
+    body = {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+                      "param": None, "code": code}}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.batch.get("custom_id"),
+            "response": {"status_code": status, "request_id": f"kvray-{uuid.uuid4().hex}", "body": body},
+            "error": {"code": code, "message": message}}
+
+
+def batch_output(item: Any, out: Any) -> dict[str, Any]:
+    """One OpenAI batch output line for a finished Item (its .batch holds custom_id, url, model) and the
+    RequestOutput the client made of it."""
     b = item.batch
-    rid = f"kvray-{uuid.uuid4().hex}"
-    rec: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": b.get("custom_id")}
-    if error is not None:
-        code = "server_error" if status >= 500 else "invalid_request"
-        rec["response"] = {"status_code": status, "request_id": rid,
-                           "body": {"error": {"message": error, "type": "invalid_request_error"
-                                              if status < 500 else "server_error", "param": None, "code": code}}}
-        rec["error"] = {"code": code, "message": error}
-        return rec
     chat = b.get("url") == "/v1/chat/completions"
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    rid = uuid.uuid4().hex
+    choices = []
+    for c in out.outputs:
+        choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
+                                  "logprobs": _logprobs(c, chat) if c.logprobs is not None else None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        choices.append(choice)
+    n_prompt, n_out = len(item.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+    body = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": b.get("model"), "choices": choices,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": b.get("custom_id"),
+            "response": {"status_code": 200, "request_id": f"kvray-{rid}", "body": body}, "error": None}
+
+
+def _logprobs(c: Any, chat: bool) -> dict[str, Any]:
+    """OpenAI's logprobs shapes: chat {"content": [...]}, completions {"tokens", "token_logprobs", ...}."""
+    steps = []
+    for tid, d in zip(c.token_ids, c.logprobs, strict=False):
+        own = d.get(tid)
+        tops = sorted(d.items(), key=lambda kv: kv[1].rank or 0)
+        steps.append((own.decoded_token if own else None, own.logprob if own else None,
+                      [(lp.decoded_token, lp.logprob) for t, lp in tops if t != tid or lp.rank is not None]))
     if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    body = {"id": ("chatcmpl-" if chat else "cmpl-") + rid[6:], "object": "chat.completion" if chat
-            else "text_completion", "created": int(time.time()), "model": b.get("model"), "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                      "total_tokens": prompt_tokens + len(tokens)}}
-    rec["response"] = {"status_code": 200, "request_id": rid, "body": body}
-    rec["error"] = None
-    return rec
+        return {"content": [{"token": tok, "logprob": lp, "top_logprobs": [{"token": t, "logprob": v}
+                                                                            for t, v in tops]}
+                            for tok, lp, tops in steps]}
+    return {"tokens": [s[0] for s in steps], "token_logprobs": [s[1] for s in steps],
+            "top_logprobs": [{t: v for t, v in s[2]} for s in steps], "text_offset": None}
 
 
 def is_success(rec: dict[str, Any]) -> bool:

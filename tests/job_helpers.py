@@ -29,6 +29,7 @@ class FakeEngines:
         self.submitted: list[str] = []
         self.max_open = 0
         self.finished = 0
+        self.aborted: list[str] = []
         self.fail_after = fail_after
 
     @property
@@ -66,6 +67,11 @@ class FakeEngines:
             del self.open[rid]
             self.finished += 1
         return out
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+        for rid in request_ids:
+            self.open.pop(rid, None)
 
     def stats(self) -> list[dict[str, Any]]:
         return [{}]

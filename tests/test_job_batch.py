@@ -71,7 +71,7 @@ BAD = {
     "url": (line("b2", "/v1/embeddings", input="x"), "b2", "url='/v1/embeddings': must be one of"),
     "unknown_body_field": (line("b3", prompt="x", frobnicate=1), "b3", "body.frobnicate is not a field"),
     "streaming": (line("b4", prompt="x", stream=True), "b4", "body.stream is not supported"),
-    "n": (line("b5", prompt="x", n=2), "b5", "n=1"),
+    "n": (line("b5", prompt="x", n=0), "b5", "n=0"),
     "bad_sampling": (line("b6", prompt="x", top_p=0), "b6", "top_p=0: must be in (0, 1]"),
     "no_custom_id": (json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), None,
                      "custom_id must be a non-empty string"),
@@ -95,6 +95,20 @@ def test_bad_batch_lines_get_error_lines_and_the_rest_run(tmp_path):
         assert rec["response"]["status_code"] == 400 and message in rec["response"]["body"]["error"]["message"]
     nulls = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines() if '"custom_id": null' in x]
     assert len(nulls) == 2 and any("not valid JSON" in r["error"]["message"] for r in nulls)
+
+
+def test_n_samples_are_choices_and_stop_strings_cut_the_text(tmp_path):
+    inp = tmp_path / "batch.jsonl"
+    # The double answers (sum(prompt) + i) % 256: prompt [65] -> bytes 65, 66, 67, ... = "ABC..."
+    inp.write_text("\n".join([line("n2", prompt=[65], n=2, max_tokens=3, seed=1),
+                              line("stop", prompt=[65], max_tokens=6, stop=["C"])]) + "\n")
+    stats, recs, _, engines = run(tmp_path, inp)
+    assert stats.completed == 2 and stats.errors == 0
+    body = recs["n2"]["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1] and body["usage"]["completion_tokens"] == 6
+    assert all(c["text"] == "ABC" for c in body["choices"])
+    choice = recs["stop"]["response"]["body"]["choices"][0]
+    assert choice["text"] == "AB" and choice["finish_reason"] == "stop"
 
 
 def test_resume_goes_by_custom_id_and_retries_failed_lines(tmp_path):

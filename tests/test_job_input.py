@@ -45,8 +45,8 @@ class CountingTokenizer:
         self.chars += len(text)
         return self.tok.encode(text, **kw)
 
-    def decode(self, ids):
-        return self.tok.decode(ids)
+    def __getattr__(self, name):  # decode, convert_ids_to_tokens, ...: the real tokenizer's
+        return getattr(self.tok, name)
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +183,15 @@ def test_duplicate_ids_fail_the_second_line(tmp_path, tokenizer):
     stats, recs, _ = run_job(tmp_path, inp, tokenizer)
     by_line = {r["line"]: r for r in recs}
     assert "line 2: duplicate id 'x'" in by_line[2]["error"] and by_line[1]["id"] == "x" and stats.completed == 1
+
+
+def test_stop_strings_and_n_go_through_the_clients_output_processor(tmp_path, tokenizer):
+    inp = tmp_path / "in.jsonl"
+    # The double answers (sum(prompt) + i) % 256: prompt [65] -> bytes 65, 66, 67, ... = "ABC..."
+    inp.write_text('{"id": "s", "prompt_token_ids": [65], "max_tokens": 6, "stop": ["C"]}\n'
+                   '{"id": "n", "prompt_token_ids": [65], "max_tokens": 2, "n": 2, "seed": 3}\n')
+    stats, recs, engines = run_job(tmp_path, inp, tokenizer)
+    by_id = {r["id"]: r for r in recs}
+    assert by_id["s"]["text"] == "AB" and by_id["s"]["finish_reason"] == "stop" and by_id["s"]["stop_reason"] == "C"
+    assert [o["text"] for o in by_id["n"]["outputs"]] == ["AB", "AB"] and stats.output_tokens == 4 + len(
+        by_id["s"]["output_token_ids"])
