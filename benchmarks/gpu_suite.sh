@@ -4,7 +4,8 @@
 # step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | multigpu | all)
 #   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
 #          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
-#          shape; the control plane on the GPU host.
+#          shape; the cost of logprobs=5, n=4 and stop strings (bench_api_features); the control plane on
+#          the GPU host.
 #   checks: GPU idle with the worker's host phases; the worker's and the scheduler's host work on this
 #          host's CPU; TP=2 on one GPU (gloo) against TP=1; bf16 against HF fp32.
 #   llama: the Llama-3.1-8B shape offline (ShareGPT-like) and through `kvray run`.
@@ -39,6 +40,7 @@ phase_qwen() {
   step block_table 120 python3 benchmarks/bench_block_table.py
   step decode_idle 200 python3 benchmarks/bench_decode_idle.py --configs graphs_async,graphs_sync
   step offline_qwen3 200 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload small --async-scheduling
+  step api_features 300 python3 benchmarks/bench_api_features.py --shape qwen3-0.6b
   local q; q=$(make_model qwen3-0.6b bfloat16)
   kvray_run run_qwen3 "$q" --num-requests 512 --max-tokens 256 --profile /tmp/trace --profile-steps 5 --profile-skip 60
   TAIL=60 step trace_summary 60 python3 benchmarks/summarize_trace.py /tmp/trace
