@@ -7,8 +7,8 @@ seed `s` is Philox4x32-10 with key s (64 bits) and counter (v, pos, 0, 0), Trito
 so a seeded request draws the same tokens in any batch and after any restart. The draw is the
 exponential race in log space: argmax_v y_v - log(-log u_v) picks v with probability softmax(y)_v.
 
-Top-k and top-p are thresholds found by bisection on the float's order-preserving integer key (33 passes
-each over the row, exact): top-k keeps every token whose value is >= the k-th largest; top-p then keeps
+Top-k and top-p are thresholds found by bisection on the float's order-preserving integer key (exact;
+a pass over the row per step, stopping once no key lies inside the bracket, at most 33 each): top-k keeps every token whose value is >= the k-th largest; top-p then keeps
 every token whose strictly-larger tokens hold less than p of the top-k mass. Ties at a cut-off are all
 kept (vLLM's top-k does the same; its top-p splits ties by sort order). Rows without either filter
 make one pass. The plain-torch reference is actors/sample_reference.py.
@@ -116,45 +116,72 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
         top_k = tl.where((top_k <= 0) | (top_k > V), V, top_k)
         top_p = tl.load(topp_ptr + rows, mask=rmask, other=1.0)
         key_max = _order_key(m)
+        # Both searches keep lo (condition true) and hi (false) and stop once no token's key lies strictly
+        # between them (count(key > lo) == count(key >= hi)): the kept set can no longer change. Typical
+        # rows stop after 10-20 passes; 33 bound the worst case.
         # top-k: the largest key t with count(key >= t) >= k.
         t_k = tl.full((BLOCK_R,), INT32_MIN, tl.int64)
         if tl.max((top_k < V).to(tl.int32), axis=0) > 0:
             lo, hi = t_k, key_max + 1
+            gt_lo = tl.where(top_k < V, V, 0).to(tl.int64)  # count(key > lo); rows without top-k: done
+            ge_hi = zero_i                                   # count(key >= hi)
             for _ in range(STEPS):
-                mid = lo + (hi - lo) // 2
-                cnt = zero_i
-                for start in range(0, V, BLOCK_V):
-                    offs = start + base
-                    y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                                counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
-                    hit = (_order_key(y) >= mid[:, None]) & (offs[None, :] < V)
-                    cnt += tl.sum(hit.to(tl.int64), axis=1)
-                ok = cnt >= top_k
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
+                if tl.max(gt_lo - ge_hi, axis=0) > 0:
+                    mid = lo + (hi - lo) // 2
+                    ge, gt = zero_i, zero_i
+                    for start in range(0, V, BLOCK_V):
+                        offs = start + base
+                        y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
+                                    counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY,
+                                    HAS_BAN)
+                        key = _order_key(y)
+                        valid = offs[None, :] < V
+                        ge += tl.sum(((key >= mid[:, None]) & valid).to(tl.int64), axis=1)
+                        gt += tl.sum(((key > mid[:, None]) & valid).to(tl.int64), axis=1)
+                    ok = ge >= top_k
+                    lo = tl.where(ok, mid, lo)
+                    gt_lo = tl.where(ok, gt, gt_lo)
+                    hi = tl.where(ok, hi, mid)
+                    ge_hi = tl.where(ok, ge_hi, ge)
             t_k = lo
         # top-p: the smallest key t whose strictly-larger kept tokens hold less than p of the kept mass.
         thr = t_k
         if tl.min(top_p, axis=0) < 1.0:
-            lo, hi = t_k - 1, key_max
             total = tl.zeros((BLOCK_R,), tl.float32)
-            for it in range(STEPS + 1):
-                # Iteration 0 measures the kept mass at lo (= all of it) with the same sum as the rest.
-                mid = tl.where(it == 0, lo, lo + (hi - lo) // 2)
-                mass = tl.zeros((BLOCK_R,), tl.float32)
-                for start in range(0, V, BLOCK_V):
-                    offs = start + base
-                    y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                                counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
-                    key = _order_key(y)
-                    e = tl.where((key > mid[:, None]) & (key >= t_k[:, None]), tl.exp(y - m[:, None]), 0.0)
-                    mass += tl.sum(e, axis=1)
-                if it == 0:
-                    total = mass
-                else:
+            gt_lo = zero_i  # count(kept key > t_k - 1)
+            ge_hi = zero_i  # count(kept key >= key_max)
+            for start in range(0, V, BLOCK_V):
+                offs = start + base
+                y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
+                            counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
+                key = _order_key(y)
+                kept = (key >= t_k[:, None]) & (offs[None, :] < V)
+                total += tl.sum(tl.where(kept, tl.exp(y - m[:, None]), 0.0), axis=1)
+                gt_lo += tl.sum(kept.to(tl.int64), axis=1)
+                ge_hi += tl.sum((kept & (key >= key_max[:, None])).to(tl.int64), axis=1)
+            gt_lo = tl.where(top_p < 1.0, gt_lo, ge_hi)  # rows without top-p: done
+            lo, hi = t_k - 1, key_max
+            for _ in range(STEPS):
+                if tl.max(gt_lo - ge_hi, axis=0) > 0:
+                    mid = lo + (hi - lo) // 2
+                    mass = tl.zeros((BLOCK_R,), tl.float32)
+                    ge, gt = zero_i, zero_i
+                    for start in range(0, V, BLOCK_V):
+                        offs = start + base
+                        y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
+                                    counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY,
+                                    HAS_BAN)
+                        key = _order_key(y)
+                        kept = (key >= t_k[:, None]) & (offs[None, :] < V)
+                        above = kept & (key > mid[:, None])
+                        mass += tl.sum(tl.where(above, tl.exp(y - m[:, None]), 0.0), axis=1)
+                        gt += tl.sum(above.to(tl.int64), axis=1)
+                        ge += tl.sum((kept & (key >= mid[:, None])).to(tl.int64), axis=1)
                     ok = mass < top_p * total
                     hi = tl.where(ok, mid, hi)
+                    ge_hi = tl.where(ok, ge, ge_hi)
                     lo = tl.where(ok, lo, mid)
+                    gt_lo = tl.where(ok, gt_lo, gt)
             thr = tl.where(top_p < 1.0, hi, t_k)
         for start in range(0, V, BLOCK_V):
             offs = start + base

@@ -236,3 +236,19 @@ def test_penalties_match_vllm_formulas_and_counts_grow_on_device():
     assert len(set(map(tuple, outputs))) > 1 and any(len(set(o)) > 1 for o in outputs)
     state.remove("r0")
     assert state.add("new", [1], []) == int(slots[0]) and int(state.counts[slots[0]].sum()) == 0
+
+
+def test_ties_at_the_cut_off_are_all_kept_by_kernel_and_reference():
+    """Ten tokens tie at the top: top-k 3 and top-p 0.2 both keep all ten (the bisection's early stop
+    must land on the same set as the sort), and the draws spread over exactly them."""
+    row = torch.full((V,), -2.0)
+    row[5:15] = 1.0
+    row[20] = 0.5
+    n = 64
+    for top_k, top_p in ((3, 1.0), (0, 0.2), (11, 0.99)):
+        tokens = _draw(row, 99, range(n), 1.0, top_k, top_p)
+        want = sample_reference(row.expand(n, -1), torch.ones(n), torch.full((n,), top_k, dtype=torch.int32),
+                                torch.full((n,), top_p), torch.full((n,), 99), torch.arange(n))
+        assert tokens.tolist() == want.tolist()
+        assert set(tokens.tolist()) <= set(range(5, 15)) | ({20} if top_k == 11 else set())
+        assert len(set(tokens.tolist()) & set(range(5, 15))) > 5
