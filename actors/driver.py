@@ -13,6 +13,7 @@ request gets an error output, `get_outputs` reports the failure, and new request
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -230,7 +231,10 @@ class EngineDriver:
                     outputs = self.engine.step()
                     self._publish(outputs, time.monotonic() - t0)
                 except Exception as e:  # noqa: BLE001 - a worker failure or an engine bug: never silent
-                    logger.exception("engine replica %d: step failed", self.replica)
+                    # A dead worker (kvray stress kills them on purpose) is reported in one line; any
+                    # other failure, or KVRAY_VERBOSE=1 (kvray -v), keeps its traceback.
+                    logger.error("engine replica %d: step failed: %s", self.replica, e,
+                                 exc_info=not _worker_death(e) or os.environ.get("KVRAY_VERBOSE") == "1")
                     if not self._recover(e):
                         return
 
@@ -438,3 +442,9 @@ def driver_actor_class():
     import ray
 
     return ray.remote(num_cpus=0, max_concurrency=16)(EngineDriver)
+
+
+def _worker_death(e: BaseException) -> bool:
+    from actors.transport import WorkerFailure
+
+    return isinstance(e, WorkerFailure)

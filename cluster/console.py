@@ -21,6 +21,7 @@ def configure(verbose: bool) -> None:
                         else "kvray: %(message)s")
     logging.getLogger("kvray").setLevel(logging.INFO if verbose else logging.WARNING)
     if verbose:
+        os.environ["KVRAY_VERBOSE"] = "1"  # the engine's actors (an embedded Ray inherits it) keep tracebacks
         return
     for name in _ROUTINE_RAY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
