@@ -149,3 +149,22 @@ def test_the_example_files_run_as_they_are(tmp_path, name):
     items = list(InputReader([Shard(os.path.join(REPO, "examples", name), None)], SP,
                              load_client_model(EngineConfig())[0], render_chat=render))
     assert all(i.error is None for i in items)
+
+
+def test_chat_lines_use_the_models_chat_template_as_llm_chat_does(tmp_path):
+    from cluster.job_batch import make_chat_renderer
+
+    inp = tmp_path / "batch.jsonl"
+    msgs = [{"role": "user", "content": "hi"}]
+    inp.write_text(line("c", "/v1/chat/completions", messages=msgs, max_tokens=2) + "\n")
+    out = tmp_path / "out.jsonl"
+    tok = load_client_model(EngineConfig())[0]
+    reader = InputReader(resolve_shards(str(inp)), SP)  # no renderer given: the job takes the model's
+    stats = Job(EngineConfig(), FakeEngines(), tok, str(out), progress=False).run(reader)
+    rec = json.loads(out.read_text())
+    assert stats.completed == 1, rec
+    rendered = make_chat_renderer(tok)(msgs)
+    assert rendered.startswith("<|im_start|>user\nhi")
+    ids = tok.encode(rendered, add_special_tokens=False)
+    assert rec["response"]["body"]["usage"]["prompt_tokens"] == len(ids)
+    assert rec["response"]["body"]["choices"][0]["message"]["content"] == tok.decode(expected_tokens(ids, 2))
