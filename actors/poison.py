@@ -1,0 +1,115 @@
+"""Poison isolation: which request makes a step fail, found by running the step's requests in halves.
+
+A step can fail with every worker alive (StepError): a request whose input the worker cannot handle
+raises there on every rank. Rebuilding the TP group does not cure that, and re-queueing every request
+would fail the same way after each rebuild. So the driver resets the workers' request state (cheap:
+no weights are reloaded), and this module decides what runs next:
+
+- the requests of the failed step are the suspects; one half of them (the probe) runs, the rest of the
+  live requests are held back in the driver;
+- the probe passes once each of its requests has produced a token or finished; then the next group
+  of suspects runs, and when none is left every held request is released;
+- a failing group of two or more is split again; a request that fails a step alone twice is the cause:
+  it fails with an error output and is never re-queued (the first time it is given one more try, so a
+  transient error does not condemn it).
+
+Every request recovered this way runs again by recompute (see LiveRequests.restart). Not thread-safe:
+the driver calls it from its step loop only.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+MAX_LONE_FAILURES = 2  # a request that fails a step alone this many times is the cause
+
+
+@dataclass
+class Verdict:
+    """What the driver does after a failed step: fail `culprits` with `error`, re-queue `run` now,
+    keep `held` out until `release` names them."""
+
+    culprits: list[str] = field(default_factory=list)
+    run: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+
+
+class PoisonHunt:
+    def __init__(self) -> None:
+        self._probe: set[str] = set()  # the group running now
+        self._passed: set[str] = set()  # probe members that produced a token since they were re-queued
+        self._groups: deque[list[str]] = deque()  # suspect groups still to run alone, in order
+        self._held: list[str] = []  # live requests kept out while the hunt runs
+        self._lone_failures: Counter[str] = Counter()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._probe or self._groups or self._held)
+
+    def is_held(self, rid: str) -> bool:
+        return rid in self._held
+
+    def step_failed(self, in_step: Iterable[str], live: Iterable[str]) -> Verdict:
+        """A step failed with every worker alive. `in_step`: the live requests it ran (the engine's
+        running ones); `live`: every request the driver still answers for."""
+        in_step = list(dict.fromkeys(in_step))
+        suspects = [r for r in in_step if r in self._probe] or in_step
+        verdict = Verdict()
+        if len(suspects) == 1:
+            rid = suspects[0]
+            self._lone_failures[rid] += 1
+            if self._lone_failures[rid] >= MAX_LONE_FAILURES:
+                verdict.culprits.append(rid)
+                self._lone_failures.pop(rid)
+            else:
+                self._groups.appendleft([rid])
+        elif suspects:
+            half = len(suspects) // 2
+            self._groups.appendleft(suspects[half:])
+            self._groups.appendleft(suspects[:half])
+        gone = set(verdict.culprits)
+        self._held = [r for r in dict.fromkeys([*self._held, *live]) if r not in gone]
+        self._probe, self._passed = set(), set()
+        verdict.run = self._next_group()
+        verdict.held = list(self._held)
+        return verdict
+
+    def progressed(self, rid: str, finished: bool) -> list[str]:
+        """A probe request produced a token (or finished); -> the requests to re-queue now, if the
+        probe has passed (the next group, or every held request when no suspect group is left)."""
+        if rid not in self._probe:
+            return []
+        self._passed.add(rid)
+        if finished:
+            self._lone_failures.pop(rid, None)
+        return self._advance()
+
+    def forget(self, rid: str) -> list[str]:
+        """The request ended outside the hunt (an abort, an error): it takes no part in it any more.
+        -> the requests to re-queue now (its group may have passed without it)."""
+        self._lone_failures.pop(rid, None)
+        if rid in self._held:
+            self._held.remove(rid)
+        self._groups = deque(g for g in ([r for r in g if r != rid] for g in self._groups) if g)
+        if rid not in self._probe:
+            return []
+        self._probe.discard(rid)
+        self._passed.discard(rid)
+        return self._advance()
+
+    def _advance(self) -> list[str]:
+        if self._passed < self._probe:
+            return []
+        return self._next_group()
+
+    def _next_group(self) -> list[str]:
+        while self._groups:
+            group = [r for r in self._groups.popleft() if r in self._held]
+            if group:
+                self._held = [r for r in self._held if r not in group]
+                self._probe, self._passed = set(group), set()
+                return group
+        released, self._held = self._held, []
+        self._probe, self._passed = set(), set()
+        return released
