@@ -37,26 +37,40 @@ class EngineCore:
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(specs, num_blocks=num_blocks)
         executor.initialize_kv_cache(self.kv_cache_config)
         self.max_model_len = self._resolve_max_model_len()
-        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, self.max_model_len,
-                                               enable_caching=config.cache.enable_prefix_caching)
-        sc = config.scheduler
-        self.async_scheduling = sc.async_scheduling
-        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(self.kv_cache_manager, max_num_seqs=sc.max_num_seqs,
-                                   max_num_batched_tokens=sc.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len,
-                                   long_prefill_token_threshold=sc.long_prefill_token_threshold,
-                                   admission_min_batch=sc.admission_min_batch,
-                                   admission_max_wait_steps=sc.admission_max_wait_steps,
-                                   debug_invariants=sc.debug_invariants)
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._new_scheduler()
         self._num_steps = 0
         self._num_tokens_scheduled = 0
         self._num_partial_prefills = 0  # scheduled chunks that ended before the prompt did
-        self._outstanding: SchedulerOutput | None = None  # async: run by the workers, output not yet back
-        self.max_concurrency = max_concurrency(self.kv_cache_config, self.max_model_len, sc.max_num_batched_tokens)
+        self.max_concurrency = max_concurrency(self.kv_cache_config, self.max_model_len, config.scheduler.max_num_batched_tokens)
         logger.info("EngineCore: %d KV blocks in %d group(s), max_model_len=%d, max concurrency %.2fx "
                     "(requests of max_model_len tokens held at once)", num_blocks,
                     len(self.kv_cache_config.kv_cache_groups), self.max_model_len, self.max_concurrency)
+
+    def _new_scheduler(self) -> None:
+        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, self.max_model_len,
+                                               enable_caching=self.config.cache.enable_prefix_caching)
+        sc = self.config.scheduler
+        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(self.kv_cache_manager, max_num_seqs=sc.max_num_seqs,
+                                       max_num_batched_tokens=sc.max_num_batched_tokens,
+                                       max_model_len=self.max_model_len,
+                                       long_prefill_token_threshold=sc.long_prefill_token_threshold,
+                                       admission_min_batch=sc.admission_min_batch,
+                                       admission_max_wait_steps=sc.admission_max_wait_steps,
+                                       debug_invariants=sc.debug_invariants)
+        self._outstanding: SchedulerOutput | None = None  # async: run by the workers, output not yet back
+
+    def reset_requests(self) -> None:
+        """Forget every request, here and on the workers, keeping the workers, their weights and their
+        KV cache: after a step raised with every worker alive (a StepError), the driver re-queues the
+        requests it still answers for, which then run again by recompute."""
+        self._new_scheduler()
+        self.executor.collective_rpc("reset_requests")
+
+    def running_request_ids(self) -> list[str]:
+        """The requests that hold KV blocks now: those the last step ran (or was about to)."""
+        return [r.request_id for r in self.scheduler.running]
 
     def _resolve_max_model_len(self) -> int:
         # The workers resolved it from the model's config (they hold it); all ranks agree.

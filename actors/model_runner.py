@@ -373,6 +373,19 @@ class ModelRunner:
             self.penalty_state.remove(req_id)
         self.logprobs.forget(req_id)
 
+    def reset_requests(self) -> None:
+        """Forget every request (rows, states, the step in flight): after a step raised, the driver
+        re-queues the survivors from scratch and the workers go on with their weights and KV cache."""
+        batch = self._batch()
+        for req_id in list(batch.req_id_to_index):
+            batch.remove_request(req_id)
+        batch.condense()
+        self.requests.clear()
+        self._in_flight = None
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+            self._copies_done = None
+
     def update_states(self, so: SchedulerOutput) -> None:
         batch = self._batch()
         for req_id in so.finished_req_ids:

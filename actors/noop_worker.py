@@ -82,6 +82,10 @@ class NoopWorker:
     def ping(self) -> int:
         return self.rank
 
+    def reset_requests(self) -> None:
+        self.num_tokens.clear()
+        self._held = None
+
     def shutdown(self) -> None:
         self.num_tokens.clear()
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
 
+from actors.poison import StepError
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -69,13 +70,16 @@ def gather_ranks(refs: Sequence[Any], method: str, timeout_s: float,
                  on_timeout: Callable[[list[int]], WorkerFailure]) -> list[Any]:
     """Every rank's answer to `method`, in rank order, waiting at most timeout_s in all.
 
-    Answers are taken one at a time so that a dead or raising rank is reported at once, even while the
-    others are stuck in a collective waiting for it. A timeout raises `on_timeout(pending ranks)`.
+    Answers are taken one at a time so that a dead rank is reported at once, even while the others are
+    stuck in a collective waiting for it. A timeout raises `on_timeout(pending ranks)`. A rank that
+    raised is reported once every rank has answered (StepError): if the others wait for it in a
+    collective, that is a hang, and the timeout reports it.
     """
     rank_of = {ref: r for r, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
+    raised: StepError | None = None
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
@@ -86,8 +90,16 @@ def gather_ranks(refs: Sequence[Any], method: str, timeout_s: float,
         except RayActorError as e:
             raise WorkerFailure(rank, f"its actor died during {method} ({_summary(e)})") from None
         except RayTaskError as e:
-            raise WorkerFailure(rank, f"{method} raised {e.cause!r}") from e.cause
+            if raised is None or rank < raised.rank:
+                raised = StepError(rank, f"{method} raised {_cause(e)}")
+    if raised is not None:
+        raise raised
     return results
+
+
+def _cause(e: RayTaskError) -> str:
+    text = repr(e.cause)
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def _summary(e: BaseException) -> str:
@@ -172,7 +184,9 @@ class CompiledGraphTransport(_Transport):
     def _collect(self, so: SchedulerOutput, refs: Any) -> ModelRunnerOutput:
         deadline = time.monotonic() + self.step_timeout_s
         results: list[Any] = []
-        # Every rank's ref is read (not only rank 0's) so no result is left buffered in the graph.
+        raised: StepError | None = None
+        # Every rank's ref is read (not only rank 0's) so no result is left buffered in the graph, also
+        # when a rank raised: the graph stays usable for the next step.
         for rank, ref in enumerate(refs):
             try:
                 results.append(ref.get(timeout=max(0.01, deadline - time.monotonic())))
@@ -182,7 +196,10 @@ class CompiledGraphTransport(_Transport):
                 # The graph reports a death on whichever output it reads first: ask who is gone.
                 raise self._fail_dead(so.step_id, e) from None
             except RayTaskError as e:
-                raise WorkerFailure(rank, f"execute_model raised {e.cause!r}") from None
+                results.append(None)
+                raised = raised or StepError(rank, f"execute_model raised {_cause(e)}")
+        if raised is not None:
+            raise raised
         return results[0]
 
     def _fail_dead(self, step_id: int, e: BaseException) -> WorkerFailure:

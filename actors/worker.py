@@ -55,6 +55,7 @@ class Worker:
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.profiler = StepProfiler(rank)
+        self._fail_for: set[str] = set()  # fault injection (tests): steps that run these ids raise
 
     # ---- set-up -----------------------------------------------------------------------------
     def _cuda_index(self) -> int:
@@ -114,9 +115,22 @@ class Worker:
         try:
             # A named range per step, so a trace's steps can be told apart.
             with torch.profiler.record_function("execute_model"):
-                return self._runner().execute_model(scheduler_output)
+                out = self._runner().execute_model(scheduler_output)
         finally:
             self.profiler.after_step()
+        if self._fail_for and not self._fail_for.isdisjoint(scheduler_output.num_scheduled_tokens):
+            # After the runner ran, as a real fault would leave it: its state has moved on.
+            bad = sorted(self._fail_for.intersection(scheduler_output.num_scheduled_tokens))
+            raise ValueError(f"injected fault: a step with request(s) {bad} raises")
+        return out
+
+    def reset_requests(self) -> None:
+        self._runner().reset_requests()
+
+    def fail_steps_with(self, request_ids: list[str]) -> None:
+        """Fault injection: every later step that runs one of these request ids raises ValueError on
+        this rank (a poison request whose input the worker cannot handle)."""
+        self._fail_for = set(request_ids)
 
     # ---- profiling --------------------------------------------------------------------------
     def start_profile(self, trace_dir: str, num_steps: int = 5, skip_steps: int = 0) -> None:
