@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from actors.engine_config import EngineConfig
+from actors.poison import PoisonHunt, PoisonIsolation, StepError
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import (Request, RequestValidationError, SamplingParams, check_request_id,
                              check_token_ids, validate)
@@ -66,7 +67,7 @@ class _Live:
     replay: int = 0
 
 
-class EngineDriver:
+class EngineDriver(PoisonIsolation):
     def __init__(self, config: EngineConfig, placement_group: Any, replica: int = 0,
                  worker_cls: str = "actors.worker.Worker") -> None:
         if os.environ.get("KVRAY_VERBOSE") != "1":
@@ -94,6 +95,7 @@ class EngineDriver:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._restarts = 0
+        self._hunt = PoisonHunt()
         self._peak_kv_usage = 0.0
         self._num_output_tokens = 0
         self._metrics = None
@@ -248,6 +250,7 @@ class EngineDriver:
                 self.engine.add_request(self._make_request(spec, []))
             except Exception as e:  # noqa: BLE001 - one bad request fails alone
                 self._finish_with_error(spec.request_id, f"request {spec.request_id!r} rejected: {e}")
+        aborts = self._abort_held(aborts)
         if aborts:
             self.engine.abort(aborts)
 
@@ -261,6 +264,7 @@ class EngineDriver:
 
     def _publish(self, outputs: list[EngineCoreOutput], step_time: float) -> None:
         outputs = self._drop_replayed(outputs)
+        self._hunt_progress(outputs)
         now = time.monotonic()
         stats = self.engine.stats()
         new_tokens = 0
@@ -299,34 +303,63 @@ class EngineDriver:
 
     # ---- failure and recovery ---------------------------------------------------------------
     def _recover(self, error: Exception) -> bool:
-        """Rebuild the TP group and re-queue in-flight requests, within the restart budget."""
+        """A step raised with every worker alive: find the poison request (actors/poison.py). A worker
+        died or hung: rebuild the TP group and re-queue in-flight requests, within the restart budget,
+        which only worker deaths spend (also a death during a rebuild)."""
         from actors.transport import WorkerFailure
 
+        if isinstance(error, StepError):
+            try:
+                self._isolate(error)
+                return True
+            except Exception as e:  # noqa: BLE001 - the reset failed: a worker is gone after all
+                logger.warning("engine replica %d: resetting the workers failed: %s", self.replica, e)
+                error = e
         budget = self.config.parallel.max_worker_restarts
         # Only a worker failure is cured by new workers; an engine bug (a broken invariant) is fatal.
-        if self._restarts < budget and isinstance(error, WorkerFailure):
+        while self._restarts < budget and isinstance(error, WorkerFailure):
             self._restarts += 1
             logger.warning("engine replica %d: %s; rebuilding the TP group (restart %d of %d)",
                            self.replica, error, self._restarts, budget)
             try:
-                self.engine.shutdown()
-                self._build_engine()
-                with self._cv:
-                    pending = {s.request_id for s in self._inbox}
-                    for rid, live in list(self._live.items()):
-                        if rid not in pending:
-                            self._readd(rid, live)
-                self._metrics.record_restart()
+                self._rebuild()
                 return True
-            except Exception as e:  # noqa: BLE001 - the rebuild itself failed: give up below
+            except Exception as e:  # noqa: BLE001 - a death during the rebuild spends the next restart
                 error = e
         self._fail_all(f"{type(error).__name__}: {error}" if budget == 0 else
                        f"{type(error).__name__}: {error} (after {self._restarts} of "
                        f"parallel.max_worker_restarts={budget} restarts)")
         return False
 
-    def _readd(self, rid: str, live: _Live) -> None:
+    def _rebuild(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception as e:  # noqa: BLE001 - the old workers may be gone already
+            logger.debug("engine shutdown: %s", e)
+        self._build_engine()
+        self._hunt = PoisonHunt()  # every live request is re-queued on the new group
+        with self._cv:
+            pending = {s.request_id for s in self._inbox}
+            for rid, live in list(self._live.items()):
+                if rid not in pending:
+                    self._readd(rid, live)
+        self._metrics.record_restart()
+
+    # The PoisonIsolation hooks.
+    def _live_ids(self) -> list[str]:
+        return list(self._live)
+
+    def _end_held(self, rid: str, output: EngineCoreOutput) -> None:
+        with self._cv:
+            live = self._live.get(rid)
+            if live is not None:
+                self._retire(rid, live, time.monotonic())
+            self._outbox.append(output)
+            self._cv.notify_all()
+
+    def _readd(self, rid: str, live: _Live | None = None) -> None:
         # One request that cannot be re-queued fails alone; the rebuilt group serves the rest.
+        live = self._live[rid] if live is None else live
         try:
             self.engine.add_request(self._requeue(live))
         except Exception as e:  # noqa: BLE001

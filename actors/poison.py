@@ -18,9 +18,15 @@ the driver calls it from its step loop only.
 """
 from __future__ import annotations
 
+import logging
+import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
+
+from kvcore.messages import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
 
 MAX_LONE_FAILURES = 2  # a request that fails a step alone this many times is the cause
 
@@ -128,3 +134,64 @@ class PoisonHunt:
         released, self._held = self._held, []
         self._probe, self._passed = set(), set()
         return released
+
+
+class PoisonIsolation:
+    """The driver's side of the hunt, mixed into EngineDriver beside its restart code: what a StepError
+    does to the engine and to the books on live requests. Runs on the step loop, under the engine lock."""
+
+    engine: Any
+    replica: int
+    _cv: threading.Condition
+    _live: Any  # the driver's books: `rid in _live` while it answers for rid
+    _inbox: list
+    _hunt: PoisonHunt
+    # The driver provides: _live_ids() (ids it answers for), _readd(rid) (re-queue by recompute; an
+    # error there ends the request), _finish_with_error(rid, msg), _end_held(rid, output).
+
+    def _isolate(self, error: StepError) -> None:
+        """Reset the workers' request state (a WorkerFailure from that is a real failure: it propagates),
+        fail the culprit if the hunt has found it, and re-queue what runs next by recompute."""
+        in_step = self.engine.running_request_ids()
+        self.engine.reset_requests()
+        with self._cv:
+            pending = {s.request_id for s in self._inbox}
+            live = [r for r in self._live_ids() if r not in pending]
+        verdict = self._hunt.step_failed(in_step, live)
+        logger.warning("engine replica %d: a step with %d request(s) raised (%s); isolating: %d fail, %d run, "
+                       "%d held back", self.replica, len(in_step), error.reason, len(verdict.culprits),
+                       len(verdict.run), len(verdict.held))
+        for rid in verdict.culprits:
+            self._finish_with_error(rid, f"request {rid!r} failed: every step that ran it alone raised "
+                                         f"({error.reason}); it fails alone, the other requests go on")
+        self._requeue_all(verdict.run)
+
+    def _hunt_progress(self, outputs: list[EngineCoreOutput]) -> None:
+        if not self._hunt.active:
+            return
+        for o in outputs:
+            if o.new_token_ids or o.finished:
+                self._requeue_all(self._hunt.progressed(o.request_id, o.finished))
+
+    def _abort_held(self, aborts: list[str]) -> list[str]:
+        """Aborts of requests the hunt holds back (the engine does not know them) end here;
+        -> the aborts for the engine."""
+        if not self._hunt.active:
+            return aborts
+        rest = []
+        for rid in aborts:
+            if not self._hunt.is_held(rid):
+                rest.append(rid)
+                continue
+            self._end_held(rid, EngineCoreOutput(rid, [], True, "abort"))
+            self._requeue_all(self._hunt.forget(rid))
+        return rest
+
+    def _requeue_all(self, rids: list[str]) -> None:
+        # A request that cannot be re-queued fails alone (_readd); the hunt then goes on without it.
+        todo = list(rids)
+        while todo:
+            rid = todo.pop(0)
+            self._readd(rid)
+            if rid not in self._live:
+                todo += self._hunt.forget(rid)

@@ -171,7 +171,11 @@ class CompiledGraphTransport(_Transport):
         with InputNode() as inp:
             dag = MultiOutputNode([w.execute_model.bind(inp) for w in self.workers])
         # One execution is in flight at a time (async scheduling overlaps inside the workers instead).
-        self.graph = dag.experimental_compile(_submit_timeout=step_timeout_s)
+        try:
+            self.graph = dag.experimental_compile(_submit_timeout=step_timeout_s)
+        except RayActorError as e:  # a worker died before its channels were set up
+            rank, why = diagnose(self.workers)
+            raise WorkerFailure(rank, f"{why} (while compiling the step graph: {_first_line(e)})") from None
 
     def _submit(self, so: SchedulerOutput) -> Any:
         try:
