@@ -42,7 +42,8 @@ class EngineCore:
         self._num_steps = 0
         self._num_tokens_scheduled = 0
         self._num_partial_prefills = 0  # scheduled chunks that ended before the prompt did
-        self.max_concurrency = max_concurrency(self.kv_cache_config, self.max_model_len, config.scheduler.max_num_batched_tokens)
+        self.max_concurrency = max_concurrency(self.kv_cache_config, self.max_model_len,
+                                               config.scheduler.max_num_batched_tokens)
         logger.info("EngineCore: %d KV blocks in %d group(s), max_model_len=%d, max concurrency %.2fx "
                     "(requests of max_model_len tokens held at once)", num_blocks,
                     len(self.kv_cache_config.kv_cache_groups), self.max_model_len, self.max_concurrency)
