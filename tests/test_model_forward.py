@@ -51,6 +51,16 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "mistral-window": ("Mistral", dict(
         sliding_window=8, head_dim=16)),
+    "gemma2": ("Gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                              attn_logit_softcapping=3.0, final_logit_softcapping=10.0)),
+    "gemma3": ("Gemma3Text", dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    "qwen3-moe": ("Qwen3Moe", dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                   norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 
 
@@ -78,9 +88,8 @@ def make_hf_model(family: str, path: str) -> torch.nn.Module:
     import transformers
     prefix, extra = FAMILIES[family]
     config = getattr(transformers, f"{prefix}Config")(**COMMON, **extra)
-    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
     config._attn_implementation = "eager"
-    model = model_cls(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     _init_large(model, seed=sum(map(ord, family)))
     model.save_pretrained(path)
     return model
@@ -210,7 +219,7 @@ def test_matches_hf_tp1(family: str, tmp_path) -> None:
     _compare(run_schedule(model, seqs), ref, seqs)
 
 
-@pytest.mark.parametrize("family", ["qwen3-hybrid", "llama3-rope"])
+@pytest.mark.parametrize("family", ["qwen3-hybrid", "llama3-rope", "gemma2", "gemma3", "qwen3-moe"])
 def test_matches_hf_triton_backend(family: str, tmp_path) -> None:
     """The same schedule through the Triton kernels (interpreted on the CPU in CI)."""
     hf_model = make_hf_model(family, str(tmp_path))

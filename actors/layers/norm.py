@@ -42,14 +42,18 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: the weight is stored as an offset from 1 (scale = 1 + w), and the product is
     taken in float32 before rounding to the input dtype (Llama rounds first, then multiplies).
-    Always the torch ops: the Triton kernel rounds at Llama's points."""
+    Backend "triton" runs the RMSNorm kernel in its Gemma mode (the same rounding)."""
 
-    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype, backend: str = "torch") -> None:
         super().__init__()
-        self.eps = eps
+        if backend not in layer_ops.BACKENDS:
+            raise ValueError(f"backend={backend!r}: must be one of {layer_ops.BACKENDS}")
+        self.eps, self.backend = eps, backend
         self.weight = new_param((hidden_size,), params_dtype, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            return layer_ops.rms_norm(x, self.weight, self.eps, backend="triton", gemma=True)  # type: ignore[return-value]
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)

@@ -121,12 +121,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward_fused(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                       q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                      eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float = 1e-6, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Triton path: per-head RMSNorm of q and k (when weights are given), then rotary, in one
         launch. query/key may be row-strided [T, H*D] views (no copies are made); returns new
         contiguous q [T, Hq*D], k [T, Hkv*D]."""
         return layer_ops.qk_norm_rope(query, key, positions, self.cos_sin_cache, q_norm_weight,
-                                      k_norm_weight, eps, backend="triton")
+                                      k_norm_weight, eps, backend="triton", gemma=gemma)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -73,19 +73,13 @@ class DecoderAttention(nn.Module):
         a strided view too (the cache-write and attention kernels take row strides)."""
         if self.q_norm is None or self.k_norm is None:
             return self.rotary_emb.forward_fused(positions, q, k)
-        if isinstance(self.q_norm, GemmaRMSNorm):
-            # The fused kernel rounds as Llama's norm does; Gemma's (1 + w) norm runs in torch.
-            t = q.shape[0]
-            q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
-            k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)
-            return self.rotary_emb.forward_fused(positions, q, k)
         return self.rotary_emb.forward_fused(positions, q, k, self.q_norm.weight, self.k_norm.weight,
-                                             self.q_norm.eps)
+                                             self.q_norm.eps, gemma=isinstance(self.q_norm, GemmaRMSNorm))
 
 
 def _qk_norm(args: ModelArgs, dtype: torch.dtype, backend: str) -> nn.Module:
     if args.gemma_norms:
-        return GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype)
+        return GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype, backend)
     return RMSNorm(args.head_dim, args.rms_norm_eps, dtype, backend)
 
 

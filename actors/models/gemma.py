@@ -44,10 +44,10 @@ class GemmaDecoderLayer(nn.Module):
         h, eps = args.hidden_size, args.rms_norm_eps
         self.self_attn = DecoderAttention(args, layer_idx, rotary, dtype, backend)
         self.mlp = GemmaMLP(args, dtype)
-        self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.input_layernorm = GemmaRMSNorm(h, eps, dtype, backend)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype, backend)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, backend)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(hidden))
@@ -68,7 +68,7 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(args, i, local if args.layer_windows[i] is not None else rotary, dtype, backend)
             for i in range(args.num_layers))
-        self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.normalizer

@@ -36,9 +36,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, backend: str = "torch"
+             residual: torch.Tensor | None = None, backend: str = "torch", gemma: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim of x [..., N]; with residual returns (norm(x + residual), x + residual)."""
+    """RMSNorm over the last dim of x [..., N]; with residual returns (norm(x + residual), x + residual).
+    `gemma`: Gemma's (1 + w) scale, applied in float32 (see layer_reference.rms_norm_ref)."""
     _check_backend(backend)
     _require(x.dim() >= 1, "x must have at least one dimension")
     _check_float("x", x)
@@ -51,13 +52,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  f"residual must match x: shape {tuple(x.shape)} dtype {x.dtype}, got "
                  f"{tuple(residual.shape)} {residual.dtype}")
     if backend == "torch":
-        return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_ref(x, weight, eps, residual, gemma=gemma)
     _require(0 < n <= MAX_HIDDEN, f"x's last dim (hidden size) must be in 1..{MAX_HIDDEN}, got {n}")
     _require(len({t.device for t in (x, weight, residual) if t is not None}) == 1,
              "x, weight and residual must be on one device")
     from actors.layers.kernels.rms_norm import rms_norm_triton
     out = rms_norm_triton(_rows(x), weight, eps,
-                          None if residual is None else _rows(residual))
+                          None if residual is None else _rows(residual), gemma=gemma)
     if residual is None:
         return out.view(x.shape)
     return out[0].view(x.shape), out[1].view(x.shape)
@@ -77,7 +78,7 @@ def _heads(name: str, t: torch.Tensor, head_size: int) -> torch.Tensor:
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-6, backend: str = "torch", gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Optional per-head RMSNorm of q and k, then neox rotary embedding at `positions`.
 
     q [T, Hq*D] or [T, Hq, D], k likewise (row/head-strided views welcome: the kernel reads them in
@@ -103,12 +104,12 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
             _require(w.shape == (head_size,) and w.dtype == q.dtype,
                      f"{name} must be [{head_size}] of dtype {q.dtype}, got {tuple(w.shape)} {w.dtype}")
     if backend == "torch":
-        return qk_norm_rope_ref(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps)
+        return qk_norm_rope_ref(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps, gemma=gemma)
     tensors = (q, k, positions, cos_sin_cache, q_weight, k_weight)
     _require(len({t.device for t in tensors if t is not None}) == 1, "all tensors must be on one device")
     _require(cos_sin_cache.stride(-1) == 1, "cos_sin_cache: rows must be contiguous (stride 1)")
     from actors.layers.kernels.qk_norm_rope import qk_norm_rope_triton
-    return qk_norm_rope_triton(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps)
+    return qk_norm_rope_triton(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps, gemma=gemma)
 
 
 def silu_and_mul(x: torch.Tensor, backend: str = "torch") -> torch.Tensor:

@@ -10,15 +10,16 @@ import torch.nn.functional as F
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None
+                 residual: torch.Tensor | None = None, gemma: bool = False
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x), or (norm(x + residual), x + residual); the norm is over the last dimension."""
+    """norm(x), or (norm(x + residual), x + residual); the norm is over the last dimension.
+    `gemma`: Gemma's scale (1 + w), multiplied in float32 before the one rounding to x's dtype."""
     if residual is not None:
         x = x + residual
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(dtype)
+    out = (h * (1.0 + weight.float())).to(dtype) if gemma else weight * h.to(dtype)
     return out if residual is None else (out, x)
 
 
@@ -34,12 +35,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                      cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None,
-                     k_weight: torch.Tensor | None, eps: float
+                     k_weight: torch.Tensor | None, eps: float, gemma: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hkv, D] -> (q [T, Hq*D], k [T, Hkv*D]): optional per-head RMSNorm
     (Qwen3's q_norm/k_norm), then neox rotary at `positions` from the fp32 cos | sin table."""
     if q_weight is not None and k_weight is not None:
-        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+        q, k = rms_norm_ref(q, q_weight, eps, gemma=gemma), rms_norm_ref(k, k_weight, eps, gemma=gemma)
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
     cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
     sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)

@@ -27,7 +27,8 @@ TILE_ELEMS = 2048  # elements of one program's tile: enough bytes in flight, few
 @triton.jit
 def _norm_rope_tile(src_ptr, dst_ptr, w_ptr, stride_st, stride_sh, stride_dt, token, heads,
                     num_heads, cos, sin, eps,
-                    HEAD_SIZE: tl.constexpr, HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+                    HEAD_SIZE: tl.constexpr, HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+                    GEMMA: tl.constexpr):
     half: tl.constexpr = HEAD_SIZE // 2
     dims = tl.arange(0, HALF_BLOCK)
     dim_ok = dims < half
@@ -41,8 +42,12 @@ def _norm_rope_tile(src_ptr, dst_ptr, w_ptr, stride_st, stride_sh, stride_dt, to
         rstd = tl.rsqrt(sum_sq * (1.0 / HEAD_SIZE) + eps)[:, None]
         w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + half + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-        x1 = round_to(round_to(x1 * rstd, dtype) * w1, dtype)
-        x2 = round_to(round_to(x2 * rstd, dtype) * w2, dtype)
+        if GEMMA:  # Gemma-3: scale (1 + w) in fp32, one rounding
+            x1 = round_to(x1 * rstd * (1.0 + w1), dtype)
+            x2 = round_to(x2 * rstd * (1.0 + w2), dtype)
+        else:
+            x1 = round_to(round_to(x1 * rstd, dtype) * w1, dtype)
+            x2 = round_to(round_to(x2 * rstd, dtype) * w2, dtype)
     # out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); negation is exact.
     o1 = round_to(round_to(x1 * cos, dtype) - round_to(x2 * sin, dtype), dtype)
     o2 = round_to(round_to(x2 * cos, dtype) + round_to(x1 * sin, dtype), dtype)
@@ -57,7 +62,7 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_kot, stride_cache,
     num_q_heads, num_kv_heads, eps,
     HEAD_SIZE: tl.constexpr, HALF_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, GEMMA: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -72,11 +77,11 @@ def _qk_norm_rope_kernel(
     if tile < num_q_tiles:
         heads = tile * BLOCK_H + tl.arange(0, BLOCK_H)
         _norm_rope_tile(q_ptr, q_out_ptr, qw_ptr, stride_qt, stride_qh, stride_qot, token, heads,
-                        num_q_heads, cos, sin, eps, HEAD_SIZE, HALF_BLOCK, HAS_NORM)
+                        num_q_heads, cos, sin, eps, HEAD_SIZE, HALF_BLOCK, HAS_NORM, GEMMA)
     else:
         heads = (tile - num_q_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
         _norm_rope_tile(k_ptr, k_out_ptr, kw_ptr, stride_kt, stride_kh, stride_kot, token, heads,
-                        num_kv_heads, cos, sin, eps, HEAD_SIZE, HALF_BLOCK, HAS_NORM)
+                        num_kv_heads, cos, sin, eps, HEAD_SIZE, HALF_BLOCK, HAS_NORM, GEMMA)
 
 
 def _block_heads(num_q_heads: int, num_kv_heads: int, head_size: int) -> int:
@@ -88,7 +93,7 @@ def _block_heads(num_q_heads: int, num_kv_heads: int, head_size: int) -> int:
 
 def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                         cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None,
-                        k_weight: torch.Tensor | None, eps: float
+                        k_weight: torch.Tensor | None, eps: float, gemma: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D] / k [T, Hkv, D] (unit stride on D, any token/head strides); positions [T];
     cos_sin_cache [max_pos, D] fp32 (cos | sin). Norm weights [D] or both None.
@@ -108,6 +113,6 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), k_out.stride(0),
         cos_sin_cache.stride(0), num_q_heads, num_kv_heads, eps,
         HEAD_SIZE=head_size, HALF_BLOCK=triton.next_power_of_2(head_size // 2), BLOCK_H=block_h,
-        HAS_NORM=has_norm, num_warps=4, enable_fp_fusion=False,
+        HAS_NORM=has_norm, GEMMA=gemma, num_warps=4, enable_fp_fusion=False,
     )
     return q_out, k_out

@@ -19,7 +19,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, inv_n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -31,10 +31,13 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     # torch's GPU mean multiplies the sum by 1/N; exact for power-of-two hidden sizes either way.
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
-    normed = round_to(x * rstd, x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, round_to(normed * w, out_ptr.dtype.element_ty),
-             mask=mask)
+    if GEMMA:
+        # Gemma: scale (1 + w) applied in fp32, one rounding at the end.
+        out = round_to(x * rstd * (1.0 + w), out_ptr.dtype.element_ty)
+    else:
+        out = round_to(round_to(x * rstd, x_ptr.dtype.element_ty) * w, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
 def _num_warps(block_n: int) -> int:
@@ -43,12 +46,12 @@ def _num_warps(block_n: int) -> int:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None
+                    residual: torch.Tensor | None = None, gemma: bool = False
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x (and residual) [M, N] with unit column stride, any row stride; weight [N].
     Returns norm(x) or, with residual, (norm(x + residual), x + residual), both contiguous."""
     num_rows, n_cols = x.shape
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty((num_rows, n_cols), dtype=out_dtype, device=x.device)
     res_out = torch.empty_like(out, dtype=x.dtype) if residual is not None else out
     if num_rows == 0:
@@ -59,7 +62,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, res_in, weight, out, res_out,
         x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
         n_cols, 1.0 / n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, GEMMA=gemma,
         num_warps=_num_warps(block_n), enable_fp_fusion=False,
     )
     return out if residual is None else (out, res_out)
