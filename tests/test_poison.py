@@ -66,3 +66,44 @@ def test_forget_during_a_hunt_moves_on():
     assert hunt.forget("e") == []  # held: simply dropped
     assert hunt.progressed("c", False) == [] and hunt.progressed("d", False) == []
     assert not hunt.active
+
+
+# ---- the restart budget: spent on worker deaths only, also on a death during a rebuild ------------
+class _Metrics:
+    def record_restart(self) -> None:
+        pass
+
+
+class _Engine:
+    def shutdown(self) -> None:
+        pass
+
+
+def _driver(budget: int, deaths_during_rebuild: int):
+    from actors.driver import EngineDriver
+    from actors.engine_config import EngineConfig, ModelConfig, ParallelConfig
+    from actors.transport import WorkerFailure
+
+    class Driver(EngineDriver):
+        builds = 0
+
+        def _build_engine(self) -> None:  # a rebuild whose new workers die `deaths_during_rebuild` times
+            self.builds += 1
+            if self.builds <= deaths_during_rebuild:
+                raise WorkerFailure(0, "its actor died during load_model")
+            self.engine = _Engine()
+
+    config = EngineConfig(model=ModelConfig(model="tiny-random"),
+                          parallel=ParallelConfig(device="cpu", max_worker_restarts=budget))
+    d = Driver(config, placement_group=None)
+    d.engine, d._metrics = _Engine(), _Metrics()
+    return d, WorkerFailure(1, "killed")
+
+
+def test_a_death_during_a_rebuild_spends_the_budget_and_the_next_restart_is_tried():
+    d, failure = _driver(budget=3, deaths_during_rebuild=2)
+    assert d._recover(failure) is True  # rebuild 1 and 2 died, rebuild 3 held
+    assert d._restarts == 3 and d._fatal is None
+    d, failure = _driver(budget=2, deaths_during_rebuild=2)
+    assert d._recover(failure) is False
+    assert d._restarts == 2 and "after 2 of parallel.max_worker_restarts=2 restarts" in d._fatal, d._fatal
