@@ -81,7 +81,9 @@ def _attend_tiles(acc, l_i, m_i, q, t_lo, t_hi, kv_lo, kv_hi, pos, window,
     return acc, l_i, m_i
 
 
-@triton.jit
+# Ints that vary step to step are not specialised on (Triton would compile a variant for 1 and for
+# multiples of 16): a variant compiled at start-up then serves every later step.
+@triton.jit(do_not_specialize=["num_q_tiles", "small_q", "num_seqs", "search_steps"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
@@ -89,16 +91,32 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    head_size, small_q,
+    head_size, small_q, num_seqs, search_steps,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
     NUM_SPLITS: tl.constexpr, Q_FILTER: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, FLAT: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     # Heaviest (latest) query tiles first: under causal masking they have the most KV to read.
-    q_tile = num_q_tiles - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
+    if FLAT:
+        # Axis 0 enumerates the query tiles of all sequences: sequence s owns the tiles from
+        # qsl[s] // BLOCK_Q + s on (a monotone bound: s's tiles fit before s + 1's), so the grid is
+        # cdiv(num_tokens, BLOCK_Q) + num_seqs whatever the lengths, and a program finds its
+        # sequence by binary search over qsl on the device.
+        g = num_q_tiles - 1 - tl.program_id(0)
+        lo = 0
+        hi = num_seqs - 1
+        for _ in range(search_steps):
+            mid = (lo + hi + 1) // 2
+            start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            lo = tl.where(start <= g, mid, lo)
+            hi = tl.where(start <= g, hi, mid - 1)
+        seq = lo
+        q_tile = g - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
+    else:
+        q_tile = num_q_tiles - 1 - tl.program_id(0)
+        seq = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
 
@@ -186,7 +204,7 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + tok64 * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _split_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_seqs,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
                          stride_ot, stride_oh, head_size,
@@ -267,8 +285,18 @@ def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int
     part_o, part_lse, block_table = a["part_o"], a["part_lse"], a["block_table"]
     group = a["group"]
     q_rows = min(max_query_len, small_q) if q_filter == 1 else max_query_len
-    num_q_tiles = triton.cdiv(q_rows, tiles.block_m // group)
-    grid = (num_q_tiles, a["num_seqs"], key_cache.shape[2] * num_splits)
+    block_q = tiles.block_m // group
+    num_seqs = a["num_seqs"]
+    # Sequences of several tiles: a flat grid over all their tiles, sized by the token count (a
+    # shape, so a CUDA graph captured for a token bucket serves any mix of lengths in it). Sequences
+    # of one tile (decodes, the small launch): one program per sequence.
+    flat = triton.cdiv(q_rows, block_q) > 1
+    if flat:
+        num_q_tiles = query.shape[0] // block_q + num_seqs
+        grid = (num_q_tiles, 1, key_cache.shape[2] * num_splits)
+    else:
+        num_q_tiles = 1
+        grid = (num_q_tiles, num_seqs, key_cache.shape[2] * num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_o, part_lse,
         a["query_start_loc"], a["seq_lens"], block_table,
@@ -278,11 +306,11 @@ def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        query.shape[2], small_q,
+        query.shape[2], small_q, num_seqs, max(1, num_seqs.bit_length()),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_SIZE=key_cache.shape[1], HEAD_PAD=a["head_pad"],
         USE_WINDOW=a["window"] > 0, NUM_SPLITS=num_splits, Q_FILTER=q_filter,
-        DOT_PRECISION=a["precision"], UPCAST_DOT=a["upcast"], SOFTCAP=a["softcap"] > 0,
+        DOT_PRECISION=a["precision"], UPCAST_DOT=a["upcast"], SOFTCAP=a["softcap"] > 0, FLAT=flat,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
