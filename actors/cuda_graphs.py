@@ -1,35 +1,46 @@
-"""CUDA graphs for decode steps: capture the model forward once per batch-size bucket, replay it per step.
+"""CUDA graphs for every step: buckets, padding, static attention metadata, capture and replay.
 
-A decode step (every scheduled request runs exactly one token) launches a few hundred small kernels
-whose launch cost rivals their run time at small batches; replaying a captured graph launches them
-all at once. What makes a step replayable:
+A step launches a few hundred kernels; at small batches, and in any step on a slow host, launching
+them costs more than running them. A captured graph launches them all at once. Every step, decode or
+mixed (prefill chunks with decodes), is padded to a bucket and replays that bucket's graph:
 
-- Shapes: the batch is padded up to the next captured size ("bucket"). Padding rows run token 0 at
-  position 0 with seq_len 1: their slot is -1 (the slot-mapping kernel, launched with the real request
-  count, writes -1 for every token past the real ones), so they write no KV, and they read one position
-  of whatever block their block-table row names (a valid block id: row cells are block ids or 0, the
-  null block), so they stay finite. Their outputs are never read.
-- Addresses: the graph reads the runner's persistent device buffers (input ids, positions,
-  query_start_loc, seq_lens, each group's block table and slot mapping) through views taken at capture
-  time; per-step preparation copies into the same storage, and the block-table commit and the
-  slot-mapping kernel run eagerly on the same stream before the replay.
-- Host ints: attention metadata is captured with max_query_len = 1 and max_seq_len = max_model_len, so
-  the paged-attention grid and its split-KV count are those of any decode batch of that size; the
-  kernel computes each split's share of the context from seq_lens on the device.
+- Buckets. Uniform decode steps (every row one token) are padded by row count to `decode_sizes`
+  (1, 2, 4, 8, ... max_num_seqs): tokens = sequences = the bucket, max_query_len 1, so the attention
+  runs its one-launch decode path with the split-KV count of that batch size. Every other step is
+  padded by token count to `token_sizes` (8 ... max_num_batched_tokens), with room for
+  min(max_num_seqs, tokens) sequences and max_query_len = the token count (an upper bound: the
+  attention's grid over query tiles is sized from the token count, so any mix of lengths fits).
+- Padding. Padding sequences hold no tokens (their query_start_loc entries equal the token count) and
+  padding tokens belong to no sequence: input id 0, position 0, slot -1 (no KV write); attention
+  programs of padding sequences return at once, and nothing reads the padding rows' outputs.
+- Static metadata. The graph reads only device buffers whose addresses never change: the staged input
+  record, the input and feed buffers (actors/input_prep.py), every KV-cache group's block table and
+  slot mapping. Host ints baked into the graph are the bucket's (sequences, tokens, max_query_len,
+  max_seq_len = max_model_len); per-sequence lengths are read on the device.
+- What runs outside: staging the step's record (one copy), the block-table delta commit, and, after
+  the replay, logits of the sampling rows and the sampler.
 
-Logits and sampling stay outside the graph and run eagerly on the graph's output rows.
-Any failure while capturing logs a warning and leaves the runner eager: graphs are an optimisation,
-never a reason to stop serving.
+Capture runs once at start-up, largest bucket first into one memory pool, with the garbage collector
+frozen (as vLLM does: torch.cuda.graph collects garbage at every capture otherwise, seconds in all).
+Any failure while capturing logs a warning naming it and leaves the runner eager: graphs are an
+optimisation, never a reason to stop serving. A step without a graph runs eagerly; its reason is
+counted (see GraphStats).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from dataclasses import dataclass
-from typing import Callable
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+from unittest import mock
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+GRAPH_MODES = ("all", "decode", "none")
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -43,56 +54,141 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def bucket_for(num_reqs: int, sizes: list[int]) -> int | None:
-    """The smallest bucket holding num_reqs requests, or None when the batch exceeds every bucket."""
+def token_sizes(max_num_tokens: int) -> list[int]:
+    """Token-count buckets of mixed steps up to max_num_tokens (always included): powers of two from
+    8 to 512, then alternating x1.5 / x1.33 steps (768, 1024, 1536, 2048, ...): at most ~50% padding
+    on tiny steps, where it costs little, at most ~33% from 512 tokens on."""
+    if max_num_tokens < 1:
+        raise ValueError(f"token_sizes: max_num_tokens={max_num_tokens} must be >= 1")
+    sizes, s = [], 8
+    while s <= 512:
+        sizes.append(s)
+        s *= 2
+    s = 768
+    while s < max_num_tokens:
+        sizes.append(s)
+        s = s * 4 // 3 if (s & (s - 1)) else s * 3 // 2
+    return sorted({x for x in sizes if x < max_num_tokens} | {max_num_tokens})
+
+
+def bucket_for(n: int, sizes: list[int]) -> int | None:
+    """The smallest bucket holding n, or None when n exceeds every bucket."""
     for s in sizes:
-        if s >= num_reqs:
+        if s >= n:
             return s
     return None
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    num_tokens: int
+    num_seqs: int
+    decode: bool  # uniform decode: one token a sequence
+
+    @property
+    def max_query_len(self) -> int:
+        return 1 if self.decode else self.num_tokens
+
+
+class BucketPlan:
+    """Which buckets exist for a configuration, and which one a step pads to."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, mode: str) -> None:
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"model.cudagraph_mode={mode!r}: must be one of {GRAPH_MODES}")
+        self.mode = mode
+        self.max_num_reqs = max_num_reqs
+        self.decode_sizes = capture_sizes(min(max_num_reqs, max_num_tokens)) if mode != "none" else []
+        self.token_sizes = token_sizes(max_num_tokens) if mode == "all" else []
+
+    def buckets(self) -> list[Bucket]:
+        decode = [Bucket(s, s, True) for s in self.decode_sizes]
+        mixed = [Bucket(t, min(self.max_num_reqs, t), False) for t in self.token_sizes]
+        return decode + mixed
+
+    def select(self, num_reqs: int, num_tokens: int, max_query_len: int) -> tuple[Bucket | None, str]:
+        """The bucket of a step, or None and why not."""
+        if max_query_len == 1 and num_tokens == num_reqs and self.decode_sizes:
+            size = bucket_for(num_reqs, self.decode_sizes)
+            if size is not None:
+                return Bucket(size, size, True), ""
+        if not self.token_sizes:
+            return None, "mixed step without mixed-step graphs (model.cudagraph_mode)" if self.decode_sizes \
+                else "cudagraph_mode is none"
+        t = bucket_for(num_tokens, self.token_sizes)
+        if t is None:
+            return None, f"{num_tokens} tokens exceed every bucket"
+        return Bucket(t, min(self.max_num_reqs, t), False), ""
+
+
+@dataclass
+class GraphStats:
+    """Steps that replayed a graph, and the eager ones by reason."""
+
+    replayed: int = 0
+    eager: Counter = field(default_factory=Counter)
+
+    def count_eager(self, reason: str) -> None:
+        if reason not in self.eager:
+            logger.info("a step runs eagerly: %s (logged once per reason)", reason)
+        self.eager[reason] += 1
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Collect once, then freeze the heap and make the per-capture gc.collect / empty_cache calls of
+    torch.cuda.graph no-ops for the duration (vLLM's start-up fix)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        with mock.patch("gc.collect", lambda *a, **k: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
+            yield
+    finally:
+        gc.unfreeze()
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    output: torch.Tensor  # the forward's hidden states [size, H], rewritten by every replay
+    output: torch.Tensor  # hidden states [bucket tokens, H], rewritten by every replay
 
 
-class DecodeGraphs:
-    """Captured decode graphs by bucket size. `forward(size)` must run the model on the runner's static
-    buffers under the size's attention metadata (the runner prepares them) and return hidden states."""
+class StepGraphs:
+    """Captured graphs by bucket. `forward(bucket)` runs the whole step on the runner's static buffers
+    (input kernels, slot mapping, model) and returns the hidden states; `prepare(bucket)` stages a
+    dummy step (no rows: every slot -1) so the warm-up and the capture write no KV."""
 
-    def __init__(self, sizes: list[int], device: torch.device) -> None:
-        self.sizes = sorted(sizes)
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[Bucket, _Captured] = {}
 
     @property
-    def captured_sizes(self) -> list[int]:
+    def captured(self) -> list[Bucket]:
         return sorted(self._graphs)
 
-    def __contains__(self, size: int) -> bool:
-        return size in self._graphs
+    def __contains__(self, bucket: Bucket) -> bool:
+        return bucket in self._graphs
 
-    def capture(self, prepare: Callable[[int], None], forward: Callable[[int], torch.Tensor]) -> bool:
-        """Capture every bucket, largest first, into one shared memory pool (the small graphs reuse the
-        large one's activation memory). `prepare(size)` fills the static buffers with a dummy decode
-        batch. Returns True when every bucket was captured; on any error nothing is kept."""
+    def capture(self, buckets: list[Bucket], prepare: Callable[[Bucket], None],
+                forward: Callable[[Bucket], torch.Tensor]) -> bool:
+        """Capture every bucket, largest first, into one shared pool. True when all were captured; on
+        any error nothing is kept."""
         pool = torch.cuda.graph_pool_handle()
         try:
-            for size in sorted(self.sizes, reverse=True):
-                prepare(size)
-                # Warm-up outside the capture: Triton compiles each kernel variant (split count, grid)
-                # here, and cuBLAS picks its algorithms; neither may happen while capturing.
-                forward(size)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    output = forward(size)
-                self._graphs[size] = _Captured(graph, output)
+            with frozen_gc():
+                for bucket in sorted(buckets, key=lambda b: (b.num_tokens, b.num_seqs), reverse=True):
+                    prepare(bucket)
+                    # Warm-up outside the capture: Triton compiles each kernel variant here, and cuBLAS
+                    # picks its algorithms; neither may happen while capturing.
+                    forward(bucket)
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        output = forward(bucket)
+                    self._graphs[bucket] = _Captured(graph, output)
             torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001 - any capture problem: warn and run eagerly
-            logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly",
-                           type(e).__name__, e)
+            logger.warning("CUDA graph capture failed (%s: %s); steps run eagerly", type(e).__name__, e)
             self.clear()
             try:
                 torch.cuda.synchronize(self.device)
@@ -101,9 +197,8 @@ class DecodeGraphs:
             return False
         return True
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Run the bucket's graph on the current contents of the static buffers; its hidden states."""
-        captured = self._graphs[size]
+    def replay(self, bucket: Bucket) -> torch.Tensor:
+        captured = self._graphs[bucket]
         captured.graph.replay()
         return captured.output
 

@@ -13,6 +13,7 @@ is left to schedule, an empty step collects the last output.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Iterable
 
 from actors.executor_base import Executor
@@ -31,17 +32,23 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
         self.executor = executor
+        t0 = time.perf_counter()
         specs = executor.get_kv_cache_specs()
         # The executor's answer is already the minimum over ranks; an explicit override wins.
         num_blocks = config.cache.num_gpu_blocks or executor.determine_num_blocks()
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(specs, num_blocks=num_blocks)
-        executor.initialize_kv_cache(self.kv_cache_config)
+        t1 = time.perf_counter()
+        executor.initialize_kv_cache(self.kv_cache_config)  # also captures the CUDA graphs (warm-up)
+        logger.info("EngineCore start-up: KV sizing (profile run) %.1f s, KV cache + graph capture + "
+                    "warm-up %.1f s", t1 - t0, time.perf_counter() - t1)
         self.max_model_len = self._resolve_max_model_len()
-        self.async_scheduling = config.scheduler.async_scheduling
+        self.async_scheduling = config.use_async_scheduling
         self._new_scheduler()
         self._num_steps = 0
         self._num_tokens_scheduled = 0
         self._num_partial_prefills = 0  # scheduled chunks that ended before the prompt did
+        self._num_graph_steps = 0  # steps whose forward replayed a CUDA graph
+        self._num_forward_steps = 0  # steps that ran a forward (some tokens scheduled)
         self.max_concurrency = max_concurrency(self.kv_cache_config, self.max_model_len,
                                                config.scheduler.max_num_batched_tokens)
         logger.info("EngineCore: %d KV blocks in %d group(s), max_model_len=%d, max concurrency %.2fx "
@@ -132,12 +139,17 @@ class EngineCore:
         self._num_steps += 1
         self._num_tokens_scheduled += so.total_num_scheduled_tokens
         self._num_partial_prefills += sum(1 for t in out.sampled_token_ids if not t)
+        self._num_graph_steps += bool(out.cudagraph)
+        self._num_forward_steps += so.total_num_scheduled_tokens > 0
         return out
 
     def stats(self) -> dict[str, Any]:
         stats = dict(self.scheduler.stats())
         stats.update(num_steps=self._num_steps, num_tokens_scheduled=self._num_tokens_scheduled,
                      num_partial_prefills=self._num_partial_prefills,
+                     num_graph_steps=self._num_graph_steps,
+                     num_forward_steps=self._num_forward_steps,
+                     graph_step_share=self._num_graph_steps / max(self._num_forward_steps, 1),
                      num_blocks=self.kv_cache_config.num_blocks,
                      num_kv_cache_groups=len(self.kv_cache_config.kv_cache_groups),
                      max_concurrency=round(self.max_concurrency, 2))

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 from kvcore.block_table import MultiGroupBlockTable
-from kvcore.messages import BlockIds
+from kvcore.messages import BlockIds, NewRequestData, SchedulerOutput
 from kvcore.request import SamplingParams
 
 
@@ -223,3 +224,62 @@ class InputBatch:
         rows, n = rows[fits], n[fits]
         self.token_ids_cpu[rows, n] = np.asarray(token_ids, dtype=np.int32)[fits]
         self.num_tokens[rows] = n + 1
+
+    # ---- applying a step's scheduler output -------------------------------------------------
+    def apply_scheduler_output(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
+                               new_state: Callable[[NewRequestData], CachedRequestState],
+                               forget: Callable[[str], None],
+                               resumed: Callable[[CachedRequestState], None]) -> None:
+        """Bring the rows (and the worker's request states) to the step: finished and preempted
+        requests go, rows of requests not scheduled go (their state stays cached), new and resumed
+        requests get rows, cached ones take their block deltas; then the rows are condensed."""
+        for req_id in so.finished_req_ids:
+            forget(req_id)  # the request's state and everything kept by request id
+            self.remove_request(req_id)
+        for req_id in so.preempted_req_ids:
+            self.remove_request(req_id)  # its state stays: it comes back resumed
+        # The key-view subset test runs in C and is true on most steps, skipping the per-request scan.
+        if not self.req_id_to_index.keys() <= so.num_scheduled_tokens.keys():
+            for req_id in [r for r in self.req_id_to_index if r not in so.num_scheduled_tokens]:
+                self.remove_request(req_id)
+        to_add: list[CachedRequestState] = []
+        for nr in so.scheduled_new_reqs:
+            state = new_state(nr)
+            requests[nr.req_id] = state
+            to_add.append(state)
+        self._update_cached(so, requests, to_add, resumed)
+        for state in to_add:
+            self.add_request(state)
+        self.condense()
+        if self.num_reqs != len(so.num_scheduled_tokens):
+            raise RuntimeError(f"runner batch has {self.num_reqs} requests but the step schedules "
+                               f"{len(so.num_scheduled_tokens)}")
+
+    def _update_cached(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
+                       to_add: list[CachedRequestState], resumed: Callable[[CachedRequestState], None]) -> None:
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = requests.get(req_id)
+            if state is None:
+                raise RuntimeError(f"step {so.step_id}: cached request {req_id!r} is unknown to this worker")
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                tokens = cached.resumed_token_ids[i]
+                assert new_ids is not None and tokens is not None, "a resumed request carries blocks and tokens"
+                state.block_ids = tuple(list(b) for b in new_ids)
+                state.output_token_ids = list(tokens[len(state.prompt_token_ids):])
+                resumed(state)
+                self.remove_request(req_id)
+                to_add.append(state)
+                continue
+            if new_ids is not None:
+                for blocks, delta in zip(state.block_ids, new_ids):
+                    blocks.extend(delta)
+            row = self.req_id_to_index.get(req_id)
+            if row is None:
+                to_add.append(state)  # back after an unscheduled step: the full row is rebuilt
+                continue
+            self.num_computed_tokens[row] = state.num_computed_tokens
+            if new_ids is not None:
+                self.block_table.append_row(new_ids, row)

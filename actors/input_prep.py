@@ -15,6 +15,7 @@ while step N's copy may be queued).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,8 @@ class StagedStep:
     sample_rows: np.ndarray    # rows that sample, ascending
     max_query_len: int
     max_seq_len: int
+    sampling: Any = None       # the sampler's metadata of the sampling rows (set by the runner)
+    prompt_plan: Any = None    # prompt positions whose logprobs the step scores (set by the runner)
 
 
 class InputStager:

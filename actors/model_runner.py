@@ -1,54 +1,41 @@
-"""The model runner: one rank's model, paged KV cache and persistent batch.
+"""The model runner: one rank's model, paged KV cache and persistent batch; prepare -> launch -> complete.
 
-Each step it applies the scheduler's deltas to the InputBatch, builds the step's inputs on pinned host
-buffers (copied non-blocking, no host synchronisation until the sampled tokens are read back), runs
-the forward under the step's attention metadata, samples, and remembers the tokens it sampled: the
-scheduler never sends them back. With async scheduling it answers each step with the previous step's
-output: step N+1 is launched (its inputs fed step N's tokens on the device) before step N's tokens are
-read back, so the host work of both steps overlaps the GPU's.
+Each step it applies the scheduler's deltas to the InputBatch, stages the step's per-row record (the
+device builds the inputs from it, actors/input_prep.py), replays the step's CUDA graph (or runs it
+eagerly, actors/cuda_graphs.py), samples, and remembers the tokens it sampled: the scheduler never
+sends them back, and the next step takes them as inputs straight from the device. With async
+scheduling it answers each step with the previous step's output: step N+1 is launched before step N's
+tokens are read back, so the host work of both steps overlaps the GPU's. No host synchronisation
+happens anywhere before the read-back.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from actors import parallel_state
-from actors.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
+from actors import kv_cache_sizing, parallel_state
+from actors.cuda_graphs import Bucket, BucketPlan, GraphStats, StepGraphs
 from actors.forward_context import (
     AttentionMetadata,
     ForwardContext,
     set_forward_context,
 )
 from actors.input_batch import CachedRequestState, InputBatch
+from actors.input_prep import InputStager, StagedStep
 from actors.logprobs import MAX_LOGPROBS
 from actors.penalty_state import PenaltyState
 from actors.sampler import Sampler, SamplingMetadata, request_seed
 from actors.sampling_inputs import SamplingInputs
-from actors.step_logprobs import (
-    LogprobsCollector,
-    PromptPlan,
-    compute_prompt_logprobs,
-    launch_copies,
-    prompt_plan,
-)
+from actors.step_logprobs import LogprobsCollector, compute_prompt_logprobs, launch_copies, prompt_plan
 from actors.step_profiler import StepTimer
 from actors.token_readback import SampledStep, TokenReadback
 from actors.engine_config import EngineConfig
-from kvcore.buffers import CpuGpuBuffer
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from kvcore.spec import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheSpec,
-    SlidingWindowSpec,
-    group_layers_by_spec,
-    num_blocks_for_budget,
-)
+from kvcore.spec import KVCacheConfig, KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -77,19 +64,6 @@ def resolve_max_model_len(configured: int | None, hf_config: Any) -> int:
     return int(configured)
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: dict[int, AttentionMetadata]
-    logits_indices: torch.Tensor
-    sample_rows: np.ndarray          # rows whose prefill completes this step (they sample)
-    sampling: SamplingMetadata | None  # for the sample rows, already on the device
-    num_scheduled: np.ndarray        # tokens scheduled per row 0..num_reqs-1 (int64)
-    graph_size: int | None = None    # a decode batch padded to this bucket (replayable), else None
-    prompt_plan: PromptPlan | None = None  # prompt positions whose logprobs this step computes
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, rank: int) -> None:
         self.config = config
@@ -112,33 +86,22 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.layer_to_group: dict[str, int] = {}
-        self.slot_mappings_by_gid: dict[int, torch.Tensor] = {}
-        self.slot_mappings_by_layer: dict[str, torch.Tensor] = {}
-        # Marks the end of a step's host-to-device copies: the next step waits on it before editing the
-        # pinned sources again (a step that samples nothing has no other synchronisation point).
+        # Marks the end of a step's sampling-parameter copies: the next step waits on it before editing
+        # their pinned sources again.
         self._copies_done: torch.cuda.Event | None = None
-        # Decode batches are padded to these sizes when graphs are captured (see actors/cuda_graphs.py).
-        # Tests set _pad_decode_to_bucket on the CPU to run the padded inputs eagerly.
-        self.cudagraph_sizes = capture_sizes(min(self.max_num_reqs, self.max_num_tokens))
-        self.graphs: DecodeGraphs | None = None
-        self._pad_decode_to_bucket = False
+        mode = "none" if config.model.enforce_eager else config.model.cudagraph_mode
+        self.plan = BucketPlan(self.max_num_reqs, self.max_num_tokens, mode)
+        self.graphs: StepGraphs | None = None
+        self.graph_stats = GraphStats()
+        # Tests set this on the CPU to run the padded bucket inputs eagerly (what a replay computes).
+        self.pad_to_buckets = False
         self.step_timer: StepTimer | None = None  # set by the GPU idle benchmark (Worker.start_step_timing)
         self.lag_outputs = config.scheduler.async_scheduling
         self.readback = TokenReadback(self.max_num_reqs, device, self.pin_memory)
+        self.stager = InputStager(self.max_num_reqs, self.max_num_tokens, device, self.pin_memory)
         self._in_flight: SampledStep | None = None  # lag mode: launched, output not yet returned
-        self._make_step_buffers()
-
-    def _make_step_buffers(self) -> None:
-        kw = dict(device=self.device, pin_memory=self.pin_memory)
-        self.input_ids = CpuGpuBuffer(self.max_num_tokens, dtype=torch.int64, **kw)
-        self.positions = CpuGpuBuffer(self.max_num_tokens, dtype=torch.int64, **kw)
-        self.query_start_loc = CpuGpuBuffer(self.max_num_reqs + 1, dtype=torch.int32, **kw)
-        self.seq_lens = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int32, **kw)
-        self.logits_indices = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, **kw)
-        self.sampling_inputs = SamplingInputs(self.max_num_reqs, self.device, self.pin_memory)
-        self.feed_dst = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, **kw)
-        self.feed_src = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, **kw)
-        self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+        self._last: SampledStep | None = None       # the last launched step: the next one's feed source
+        self.sampling_inputs = SamplingInputs(self.max_num_reqs, device, self.pin_memory)
 
     # ---- model and KV cache -----------------------------------------------------------------
     def load_model(self) -> None:
@@ -157,105 +120,42 @@ class ModelRunner:
         self.sampler = Sampler(self.penalty_state)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        specs: dict[str, KVCacheSpec] = {}
-        block_size = self.config.cache.block_size
-        for layer in self._model().attention_layers():
-            kw = dict(block_size=block_size, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
-                      dtype=self.dtype)
-            hybrid = layer.sliding_window and not self.config.cache.disable_hybrid_kv_cache_manager
-            specs[layer.layer_name] = (SlidingWindowSpec(**kw, sliding_window=layer.sliding_window)
-                                       if hybrid else FullAttentionSpec(**kw))
-        return specs
+        return kv_cache_sizing.kv_cache_specs(self._model(), self.config.cache.block_size, self.dtype,
+                                              hybrid=not self.config.cache.disable_hybrid_kv_cache_manager)
 
-    @torch.inference_mode()
     def profile_run(self) -> None:
-        """A forward of max_num_batched_tokens tokens and logits for max_num_seqs rows, with no KV cache,
-        so the peak activation memory is what a real step can reach."""
-        model = self._model()
-        n = self.max_num_tokens
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        pos = torch.arange(n, dtype=torch.int64, device=self.device) % max(self.max_model_len, 1)
-        with set_forward_context(ForwardContext(attn_metadata=None, layer_to_group={})):
-            hidden = model(ids, pos)
-        rows = min(self.max_num_reqs, n)
-        logits = model.compute_logits(hidden[:rows])
-        del hidden
-        if self.device.type == "cuda":
-            # The step's logprobs (a vocabulary-wide log_softmax and top-k) are part of its peak; the
-            # sampling kernel itself allocates nothing. (The CPU budget is configured, not profiled.)
-            ones = torch.ones(rows, device=self.device)
-            ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
-            # Both kernel variants of plain requests compile here, not on the first request that needs one.
-            for need_filter in (False, True):
-                self.sampler(logits, SamplingMetadata(
-                    temperature=ones, top_k=ids.to(torch.int32) + 8, top_p=ones * 0.9, seeds=ids, positions=ids,
-                    all_greedy=False, need_filter=need_filter, num_logprobs=MAX_LOGPROBS))
+        rows = min(self.max_num_reqs, self.max_num_tokens)
+        # The step's logprobs (a vocabulary-wide log_softmax and top-k) are part of its peak; the sampling
+        # kernel itself allocates nothing. (The CPU budget is configured, not profiled.)
+        kv_cache_sizing.profile_run(self._model(), self.max_num_tokens, rows, self.max_model_len, self.device,
+                                    lambda logits: self.device.type == "cuda" and self.sampler(
+                                        logits, self._dummy_sampling(rows, True, MAX_LOGPROBS)))
 
     def determine_num_blocks(self) -> int:
-        """Blocks this rank can hold: the override, else the memory budget left after a profile run."""
-        groups = group_layers_by_spec(self.get_kv_cache_specs())
-        if self.config.cache.num_gpu_blocks is not None:
-            return int(self.config.cache.num_gpu_blocks)
-        if self.device.type != "cuda":
-            self.profile_run()
-            return num_blocks_for_budget(groups, int(self.config.cache.cpu_kv_cache_gib * 2**30))
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.profile_run()
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        share = self.config.parallel.gpus_per_worker
-        used = torch.cuda.max_memory_allocated(self.device)
-        if share >= 1.0:
-            # Memory held by others (other processes, the CUDA context, NCCL) is outside torch's counters.
-            used += max((total - free) - torch.cuda.memory_reserved(self.device), 0)
-        # Ranks sharing the GPU size their caches at the same time: each takes its share of the budget
-        # and counts only its own tensors (what the others hold is theirs; the CUDA contexts come out
-        # of the 1 - gpu_memory_utilization headroom).
-        budget = int(total * self.config.cache.gpu_memory_utilization * min(share, 1.0)) - used
-        torch.cuda.empty_cache()
-        logger.info("rank %d: KV budget %.2f GiB (total %.2f, peak used %.2f)", self.rank, budget / 2**30,
-                    total / 2**30, used / 2**30)
-        return num_blocks_for_budget(groups, budget)
+        return kv_cache_sizing.determine_num_blocks(self.config, self.get_kv_cache_specs(), self.device,
+                                                    self.rank, self.profile_run)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate one memory tensor per layer slot (shared by the i-th layer of every group), bind each
-        attention layer's view of it, and (re)build the persistent batch. Re-entrant: old state goes."""
-        layers = {layer.layer_name: layer for layer in self._model().attention_layers()}
-        slots = kv_cache_config.layer_to_slot()
-        missing = sorted(set(layers) ^ set(slots))
-        if missing:
-            raise ValueError(f"KVCacheConfig and model disagree on attention layers: {missing}")
+        """Allocate and bind the KV cache, (re)build the persistent batch, capture the graphs and warm
+        the sampler. Re-entrant: old state goes."""
         self._drop_graphs()  # they read the old cache and buffers
-        for layer in layers.values():
-            layer.kv_cache = None
         self.kv_caches = []
-        num_blocks = kv_cache_config.num_blocks
-        page_bytes = {g.kv_cache_spec.page_size_bytes for g in kv_cache_config.kv_cache_groups}
-        if len(page_bytes) != 1:
-            raise ValueError(f"KV-cache groups must share one page size; got {sorted(page_bytes)}")
-        slot_bytes = num_blocks * page_bytes.pop()
-        # Zeroed so unwritten pages hold finite values even where a kernel reads and then masks them.
-        self.kv_caches = [torch.zeros(slot_bytes, dtype=torch.uint8, device=self.device)
-                          for _ in range(kv_cache_config.num_memory_slots)]
-        for group in kv_cache_config.kv_cache_groups:
-            s = group.kv_cache_spec
-            shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)
-            for name in group.layer_names:
-                layers[name].kv_cache = self.kv_caches[slots[name]].view(s.dtype).view(shape)
+        self.kv_caches = kv_cache_sizing.allocate_kv_cache(self._model(), kv_cache_config, self.device)
         self.kv_cache_config = kv_cache_config
         self.layer_to_group = kv_cache_config.layer_to_group()
         self.requests.clear()
+        self._in_flight = self._last = None
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
                                       self.device, self.pin_memory, kv_cache_config.block_sizes)
-        self.capture_decode_graphs()
+        self.capture_graphs()
+        self._warm_sampler()
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     def _graphs_unavailable(self) -> str | None:
         if self.device.type != "cuda":
             return "not on a GPU"
-        if self.config.model.enforce_eager:
-            return "model.enforce_eager is set"
+        if self.plan.mode == "none":
+            return "model.enforce_eager is set" if self.config.model.enforce_eager else "cudagraph_mode is none"
         if self.backend != "triton":
             return f"attention backend {self.backend!r} reads host values (only 'triton' is capturable)"
         if parallel_state.tp_size() > 1 and self.config.parallel.collective_backend != "nccl":
@@ -263,84 +163,79 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def capture_decode_graphs(self) -> None:
-        """Capture one decode graph per bucket on the buffers of the current persistent batch. Every
-        rank must agree: a TP group where one rank replays and another runs eagerly still matches
-        collective for collective, but a rank that failed mid-capture is safer eager everywhere."""
+    def capture_graphs(self) -> None:
+        """Capture one graph per bucket. Every rank must agree: a rank that failed mid-capture makes
+        every rank eager (a TP group where one rank replays and another does not still matches
+        collective for collective, but eager everywhere is the safe side)."""
         self._drop_graphs()
         reason = self._graphs_unavailable()
         if reason is not None:
             logger.info("rank %d: CUDA graphs off: %s", self.rank, reason)
             return
         t0 = time.perf_counter()
-        graphs = DecodeGraphs(self.cudagraph_sizes, self.device)
-        ok = graphs.capture(self._prepare_dummy_decode, self._static_decode_forward)
+        graphs = StepGraphs(self.device)
+        buckets = self.plan.buckets()
+        ok = graphs.capture(buckets, self._stage_dummy, self._bucket_forward)
         if parallel_state.tp_size() > 1:
             ok = parallel_state.all_reduce_min(int(ok)) == 1
-        self._prepare_dummy_decode(0)  # leave no dummy slot mapping behind
         if not ok:
             graphs.clear()
             return
         self.graphs = graphs
-        self._pad_decode_to_bucket = True
-        logger.info("rank %d: captured %d decode CUDA graphs (batch sizes %s) in %.1f s", self.rank,
-                    len(graphs.captured_sizes), graphs.captured_sizes, time.perf_counter() - t0)
+        logger.info("rank %d: captured %d CUDA graphs (decode batch sizes %s, mixed token counts %s) in %.1f s",
+                    self.rank, len(buckets), self.plan.decode_sizes, self.plan.token_sizes, time.perf_counter() - t0)
 
     def _drop_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()
         self.graphs = None
-        self._pad_decode_to_bucket = False
 
-    def _prepare_dummy_decode(self, size: int) -> None:
-        """A decode batch of `size` padding rows in the static buffers; every slot -1 (no KV write)."""
-        self._pad_rows(0, size)
-        self.query_start_loc.np[0] = 0
-        self.input_ids.copy_to_gpu(size)
-        self.positions.copy_to_gpu(size)
-        self.query_start_loc.copy_to_gpu(size + 1)
-        self.seq_lens.copy_to_gpu(size)
-        for table in self._batch().block_table.block_tables:
-            table.slot_mapping.gpu.fill_(-1)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the pinned sources are rewritten by the next size
+    def _stage_dummy(self, bucket: Bucket) -> None:
+        """A step of no rows: every token is padding (slot -1), so warm-up and capture write no KV."""
+        empty = np.zeros(0, dtype=np.int64)
+        self.stager.stage_step(empty, empty, empty, empty, self._batch().token_ids_cpu)
 
-    def _static_decode_forward(self, size: int) -> torch.Tensor:
-        ctx = ForwardContext(attn_metadata=self._decode_metadata(size), layer_to_group=self.layer_to_group)
-        with set_forward_context(ctx):
-            return self._model()(self.input_ids.gpu[:size], self.positions.gpu[:size])
+    def _bucket_forward(self, bucket: Bucket) -> torch.Tensor:
+        return self._forward(bucket.num_seqs, bucket.num_tokens, bucket.max_query_len, self.max_model_len)
 
-    def _decode_metadata(self, size: int) -> dict[int, AttentionMetadata]:
-        """Metadata of a padded decode batch of `size` rows: views of the static buffers, and host ints
-        that hold for any such batch (so a graph captured with them is valid at every replay)."""
+    def _forward(self, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+        """The step on the static buffers: input kernels, slot mapping, model; hidden states."""
         batch = self._batch()
-        qsl = self.query_start_loc.gpu[:size + 1]
-        seq_lens = self.seq_lens.gpu[:size]
-        return {gid: AttentionMetadata(
-            num_actual_tokens=size, num_reqs=size, max_query_len=1, max_seq_len=self.max_model_len,
-            query_start_loc=qsl, seq_lens=seq_lens, block_table=table.block_table.gpu[:size],
-            slot_mapping=table.slot_mapping.gpu[:size])
+        self.stager.build(num_seqs, num_tokens)
+        out = self.stager.out
+        qsl = out.query_start_loc[:num_seqs + 1]
+        positions = out.positions[:num_tokens]
+        batch.block_table.compute_slot_mapping(num_seqs, qsl, positions)
+        metadata = {gid: AttentionMetadata(
+            num_actual_tokens=num_tokens, num_reqs=num_seqs, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, query_start_loc=qsl, seq_lens=out.seq_lens[:num_seqs],
+            block_table=table.block_table.gpu[:num_seqs], slot_mapping=table.slot_mapping.gpu[:num_tokens])
             for gid, table in enumerate(batch.block_table.block_tables)}
+        with set_forward_context(ForwardContext(attn_metadata=metadata, layer_to_group=self.layer_to_group)):
+            return self._model()(out.input_ids[:num_tokens], positions)
 
-    def _pad_rows(self, num_reqs: int, size: int) -> None:
-        """Rows [num_reqs, size) of the host buffers as padding: one token 0 at position 0, seq_len 1
-        (reads one KV position of a valid block; its slot is -1, so it writes nothing)."""
-        self.input_ids.np[num_reqs:size] = 0
-        self.positions.np[num_reqs:size] = 0
-        self.seq_lens.np[num_reqs:size] = 1
-        start = int(self.query_start_loc.np[num_reqs]) if num_reqs else 0
-        self.query_start_loc.np[num_reqs + 1:size + 1] = start + self._arange[1:size - num_reqs + 1]
+    @torch.inference_mode()
+    def _warm_sampler(self) -> None:
+        """Compile the sampler's variants (greedy, plain random, top-k/top-p) before the first request."""
+        if self.device.type != "cuda":
+            return
+        rows = min(8, self.max_num_reqs)
+        get = self.hf_config.get if isinstance(self.hf_config, dict) else lambda k: getattr(self.hf_config, k)
+        vocab = int(get("vocab_size"))
+        logits = torch.randn(rows, vocab, device=self.device)
+        for all_greedy, filters in ((True, False), (False, False), (False, True)):
+            md = self._dummy_sampling(rows, filters, -1)
+            if all_greedy:
+                md = SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False)
+            self.sampler(logits, md)
+        torch.cuda.synchronize(self.device)
 
-    def _decode_bucket(self, num_reqs: int, total: int, max_query_len: int) -> int | None:
-        """The bucket a decode-only batch is padded to, or None (mixed batch, too large, no graph).
-        Decode-only means every row runs exactly one token: total == num_reqs alone would also pass
-        rows of 0 and 2 tokens, which a graph captured with max_query_len 1 computes wrongly."""
-        if not self._pad_decode_to_bucket or total != num_reqs or max_query_len != 1:
-            return None
-        size = bucket_for(num_reqs, self.cudagraph_sizes)
-        if size is None or (self.graphs is not None and size not in self.graphs):
-            return None
-        return size
+    def _dummy_sampling(self, rows: int, filters: bool, num_logprobs: int) -> SamplingMetadata:
+        ones = torch.ones(rows, device=self.device)
+        ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        return SamplingMetadata(temperature=ones, top_k=ids.to(torch.int32) + (8 if filters else 0),
+                                top_p=ones * (0.9 if filters else 1.0), seeds=ids, positions=ids,
+                                all_greedy=False, need_filter=filters, num_logprobs=num_logprobs)
 
     def _model(self) -> torch.nn.Module:
         if self.model is None:
@@ -373,6 +268,12 @@ class ModelRunner:
             self.penalty_state.remove(req_id)
         self.logprobs.forget(req_id)
 
+    def _resumed(self, state: CachedRequestState) -> None:
+        if state.penalty_slot >= 0 and self.penalty_state is not None:
+            # The device counts may hold an in-flight token the scheduler dropped: recount.
+            self.penalty_state.add(state.req_id, state.prompt_token_ids, state.output_token_ids)
+        self.logprobs.restart_prompt(state.req_id)
+
     def reset_requests(self) -> None:
         """Forget every request (rows, states, the step in flight): after a step raised, the driver
         re-queues the survivors from scratch and the workers go on with their weights and KV cache."""
@@ -381,153 +282,15 @@ class ModelRunner:
             batch.remove_request(req_id)
         batch.condense()
         self.requests.clear()
-        self._in_flight = None
+        self._in_flight = self._last = None
         if self._copies_done is not None:
             self._copies_done.synchronize()
             self._copies_done = None
 
     def update_states(self, so: SchedulerOutput) -> None:
-        batch = self._batch()
-        for req_id in so.finished_req_ids:
-            self._forget(req_id)
-            batch.remove_request(req_id)
-        for req_id in so.preempted_req_ids:
-            batch.remove_request(req_id)  # its state stays: it comes back resumed
-        # Rows of requests not scheduled this step go; their state (tokens, blocks) stays cached. The
-        # key-view subset test runs in C and is true on most steps, skipping the per-request scan.
-        if not batch.req_id_to_index.keys() <= so.num_scheduled_tokens.keys():
-            for req_id in [r for r in batch.req_id_to_index if r not in so.num_scheduled_tokens]:
-                batch.remove_request(req_id)
+        self._batch().apply_scheduler_output(so, self.requests, self._new_state, self._forget, self._resumed)
 
-        to_add: list[CachedRequestState] = []
-        for nr in so.scheduled_new_reqs:
-            state = self._new_state(nr)
-            self.requests[nr.req_id] = state
-            to_add.append(state)
-        self._update_cached(so, batch, to_add)
-        for state in to_add:
-            batch.add_request(state)
-        batch.condense()
-        if batch.num_reqs != len(so.num_scheduled_tokens):
-            raise RuntimeError(f"runner batch has {batch.num_reqs} requests but the step schedules "
-                               f"{len(so.num_scheduled_tokens)}")
-
-    def _update_cached(self, so: SchedulerOutput, batch: InputBatch, to_add: list[CachedRequestState]) -> None:
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
-            if state is None:
-                raise RuntimeError(f"step {so.step_id}: cached request {req_id!r} is unknown to this worker")
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_ids = cached.new_block_ids[i]
-            if cached.resumed_from_preemption[i]:
-                tokens = cached.resumed_token_ids[i]
-                assert new_ids is not None and tokens is not None, "a resumed request carries blocks and tokens"
-                state.block_ids = tuple(list(b) for b in new_ids)
-                state.output_token_ids = list(tokens[len(state.prompt_token_ids):])
-                if state.penalty_slot >= 0 and self.penalty_state is not None:
-                    # The device counts may hold an in-flight token the scheduler dropped: recount.
-                    self.penalty_state.add(req_id, state.prompt_token_ids, state.output_token_ids)
-                self.logprobs.restart_prompt(req_id)
-                batch.remove_request(req_id)
-                to_add.append(state)
-                continue
-            if new_ids is not None:
-                for blocks, delta in zip(state.block_ids, new_ids):
-                    blocks.extend(delta)
-            row = batch.req_id_to_index.get(req_id)
-            if row is None:
-                to_add.append(state)  # back after an unscheduled step: the full row is rebuilt
-                continue
-            batch.num_computed_tokens[row] = state.num_computed_tokens
-            if new_ids is not None:
-                batch.block_table.append_row(new_ids, row)
-
-    # ---- inputs -----------------------------------------------------------------------------
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        batch = self._batch()
-        num_reqs = batch.num_reqs
-        batch.block_table.commit_block_table(num_reqs)  # first: the DMA overlaps the CPU work below
-
-        # map() with the bound __getitem__ looks the rows up in C: no generator frame per request.
-        num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids), dtype=np.int64,
-                                count=num_reqs)
-        cu = np.cumsum(num_sched)
-        total = int(cu[-1]) if num_reqs else 0
-        if total != so.total_num_scheduled_tokens:
-            raise RuntimeError(f"step {so.step_id}: num_scheduled_tokens sums to {total} but "
-                               f"total_num_scheduled_tokens is {so.total_num_scheduled_tokens}")
-        if total > self.max_num_tokens:
-            raise RuntimeError(f"step schedules {total} tokens > max_num_batched_tokens={self.max_num_tokens}")
-        req_idx = np.repeat(self._arange[:num_reqs], num_sched)
-        offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
-        computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
-        positions = computed[req_idx] + offsets
-        self.input_ids.np[:total] = batch.token_ids_cpu.reshape(-1)[positions + req_idx * batch.max_model_len]
-        self.positions.np[:total] = positions
-        self.query_start_loc.np[0] = 0
-        self.query_start_loc.np[1:num_reqs + 1] = cu
-        seq_lens = computed + num_sched
-        self.seq_lens.np[:num_reqs] = seq_lens
-        # Requests whose known tokens are all in the cache after this step sample; partial prefills do not.
-        sample_rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
-        self.logits_indices.np[:len(sample_rows)] = cu[sample_rows] - 1
-        max_query_len = int(num_sched.max())
-        pad = self._decode_bucket(num_reqs, total, max_query_len)
-        num_tokens, num_rows = total, num_reqs
-        if pad is not None:
-            self._pad_rows(num_reqs, pad)
-            num_tokens = num_rows = pad
-
-        input_ids = self.input_ids.copy_to_gpu(num_tokens)
-        if self._in_flight is not None and self._in_flight.device_tokens is not None:
-            self._feed_in_flight_tokens(batch.req_ids, cu - num_sched, input_ids)
-        positions_dev = self.positions.copy_to_gpu(num_tokens)
-        qsl = self.query_start_loc.copy_to_gpu(num_rows + 1)
-        seq_lens_dev = self.seq_lens.copy_to_gpu(num_rows)
-        logits_indices = self.logits_indices.copy_to_gpu(len(sample_rows))
-        # Before the event below: the next step may rewrite these pinned sources once it has passed.
-        sampling = (self.sampling_inputs.build(batch, sample_rows,
-                                               seq_lens[sample_rows] - batch.num_prompt_tokens[sample_rows])
-                    if len(sample_rows) else None)
-        plan = prompt_plan(batch, num_reqs, computed, num_sched, cu - num_sched, self.logprobs.done)
-        if self.device.type == "cuda":
-            self._copies_done = torch.cuda.Event()
-            self._copies_done.record()
-
-        # With the real request count: padding tokens (beyond query_start_loc[num_reqs]) get slot -1.
-        batch.block_table.compute_slot_mapping(num_reqs, qsl, positions_dev)
-        if pad is not None:
-            attn_metadata = self._decode_metadata(pad)
-        else:
-            max_seq_len = int(seq_lens.max())
-            attn_metadata = {gid: AttentionMetadata(
-                num_actual_tokens=total, num_reqs=num_reqs, max_query_len=max_query_len,
-                max_seq_len=max_seq_len, query_start_loc=qsl, seq_lens=seq_lens_dev,
-                block_table=table.block_table.gpu[:num_reqs], slot_mapping=table.slot_mapping.gpu[:total])
-                for gid, table in enumerate(batch.block_table.block_tables)}
-        # Both views share each group's one buffer: attention metadata reads by group, layers by name.
-        self.slot_mappings_by_gid = {gid: md.slot_mapping for gid, md in attn_metadata.items()}
-        self.slot_mappings_by_layer = {name: self.slot_mappings_by_gid[gid]
-                                       for name, gid in self.layer_to_group.items()}
-        return StepInputs(input_ids, positions_dev, attn_metadata, logits_indices, sample_rows, sampling,
-                          num_sched, pad, plan)
-
-    def _feed_in_flight_tokens(self, req_ids: list[str], starts: np.ndarray, input_ids: torch.Tensor) -> None:
-        """Rows that sampled in the step still in flight start this step with that token, which only the
-        device has yet: copy it from the sampler's output into input_ids (two small kernels)."""
-        src = self._in_flight.feed_index(req_ids)
-        rows = np.flatnonzero(src >= 0)
-        k = len(rows)
-        if not k:
-            return
-        self.feed_dst.np[:k] = starts[rows]
-        self.feed_src.np[:k] = src[rows]
-        dst = self.feed_dst.copy_to_gpu(k)
-        tokens = self._in_flight.device_tokens.index_select(0, self.feed_src.copy_to_gpu(k))
-        input_ids.index_copy_(0, dst, tokens)
-
-    # ---- the step ---------------------------------------------------------------------------
+    # ---- the step: prepare -> launch -> complete -----------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the step; return its output (rank 0), or with lag_outputs the previous step's (None if
@@ -544,7 +307,8 @@ class ModelRunner:
             if previous is not None:
                 return self._complete(previous)
             return None if self.lag_outputs or self.rank != 0 else ModelRunnerOutput([], [], step_id=so.step_id)
-        step = self._launch(so)
+        step = self._launch(so, self._prepare(so))
+        self._last = step
         if timer is not None:
             timer.mark("launched")
         if self.lag_outputs:
@@ -554,34 +318,74 @@ class ModelRunner:
             timer.mark("exit")
         return out
 
-    def _launch(self, so: SchedulerOutput) -> SampledStep:
+    def _prepare(self, so: SchedulerOutput) -> StagedStep:
+        """Commit the block table and stage the step's record (O(rows) host work; no sync)."""
+        batch = self._batch()
+        num_reqs = batch.num_reqs
+        batch.block_table.commit_block_table(num_reqs)  # first: the DMA overlaps the CPU work below
+        # map() with the bound __getitem__ looks the rows up in C: no generator frame per request.
+        num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids), dtype=np.int64,
+                                count=num_reqs)
+        computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
+        feed = (self._last.feed_index(batch.req_ids, computed) if self._last is not None
+                else np.full(num_reqs, -1, dtype=np.int64))
+        staged = self.stager.stage_step(num_sched, computed, batch.num_tokens[:num_reqs], feed,
+                                        batch.token_ids_cpu)
+        rows = staged.sample_rows
+        # Sampling parameters of the sampling rows (their output position: what Philox is keyed by) and
+        # the prompt positions whose logprobs this step scores.
+        staged.sampling = (self.sampling_inputs.build(batch, rows, staged.seq_lens[rows] - batch.num_prompt_tokens[rows])
+                           if len(rows) else None)
+        staged.prompt_plan = prompt_plan(batch, num_reqs, computed, num_sched, np.cumsum(num_sched) - num_sched,
+                                         self.logprobs.done)
+        if self.device.type == "cuda":
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+        if staged.num_tokens != so.total_num_scheduled_tokens:
+            raise RuntimeError(f"step {so.step_id}: num_scheduled_tokens sums to {staged.num_tokens} but "
+                               f"total_num_scheduled_tokens is {so.total_num_scheduled_tokens}")
+        if staged.num_tokens > self.max_num_tokens:
+            raise RuntimeError(f"step schedules {staged.num_tokens} tokens > "
+                               f"max_num_batched_tokens={self.max_num_tokens}")
+        return staged
+
+    def _run_forward(self, staged: StagedStep) -> tuple[torch.Tensor, bool]:
+        """Replay the step's bucket graph, or run it eagerly (padded to the bucket in the tests'
+        pad_to_buckets mode); the hidden states and whether a graph ran."""
+        bucket, reason = self.plan.select(staged.num_reqs, staged.num_tokens, staged.max_query_len)
+        if bucket is not None and self.graphs is not None:
+            if bucket in self.graphs:
+                self.graph_stats.replayed += 1
+                return self.graphs.replay(bucket), True
+            reason = f"no graph captured for {bucket}"
+        elif bucket is not None and self.pad_to_buckets:
+            return self._bucket_forward(bucket), False
+        self.graph_stats.count_eager(reason or self._graphs_unavailable() or "graphs off")
+        return self._forward(staged.num_reqs, staged.num_tokens, staged.max_query_len, staged.max_seq_len), False
+
+    def _launch(self, so: SchedulerOutput, staged: StagedStep) -> SampledStep:
         """Queue the step's GPU work and the copy of its sampled tokens to the host; no host sync."""
         batch = self._batch()
-        inputs = self._prepare_inputs(so)
         if self.step_timer is not None:
             self.step_timer.begin(batch.num_reqs, so.total_num_scheduled_tokens)
-        if inputs.graph_size is not None and self.graphs is not None:
-            # The commit and the slot mapping above ran on this stream: the replay sees them.
-            hidden = self.graphs.replay(inputs.graph_size)
-        else:
-            ctx = ForwardContext(attn_metadata=inputs.attn_metadata, layer_to_group=self.layer_to_group)
-            with set_forward_context(ctx):
-                hidden = self._model()(inputs.input_ids, inputs.positions)
+        hidden, graph = self._run_forward(staged)
         tokens = sample_lp = prompt_lp = None
-        if inputs.sampling is not None:
-            logits = self._model().compute_logits(hidden[inputs.logits_indices])
-            sampled = self.sampler(logits, inputs.sampling)
+        rows = staged.sample_rows
+        if staged.sampling is not None:
+            logits = self._model().compute_logits(hidden[self.stager.out.logits_indices[:len(rows)]])
+            sampled = self.sampler(logits, staged.sampling)
             tokens, sample_lp = sampled.token_ids, sampled.logprobs
-        if inputs.prompt_plan is not None:
-            prompt_lp = compute_prompt_logprobs(self._model().compute_logits, hidden, inputs.prompt_plan)
-        step_lp = launch_copies(sample_lp, None if sample_lp is None else batch.num_logprobs[inputs.sample_rows],
-                                prompt_lp, inputs.prompt_plan, self.device.type == "cuda")
+            self.stager.keep_sampled(tokens)
+        if staged.prompt_plan is not None:
+            prompt_lp = compute_prompt_logprobs(self._model().compute_logits, hidden, staged.prompt_plan)
+        step_lp = launch_copies(sample_lp, None if sample_lp is None else batch.num_logprobs[rows],
+                                prompt_lp, staged.prompt_plan, self.device.type == "cuda")
         if self.step_timer is not None:
             self.step_timer.end()  # also for a step that samples nothing, or its begin stays unpaired
         req_ids = batch.req_ids
         states = list(map(self.requests.__getitem__, req_ids))
-        step = self.readback.start(so.step_id, req_ids, states, inputs.sample_rows, tokens,
-                                   index_for_feed=self.lag_outputs)
+        step = self.readback.start(so.step_id, req_ids, states, rows, tokens,
+                                   sample_positions=staged.seq_lens[rows], graph=graph)
         step.logprobs = step_lp
         return step
 
@@ -608,4 +412,4 @@ class ModelRunner:
             return None
         logprobs, prompt_logprobs = self.logprobs.collect(step.logprobs, step.req_ids, step.sample_rows)
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out_tokens, step_id=step.step_id,
-                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, cudagraph=step.graph)

@@ -1,5 +1,5 @@
 """The worker's own host work per decode step, on this CPU: ModelRunner.update_states,
-_prepare_inputs (with the sampling metadata), and the rest of execute_model (sampled-token bookkeeping).
+_prepare (staging the step record), and the rest of execute_model (sampling metadata, token bookkeeping).
 
 256 requests (prompts of 200-800 tokens, so block boundaries are staggered and ~1 in 16 rows gains a
 block per step) run decode steps; the real Scheduler (block_size 16, one KV group, Qwen3-0.6B's 28
@@ -8,7 +8,7 @@ attention layers) produces every SchedulerOutput and consumes every ModelRunnerO
 The model is a stub whose forward and compute_logits return preallocated tensors, so only host work
 is timed. The block table commits in "delta" mode, as on CUDA. Two pieces that are device work on a GPU
 are no-ops here because their CPU stand-ins (torch reference kernels) would dominate and mislead:
-the slot-mapping computation and the scatter of the block-table delta (the host packing of the delta
+the slot-mapping computation, the input-preparation kernels and the scatter of the block-table delta (the host packing of the delta
 is still timed). Decode batches are padded to graph buckets as with CUDA graphs.
 
     PYTHONPATH=. python benchmarks/bench_runner_host.py [--steps 200] [--profile] [--no-record]
@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 import kvcore.kernels.block_table_delta as delta_mod  # noqa: E402
 from actors.input_batch import InputBatch  # noqa: E402
+from actors.input_prep import InputStager  # noqa: E402
 from actors.model_runner import ModelRunner  # noqa: E402
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from common import record  # noqa: E402
@@ -95,9 +96,10 @@ def build(max_model_len: int) -> tuple[Scheduler, ModelRunner]:
     runner.input_batch = InputBatch(NUM_REQS, max_model_len, runner.max_num_tokens, runner.device,
                                     runner.pin_memory, [BLOCK_SIZE])
     runner.input_batch.block_table.commit_mode = "delta"
-    runner._pad_decode_to_bucket = True  # what capture_decode_graphs leaves behind on a GPU
+    runner.pad_to_buckets = True  # the bucket selection a GPU with graphs makes
     # Device work on a GPU, torch reference kernels here: not the host work this measures.
     MultiGroupBlockTable.compute_slot_mapping = lambda self, *a: None
+    InputStager.build = lambda self, *a: None
     delta_mod.apply_block_table_delta = lambda *a: None
 
     spec = FullAttentionSpec(BLOCK_SIZE, 8, 128, torch.bfloat16)
@@ -141,23 +143,21 @@ def main() -> None:
     for _ in range(warmup):
         step(sched, runner)
 
-    # Inner pieces: _update_cached is part of update_states, _sampling_metadata of _prepare_inputs;
-    # _complete (the sampled-token bookkeeping) of the rest.
-    timer = Timer(runner, ["update_states", "_prepare_inputs", "_update_cached", "_sampling_metadata",
-                           "_complete"])
+    # Inner pieces: _prepare stages the step's record; _sampling_metadata and _complete (the
+    # sampled-token bookkeeping) are part of the rest.
+    timer = Timer(runner, ["update_states", "_prepare", "_sampling_metadata", "_complete"])
     rows = []
     for _ in range(args.steps):
         timer.reset()
         total, n = step(sched, runner)
         assert n == NUM_REQS, "every step must run all 256 decodes"
         us = timer.us
-        rows.append((total, us["update_states"], us["_prepare_inputs"],
-                     total - us["update_states"] - us["_prepare_inputs"], us["_update_cached"],
-                     us["_sampling_metadata"], us["_complete"]))
+        rows.append((total, us["update_states"], us["_prepare"],
+                     total - us["update_states"] - us["_prepare"], us["_sampling_metadata"], us["_complete"]))
     med = [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
     print(f"256 decodes, median of {args.steps} steps (us): execute_model {med[0]:.1f} = "
-          f"update_states {med[1]:.1f} + _prepare_inputs {med[2]:.1f} + rest {med[3]:.1f}")
-    print(f"  inside: _update_cached {med[4]:.1f}, _sampling_metadata {med[5]:.1f}, _complete {med[6]:.1f}")
+          f"update_states {med[1]:.1f} + _prepare {med[2]:.1f} + rest {med[3]:.1f}")
+    print(f"  inside the rest: _sampling_metadata {med[4]:.1f}, _complete {med[5]:.1f}")
 
     if args.profile:
         prof = cProfile.Profile()

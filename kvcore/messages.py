@@ -121,6 +121,7 @@ class ModelRunnerOutput:
     step_id: int = 0
     logprobs: dict[str, Logprobs] | None = None
     prompt_logprobs: dict[str, Logprobs] | None = None
+    cudagraph: bool = False  # the step replayed a CUDA graph (the engine reports the share)
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

@@ -133,6 +133,30 @@ def test_triton_matches_reference(kind, group):
                                    equal_nan=True)
 
 
+@pytest.mark.parametrize("kind", ["mixed", "decode", "prefill"])
+def test_triton_bucket_padded_call(kind):
+    """As a CUDA graph of a bucket calls it: padding sequences with no tokens after the real ones
+    (their query_start_loc entries equal the token count), padding tokens that belong to none, and
+    the bucket's host ints (max_query_len = the token count, or 1 for a decode bucket; max_seq_len an
+    upper bound). Real tokens equal the unpadded reference; padding rows stay untouched."""
+    q_lens, seq_lens = SHAPES[kind]
+    batch = make_batch(q_lens, seq_lens, 8, 2, 32, 8, torch.float32, seed=3)
+    ref = run_attention(batch, 0.2, None, "torch")
+    pad_seqs = 3
+    n = batch["num_tokens"]
+    qsl = torch.cat([batch["query_start_loc"].cpu(), torch.full((pad_seqs,), n, dtype=torch.int32)])
+    lens = torch.cat([batch["seq_lens"].cpu(), torch.zeros(pad_seqs, dtype=torch.int32)])
+    table = batch["block_table"].cpu()
+    table = torch.cat([table[:-1], torch.zeros(pad_seqs, table.shape[1], dtype=torch.int32)])
+    out = torch.full_like(batch["query"], float("nan"))
+    max_q = 1 if kind == "decode" else batch["query"].shape[0]
+    paged_attention_triton(batch["query"], batch["key_cache"], batch["value_cache"], out, qsl.to(DEVICE),
+                           lens.to(DEVICE), table.to(DEVICE), 0.2, None, max_q, 4096)
+    out = out.cpu()
+    assert_written_and_untouched(out, n)
+    torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32], equal_nan=True)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16])
 @pytest.mark.parametrize("kind", ["mixed", "cached_chunk", "decode"])
 def test_triton_sliding_window(kind, window):

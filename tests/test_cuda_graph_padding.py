@@ -1,25 +1,38 @@
-"""The inputs a decode CUDA graph replays, run eagerly on the CPU.
+"""The inputs a CUDA graph replays, run eagerly on the CPU.
 
-On the GPU a decode-only batch is padded to the next captured bucket: padding rows run token 0 at
-position 0 with seq_len 1 and slot -1, and the attention metadata carries the capture-time host ints
-(max_query_len 1, max_seq_len = max_model_len, so the Triton kernel may take its split-KV path). The
-runner's `_pad_decode_to_bucket` switch builds exactly those inputs without a graph, so here greedy
-outputs of the padded path must equal HF transformers token for token: padding rows write no KV and
-disturb no real row, on one KV-cache group and on a hybrid model (full + sliding-window groups), with
-the torch reference attention and with the Triton kernels under TRITON_INTERPRET=1, in a roomy pool
-and in a tight one (chunked prefill and preemption between padded decode steps).
+On the GPU every step is padded to a bucket: uniform decode steps by row count, mixed steps (prefill
+chunks with decodes) by token count. Padding sequences hold no tokens and padding tokens belong to no
+sequence (id 0, position 0, slot -1), and the attention metadata carries the bucket's host ints only
+(max_query_len 1 or the token count, max_seq_len = max_model_len). The runner's `pad_to_buckets`
+switch builds exactly those inputs without a graph, so here greedy outputs of the padded path must
+equal HF transformers token for token: padding writes no KV and disturbs no real row, on one KV-cache
+group and on a hybrid model (full + sliding-window groups), with the torch reference attention and
+with the Triton kernels under TRITON_INTERPRET=1, in a roomy pool and in a tight one (chunked prefill
+and preemption between padded steps).
 """
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import hf_models as H
 import pytest
 
-import hf_models as H
-from actors.cuda_graphs import bucket_for, capture_sizes
+from actors.cuda_graphs import (
+    Bucket,
+    BucketPlan,
+    bucket_for,
+    capture_sizes,
+    token_sizes,
+)
 from actors.engine_core import EngineCore
 from actors.local_executor import LocalExecutor
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from cluster.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvcore.request import Request, SamplingParams
 
 NEW_TOKENS = 12
@@ -38,6 +51,16 @@ def test_capture_sizes_and_buckets():
     assert bucket_for(41, sizes) is None
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_sizes(0)
+    assert token_sizes(8192) == [8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    assert token_sizes(100) == [8, 16, 32, 64, 100]
+    plan = BucketPlan(max_num_reqs=16, max_num_tokens=256, mode="all")
+    assert plan.select(5, 5, 1) == (Bucket(8, 8, True), "")
+    assert plan.select(5, 40, 36) == (Bucket(64, 16, False), "")
+    assert plan.select(3, 4, 2) == (Bucket(8, 8, False), "")
+    decode_only = BucketPlan(16, 256, "decode")
+    bucket, reason = decode_only.select(5, 40, 36)
+    assert bucket is None and "mixed" in reason
+    assert BucketPlan(16, 256, "none").buckets() == []
 
 
 @pytest.fixture(scope="module")
@@ -57,21 +80,23 @@ def make_config(path: str, backend: str, tight: bool) -> EngineConfig:
 
 
 def run_padded(config: EngineConfig, prompts):
-    """Greedy tokens per prompt with decode batches padded to buckets, and the (real, padded) batch
-    sizes the padded path saw."""
-    padded_steps: list[tuple[int, int]] = []
+    """Greedy tokens per prompt with every step padded to its bucket, and the (real rows, bucket) of
+    every padded step."""
+    padded_steps: list[tuple[int, Bucket]] = []
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
         runner = executor._worker.model_runner
         assert runner.graphs is None  # never captured on the CPU
-        runner._pad_decode_to_bucket = True
-        real_pad_rows = runner._pad_rows
+        runner.pad_to_buckets = True
+        real_select = runner.plan.select
 
-        def spy(num_reqs, size):
-            padded_steps.append((num_reqs, size))
-            return real_pad_rows(num_reqs, size)
+        def spy(num_reqs, num_tokens, max_query_len):
+            bucket, reason = real_select(num_reqs, num_tokens, max_query_len)
+            assert bucket is not None, reason
+            padded_steps.append((num_reqs, num_tokens, bucket))
+            return bucket, reason
 
-        runner._pad_rows = spy
+        runner.plan.select = spy
         for i, (p, n) in enumerate(zip(prompts, MAX_TOKENS)):
             sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             engine.add_request(Request(f"g{i}", p, sp, eos_token_id=2))
@@ -95,49 +120,43 @@ def test_padded_decode_matches_hf(reference, family, tight, backend):
     got, padded_steps, stats = run_padded(make_config(path, backend, tight), prompts)
     for i, (g, exp) in enumerate(zip(got, expected)):
         assert g == exp[:MAX_TOKENS[i]], f"{family} {backend} tight={tight}: prompt {i}: {g} vs HF {exp}"
-    assert padded_steps, "no decode-only step took the padded path"
+    assert any(b.decode for _, _, b in padded_steps), "no decode step took the padded path"
+    assert any(not b.decode and b.num_tokens > t for _, t, b in padded_steps), "no padded mixed step"
     if tight:
-        # Decode-only steps here come between chunked prefills and preemptions (their sizes happen to
-        # be buckets; the roomy runs check rows of padding).
+        # Steps here come between chunked prefills and preemptions.
         assert stats["num_preemptions"] > 0 and stats["num_partial_prefills"] > 0, stats
     else:
-        assert any(size > n for n, size in padded_steps), f"no batch smaller than its bucket: {padded_steps}"
+        assert any(b.num_seqs > n for n, _, b in padded_steps if b.decode), f"no padding rows: {padded_steps}"
 
 
 class RecordedGraphs:
-    """Stands in for DecodeGraphs on the CPU: 'capture' keeps the very tensors a CUDA graph would hold
-    by address (the static buffer views and the attention metadata built at capture time) and 'replay'
-    runs the model on them again. So if the runner's per-step preparation wrote anywhere other than
-    where the capture looked, the replayed outputs would be wrong."""
+    """Stands in for StepGraphs on the CPU: 'capture' runs the warm-up a real capture runs and keeps the
+    step function of each bucket, 'replay' runs it again. The function takes nothing but the bucket
+    (it reads the runner's static buffers, as a graph reads their addresses), so if per-step
+    preparation wrote anywhere the capture did not look, the replayed outputs would be wrong."""
 
-    def __init__(self, runner, sizes):
-        self.runner = runner
-        self.sizes = sorted(sizes)
+    def __init__(self, device):
         self.recorded = {}
         self.replays = []
+        self.runner = None
 
     @property
-    def captured_sizes(self):
+    def captured(self):
         return sorted(self.recorded)
 
-    def __contains__(self, size):
-        return size in self.recorded
+    def __contains__(self, bucket):
+        return bucket in self.recorded
 
-    def capture(self, prepare, forward):
-        r = self.runner
-        for size in sorted(self.sizes, reverse=True):
-            prepare(size)
-            forward(size)  # the warm-up the real capture runs
-            self.recorded[size] = (r._decode_metadata(size), r.input_ids.gpu[:size], r.positions.gpu[:size])
+    def capture(self, buckets, prepare, forward):
+        for bucket in sorted(buckets, reverse=True):
+            prepare(bucket)
+            forward(bucket)
+            self.recorded[bucket] = forward
         return True
 
-    def replay(self, size):
-        from actors.forward_context import ForwardContext, set_forward_context
-
-        md, ids, pos = self.recorded[size]
-        self.replays.append((self.runner.input_batch.num_reqs, size))
-        with set_forward_context(ForwardContext(attn_metadata=md, layer_to_group=self.runner.layer_to_group)):
-            return self.runner.model(ids, pos)
+    def replay(self, bucket):
+        self.replays.append((self.runner.input_batch.num_reqs, bucket))
+        return self.recorded[bucket](bucket)
 
     def clear(self):
         self.recorded.clear()
@@ -152,12 +171,13 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
     path, prompts, expected = reference("qwen3_hybrid")
     made = []
 
-    def fake_graphs(sizes, device):
-        made.append(RecordedGraphs(current_runner[0], sizes))
+    def fake_graphs(device):
+        made.append(RecordedGraphs(device))
+        made[-1].runner = current_runner[0]
         return made[-1]
 
     current_runner = [None]
-    monkeypatch.setattr(mr, "DecodeGraphs", fake_graphs)
+    monkeypatch.setattr(mr, "StepGraphs", fake_graphs)
     monkeypatch.setattr(mr.ModelRunner, "_graphs_unavailable", lambda self: None)
     real_init = mr.ModelRunner.initialize_kv_cache
 
@@ -171,8 +191,9 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
         runner = executor._worker.model_runner
-        assert runner.graphs is made[-1] and runner._pad_decode_to_bucket
-        assert runner.graphs.captured_sizes == runner.cudagraph_sizes == [1, 2, 4, 8, 16]
+        assert runner.graphs is made[-1]
+        assert runner.graphs.captured == sorted(runner.plan.buckets())
+        assert runner.plan.decode_sizes == [1, 2, 4, 8, 16]
         for i, (p, n) in enumerate(zip(prompts, MAX_TOKENS)):
             engine.add_request(Request(f"g{i}", p, SamplingParams(max_tokens=n, ignore_eos=True)))
         tokens: dict[str, list[int]] = {}
@@ -183,4 +204,6 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
         replays = runner.graphs.replays
     for i, exp in enumerate(expected):
         assert tokens[f"g{i}"] == exp[:MAX_TOKENS[i]], f"prompt {i}"
-    assert any(size > n for n, size in replays), replays
+    assert any(b.num_seqs > n for n, b in replays if b.decode), replays
+    assert any(not b.decode for n, b in replays), replays
+    assert engine.stats()["graph_step_share"] == 1.0, engine.stats()
