@@ -22,7 +22,8 @@ class ConfigError(ValueError):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-DEVICES = ("cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")
+CUDAGRAPH_MODES = ("all", "decode", "none")
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 TRANSPORTS = ("compiled_graph", "actor_calls")
@@ -106,7 +107,8 @@ class ModelConfig(_Section):
     max_model_len: int | None = None  # None = from the model's config (max_position_embeddings)
     seed: int = 0
     attention_backend: str = "auto"   # auto (triton on cuda, torch on cpu) | torch | triton
-    enforce_eager: bool = False       # True disables CUDA graphs
+    enforce_eager: bool = False       # True disables CUDA graphs (cudagraph_mode none)
+    cudagraph_mode: str = "all"       # all (every step replays a graph) | decode (decode steps only) | none
 
     def _rules(self) -> None:
         self._check(self.model.strip() != "", "model", "must name an HF model directory or 'tiny-random'")
@@ -116,6 +118,8 @@ class ModelConfig(_Section):
         self._check(0 <= self.seed <= INT64_MAX, "seed", f"must be in [0, {INT64_MAX}] (int64)")
         self._check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                     f"must be one of {list(ATTENTION_BACKENDS)}")
+        self._check(self.cudagraph_mode in CUDAGRAPH_MODES, "cudagraph_mode",
+                    f"must be one of {list(CUDAGRAPH_MODES)}")
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,7 @@ class ParallelConfig(_Section):
     SECTION = "parallel"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    device: str = "cpu"               # cpu | cuda
+    device: str = "auto"              # auto (cuda where the workers' nodes have GPUs, else cpu) | cpu | cuda
     placement_strategy: str = "STRICT_PACK"  # STRICT_PACK | PACK | SPREAD | STRICT_SPREAD
     gpus_per_worker: float = 1.0      # < 1 shares a GPU between ranks (then gloo, since NCCL refuses)
     distributed_backend: str = "auto"  # auto (nccl on whole GPUs, gloo otherwise) | nccl | gloo
@@ -142,19 +146,27 @@ class ParallelConfig(_Section):
         self._check(self.distributed_backend in DIST_BACKENDS, "distributed_backend",
                     f"must be one of {list(DIST_BACKENDS)}")
         if self.distributed_backend == "nccl":
-            self._check(self.device == "cuda", "distributed_backend", "nccl needs parallel.device=cuda")
+            self._check(self.device != "cpu", "distributed_backend", "nccl needs parallel.device=cuda")
             self._check(self.gpus_per_worker == 1.0, "distributed_backend",
                         "nccl refuses two ranks on one GPU; use gloo (or auto) when gpus_per_worker < 1")
         for name in ("placement_timeout_s", "step_timeout_s"):
             self._check(0 < getattr(self, name) <= MAX_TIMEOUT_S, name, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds")
         self._check(0 <= self.max_worker_restarts <= 1000, "max_worker_restarts", "must be in [0, 1000]")
 
+    def resolved_device(self) -> str:
+        """cpu or cuda. "auto" is resolved here from this process's view (a worker asks on its own
+        node); the client resolves it for the whole cluster before placing anything."""
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     @property
     def collective_backend(self) -> str:
         """NCCL on whole GPUs; gloo on the CPU or when ranks share a GPU (NCCL refuses that)."""
         if self.distributed_backend != "auto":
             return self.distributed_backend
-        return "nccl" if self.device == "cuda" and self.gpus_per_worker == 1.0 else "gloo"
+        return "nccl" if self.resolved_device() == "cuda" and self.gpus_per_worker == 1.0 else "gloo"
 
 
 @dataclass(frozen=True)
@@ -186,10 +198,11 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap on a prefill chunk
     # Admit waiting requests into a running batch only once this many rows are free (1 = at once), or
-    # after admission_max_wait_steps steps: fewer mixed prefill+decode steps, which run without graphs.
+    # after admission_max_wait_steps steps. Mixed steps replay graphs now, so it is off by default;
+    # benchmarks/bench_offline.py measures it against the default side by side.
     admission_min_batch: int = 1
     admission_max_wait_steps: int = 16
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None = on when the device is cuda
     debug_invariants: bool = False
 
     def _rules(self) -> None:
@@ -251,6 +264,12 @@ class EngineConfig:
     def replace(self, **flat: Any) -> "EngineConfig":
         """A copy with fields changed by short name (`block_size=32`) or dotted name."""
         return override_fields(self, flat)
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """scheduler.async_scheduling, where null means on for CUDA (the fastest measured setting)."""
+        on = self.scheduler.async_scheduling
+        return on if on is not None else self.parallel.resolved_device() == "cuda"
 
 
 # Short names accepted by LLM(...) and from_config(**overrides): every field by its own name, which is

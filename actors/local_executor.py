@@ -37,7 +37,7 @@ def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: 
     """Child process loop: call the requested Worker method, send back ("ok", result) or ("err", tb)."""
     import torch
     torch.set_num_threads(num_threads)
-    worker = Worker(config, rank, world_size, init_method, device_index=rank if config.parallel.device == "cuda" else None)
+    worker = Worker(config, rank, world_size, init_method, device_index=rank if config.parallel.resolved_device() == "cuda" else None)
     while True:
         try:
             method, args, kwargs = conn.recv()

@@ -96,7 +96,7 @@ class ModelRunner:
         # Tests set this on the CPU to run the padded bucket inputs eagerly (what a replay computes).
         self.pad_to_buckets = False
         self.step_timer: StepTimer | None = None  # set by the GPU idle benchmark (Worker.start_step_timing)
-        self.lag_outputs = config.scheduler.async_scheduling
+        self.lag_outputs = config.use_async_scheduling
         self.readback = TokenReadback(self.max_num_reqs, device, self.pin_memory)
         self.stager = InputStager(self.max_num_reqs, self.max_num_tokens, device, self.pin_memory)
         self._in_flight: SampledStep | None = None  # lag mode: launched, output not yet returned

@@ -26,7 +26,7 @@ class NoopWorker:
         self.fault: tuple[str, int] | None = None
         self.steps = 0
         # Async scheduling: like the model runner, answer each step with the previous step's output.
-        self.lag_outputs = config.scheduler.async_scheduling
+        self.lag_outputs = config.use_async_scheduling
         self._held: ModelRunnerOutput | None = None
 
     # ---- the Worker contract ----------------------------------------------------------------

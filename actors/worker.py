@@ -35,7 +35,7 @@ def select_backend(config: EngineConfig) -> str:
     backend = config.parallel.collective_backend
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"parallel.distributed_backend={backend!r}: must be auto, nccl or gloo")
-    if backend == "nccl" and config.parallel.device != "cuda":
+    if backend == "nccl" and config.parallel.resolved_device() != "cuda":
         raise ValueError("parallel.distributed_backend='nccl' needs parallel.device='cuda'")
     return backend
 
@@ -71,7 +71,7 @@ class Worker:
         return local_rank % max(torch.cuda.device_count(), 1)
 
     def init_device(self) -> None:
-        device_kind = self.config.parallel.device
+        device_kind = self.config.parallel.resolved_device()
         if device_kind == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("parallel.device='cuda' but CUDA is not available on this node")

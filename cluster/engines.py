@@ -16,7 +16,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.driver import PollResult, RequestSpec, RequestTiming, driver_actor_class
 from cluster.config import EngineConfig
-from cluster.placement import connect, create_placement_group, remove
+from cluster.placement import connect, create_placement_group, remove, resolve_device
 from kvcore.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,9 @@ def unwrap(e: BaseException) -> BaseException:
 
 class EngineGroup:
     def __init__(self, config: EngineConfig, worker_cls: str = "actors.worker.Worker") -> None:
-        self.config = config
         self.started_ray = connect(config)
+        config = resolve_device(config)  # the drivers and workers see cpu or cuda, never auto
+        self.config = config
         cls = driver_actor_class()
         n = config.parallel.data_parallel_size
         # Named, so an operator (or a failure test) can find a job's drivers: `ray list actors`,

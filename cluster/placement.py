@@ -13,7 +13,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
 
 from cluster.config import EngineConfig
 
@@ -55,6 +59,14 @@ def connect(config: EngineConfig) -> bool:
     start_local_ray(num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, need + 1),
                     namespace=config.ray.namespace, include_dashboard=config.ray.include_dashboard)
     return True
+
+
+def resolve_device(config: EngineConfig) -> EngineConfig:
+    """parallel.device=auto becomes cuda when the cluster has GPUs, else cpu (call after connect)."""
+    if config.parallel.device != "auto":
+        return config
+    gpus = float(ray.cluster_resources().get("GPU", 0))
+    return config.replace(device="cuda" if gpus > 0 else "cpu")
 
 
 def start_local_ray(num_cpus: int, namespace: str | None = None, include_dashboard: bool = False,
