@@ -360,7 +360,9 @@ class ModelRunner:
             reason = f"no graph captured for {bucket}"
         elif bucket is not None and self.pad_to_buckets:
             return self._bucket_forward(bucket), False
-        self.graph_stats.count_eager(reason or self._graphs_unavailable() or "graphs off")
+        if self.graphs is None:
+            reason = self._graphs_unavailable() or reason or "graph capture failed"
+        self.graph_stats.count_eager(reason)
         return self._forward(staged.num_reqs, staged.num_tokens, staged.max_query_len, staged.max_seq_len), False
 
     def _launch(self, so: SchedulerOutput, staged: StagedStep) -> SampledStep:

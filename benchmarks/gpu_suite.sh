@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, batched into few device calls because device time is scarce.
 # Run from the repo root after `source .gpu/bootstrap.sh`; logs and JSON lines go to $OUT, one log per
-# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | multigpu | all)
+# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | graphs | multigpu | all)
 #   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
 #          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
 #          shape; the cost of logprobs=5, n=4 and stop strings (bench_api_features); the control plane on
@@ -9,6 +9,10 @@
 #   checks: GPU idle with the worker's host phases; the worker's and the scheduler's host work on this
 #          host's CPU; TP=2 on one GPU (gloo) against TP=1; bf16 against HF fp32.
 #   llama: the Llama-3.1-8B shape offline (ShareGPT-like) and through `kvray run`.
+#   graphs: ([graphs], <= 9 minutes) greedy = HF in every graph mode, the attention kernels' tests on the
+#          GPU; offline throughput defaults vs tuned on both workloads (Qwen3-0.6B nano recipe with the
+#          all-steps idle share and `kvray run`; Llama-3.1-8B ShareGPT-like with a profile of a few
+#          steps); start-up with a cold and a warm Triton cache and the first run's TTFT.
 #   multigpu: (2+ GPUs) TP=2/4 over NCCL against TP=1, decode scaling TP 1/2/4 and DP2xTP2, control
 #          plane at TP 2/4/8. The fault run at TP=2 is `kvray stress --config configs/gpu-tp2.yaml
 #          --kill-workers 2`.
@@ -66,6 +70,18 @@ phase_llama() {
   kvray_run run_llama8b "$l" --num-requests 256 --max-tokens 128
 }
 
+phase_graphs() {
+  TAIL=50 step cuda_graphs 110 python3 benchmarks/check_cuda_graphs.py
+  TAIL=4 step attention_tests 45 python3 -m pytest -q -x tests/test_attention_kernels.py tests/test_input_prep_kernel.py
+  TAIL=20 step offline_qwen3_nano 130 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults tuned --idle --kvray-run
+  TAIL=20 step offline_llama8b 190 python3 benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+    --configs defaults tuned --profile /tmp/trace_llama --profile-steps 3 --profile-skip 30
+  TAIL=60 step trace_summary 20 python3 benchmarks/summarize_trace.py /tmp/trace_llama
+  TAIL=10 step startup 75 python3 benchmarks/bench_startup.py --shape qwen3-0.6b
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
   TAIL=30 step check_tp_nccl 300 python3 benchmarks/check_tp.py --gpus-per-worker 1 --tp 2,4
   TAIL=30 step tp_scaling 600 python3 benchmarks/bench_tp_scaling.py
@@ -77,7 +93,8 @@ case "${1:-all}" in
   checks) phase_checks ;;
   rerun) phase_rerun ;;
   llama) phase_llama ;;
+  graphs) phase_graphs ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
-  *) echo "usage: $0 qwen|checks|rerun|llama|multigpu|all"; exit 2 ;;
+  *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;
 esac

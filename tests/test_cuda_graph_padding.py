@@ -74,7 +74,9 @@ def make_config(path: str, backend: str, tight: bool) -> EngineConfig:
         sched = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=32, debug_invariants=True)
     else:
         cache = CacheConfig(block_size=8, cpu_kv_cache_gib=0.01)
-        sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, debug_invariants=True)
+        # Interpreted Triton pays for every padded token: smaller token buckets there.
+        sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64 if backend == "triton" else 256,
+                                debug_invariants=True)
     return EngineConfig(model=ModelConfig(model=path, dtype="float32", attention_backend=backend),
                         parallel=ParallelConfig(device="cpu"), cache=cache, scheduler=sched)
 
