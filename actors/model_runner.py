@@ -19,6 +19,7 @@ import torch
 
 from actors import kv_cache_sizing, parallel_state
 from actors.cuda_graphs import Bucket, BucketPlan, GraphStats, StepGraphs
+from actors.engine_config import EngineConfig
 from actors.forward_context import (
     AttentionMetadata,
     ForwardContext,
@@ -28,12 +29,17 @@ from actors.input_batch import CachedRequestState, InputBatch
 from actors.input_prep import InputStager, StagedStep
 from actors.logprobs import MAX_LOGPROBS
 from actors.penalty_state import PenaltyState
-from actors.sampler import Sampler, SamplingMetadata, request_seed
+from actors.sampler import Sampler, request_seed
 from actors.sampling_inputs import SamplingInputs
-from actors.step_logprobs import LogprobsCollector, compute_prompt_logprobs, launch_copies, prompt_plan
+from actors.step_logprobs import (
+    LogprobsCollector,
+    compute_prompt_logprobs,
+    launch_copies,
+    prompt_plan,
+)
 from actors.step_profiler import StepTimer
 from actors.token_readback import SampledStep, TokenReadback
-from actors.engine_config import EngineConfig
+from actors.warmup import dummy_sampling, warm_sampler
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
 
@@ -113,10 +119,9 @@ class ModelRunner:
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = resolve_max_model_len(self.config.model.max_model_len, self.hf_config)
-        get = self.hf_config.get if isinstance(self.hf_config, dict) else lambda k: getattr(self.hf_config, k, None)
-        eos = get("eos_token_id")
+        eos = self._hf("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos  # as the driver's stop check
-        self.penalty_state = PenaltyState(int(get("vocab_size")), self.device)
+        self.penalty_state = PenaltyState(int(self._hf("vocab_size")), self.device)
         self.sampler = Sampler(self.penalty_state)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
@@ -129,7 +134,7 @@ class ModelRunner:
         # kernel itself allocates nothing. (The CPU budget is configured, not profiled.)
         kv_cache_sizing.profile_run(self._model(), self.max_num_tokens, rows, self.max_model_len, self.device,
                                     lambda logits: self.device.type == "cuda" and self.sampler(
-                                        logits, self._dummy_sampling(rows, True, MAX_LOGPROBS)))
+                                        logits, dummy_sampling(rows, True, MAX_LOGPROBS, self.device)))
 
     def determine_num_blocks(self) -> int:
         return kv_cache_sizing.determine_num_blocks(self.config, self.get_kv_cache_specs(), self.device,
@@ -148,7 +153,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
                                       self.device, self.pin_memory, kv_cache_config.block_sizes)
         self.capture_graphs()
-        self._warm_sampler()
+        warm_sampler(self.sampler, int(self._hf("vocab_size")), self.device, min(8, self.max_num_reqs))
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     def _graphs_unavailable(self) -> str | None:
@@ -214,28 +219,8 @@ class ModelRunner:
         with set_forward_context(ForwardContext(attn_metadata=metadata, layer_to_group=self.layer_to_group)):
             return self._model()(out.input_ids[:num_tokens], positions)
 
-    @torch.inference_mode()
-    def _warm_sampler(self) -> None:
-        """Compile the sampler's variants (greedy, plain random, top-k/top-p) before the first request."""
-        if self.device.type != "cuda":
-            return
-        rows = min(8, self.max_num_reqs)
-        get = self.hf_config.get if isinstance(self.hf_config, dict) else lambda k: getattr(self.hf_config, k)
-        vocab = int(get("vocab_size"))
-        logits = torch.randn(rows, vocab, device=self.device)
-        for all_greedy, filters in ((True, False), (False, False), (False, True)):
-            md = self._dummy_sampling(rows, filters, -1)
-            if all_greedy:
-                md = SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False)
-            self.sampler(logits, md)
-        torch.cuda.synchronize(self.device)
-
-    def _dummy_sampling(self, rows: int, filters: bool, num_logprobs: int) -> SamplingMetadata:
-        ones = torch.ones(rows, device=self.device)
-        ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        return SamplingMetadata(temperature=ones, top_k=ids.to(torch.int32) + (8 if filters else 0),
-                                top_p=ones * (0.9 if filters else 1.0), seeds=ids, positions=ids,
-                                all_greedy=False, need_filter=filters, num_logprobs=num_logprobs)
+    def _hf(self, key: str) -> Any:
+        return self.hf_config.get(key) if isinstance(self.hf_config, dict) else getattr(self.hf_config, key, None)
 
     def _model(self) -> torch.nn.Module:
         if self.model is None:

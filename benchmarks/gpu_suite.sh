@@ -9,8 +9,8 @@
 #   checks: GPU idle with the worker's host phases; the worker's and the scheduler's host work on this
 #          host's CPU; TP=2 on one GPU (gloo) against TP=1; bf16 against HF fp32.
 #   llama: the Llama-3.1-8B shape offline (ShareGPT-like) and through `kvray run`.
-#   graphs: ([graphs], <= 9 minutes) greedy = HF in every graph mode, the attention kernels' tests on the
-#          GPU; offline throughput defaults vs tuned on both workloads (Qwen3-0.6B nano recipe with the
+#   graphs: ([graphs], <= 9 minutes) greedy = HF in every graph mode, the attention kernels' speed;
+#          offline throughput defaults vs tuned on both workloads (Qwen3-0.6B nano recipe with the
 #          all-steps idle share and `kvray run`; Llama-3.1-8B ShareGPT-like with a profile of a few
 #          steps); start-up with a cold and a warm Triton cache and the first run's TTFT.
 #   multigpu: (2+ GPUs) TP=2/4 over NCCL against TP=1, decode scaling TP 1/2/4 and DP2xTP2, control
@@ -25,7 +25,7 @@ step() {
   echo "== $name, limit ${limit}s, $(date +%T)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "rc=$? $name $(date +%T)"
-  grep -E "RESULT|kvray:|hf:|PASS|FAIL|Traceback|Error|idle|tok/s|us|TP=|graphs_|prepare|median|identical|diverg" "$OUT/$name.log" \
+  grep -E "RESULT|kvray:|kvray \[|start-up|engine:|hf:|PASS|FAIL|Traceback|Error|idle|tok/s|us|TP=|graphs_|prepare|median|identical|diverg" "$OUT/$name.log" \
     | grep -v "pid=" | tail -${TAIL:-14}
 }
 make_model() {  # shape dtype -> path on stdout
@@ -70,15 +70,15 @@ phase_llama() {
   kvray_run run_llama8b "$l" --num-requests 256 --max-tokens 128
 }
 
-phase_graphs() {
-  TAIL=50 step cuda_graphs 110 python3 benchmarks/check_cuda_graphs.py
-  TAIL=4 step attention_tests 45 python3 -m pytest -q -x tests/test_attention_kernels.py tests/test_input_prep_kernel.py
-  TAIL=20 step offline_qwen3_nano 130 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
+phase_graphs() {  # limits sum to 530 s
+  TAIL=50 step cuda_graphs 90 python3 benchmarks/check_cuda_graphs.py
+  TAIL=30 step attention 60 python3 benchmarks/bench_attention.py
+  TAIL=20 step offline_qwen3_nano 115 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
     --configs defaults tuned --idle --kvray-run
-  TAIL=20 step offline_llama8b 190 python3 benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+  TAIL=20 step offline_llama8b 180 python3 benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
     --configs defaults tuned --profile /tmp/trace_llama --profile-steps 3 --profile-skip 30
-  TAIL=60 step trace_summary 20 python3 benchmarks/summarize_trace.py /tmp/trace_llama
-  TAIL=10 step startup 75 python3 benchmarks/bench_startup.py --shape qwen3-0.6b
+  TAIL=60 step trace_summary 15 python3 benchmarks/summarize_trace.py /tmp/trace_llama
+  TAIL=10 step startup 70 python3 benchmarks/bench_startup.py --shape qwen3-0.6b
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
