@@ -152,6 +152,11 @@ class InputBatch:
             heapq.heappush(self._holes, row)
         return row
 
+    def remove_all(self) -> None:
+        for req_id in list(self.req_id_to_index):
+            self.remove_request(req_id)
+        self.condense()
+
     def _drop_trailing_holes(self) -> None:
         # Holes at the top of the occupied range are just free space; keep the heap to holes below it.
         while self._num_rows > 0 and self.index_to_req_id[self._num_rows - 1] is None:

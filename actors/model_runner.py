@@ -262,10 +262,7 @@ class ModelRunner:
     def reset_requests(self) -> None:
         """Forget every request (rows, states, the step in flight): after a step raised, the driver
         re-queues the survivors from scratch and the workers go on with their weights and KV cache."""
-        batch = self._batch()
-        for req_id in list(batch.req_id_to_index):
-            batch.remove_request(req_id)
-        batch.condense()
+        self._batch().remove_all()
         self.requests.clear()
         self._in_flight = self._last = None
         if self._copies_done is not None:
