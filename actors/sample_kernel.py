@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-INT32_MIN = -(2 ** 31)
+INT32_MIN = tl.constexpr(-(2 ** 31))  # a plain global is refused by the compiler (the interpreter allows it)
 BISECT_STEPS = 33  # an int32 key range (2**32 + 1 wide) halves to adjacent keys in 33 steps
 
 
