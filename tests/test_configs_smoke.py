@@ -21,7 +21,7 @@ from kvcore.request import SamplingParams
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 RUN_HERE = {"local.yaml": [], "local-tp2.yaml": [], "stress-local.yaml": [],
-            "gpu.yaml": ["parallel.device=cpu", "cache.cpu_kv_cache_gib=0.25", "model.max_model_len=1024"]}
+            "gpu.yaml": ["parallel.device=cpu", "cache.cpu_kv_cache_gib=0.25"]}
 CLUSTER_ONLY = {"gpu-tp2.yaml", "gpu-tp4-dp2.yaml"}
 
 
