@@ -105,8 +105,8 @@ def _paged_attention_kernel(
         # cdiv(num_tokens, BLOCK_Q) + num_seqs whatever the lengths, and a program finds its
         # sequence by binary search over qsl on the device.
         g = num_q_tiles - 1 - tl.program_id(0)
-        lo = 0
         hi = num_seqs - 1
+        lo = hi * 0  # a tensor from the start: a loop-carried value may not change type
         for _ in range(search_steps):
             mid = (lo + hi + 1) // 2
             start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
