@@ -6,6 +6,11 @@ background thread runs the step loop, while client calls (add_requests, abort, g
 run on other actor threads. Client calls never wait for a step: new requests and aborts go through an
 inbox that the loop drains before each step, and outputs wait in an outbox until the client polls.
 
+The driver itself is inbox -> step -> outbox. What it keeps about each unfinished request, and how a
+request survives a restart, is actors/live_requests.py; fault injection and introspection are
+actors/driver_debug.py; poison isolation is actors/poison.py; the types the client sends and receives
+are actors/messages.py.
+
 Errors: a bad request finishes alone with an error output. A worker failure rebuilds the TP group and
 re-queues every in-flight request while `parallel.max_worker_restarts` allows; past it, every live
 request gets an error output, `get_outputs` reports the failure, and new requests are refused.
@@ -16,58 +21,21 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
+from actors.driver_debug import DriverDebug
 from actors.engine_config import EngineConfig
+from actors.transport import WorkerFailure
+from actors.live_requests import LiveRequests, make_request
+from actors.messages import PollResult, RequestSpec, RequestTiming, error_output  # noqa: F401 - re-exported
 from actors.poison import PoisonHunt, PoisonIsolation, StepError
 from kvcore.messages import EngineCoreOutput
-from kvcore.request import (Request, RequestValidationError, SamplingParams, check_request_id,
-                             check_token_ids, validate)
+from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestSpec:
-    """What a client sends: the driver builds the Request itself (its own clock for timings)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-
-
-@dataclass
-class RequestTiming:
-    """Per finished request, measured on the driver: seconds from arrival."""
-
-    ttft_s: float | None
-    e2e_s: float
-    num_prompt_tokens: int
-    num_output_tokens: int
-
-
-@dataclass
-class PollResult:
-    outputs: list[EngineCoreOutput]
-    timings: dict[str, RequestTiming] = field(default_factory=dict)
-    fatal: str | None = None  # set once the replica is down for good
-
-
-@dataclass
-class _Live:
-    """The driver's record of an unfinished request: enough to re-queue it on a new TP group."""
-
-    spec: RequestSpec
-    arrival: float
-    output_token_ids: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
-    # After a restart a sampled request runs again from its prompt (its generator restarts with it);
-    # the first `replay` tokens it regenerates were already published and are dropped.
-    replay: int = 0
-
-
-class EngineDriver(PoisonIsolation):
+class EngineDriver(PoisonIsolation, DriverDebug):
     def __init__(self, config: EngineConfig, placement_group: Any, replica: int = 0,
                  worker_cls: str = "actors.worker.Worker") -> None:
         if os.environ.get("KVRAY_VERBOSE") != "1":
@@ -88,9 +56,7 @@ class EngineDriver(PoisonIsolation):
         self._abort_inbox: list[str] = []
         self._outbox: list[EngineCoreOutput] = []
         self._timings: dict[str, RequestTiming] = {}
-        self._live: dict[str, _Live] = {}
-        self._silenced: set[str] = set()  # aborted by the driver itself; their abort output is dropped
-        self._num_replayed = 0  # sampled requests re-run from their prompt after a restart
+        self._live = LiveRequests()
         self._fatal: str | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -116,9 +82,9 @@ class EngineDriver(PoisonIsolation):
         return self.info
 
     def _build_engine(self) -> None:
+        from actors.engine_config import validate_for_model
         from actors.engine_core import EngineCore
         from actors.ray_executor import RayExecutor
-        from actors.engine_config import validate_for_model
 
         executor = RayExecutor(self.config, self.pg, worker_cls=self.worker_cls)
         try:
@@ -136,9 +102,6 @@ class EngineDriver(PoisonIsolation):
                      "max_model_len": self.engine.max_model_len,
                      "transport": self.config.ray.transport}
 
-    def ready(self) -> bool:
-        return self.engine is not None and self._fatal is None
-
     # ---- client calls -----------------------------------------------------------------------
     def add_requests(self, specs: list[RequestSpec]) -> list[str | None]:
         """Queue requests; a refused one gets its message here (and no output), the rest go on.
@@ -151,7 +114,7 @@ class EngineDriver(PoisonIsolation):
             for spec in specs:
                 err = self._check(spec)
                 if err is None:
-                    self._live[spec.request_id] = _Live(spec, time.monotonic())
+                    self._live.add(spec, time.monotonic())
                     self._inbox.append(spec)
                 errors.append(err)
             self._cv.notify_all()
@@ -196,28 +159,8 @@ class EngineDriver(PoisonIsolation):
             base = dict(self.engine.stats()) if self.engine is not None else {}
             base.update(replica=self.replica, worker_restarts=self._restarts, fatal=self._fatal,
                         peak_kv_cache_usage=self._peak_kv_usage, num_output_tokens=self._num_output_tokens,
-                        num_live_requests=len(self._live), num_replayed=self._num_replayed)
+                        num_live_requests=len(self._live), num_replayed=self._live.num_replayed)
             return base
-
-    def kill_worker(self, rank: int) -> None:
-        """Fault injection for tests and the stress run: kill one TP worker actor."""
-        import ray
-
-        ray.kill(self.engine.executor.workers[rank], no_restart=True)
-
-    def worker_call(self, rank: int, method: str, *args: Any) -> Any:
-        """Call one worker's method (fault injection, introspection); not part of the step path."""
-        import ray
-
-        return ray.get(getattr(self.engine.executor.workers[rank], method).remote(*args))
-
-    def start_profile(self, trace_dir: str, num_steps: int = 5, skip_steps: int = 0) -> None:
-        """Every worker traces its next `num_steps` steps after `skip_steps` (see Worker.start_profile)."""
-        self.engine.executor.collective_rpc("start_profile", trace_dir, num_steps, skip_steps)
-
-    def stop_profile(self) -> list[str]:
-        """End the workers' traces; the files written (on each worker's node)."""
-        return [p for paths in self.engine.executor.collective_rpc("stop_profile") for p in paths]
 
     # ---- the step loop ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -247,20 +190,12 @@ class EngineDriver(PoisonIsolation):
     def _admit(self, new: list[RequestSpec], aborts: list[str]) -> None:
         for spec in new:
             try:
-                self.engine.add_request(self._make_request(spec, []))
+                self.engine.add_request(make_request(spec, [], self.info.get("eos_token_id")))
             except Exception as e:  # noqa: BLE001 - one bad request fails alone
                 self._finish_with_error(spec.request_id, f"request {spec.request_id!r} rejected: {e}")
         aborts = self._abort_held(aborts)
         if aborts:
             self.engine.abort(aborts)
-
-    def _make_request(self, spec: RequestSpec, done: list[int]) -> Request:
-        # After a restart the tokens produced so far join the prompt, and only the rest is generated.
-        sp = spec.sampling_params if not done else replace(
-            spec.sampling_params, max_tokens=spec.sampling_params.max_tokens - len(done),
-            min_tokens=max(0, spec.sampling_params.min_tokens - len(done)))
-        return Request(spec.request_id, spec.prompt_token_ids + done, sp,
-                       eos_token_id=self.info.get("eos_token_id"))
 
     def _publish(self, outputs: list[EngineCoreOutput], step_time: float) -> None:
         outputs = self._drop_replayed(outputs)
@@ -270,14 +205,8 @@ class EngineDriver(PoisonIsolation):
         new_tokens = 0
         with self._cv:
             for o in outputs:
-                live = self._live.get(o.request_id)
                 new_tokens += len(o.new_token_ids)
-                if live is not None:
-                    if o.new_token_ids and live.first_token_at is None:
-                        live.first_token_at = now
-                    live.output_token_ids.extend(o.new_token_ids)
-                    if o.finished:
-                        self._retire(o.request_id, live, now)
+                self._book_timing(o.request_id, self._live.record(o, now))
                 self._outbox.append(o)
             self._num_output_tokens += new_tokens
             self._peak_kv_usage = max(self._peak_kv_usage, float(stats.get("kv_cache_usage", 0.0)))
@@ -287,27 +216,18 @@ class EngineDriver(PoisonIsolation):
         if not self.engine.has_unfinished():
             self._metrics.flush()  # idle from now on: export the last window at once
 
-    def _retire(self, rid: str, live: _Live, now: float) -> None:
-        del self._live[rid]
-        ttft = None if live.first_token_at is None else live.first_token_at - live.arrival
-        self._timings[rid] = RequestTiming(ttft, now - live.arrival, len(live.spec.prompt_token_ids),
-                                           len(live.output_token_ids))
+    def _book_timing(self, rid: str, timing: RequestTiming | None) -> None:
+        if timing is not None:
+            self._timings[rid] = timing
 
     def _finish_with_error(self, rid: str, message: str) -> None:
-        with self._cv:
-            live = self._live.get(rid)
-            if live is not None:
-                self._retire(rid, live, time.monotonic())
-            self._outbox.append(_error_output(rid, message))
-            self._cv.notify_all()
+        self._end_held(rid, error_output(rid, message))
 
     # ---- failure and recovery ---------------------------------------------------------------
     def _recover(self, error: Exception) -> bool:
         """A step raised with every worker alive: find the poison request (actors/poison.py). A worker
         died or hung: rebuild the TP group and re-queue in-flight requests, within the restart budget,
         which only worker deaths spend (also a death during a rebuild)."""
-        from actors.transport import WorkerFailure
-
         if isinstance(error, StepError):
             try:
                 self._isolate(error)
@@ -340,116 +260,37 @@ class EngineDriver(PoisonIsolation):
         self._hunt = PoisonHunt()  # every live request is re-queued on the new group
         with self._cv:
             pending = {s.request_id for s in self._inbox}
-            for rid, live in list(self._live.items()):
+            for rid in self._live.ids():
                 if rid not in pending:
-                    self._readd(rid, live)
+                    self._readd(rid)
         self._metrics.record_restart()
 
     # The PoisonIsolation hooks.
     def _live_ids(self) -> list[str]:
-        return list(self._live)
+        return list(self._live.ids())
 
     def _end_held(self, rid: str, output: EngineCoreOutput) -> None:
         with self._cv:
-            live = self._live.get(rid)
-            if live is not None:
-                self._retire(rid, live, time.monotonic())
+            self._book_timing(rid, self._live.retire(rid, time.monotonic()))
             self._outbox.append(output)
             self._cv.notify_all()
 
-    def _readd(self, rid: str, live: _Live | None = None) -> None:
+    def _readd(self, rid: str) -> None:
         # One request that cannot be re-queued fails alone; the rebuilt group serves the rest.
-        live = self._live[rid] if live is None else live
         try:
-            self.engine.add_request(self._requeue(live))
+            self.engine.add_request(self._live.restart(rid, self.info.get("eos_token_id")))
         except Exception as e:  # noqa: BLE001
             self._finish_with_error(rid, f"request {rid!r}: could not be re-queued after a worker restart: {e}")
 
-    def _requeue(self, live: _Live) -> Request:
-        """The request to run again on a new TP group, so that the client sees one unbroken stream.
-
-        A greedy request goes on from its tokens so far (they join the prompt). A sampled one cannot:
-        its generator is lost with the worker, and a fresh one seeded alike would draw the first tokens
-        again. So it starts over from its prompt, and the tokens already published are regenerated,
-        checked and dropped (`_drop_replayed`).
-        """
-        if live.spec.sampling_params.greedy:
-            return self._make_request(live.spec, live.output_token_ids)
-        live.replay = len(live.output_token_ids)
-        self._num_replayed += 1 if live.replay else 0
-        return self._make_request(live.spec, [])
-
     def _drop_replayed(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Strip the tokens of replaying requests that the client already has."""
-        kept = []
         with self._cv:
-            for o in outputs:
-                if o.request_id in self._silenced:  # ended with an error already: drop its abort echo
-                    if o.finished:
-                        self._silenced.discard(o.request_id)
-                    continue
-                live = self._live.get(o.request_id)
-                if live is None or live.replay == 0 or not o.new_token_ids:
-                    kept.append(o)
-                    continue
-                start = len(live.output_token_ids) - live.replay
-                n = min(live.replay, len(o.new_token_ids))
-                if o.new_token_ids[:n] != live.output_token_ids[start:start + n]:
-                    # Not the same stream (a numerical difference): tokens sent cannot be taken back.
-                    if not o.finished:
-                        self._silenced.add(o.request_id)
-                        self.engine.abort([o.request_id])
-                    kept.append(_error_output(o.request_id, (
-                        f"request {o.request_id!r}: after a worker restart the replayed tokens differ from "
-                        f"the ones already sent (at output position {start}); it cannot go on consistently")))
-                    continue
-                live.replay -= n
-                rest = o.new_token_ids[n:]
-                if rest or o.finished:
-                    kept.append(replace(o, new_token_ids=rest))
-        return kept
-
-    def kv_pool_accounting(self) -> dict[str, Any]:
-        """The block pool's books: free (uncached) + cached-free + held must equal the usable blocks.
-
-        After a drain nothing may be held: `held` and `ref_count_total` are 0, and the manager's own
-        consistency check (`invariant_error`) passes with no live request.
-        """
-        # The free queue must not change while it is walked; a busy loop is "not idle yet", not an error.
-        if not self._engine_lock.acquire(timeout=5.0):
-            return {"replica": self.replica, "idle": False, "busy": True}
-        try:
-            return self._pool_books()
-        finally:
-            self._engine_lock.release()
-
-    def _pool_books(self) -> dict[str, Any]:
-        with self._cv:
-            if self.engine is None:
-                return {"replica": self.replica, "error": "engine not started"}
-            manager = self.engine.kv_cache_manager
-            pool = manager.block_pool
-            free = pool.free_block_queue.get_all_free_blocks()
-            cached_free = sum(1 for b in free if b.block_hash is not None)
-            held = [b for b in pool.blocks[1:] if b.ref_cnt > 0]
-            idle = not self.engine.has_unfinished() and not self._live
-            error = None
-            if idle:
-                try:
-                    manager.check_invariants([])
-                except AssertionError as e:
-                    error = str(e)
-            return {"replica": self.replica, "usable_blocks": pool.num_blocks - 1,
-                    "free_uncached": len(free) - cached_free, "cached_free": cached_free,
-                    "held": len(held), "ref_count_total": sum(b.ref_cnt for b in held),
-                    "idle": idle, "invariant_error": error}
+            return self._live.drop_replayed(outputs, self.engine.abort)
 
     def _fail_all(self, message: str) -> None:
         with self._cv:
             self._fatal = f"engine replica {self.replica} failed: {message}"
-            for rid in list(self._live):
-                self._outbox.append(_error_output(rid, self._fatal))
-            self._live.clear()
+            for rid in self._live.clear():
+                self._outbox.append(error_output(rid, self._fatal))
             self._inbox.clear()
             self._cv.notify_all()
 
@@ -470,10 +311,6 @@ class EngineDriver(PoisonIsolation):
                 logger.debug("engine shutdown: %s", e)
 
 
-def _error_output(rid: str, message: str) -> EngineCoreOutput:
-    return EngineCoreOutput(rid, [], finished=True, finish_reason="error", error=message)
-
-
 def driver_actor_class():
     """EngineDriver as a threaded Ray actor: the step loop plus concurrent client calls."""
     import ray
@@ -482,6 +319,4 @@ def driver_actor_class():
 
 
 def _worker_death(e: BaseException) -> bool:
-    from actors.transport import WorkerFailure
-
     return isinstance(e, WorkerFailure)

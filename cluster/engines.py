@@ -14,7 +14,8 @@ from typing import Any, Iterable
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from actors.driver import PollResult, RequestSpec, RequestTiming, driver_actor_class
+from actors.driver import driver_actor_class
+from actors.messages import PollResult, RequestSpec, RequestTiming
 from cluster.config import EngineConfig
 from cluster.placement import connect, create_placement_group, remove, resolve_device
 from kvcore.messages import EngineCoreOutput

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from actors.driver import RequestSpec
+from actors.messages import RequestSpec
 from cluster.config import EngineConfig
 from cluster.engines import EngineFailure, EngineGroup, Finished
 from cluster.job_batch import batch_error, batch_output

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
-from actors.driver import RequestSpec
+from actors.messages import RequestSpec
 from cluster.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
 from cluster.config import ConfigError, EngineConfig, apply_overrides, load_config, validate_for_model
 from cluster.engines import EngineFailure, EngineGroup, Finished

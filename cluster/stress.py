@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from actors.driver import RequestSpec
+from actors.messages import RequestSpec
 from cluster.config import EngineConfig
 from cluster.engines import EngineFailure, EngineGroup, Finished
 from cluster.stress_workload import StressRequest, WorkloadShape, make_workload, max_total_tokens

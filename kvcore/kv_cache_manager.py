@@ -235,6 +235,15 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in g] for g in self.coordinator.get_blocks(request_id))
 
+    def pool_accounting(self) -> dict[str, int]:
+        """The pool's books: free_uncached + cached_free + held == usable_blocks, and the refs held."""
+        pool = self.block_pool
+        free = pool.free_block_queue.get_all_free_blocks()
+        cached_free = sum(1 for b in free if b.block_hash is not None)
+        held = [b for b in pool.blocks[1:] if b.ref_cnt > 0]
+        return {"usable_blocks": pool.num_blocks - 1, "free_uncached": len(free) - cached_free,
+                "cached_free": cached_free, "held": len(held), "ref_count_total": sum(b.ref_cnt for b in held)}
+
     def check_invariants(self, live_requests: Iterable[Request | str]) -> None:
         """Raise AssertionError naming the first inconsistency between rows, ref counts and the free queue.
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 
-from actors.driver import RequestSpec
+from actors.messages import RequestSpec
 from actors.loader import resolve_model_dir
 from cluster import LLM, SamplingParams
 from cluster.cli import main as kvray_main

@@ -12,7 +12,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from actors.driver import RequestSpec
+from actors.messages import RequestSpec
 from cluster import LLM, SamplingParams
 from cluster.config import EngineConfig
 from cluster.engines import EngineFailure, EngineGroup, Finished
