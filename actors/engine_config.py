@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kvcore.kernels import BACKENDS as KERNEL_BACKENDS
 from kvcore.request import check_text, short_repr
 
 
@@ -21,7 +22,7 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", *KERNEL_BACKENDS)
 DEVICES = ("auto", "cpu", "cuda")
 CUDAGRAPH_MODES = ("all", "decode", "none")
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")

@@ -40,6 +40,7 @@ from actors.step_logprobs import (
 from actors.step_profiler import StepTimer
 from actors.token_readback import SampledStep, TokenReadback
 from actors.warmup import dummy_sampling, warm_sampler
+from kvcore.kernels import check_backend
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
 
@@ -49,8 +50,7 @@ logger = logging.getLogger(__name__)
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if name not in ("torch", "triton"):
-        raise ValueError(f"model.attention_backend={name!r}: must be auto, torch or triton")
+    check_backend(name, "model.attention_backend")
     return name
 
 

@@ -211,7 +211,7 @@ def test_bad_inputs_name_the_argument() -> None:
         layer_ops.rms_norm(x.to(torch.int32), randn(32), 1e-6, backend="triton")
     with pytest.raises(ValueError, match="hidden size"):
         layer_ops.rms_norm(randn(1, 32768), randn(32768), 1e-6, backend="triton")
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="backend='cuda': must be one of"):
         layer_ops.silu_and_mul(x, backend="cuda")
     with pytest.raises(ValueError, match="last dim must be even"):
         layer_ops.silu_and_mul(randn(3, 7), backend="triton")

@@ -8,13 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.layers.kernels import layer_ops
+from kvcore.kernels import check_backend
 
 
 class SiluAndMul(nn.Module):
     def __init__(self, backend: str = "torch") -> None:
         super().__init__()
-        if backend not in layer_ops.BACKENDS:
-            raise ValueError(f"backend={backend!r}: must be one of {layer_ops.BACKENDS}")
+        check_backend(backend)
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,7 @@ import torch
 from torch import nn
 
 from actors.forward_context import get_forward_context
-from kvcore.kernels import ops
-
-BACKENDS = ("torch", "triton")
+from kvcore.kernels import check_backend, ops
 
 
 class Attention(nn.Module):
@@ -21,8 +19,7 @@ class Attention(nn.Module):
                  sliding_window: int | None = None, backend: str = "torch",
                  softcap: float | None = None) -> None:
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"attention_backend={backend!r}: must be one of {BACKENDS}")
+        check_backend(backend, "attention_backend")
         if num_heads % num_kv_heads:
             raise ValueError(f"{layer_name}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if sliding_window is not None and sliding_window < 1:

@@ -10,13 +10,13 @@ from torch import nn
 
 from actors.layers.weight_utils import default_weight_loader, new_param
 from actors.layers.kernels import layer_ops
+from kvcore.kernels import check_backend
 
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype, backend: str = "torch") -> None:
         super().__init__()
-        if backend not in layer_ops.BACKENDS:
-            raise ValueError(f"backend={backend!r}: must be one of {layer_ops.BACKENDS}")
+        check_backend(backend)
         self.eps = eps
         self.backend = backend
         self.weight = new_param((hidden_size,), params_dtype, default_weight_loader)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from actors.layers.kernels import layer_ops
+from kvcore.kernels import check_backend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -95,8 +96,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, rope: RopeParams, backend: str = "torch") -> None:
         super().__init__()
-        if backend not in layer_ops.BACKENDS:
-            raise ValueError(f"backend={backend!r}: must be one of {layer_ops.BACKENDS}")
+        check_backend(backend)
         self.backend = backend
         if head_size % 2:
             raise ValueError(f"head_dim={head_size}: rotary embedding needs an even head size")

@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.kernels import check_backend as _check_backend
+from kvcore.kernels import require as _require
 from kvcore.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
-BACKENDS = ("torch", "triton")
-_INDEX_DTYPES = (torch.int32, torch.int64)
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
-def _check_backend(backend: str) -> None:
-    _require(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
+INDEX_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -50,9 +42,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     _require(tuple(key.shape[1:]) == tuple(key_cache.shape[2:]),
              f"key [T, Hkv, D] = {tuple(key.shape)} does not match key_cache "
              f"[.., .., Hkv, D] = {tuple(key_cache.shape)}")
-    _require(key.dtype in _FLOAT_DTYPES and value.dtype in _FLOAT_DTYPES,
-             f"key/value dtype must be one of {_FLOAT_DTYPES}, got {key.dtype}/{value.dtype}")
-    _require(slot_mapping.dim() == 1 and slot_mapping.dtype in _INDEX_DTYPES,
+    _require(key.dtype in FLOAT_DTYPES and value.dtype in FLOAT_DTYPES,
+             f"key/value dtype must be one of {FLOAT_DTYPES}, got {key.dtype}/{value.dtype}")
+    _require(slot_mapping.dim() == 1 and slot_mapping.dtype in INDEX_DTYPES,
              f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} "
              f"shape {tuple(slot_mapping.shape)}")
     _require(slot_mapping.shape[0] >= key.shape[0],
@@ -78,8 +70,8 @@ def _check_attention_args(query, key_cache, value_cache, out, query_start_loc, s
              f"out shape {tuple(out.shape)} must equal query shape {tuple(query.shape)}")
     _require(query.dtype == key_cache.dtype,
              f"query dtype {query.dtype} must equal key_cache dtype {key_cache.dtype}")
-    _require(query.dtype in _FLOAT_DTYPES and out.dtype in _FLOAT_DTYPES,
-             f"query/out dtype must be one of {_FLOAT_DTYPES}, got {query.dtype}/{out.dtype}")
+    _require(query.dtype in FLOAT_DTYPES and out.dtype in FLOAT_DTYPES,
+             f"query/out dtype must be one of {FLOAT_DTYPES}, got {query.dtype}/{out.dtype}")
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     _require(head_size == key_cache.shape[3],
@@ -88,14 +80,14 @@ def _check_attention_args(query, key_cache, value_cache, out, query_start_loc, s
              f"query num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     _require(query.stride(-1) == 1 and out.stride(-1) == 1,
              "query/out: head_size dimension must be contiguous (stride 1)")
-    _require(seq_lens.dim() == 1 and seq_lens.dtype in _INDEX_DTYPES,
+    _require(seq_lens.dim() == 1 and seq_lens.dtype in INDEX_DTYPES,
              f"seq_lens must be 1-D int32, got {seq_lens.dtype} shape {tuple(seq_lens.shape)}")
     num_seqs = seq_lens.shape[0]
-    _require(query_start_loc.dim() == 1 and query_start_loc.dtype in _INDEX_DTYPES
+    _require(query_start_loc.dim() == 1 and query_start_loc.dtype in INDEX_DTYPES
              and query_start_loc.shape[0] == num_seqs + 1,
              f"query_start_loc must be 1-D int32 of length len(seq_lens)+1 = {num_seqs + 1}, "
              f"got {query_start_loc.dtype} shape {tuple(query_start_loc.shape)}")
-    _require(block_table.dim() == 2 and block_table.dtype in _INDEX_DTYPES
+    _require(block_table.dim() == 2 and block_table.dtype in INDEX_DTYPES
              and block_table.shape[0] >= num_seqs,
              f"block_table must be 2-D int32 with >= {num_seqs} rows, got {block_table.dtype} "
              f"shape {tuple(block_table.shape)}")

@@ -10,19 +10,11 @@ from __future__ import annotations
 import torch
 
 from actors.layers.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
+from kvcore.kernels import check_backend as _check_backend
+from kvcore.kernels import require as _require
+from kvcore.kernels.ops import FLOAT_DTYPES
 
-BACKENDS = ("torch", "triton")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HIDDEN = 16384  # widest row the RMSNorm kernel holds in one program
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
-def _check_backend(backend: str) -> None:
-    _require(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
