@@ -24,7 +24,7 @@ import time
 from typing import Any, Iterable
 
 from actors.driver_debug import DriverDebug
-from actors.engine_config import EngineConfig
+from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
 from actors.transport import WorkerFailure
 from actors.live_requests import LiveRequests, make_request
 from actors.messages import PollResult, RequestSpec, RequestTiming, error_output  # noqa: F401 - re-exported
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 class EngineDriver(PoisonIsolation, DriverDebug):
     def __init__(self, config: EngineConfig, placement_group: Any, replica: int = 0,
-                 worker_cls: str = "actors.worker.Worker") -> None:
+                 worker_cls: str = DEFAULT_WORKER_CLS) -> None:
         if os.environ.get("KVRAY_VERBOSE") != "1":
             # Tearing down a compiled graph whose worker died (kvray stress kills them on purpose) logs
             # "Error cancelling worker task" with two tracebacks; the failure is reported once, below.

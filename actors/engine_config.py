@@ -28,6 +28,8 @@ CUDAGRAPH_MODES = ("all", "decode", "none")
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 TRANSPORTS = ("compiled_graph", "actor_calls")
+# The worker actor class an engine starts unless told otherwise (tests pass actors.noop_worker.NoopWorker).
+DEFAULT_WORKER_CLS = "actors.worker.Worker"
 
 
 # Generic ranges every field is held to (int64, a bounded finite float, a bounded valid string), so a

@@ -21,13 +21,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.executor_base import Executor
 from actors.transport import WorkerFailure, gather_ranks, make_transport
-from actors.engine_config import EngineConfig
+from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_WORKER_CLS = "actors.worker.Worker"
-
 
 @dataclass
 class NodeProbe:

@@ -16,7 +16,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.driver import driver_actor_class
 from actors.messages import PollResult, RequestSpec, RequestTiming
-from cluster.config import EngineConfig
+from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.placement import connect, create_placement_group, remove, resolve_device
 from kvcore.messages import EngineCoreOutput
 
@@ -44,7 +44,7 @@ def unwrap(e: BaseException) -> BaseException:
 
 
 class EngineGroup:
-    def __init__(self, config: EngineConfig, worker_cls: str = "actors.worker.Worker") -> None:
+    def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> None:
         self.started_ray = connect(config)
         config = resolve_device(config)  # the drivers and workers see cpu or cuda, never auto
         self.config = config

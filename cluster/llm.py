@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from actors.messages import RequestSpec
 from cluster.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
-from cluster.config import ConfigError, EngineConfig, apply_overrides, load_config, validate_for_model
+from cluster.config import (DEFAULT_WORKER_CLS, ConfigError, EngineConfig, apply_overrides, load_config,
+                            validate_for_model)
 from cluster.engines import EngineFailure, EngineGroup, Finished
 from cluster.logprobs import engine_computes_logprobs
 from cluster.output_processor import OutputProcessor
@@ -62,7 +63,7 @@ def check_client_model(config: EngineConfig, hf_config: dict[str, Any]) -> None:
 
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
-                 worker_cls: str = "actors.worker.Worker", **kwargs: Any) -> None:
+                 worker_cls: str = DEFAULT_WORKER_CLS, **kwargs: Any) -> None:
         if config is None:
             config = EngineConfig()
         if model is not None:
