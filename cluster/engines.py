@@ -32,9 +32,20 @@ class EngineFailure(RuntimeError):
 
 
 @dataclass
-class Finished:
+class EngineOutput:
+    """One output of one request, as `EngineGroup.poll` returns it: new tokens, and on the last one
+    (`finished`) the request's timing on the driver."""
+
     output: EngineCoreOutput
-    timing: RequestTiming | None
+    timing: RequestTiming | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.output.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
 
 
 def unwrap(e: BaseException) -> BaseException:
@@ -110,32 +121,28 @@ class EngineGroup:
         for r, ids in by_replica.items():
             self.drivers[r].abort.remote(ids)
 
-    @property
-    def num_outstanding(self) -> int:
-        return sum(self.outstanding)
-
-    def poll(self, timeout_s: float = 1.0) -> list[Finished | EngineCoreOutput]:
-        """Outputs that arrived within timeout_s: streaming EngineCoreOutputs and Finished records."""
+    def poll(self, timeout_s: float = 1.0) -> list[EngineOutput]:
+        """Outputs that arrived within timeout_s, streaming and finished ones alike."""
         for r in range(len(self.drivers)):
             if r not in self._polls.values():
                 self._polls[self.drivers[r].get_outputs.remote(timeout_s)] = r
         ready, _ = ray.wait(list(self._polls), num_returns=1, timeout=timeout_s + 5.0)
-        items: list[Finished | EngineCoreOutput] = []
+        items: list[EngineOutput] = []
         for ref in ready:
             r = self._polls.pop(ref)
             res: PollResult = self._get(ref, r)
             for o in res.outputs:
                 if res.fatal is not None and o.finish_reason == "error" and o.error == res.fatal:
                     continue  # in-flight casualties of the failure: reported once, as `fatal`
-                items.append(self._finish(o, r, res) if o.finished else o)
+                items.append(self._finish(o, r, res) if o.finished else EngineOutput(o))
             if res.fatal is not None and self.fatal is None:
                 self.fatal = res.fatal
         return items
 
-    def _finish(self, o: EngineCoreOutput, r: int, res: PollResult) -> Finished:
+    def _finish(self, o: EngineCoreOutput, r: int, res: PollResult) -> EngineOutput:
         if self.owner.pop(o.request_id, None) is not None:
             self.outstanding[r] -= 1
-        return Finished(o, res.timings.get(o.request_id))
+        return EngineOutput(o, res.timings.get(o.request_id))
 
     def _get(self, ref: Any, replica: int) -> Any:
         # The driver answers these calls between steps (its step loop never holds their lock long): a

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 
 from actors.messages import RequestSpec
 from cluster.config import EngineConfig
-from cluster.engines import EngineFailure, EngineGroup, Finished
+from cluster.engines import EngineFailure, EngineGroup
 from cluster.job_batch import batch_error, batch_output
 from cluster.job_input import InputReader, Item, JobError, Limits, max_token_chars, read_items
 from cluster.job_output import OutputFile, load_done
@@ -154,7 +154,7 @@ class Job:
             return
         aborts = []
         for got in self.engines.poll(timeout_s=0.5):
-            o, timing = (got.output, got.timing) if isinstance(got, Finished) else (got, None)
+            o, timing = got.output, got.timing
             parent, abort = self.processor.process_output(o, timing)
             if abort:
                 aborts.append(o.request_id)  # a stop string ended it here: free its engine slot

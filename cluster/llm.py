@@ -16,7 +16,7 @@ from actors.messages import RequestSpec
 from cluster.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
 from cluster.config import (DEFAULT_WORKER_CLS, ConfigError, EngineConfig, apply_overrides, load_config,
                             validate_for_model)
-from cluster.engines import EngineFailure, EngineGroup, Finished
+from cluster.engines import EngineFailure, EngineGroup
 from cluster.logprobs import engine_computes_logprobs
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput, error_output
@@ -197,7 +197,7 @@ class LLM:
             while processor.has_unfinished():
                 aborts = []
                 for item in self.engines.poll(timeout_s=1.0):
-                    o, timing = (item.output, item.timing) if isinstance(item, Finished) else (item, None)
+                    o, timing = item.output, item.timing
                     parent, abort = processor.process_output(o, timing)
                     if abort:
                         aborts.append(o.request_id)  # a stop string ended it here: free its engine slot

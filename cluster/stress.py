@@ -29,7 +29,7 @@ import ray
 
 from actors.messages import RequestSpec
 from cluster.config import EngineConfig
-from cluster.engines import EngineFailure, EngineGroup, Finished
+from cluster.engines import EngineFailure, EngineGroup
 from cluster.stress_workload import StressRequest, WorkloadShape, make_workload, max_total_tokens
 
 log = logging.getLogger("kvray.stress")
@@ -171,16 +171,16 @@ class StressDriver:
         ended = 0
         now = time.monotonic()
         for item in got:
-            out = item.output if isinstance(item, Finished) else item
+            out = item.output
             o = self.obs.outcomes.get(out.request_id)
             if o is None:
                 self.obs.unknown_outputs += 1
                 continue
             if o.num_finished:
-                o.late_outputs += 1 if not isinstance(item, Finished) else 0
+                o.late_outputs += 0 if item.finished else 1
             else:
                 o.tokens.extend(out.new_token_ids)
-            if isinstance(item, Finished):
+            if item.finished:
                 o.num_finished += 1
                 if o.num_finished == 1:
                     o.finished_at, o.finish_reason, o.error = now, out.finish_reason, out.error
@@ -258,9 +258,9 @@ def run_reference(config: EngineConfig, workload: list[StressRequest]) -> dict[s
                                     f"request(s) open")
             for item in engines.poll(timeout_s=1.0):
                 last_progress = time.monotonic()
-                out = item.output if isinstance(item, Finished) else item
+                out = item.output
                 tokens[out.request_id].extend(out.new_token_ids)
-                if isinstance(item, Finished):
+                if item.finished:
                     if out.finish_reason == "error":
                         raise RuntimeError(f"reference run: request {out.request_id}: {out.error}")
                     open_ids.discard(out.request_id)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.driver import RequestTiming
-from cluster.engines import EngineFailure, Finished
+from actors.messages import RequestTiming
+from cluster.engines import EngineFailure, EngineOutput
 from kvcore.messages import EngineCoreOutput
 
 VOCAB = 260
@@ -61,9 +61,9 @@ class FakeEngines:
         for rid, s in list(self.open.items())[:4]:
             toks = expected_tokens(s.prompt_token_ids, s.sampling_params.max_tokens)
             half = len(toks) // 2
-            out.append(EngineCoreOutput(rid, toks[:half]))
-            out.append(Finished(EngineCoreOutput(rid, toks[half:], True, "length"),
-                                RequestTiming(0.01, 0.02, len(s.prompt_token_ids), len(toks))))
+            out.append(EngineOutput(EngineCoreOutput(rid, toks[:half])))
+            out.append(EngineOutput(EngineCoreOutput(rid, toks[half:], True, "length"),
+                                    RequestTiming(0.01, 0.02, len(s.prompt_token_ids), len(toks))))
             del self.open[rid]
             self.finished += 1
         return out

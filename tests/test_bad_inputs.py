@@ -17,7 +17,6 @@ from actors.loader import resolve_model_dir
 from cluster import LLM, SamplingParams
 from cluster.cli import main as kvray_main
 from cluster.config import ConfigError, EngineConfig, load_config
-from cluster.engines import Finished
 from cluster.job import Job, read_items
 from cluster.placement import PlacementError, start_local_ray
 from kvcore.request import RequestValidationError
@@ -105,9 +104,9 @@ def test_duplicate_request_id_via_the_api_is_refused_and_the_first_one_runs(llm)
     t0 = time.monotonic()
     while len(finished) < 2 and time.monotonic() - t0 < 60:
         for item in engines.poll(timeout_s=0.5):
-            o = item.output if isinstance(item, Finished) else item
+            o = item.output
             tokens[o.request_id].extend(o.new_token_ids)
-            if isinstance(item, Finished):
+            if item.finished:
                 assert o.request_id not in finished, "a request ended twice"
                 finished[o.request_id] = o
     assert {k: v.finish_reason for k, v in finished.items()} == {"dup": "length", "other": "length"}

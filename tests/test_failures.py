@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from actors.messages import RequestSpec
 from cluster import LLM, SamplingParams
 from cluster.config import EngineConfig
-from cluster.engines import EngineFailure, EngineGroup, Finished
+from cluster.engines import EngineFailure, EngineGroup
 from cluster.placement import PlacementError, start_local_ray
 
 NOOP = "actors.noop_worker.NoopWorker"
@@ -101,9 +101,9 @@ def test_restart_budget_rebuilds_the_tp_group_and_loses_nothing():
                 ray.get(group.drivers[0].kill_worker.remote(0))
                 killed = True
             for item in group.poll(timeout_s=0.5):
-                o = item.output if isinstance(item, Finished) else item
+                o = item.output
                 tokens[o.request_id].extend(o.new_token_ids)
-                if isinstance(item, Finished):
+                if item.finished:
                     assert o.error is None, o.error
                     finished.append(o.request_id)
             assert group.fatal is None, group.fatal
@@ -151,7 +151,7 @@ def test_a_driver_killed_from_outside_leaves_no_placement_group_behind():
         again.submit([RequestSpec("r0", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))])
         done = []
         for _ in range(40):
-            done += [i for i in again.poll(timeout_s=0.5) if isinstance(i, Finished)]
+            done += [i for i in again.poll(timeout_s=0.5) if i.finished]
             if done:
                 break
         assert [d.output.request_id for d in done] == ["r0"] and done[0].output.error is None
