@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from actors.driver_debug import DriverDebug
 from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
-from actors.transport import WorkerFailure
+from actors.executor_base import WorkerFailure
 from actors.live_requests import LiveRequests, make_request
 from actors.messages import PollResult, RequestSpec, RequestTiming, error_output  # noqa: F401 - re-exported
 from actors.poison import PoisonHunt, PoisonIsolation, StepError

@@ -5,10 +5,27 @@ Every method fans out to all tensor-parallel ranks; `execute_model` returns rank
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
-from kvcore.spec import KVCacheConfig, KVCacheSpec
+
+if TYPE_CHECKING:  # torch-free at run time: the client imports WorkerFailure from here
+    from kvcore.spec import KVCacheConfig, KVCacheSpec
+
+
+class WorkerFailure(RuntimeError):
+    """A tensor-parallel worker died, hung past the step timeout, or raised; `rank` is None if unknown.
+
+    Every executor raises it, so that the driver's recovery (which rebuilds on it) sees one type."""
+
+    def __init__(self, rank: int | None, reason: str) -> None:
+        self.rank = rank
+        self.reason = reason
+        who = f"worker rank {rank}" if rank is not None else "a worker"
+        super().__init__(f"{who} failed: {reason}")
+
+    def __reduce__(self):  # crosses Ray actor boundaries: rebuild from the two fields
+        return (WorkerFailure, (self.rank, self.reason))
 
 
 class Executor(abc.ABC):

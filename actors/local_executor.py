@@ -14,16 +14,12 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from actors.executor_base import Executor
+from actors.executor_base import Executor, WorkerFailure
 from actors.worker import Worker
 from actors.engine_config import EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 _SHUTDOWN = "__shutdown__"
-
-
-class WorkerError(RuntimeError):
-    """A worker raised; the message carries its rank, the method and the worker-side traceback."""
 
 
 def free_port() -> int:
@@ -98,7 +94,7 @@ class LocalExecutor(Executor):
             try:
                 return [getattr(self._worker, method)(*args, **kwargs)]
             except Exception as e:
-                raise WorkerError(f"worker rank 0 failed in {method}: {e!r}") from e
+                raise WorkerFailure(0, f"raised in {method}: {e!r}") from e
         for conn in self._conns:
             conn.send((method, args, kwargs))
         return self._gather(method)
@@ -112,27 +108,29 @@ class LocalExecutor(Executor):
         deadline = time.monotonic() + timeout_s
         while pending:
             if time.monotonic() > deadline:
-                self._fail(f"worker rank(s) {sorted(pending)} did not answer {method} within {timeout_s:g}s")
+                ranks = sorted(pending)
+                self._fail(ranks[0] if len(ranks) == 1 else None,
+                           f"rank(s) {ranks} did not answer {method} within {timeout_s:g}s")
             for rank in sorted(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
                 if not conn.poll(self._poll / max(len(pending), 1)):
                     if not proc.is_alive():
-                        self._fail(f"worker rank {rank} died (exit code {proc.exitcode}) during {method}")
+                        self._fail(rank, f"died (exit code {proc.exitcode}) during {method}")
                     continue
                 try:
                     status, payload = conn.recv()
                 except EOFError:
-                    self._fail(f"worker rank {rank} closed its pipe during {method}")
+                    self._fail(rank, f"closed its pipe during {method}")
                 if status == "err":
-                    self._fail(f"worker rank {rank} failed in {method}:\n{payload}")
+                    self._fail(rank, f"raised in {method}:\n{payload}")
                 results[rank] = payload
                 pending.discard(rank)
         return results
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, rank: int | None, reason: str) -> None:
         # Other ranks may wait forever in a collective for the failed one: stop them all.
         self.shutdown(graceful=False)
-        raise WorkerError(message)
+        raise WorkerFailure(rank, reason)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", scheduler_output)[0]

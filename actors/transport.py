@@ -18,25 +18,13 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
 
+from actors.executor_base import WorkerFailure  # noqa: F401 - raised here, imported from here too
 from actors.poison import StepError
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 2.0  # how long a live actor may take to answer ping() while we diagnose a failure
-
-
-class WorkerFailure(RuntimeError):
-    """A tensor-parallel worker died, hung past the step timeout, or raised; `rank` is None if unknown."""
-
-    def __init__(self, rank: int | None, reason: str) -> None:
-        self.rank = rank
-        self.reason = reason
-        who = f"worker rank {rank}" if rank is not None else "a worker"
-        super().__init__(f"{who} failed: {reason}")
-
-    def __reduce__(self):  # crosses Ray actor boundaries: rebuild from the two fields
-        return (WorkerFailure, (self.rank, self.reason))
 
 
 def diagnose(workers: Sequence[Any], timeout_s: float = PING_TIMEOUT_S) -> tuple[int | None, str]:

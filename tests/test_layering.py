@@ -1,7 +1,9 @@
 """The layers import downwards only: cluster/ -> actors/ -> kvcore/. Every module is parsed (imports inside
 functions count too), so a lazy upward import cannot hide from the check."""
 import ast
+import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -58,3 +60,13 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
     (pkg / "m.py").write_text("def f():\n    import ray.util\n    from . import spec\n    from .x import y\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [m for _, m in imported_modules(pkg / "m.py")] == ["ray.util", "kvcore", "kvcore.x"]
+
+
+def test_the_client_side_never_loads_torch():
+    # The LLM API, the job and the CLI only talk to driver actors; torch (seconds to import) stays there.
+    code = ("import sys, cluster.cli, cluster.llm, cluster.job, cluster.engines, cluster.stress; "
+            "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
