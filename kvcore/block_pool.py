@@ -147,9 +147,6 @@ class BlockPool:
         """Blocks with ref_cnt 0 (cached or not): what get_new_blocks can hand out."""
         return self.free_block_queue.num_free_blocks
 
-    def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
-
     @property
     def usage(self) -> float:
         """Fraction of the usable (non-null) blocks held by requests."""

@@ -43,14 +43,6 @@ class CpuGpuBuffer:
         self._check_n(n)
         return self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
 
-    def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
-        """Copies the first `n` rows (all when None) device -> host. Non-blocking from pinned
-        memory, so the caller must synchronise the stream before reading the host side."""
-        if n is None:
-            return self.cpu.copy_(self.gpu, non_blocking=True)
-        self._check_n(n)
-        return self.cpu[:n].copy_(self.gpu[:n], non_blocking=True)
-
     def _check_n(self, n: int) -> None:
         if not 0 <= n <= self.cpu.shape[0]:
             raise ValueError(f"CpuGpuBuffer: n must be in [0, {self.cpu.shape[0]}], got {n}")

@@ -123,10 +123,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, Logprobs] | None = None
     cudagraph: bool = False  # the step replayed a CUDA graph (the engine reports the share)
 
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return {r: i for i, r in enumerate(self.req_ids)}
-
 
 @dataclass(slots=True)
 class EngineCoreOutput:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 
 import torch
@@ -372,7 +371,3 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
             NUM_SPLITS=num_splits, SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)),
             HEAD_PAD=a["head_pad"], num_warps=4,
         )
-
-
-def default_scale(head_size: int) -> float:
-    return 1.0 / math.sqrt(head_size)
