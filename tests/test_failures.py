@@ -6,7 +6,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import threading
-import time
 
 import pytest
 import ray
@@ -17,6 +16,7 @@ from cluster import LLM, SamplingParams
 from cluster.config import EngineConfig
 from cluster.engines import EngineFailure, EngineGroup
 from cluster.placement import PlacementError, start_local_ray
+from waits import wait_until, within
 
 NOOP = "actors.noop_worker.NoopWorker"
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -36,10 +36,8 @@ def noop_config(**kw):
 
 
 def drain_until_fatal(group, limit_s):
-    t0 = time.monotonic()
-    while group.fatal is None and time.monotonic() - t0 < limit_s:
-        group.poll(timeout_s=0.2)
-    return time.monotonic() - t0
+    wait_until(lambda: group.fatal is not None, limit_s, step=lambda: group.poll(timeout_s=0.2),
+               what="the replica's failure")
 
 
 def test_killed_worker_gives_every_caller_a_clear_error_within_seconds():
@@ -48,12 +46,10 @@ def test_killed_worker_gives_every_caller_a_clear_error_within_seconds():
     try:
         driver = llm.engines.drivers[0]
         threading.Timer(2.0, lambda: driver.kill_worker.remote(1)).start()
-        t0 = time.monotonic()
+        # 400 tokens take far longer than the bound: only the failure can end the call within it.
         with pytest.raises(EngineFailure) as e:
-            llm.generate(["abc", "defg"], LONG)
-        elapsed = time.monotonic() - t0
+            within(120, llm.generate, ["abc", "defg"], LONG)
         assert "worker rank 1 failed" in str(e.value) and "died" in str(e.value), str(e.value)
-        assert elapsed < 15, f"took {elapsed:.1f}s"
         # Later callers are refused with the same reason, at once.
         out = llm.generate(["x"], SamplingParams(max_tokens=2))[0]
         assert out.outputs[0].finish_reason == "error" and "is down" in out.error and "rank 1" in out.error
@@ -61,27 +57,18 @@ def test_killed_worker_gives_every_caller_a_clear_error_within_seconds():
         llm.shutdown()
 
 
-def test_worker_process_exit_with_actor_calls_names_the_rank():
-    group = EngineGroup(noop_config(transport="actor_calls"), worker_cls=NOOP)
+@pytest.mark.parametrize("transport,fault,expected", [
+    ("actor_calls", "exit", ["worker rank 1 failed"]),
+    ("compiled_graph", "hang", ["parallel.step_timeout_s=3"]),
+], ids=["process-exit", "hang-past-step-timeout"])
+def test_a_failing_worker_ends_the_replica_naming_the_cause(transport, fault, expected):
+    group = EngineGroup(noop_config(transport=transport), worker_cls=NOOP)
     try:
-        ray.get(group.drivers[0].worker_call.remote(1, "inject_fault", "exit", 5))
+        ray.get(group.drivers[0].worker_call.remote(1, "inject_fault", fault, 3))
         group.submit([RequestSpec("r0", [1, 2, 3], LONG)])
-        elapsed = drain_until_fatal(group, 20)
-        assert group.fatal is not None and "worker rank 1 failed" in group.fatal, group.fatal
-        assert elapsed < 10
-    finally:
-        group.shutdown()
-
-
-def test_hung_worker_hits_the_step_timeout():
-    group = EngineGroup(noop_config(transport="compiled_graph"), worker_cls=NOOP)
-    try:
-        ray.get(group.drivers[0].worker_call.remote(1, "inject_fault", "hang", 3))
-        group.submit([RequestSpec("r0", [1, 2, 3], LONG)])
-        elapsed = drain_until_fatal(group, 30)
-        assert group.fatal is not None and "parallel.step_timeout_s=3" in group.fatal, group.fatal
-        assert "worker rank 1" in group.fatal or "a worker failed" in group.fatal
-        assert elapsed < 15
+        drain_until_fatal(group, 120)
+        assert all(x in group.fatal for x in expected), group.fatal
+        assert "worker rank 1" in group.fatal or "a worker failed" in group.fatal, group.fatal
     finally:
         group.shutdown()
 
@@ -94,9 +81,10 @@ def test_restart_budget_rebuilds_the_tp_group_and_loses_nothing():
         group.submit(specs)
         tokens: dict[str, list[int]] = {s.request_id: [] for s in specs}
         finished = []
-        t0 = time.monotonic()
         killed = False
-        while len(finished) < len(specs) and time.monotonic() - t0 < 60:
+
+        def step():
+            nonlocal killed
             if not killed and sum(map(len, tokens.values())) > 0:
                 ray.get(group.drivers[0].kill_worker.remote(0))
                 killed = True
@@ -107,6 +95,8 @@ def test_restart_budget_rebuilds_the_tp_group_and_loses_nothing():
                     assert o.error is None, o.error
                     finished.append(o.request_id)
             assert group.fatal is None, group.fatal
+
+        wait_until(lambda: len(finished) == len(specs), 180, step=step, what="every request finishing")
         assert sorted(finished) == sorted(tokens)  # every request exactly once
         assert all(len(t) == 300 for t in tokens.values()), {k: len(v) for k, v in tokens.items()}
         assert killed and group.stats()[0]["worker_restarts"] == 1
@@ -115,11 +105,11 @@ def test_restart_budget_rebuilds_the_tp_group_and_loses_nothing():
 
 
 def test_impossible_placement_fails_at_once_with_what_was_asked_and_what_exists():
-    t0 = time.monotonic()
+    # Were it waited for, the placement timeout would outlast the bound.
     with pytest.raises(PlacementError) as e:
-        EngineGroup(EngineConfig().replace(device="cuda", tensor_parallel_size=99, placement_timeout_s=30))
+        within(120, EngineGroup, EngineConfig().replace(device="cuda", tensor_parallel_size=99,
+                                                         placement_timeout_s=3600))
     msg = str(e.value)
-    assert time.monotonic() - t0 < 20
     assert "asked for 99 bundle(s) {'GPU': 1.0}" in msg and "the cluster does not have that many" in msg
     assert "The cluster has {" in msg and "'CPU': 6.0" in msg
 
@@ -128,13 +118,10 @@ def test_placement_not_satisfiable_now_fails_within_its_timeout():
     blocker = placement_group([{"CPU": 1.0}] * 5, strategy="PACK")
     ray.get(blocker.ready())
     try:
-        t0 = time.monotonic()
         with pytest.raises(PlacementError) as e:
-            EngineGroup(EngineConfig().replace(tensor_parallel_size=3, placement_timeout_s=2))
-        elapsed = time.monotonic() - t0
+            within(120, EngineGroup, EngineConfig().replace(tensor_parallel_size=3, placement_timeout_s=2))
         assert "not satisfied within parallel.placement_timeout_s=2s" in str(e.value)
         assert "free now" in str(e.value)
-        assert elapsed < 12
     finally:
         remove_placement_group(blocker)
 
@@ -150,10 +137,8 @@ def test_a_driver_killed_from_outside_leaves_no_placement_group_behind():
     try:
         again.submit([RequestSpec("r0", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))])
         done = []
-        for _ in range(40):
-            done += [i for i in again.poll(timeout_s=0.5) if i.finished]
-            if done:
-                break
+        wait_until(lambda: done, 120, step=lambda: done.extend(i for i in again.poll(timeout_s=0.5) if i.finished),
+                   what="the request on the second group finishing")
         assert [d.output.request_id for d in done] == ["r0"] and done[0].output.error is None
     finally:
         again.shutdown()
