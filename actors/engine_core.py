@@ -98,6 +98,11 @@ class EngineCore:
         them is dropped."""
         self.scheduler.finish_requests(req_ids, finished_status)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Async scheduling: a step is running at the workers and its output is not back yet."""
+        return self._outstanding is not None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._outstanding is not None
 

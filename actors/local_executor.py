@@ -55,8 +55,6 @@ class LocalExecutor(Executor):
     def __init__(self, config: EngineConfig, poll_interval_s: float = 0.5) -> None:
         self.config = config
         self.world_size = config.parallel.tensor_parallel_size
-        if self.world_size < 1:
-            raise ValueError(f"parallel.tensor_parallel_size={self.world_size}: must be >= 1")
         self._poll = poll_interval_s
         self._worker: Worker | None = None
         self._procs: list[mp.process.BaseProcess] = []
@@ -85,6 +83,16 @@ class LocalExecutor(Executor):
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
+
+    @property
+    def worker(self) -> Worker | None:
+        """The in-process worker at TP=1 (tests look inside it); None when the ranks are processes."""
+        return self._worker
+
+    @property
+    def processes(self) -> tuple[mp.process.BaseProcess, ...]:
+        """The ranks' processes at TP>1 (empty at TP=1, and after shutdown)."""
+        return tuple(self._procs)
 
     # ---- calls ------------------------------------------------------------------------------
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

@@ -28,6 +28,11 @@ class StepProfiler:
         self._in_step = False
         self._written: list[str] = []
 
+    @property
+    def recording(self) -> bool:
+        """A trace is being recorded now."""
+        return self._prof is not None
+
     def request(self, trace_dir: str, num_steps: int, skip_steps: int = 0) -> None:
         """Record `num_steps` steps (0 = until stop) after skipping `skip_steps`."""
         if not isinstance(trace_dir, str) or not trace_dir:

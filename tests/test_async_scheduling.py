@@ -311,7 +311,7 @@ def test_engine_async_abort_and_reused_id_while_in_flight(reference):
         for _ in range(4):  # prefill, then decodes: one step is always in flight at the workers
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        assert engine._outstanding is not None
+        assert engine.step_in_flight
         # The driver's abort path (here as a client-side stop string would use it): finished now.
         engine.finish_requests(["x"], RequestStatus.FINISHED_STOPPED)
         manager = engine.kv_cache_manager

@@ -87,7 +87,7 @@ def run_padded(config: EngineConfig, prompts):
     padded_steps: list[tuple[int, Bucket]] = []
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
-        runner = executor._worker.model_runner
+        runner = executor.worker.model_runner
         assert runner.graphs is None  # never captured on the CPU
         runner.pad_to_buckets = True
         real_select = runner.plan.select
@@ -192,7 +192,7 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
     config = config.replace(async_scheduling=async_on)
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
-        runner = executor._worker.model_runner
+        runner = executor.worker.model_runner
         assert runner.graphs is made[-1]
         assert runner.graphs.captured == sorted(runner.plan.buckets())
         assert runner.plan.decode_sizes == [1, 2, 4, 8, 16]

@@ -145,7 +145,7 @@ def test_worker_error_reaches_caller_with_rank_and_traceback(hf_reference):
         assert executor.collective_rpc("ping") == [0, 1]
         specs = executor.get_kv_cache_specs()
         assert all(s.num_kv_heads == 1 for s in specs.values())  # 2 KV heads split over 2 ranks
-        procs = list(executor._procs)
+        procs = executor.processes
         with pytest.raises(Exception, match=r"(?s)worker rank \d failed: raised in initialize_kv_cache.*Traceback"):
             executor.initialize_kv_cache("not a KVCacheConfig")
         assert not any(p.is_alive() for p in procs)

@@ -21,7 +21,7 @@ def test_profile_traces_the_requested_steps(tmp_path):
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
-        worker = executor._worker
+        worker = executor.worker
         with pytest.raises(ValueError, match="num_steps"):
             worker.start_profile(str(tmp_path), -1)
         executor.collective_rpc("start_profile", str(tmp_path / "traces"), 3, 2)
@@ -32,7 +32,7 @@ def test_profile_traces_the_requested_steps(tmp_path):
             engine.step()
             steps += 1
             if steps == 4:
-                assert worker.profiler._prof is not None  # skipped 2, now recording
+                assert worker.profiler.recording  # skipped 2, now recording
         assert steps >= 6
         # The 3 steps finished the trace on their own; stop returns it (and stops nothing else).
         paths = executor.collective_rpc("stop_profile")[0]
