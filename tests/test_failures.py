@@ -45,8 +45,13 @@ def test_killed_worker_gives_every_caller_a_clear_error_within_seconds():
               cpu_kv_cache_gib=0.01, step_timeout_s=20, transport="compiled_graph")
     try:
         driver = llm.engines.drivers[0]
-        threading.Timer(2.0, lambda: driver.kill_worker.remote(1)).start()
-        # 400 tokens take far longer than the bound: only the failure can end the call within it.
+        def kill_once_decoding():  # not earlier: a kill while the first step compiles is another case
+            wait_until(lambda: ray.get(driver.stats.remote())["num_output_tokens"] > 0, 120,
+                       what="the first tokens")
+            ray.get(driver.kill_worker.remote(1))
+
+        threading.Thread(target=kill_once_decoding, daemon=True).start()
+        # The requests still have most of their 400 tokens to go at the kill; the bound only catches a hang.
         with pytest.raises(EngineFailure) as e:
             within(120, llm.generate, ["abc", "defg"], LONG)
         assert "worker rank 1 failed" in str(e.value) and "died" in str(e.value), str(e.value)
