@@ -56,7 +56,7 @@ def run(path: str, prompts, mode: str, async_on: bool) -> tuple[dict[str, list[i
     replays: Counter = Counter()
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
-        runner = executor._worker.model_runner
+        runner = executor.worker.model_runner
         if mode == "none":
             assert runner.graphs is None
         else:

@@ -25,6 +25,9 @@ class FullAttentionSpec:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
 
+    def max_blocks_per_request(self, max_model_len: int) -> int:
+        return -(-max_model_len // self.block_size)
+
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
