@@ -46,8 +46,7 @@ class GemmaRMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype, backend: str = "torch") -> None:
         super().__init__()
-        if backend not in layer_ops.BACKENDS:
-            raise ValueError(f"backend={backend!r}: must be one of {layer_ops.BACKENDS}")
+        check_backend(backend)
         self.eps, self.backend = eps, backend
         self.weight = new_param((hidden_size,), params_dtype, default_weight_loader)
 
