@@ -39,6 +39,7 @@ class EngineCore:
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(specs, num_blocks=num_blocks)
         t1 = time.perf_counter()
         executor.initialize_kv_cache(self.kv_cache_config)  # also captures the CUDA graphs (warm-up)
+        self.startup_s = {"kv_sizing_s": round(t1 - t0, 2), "kv_init_capture_s": round(time.perf_counter() - t1, 2)}
         logger.info("EngineCore start-up: KV sizing (profile run) %.1f s, KV cache + graph capture + "
                     "warm-up %.1f s", t1 - t0, time.perf_counter() - t1)
         self.max_model_len = self._resolve_max_model_len()
@@ -152,7 +153,7 @@ class EngineCore:
         stats = dict(self.scheduler.stats())
         stats.update(num_steps=self._num_steps, num_tokens_scheduled=self._num_tokens_scheduled,
                      num_partial_prefills=self._num_partial_prefills,
-                     num_graph_steps=self._num_graph_steps,
+                     num_graph_steps=self._num_graph_steps, **self.startup_s,
                      num_forward_steps=self._num_forward_steps,
                      graph_step_share=self._num_graph_steps / max(self._num_forward_steps, 1),
                      num_blocks=self.kv_cache_config.num_blocks,

@@ -153,7 +153,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
                                       self.device, self.pin_memory, kv_cache_config.block_sizes)
         self.capture_graphs()
-        warm_sampler(self.sampler, int(self._hf("vocab_size")), self.device, min(8, self.max_num_reqs))
+        warm_sampler(self.sampler, int(self._hf("vocab_size")), self.device, self.max_num_reqs)
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     def _graphs_unavailable(self) -> str | None:

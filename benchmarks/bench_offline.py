@@ -101,7 +101,8 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
     res = {"init_s": init_s, "elapsed_s": elapsed, "tok_s": want / elapsed, "steps": steps,
            "graph_share": graph_steps / max(forward_steps, 1),
            "ms_per_step": elapsed / max(steps, 1) * 1e3,
-           "preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0)}
+           "preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
+           **{k: after[k] for k in ("kv_sizing_s", "kv_init_capture_s") if k in after}}
     if steps_timed:
         gaps = [s["gap_ms"] for s in steps_timed if s["gap_ms"] is not None]
         busy = [s["busy_ms"] for s in steps_timed[1:]]
@@ -157,8 +158,7 @@ def main() -> None:
     tag = TAGS[args.shape]
     results = {}
     for name in args.configs:
-        first = name == args.configs[0]
-        a = argparse.Namespace(**{**vars(args), "profile": args.profile if first else None,
+        a = argparse.Namespace(**{**vars(args), "profile": args.profile if name == "defaults" else None,
                                   "idle": args.idle and name == "defaults"})
         res = run_kvray(model_dir, prompts, params, CONFIGS[name], a)
         results[name] = res

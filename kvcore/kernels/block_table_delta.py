@@ -19,7 +19,8 @@ import triton.language as tl
 ENTRY_TILE = 1024
 
 
-@triton.jit
+# n changes every step: no variant per value class (1, multiples of 16), or the first steps compile them.
+@triton.jit(do_not_specialize=["n"])
 def _apply_delta_kernel(table_ptr, packed_ptr, n, TILE: tl.constexpr):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     mask = offs < n
