@@ -201,10 +201,11 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap on a prefill chunk
     # Admit waiting requests into a running batch only once this many rows are free (1 = at once), or
-    # after admission_max_wait_steps steps. Mixed steps replay graphs now, so it is off by default;
-    # benchmarks/bench_offline.py measures it against the default side by side.
-    admission_min_batch: int = 1
-    admission_max_wait_steps: int = 16
+    # after admission_max_wait_steps steps. null = 32 / 32 on cuda (measured on the H200 with graphs for
+    # every step: Llama-3.1-8B ShareGPT-like 6,564 -> 8,571 tok/s with it, benchmarks/RESULTS.md), 1 / 16
+    # on the CPU.
+    admission_min_batch: int | None = None
+    admission_max_wait_steps: int | None = None
     async_scheduling: bool | None = None  # None = on when the device is cuda
     debug_invariants: bool = False
 
@@ -216,10 +217,10 @@ class SchedulerConfig(_Section):
                     f"needs at least one token per step")
         self._check(0 <= self.long_prefill_token_threshold <= INT32_MAX, "long_prefill_token_threshold",
                     f"must be in [0, {INT32_MAX}] (0 = no cap)")
-        self._check(1 <= self.admission_min_batch <= self.max_num_seqs, "admission_min_batch",
-                    f"must be in [1, scheduler.max_num_seqs ({self.max_num_seqs})]")
-        self._check(0 <= self.admission_max_wait_steps <= INT32_MAX, "admission_max_wait_steps",
-                    f"must be in [0, {INT32_MAX}]")
+        self._check(self.admission_min_batch is None or 1 <= self.admission_min_batch <= self.max_num_seqs,
+                    "admission_min_batch", f"must be in [1, scheduler.max_num_seqs ({self.max_num_seqs})] or null")
+        self._check(self.admission_max_wait_steps is None or 0 <= self.admission_max_wait_steps <= INT32_MAX,
+                    "admission_max_wait_steps", f"must be in [0, {INT32_MAX}] or null")
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,14 @@ class EngineConfig:
     def replace(self, **flat: Any) -> "EngineConfig":
         """A copy with fields changed by short name (`block_size=32`) or dotted name."""
         return override_fields(self, flat)
+
+    def admission(self) -> tuple[int, int]:
+        """(admission_min_batch, admission_max_wait_steps), nulls resolved for the device."""
+        sc, cuda = self.scheduler, self.parallel.resolved_device() == "cuda"
+        batch = sc.admission_min_batch if sc.admission_min_batch is not None else (
+            min(32, sc.max_num_seqs) if cuda else 1)
+        wait = sc.admission_max_wait_steps if sc.admission_max_wait_steps is not None else (32 if cuda else 16)
+        return batch, wait
 
     @property
     def use_async_scheduling(self) -> bool:

@@ -65,8 +65,8 @@ class EngineCore:
                                        max_num_batched_tokens=sc.max_num_batched_tokens,
                                        max_model_len=self.max_model_len,
                                        long_prefill_token_threshold=sc.long_prefill_token_threshold,
-                                       admission_min_batch=sc.admission_min_batch,
-                                       admission_max_wait_steps=sc.admission_max_wait_steps,
+                                       admission_min_batch=self.config.admission()[0],
+                                       admission_max_wait_steps=self.config.admission()[1],
                                        debug_invariants=sc.debug_invariants)
         self._outstanding: SchedulerOutput | None = None  # async: run by the workers, output not yet back
 

@@ -10,6 +10,7 @@ Workloads (random bf16 weights, EOS ignored):
 Configs (--configs, each one LLM after the other on the same prompts):
   defaults  LLM(model=..., device="cuda") and nothing else
   tuned     + async scheduling on, admission 32/32, prefix caching off, max_model_len 4096
+  admit1    defaults admitting every request at once (admission_min_batch 1)
   eager     defaults with cudagraph_mode none        decode: defaults with cudagraph_mode decode
 Records offline_<tag>_output_tok_s (defaults), offline_<tag>_<config>_tok_s, graph_step_share_<tag>,
 gpu_idle_frac_all_steps (defaults; CUDA events around every step's GPU work), defaults_vs_best_ratio.
@@ -39,6 +40,7 @@ CONFIGS = {
     "defaults": {},
     "tuned": dict(async_scheduling=True, admission_min_batch=32, admission_max_wait_steps=32,
                   enable_prefix_caching=False, max_model_len=4096),
+    "admit1": dict(admission_min_batch=1, admission_max_wait_steps=16),
     "no_admission": dict(async_scheduling=True, enable_prefix_caching=False, max_model_len=4096),
     "decode": dict(cudagraph_mode="decode"),
     "eager": dict(cudagraph_mode="none"),

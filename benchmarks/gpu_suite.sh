@@ -74,16 +74,22 @@ phase_graphs() {  # limits sum to 530 s
   TAIL=50 step cuda_graphs 90 python3 benchmarks/check_cuda_graphs.py
   TAIL=30 step attention 60 python3 benchmarks/bench_attention.py
   graphs_perf 115 180 70
+  graphs_profile
 }
 
 graphs_perf() {  # nano, sharegpt and start-up limits in s. Tuned runs first: both runs see a warm disk cache.
   TAIL=20 step offline_qwen3_nano "$1" python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
     --configs tuned defaults --idle --kvray-run
   TAIL=20 step offline_llama8b "$2" python3 benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
-    --configs tuned defaults --profile /tmp/trace_llama --profile-steps 3 --profile-skip 30
-  TAIL=60 step trace_summary 15 python3 benchmarks/summarize_trace.py /tmp/trace_llama
+    --configs tuned defaults
   TAIL=10 step startup "$3" python3 benchmarks/bench_startup.py --shape qwen3-0.6b
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
+graphs_profile() {  # a torch-profiler trace of 3 mixed steps of the defaults (Llama-3.1-8B shape, ShareGPT-like)
+  TAIL=20 step offline_llama8b_profiled 170 python3 benchmarks/bench_offline.py --shape llama-3.1-8b \
+    --workload sharegpt --configs defaults --profile /tmp/trace_llama --profile-steps 3 --profile-skip 30
+  TAIL=60 step trace_summary 15 python3 benchmarks/summarize_trace.py /tmp/trace_llama
 }
 
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
@@ -98,7 +104,8 @@ case "${1:-all}" in
   rerun) phase_rerun ;;
   llama) phase_llama ;;
   graphs) phase_graphs ;;
-  graphs_perf) graphs_perf 110 170 120 ;;  # the throughput and start-up half of graphs (415 s)
+  graphs_perf) graphs_perf 150 160 110 ;;  # the throughput and start-up half of graphs (420 s)
+  graphs_profile) graphs_profile ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;
