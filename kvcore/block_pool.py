@@ -67,7 +67,7 @@ class FreeKVCacheBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free_block
-        if block is self._tail:
+        if block is None or block is self._tail:
             raise ValueError("FreeKVCacheBlockQueue.popleft: no free blocks")
         self.remove(block)
         return block
@@ -77,13 +77,16 @@ class FreeKVCacheBlockQueue:
             raise ValueError(f"FreeKVCacheBlockQueue.popleft_n: n={n} exceeds {self.num_free_blocks} free blocks")
         # Unlink the first n blocks as one run: one splice instead of n removals (allocation hot path).
         head = self._head
-        out = []
+        out: list[KVCacheBlock] = []
         block = head.next_free_block
         for _ in range(n):
+            # The sentinels guarantee a linked neighbour for every block counted in num_free_blocks.
+            assert block is not None
             out.append(block)
             nxt = block.next_free_block
             block.prev_free_block = block.next_free_block = None
             block = nxt
+        assert block is not None
         head.next_free_block = block
         block.prev_free_block = head
         self.num_free_blocks -= n
@@ -99,7 +102,9 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        self._insert_after(self._tail.prev_free_block, block)
+        last = self._tail.prev_free_block
+        assert last is not None  # the tail sentinel always has a predecessor
+        self._insert_after(last, block)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         self._insert_after(self._head, block)
@@ -108,6 +113,7 @@ class FreeKVCacheBlockQueue:
         if block.in_free_queue:
             raise ValueError(f"FreeKVCacheBlockQueue: block {block.block_id} is already in the free queue")
         nxt = prev.next_free_block
+        assert nxt is not None  # prev is queued (or the head sentinel), so it has a successor
         block.prev_free_block, block.next_free_block = prev, nxt
         prev.next_free_block = block
         nxt.prev_free_block = block
@@ -116,7 +122,7 @@ class FreeKVCacheBlockQueue:
     def __iter__(self) -> Iterator[KVCacheBlock]:
         """Head to tail, i.e. in reuse order (for tests and invariant checks, O(n))."""
         block = self._head.next_free_block
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             yield block
             block = block.next_free_block
 

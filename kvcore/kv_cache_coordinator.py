@@ -116,6 +116,7 @@ class KVCacheCoordinator:
         the block its token just filled, so every call saved here is paid 2/block_size times per request.
         """
         m = self.single_full
+        assert m is not None, "extend_single_full is chosen only for one full-attention group"
         rid = request.request_id
         bs = self.block_size
         row = m.req_to_blocks[rid]

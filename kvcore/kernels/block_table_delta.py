@@ -172,8 +172,9 @@ class BlockTableDeltaUploader:
             return False
         k = self._next
         self._next ^= 1
-        if self._events[k] is not None:
-            self._events[k].synchronize()  # normally long done: it is two commits old
+        done = self._events[k]
+        if done is not None:
+            done.synchronize()  # normally long done: it is two commits old
         buf = self._staging_np[k]
         at = 0
         for p in parts:
@@ -190,7 +191,8 @@ class BlockTableDeltaUploader:
             source.copy_(self._staging[k][: 2 * n], non_blocking=True)
         apply_block_table_delta(self._gpu_table, source, n, self._use_triton)
         if self._cuda:
-            if self._events[k] is None:
-                self._events[k] = torch.cuda.Event()
-            self._events[k].record()
+            event = self._events[k]
+            if event is None:
+                event = self._events[k] = torch.cuda.Event()
+            event.record()
         return True
