@@ -94,6 +94,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # a non-persistent buffer, registered in __init__
+
     def __init__(self, head_size: int, max_position: int, rope: RopeParams, backend: str = "torch") -> None:
         super().__init__()
         check_backend(backend)
@@ -117,7 +119,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
         sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
-        return self._apply(query, cos, sin), self._apply(key, cos, sin)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def forward_fused(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                       q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
@@ -128,7 +130,8 @@ class RotaryEmbedding(nn.Module):
         return layer_ops.qk_norm_rope(query, key, positions, self.cos_sin_cache, q_norm_weight,
                                       k_norm_weight, eps, backend="triton", gemma=gemma)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Not `_apply`: that name is nn.Module's hook for .to()/.float(), which this would shadow.
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
