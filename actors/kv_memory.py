@@ -20,11 +20,11 @@ def layer_specs_from_hf_config(hf_config: dict[str, Any], dtype: torch.dtype, bl
     with torch.device("meta"):
         model = build_model(hf_config, dtype)
     specs: dict[str, KVCacheSpec] = {}
-    for layer in model.attention_layers():  # type: ignore[operator]
+    for layer in model.attention_layers():
         kv_heads = max(1, layer.num_kv_heads // tensor_parallel_size)  # replicated when tp > kv heads
-        kw = dict(block_size=block_size, num_kv_heads=kv_heads, head_size=layer.head_size, dtype=dtype)
-        specs[layer.layer_name] = (SlidingWindowSpec(**kw, sliding_window=layer.sliding_window)
-                                   if layer.sliding_window else FullAttentionSpec(**kw))
+        shape = (block_size, kv_heads, layer.head_size, dtype)  # the fields both spec classes start with
+        specs[layer.layer_name] = (SlidingWindowSpec(*shape, sliding_window=layer.sliding_window)
+                                   if layer.sliding_window else FullAttentionSpec(*shape))
     return specs
 
 

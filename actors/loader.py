@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from actors.hf_config import read_config_json
+from actors.models.decoder import DecoderForCausalLM
 from actors.models.registry import build_model
 
 TINY_RANDOM = "tiny-random"
@@ -59,7 +60,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any]) -> torch.
 
 
 def load_model(model_dir_or_name: str, dtype: str | torch.dtype = "auto", attention_backend: str = "torch",
-               device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+               device: str | torch.device = "cpu") -> tuple[DecoderForCausalLM, dict[str, Any]]:
     """-> (model in eval mode with weights loaded on `device`, the config.json dict)."""
     model_dir = resolve_model_dir(model_dir_or_name)
     hf_config = read_hf_config(model_dir)

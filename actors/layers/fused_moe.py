@@ -64,6 +64,14 @@ class FusedMoE(nn.Module):
         return ps.all_reduce(out)
 
 
+class _Router(nn.Module):
+    """The router's [num_experts, hidden] weight as a module of its own, so it loads as `gate.weight`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, params_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_param((num_experts, hidden_size), params_dtype, default_weight_loader)
+
+
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, replicated) + experts: the MLP of a sparse layer."""
 
@@ -72,8 +80,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.normalize = top_k, normalize
         self.weight_dtype = torch.float32 if float32_weights else params_dtype
-        self.gate = nn.Module()
-        self.gate.weight = new_param((num_experts, hidden_size), params_dtype, default_weight_loader)
+        self.gate = _Router(num_experts, hidden_size, params_dtype)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, params_dtype, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

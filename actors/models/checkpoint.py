@@ -50,7 +50,7 @@ class Checkpoint:
     def _read_weight_map(self) -> dict[str, str]:
         index_path = os.path.join(self.model_dir, INDEX_FILE)
         if os.path.isfile(index_path):
-            weight_map = self._read_index(index_path)
+            weight_map: dict[str, str] = self._read_index(index_path)
             for file in sorted(set(weight_map.values())):
                 if not os.path.isfile(os.path.join(self.model_dir, file)):
                     raise CheckpointError(f"{index_path} names shard {file!r}, which is missing from {self.model_dir}")
@@ -59,7 +59,7 @@ class Checkpoint:
         if not files:
             raise CheckpointError(f"{self.model_dir}: no *.safetensors weights found "
                                   "(only safetensors are loaded; pickle .bin/.pt files are refused)")
-        weight_map: dict[str, str] = {}
+        weight_map = {}
         for file in files:
             for name in self._open(file).keys():
                 weight_map[name] = file

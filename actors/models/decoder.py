@@ -47,8 +47,8 @@ class DecoderAttention(nn.Module):
                                           args.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, args.o_bias, dtype,
                                         name="num_attention_heads * head_dim")
-        self.q_norm, self.k_norm = (_qk_norm(args, dtype, backend), _qk_norm(args, dtype, backend)) \
-            if args.qk_norm else (None, None)
+        self.q_norm: RMSNorm | GemmaRMSNorm | None = _qk_norm(args, dtype, backend) if args.qk_norm else None
+        self.k_norm: RMSNorm | GemmaRMSNorm | None = _qk_norm(args, dtype, backend) if args.qk_norm else None
         self.rotary_emb = rotary
         scale = args.query_scale if args.query_scale is not None else d ** -0.5
         self.attn = Attention(attention_layer_name(layer_idx), self.qkv_proj.num_heads,
@@ -77,7 +77,7 @@ class DecoderAttention(nn.Module):
                                              self.q_norm.eps, gemma=isinstance(self.q_norm, GemmaRMSNorm))
 
 
-def _qk_norm(args: ModelArgs, dtype: torch.dtype, backend: str) -> nn.Module:
+def _qk_norm(args: ModelArgs, dtype: torch.dtype, backend: str) -> RMSNorm | GemmaRMSNorm:
     if args.gemma_norms:
         return GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype, backend)
     return RMSNorm(args.head_dim, args.rms_norm_eps, dtype, backend)
@@ -147,8 +147,13 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.args, self.dtype = args, dtype
         self.model = type(self).model_class(args, dtype, attention_backend)
-        self.lm_head = (self.model.embed_tokens if args.tie_word_embeddings
-                        else ParallelLMHead(args.vocab_size, args.hidden_size, dtype))
+        self.lm_head: VocabParallelEmbedding
+        if args.tie_word_embeddings:
+            embed = self.model.embed_tokens
+            assert isinstance(embed, VocabParallelEmbedding)  # every model_class embeds with it
+            self.lm_head = embed
+        else:
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -157,11 +162,12 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head.logits(hidden, self.args.final_softcap)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        # Each decoder layer holds one Attention (at layer.self_attn.attn), in layer order.
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
         """The checkpoint tensors (name, shard id) that make up one of our parameters."""
-        stacked = [(param_name.replace(f".{fused}.", f".{original}."), shard_id)
+        stacked: list[tuple[str, object]] = [(param_name.replace(f".{fused}.", f".{original}."), shard_id)
                    for fused, original, shard_id in STACKED_PARAMS if f".{fused}." in param_name]
         return stacked or [(param_name, None)]
 

@@ -2,18 +2,21 @@
 so build_model must run after the process joined its TP group."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from torch import nn
 
+from actors.models.decoder import DecoderForCausalLM
 from actors.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from actors.models.llama import LlamaForCausalLM, MistralForCausalLM
 from actors.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from actors.models.qwen2 import Qwen2ForCausalLM
 from actors.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+# Each family's constructor takes (config.json dict, dtype, attention backend).
+ModelClass = Callable[[dict[str, Any], torch.dtype, str], DecoderForCausalLM]
+
+MODEL_REGISTRY: dict[str, ModelClass] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -29,7 +32,7 @@ class UnsupportedArchitectureError(ValueError):
     pass
 
 
-def resolve_architecture(hf_config: dict[str, Any]) -> type[nn.Module]:
+def resolve_architecture(hf_config: dict[str, Any]) -> ModelClass:
     archs = hf_config.get("architectures") or []
     if not isinstance(archs, list) or not archs:
         raise UnsupportedArchitectureError(
@@ -42,6 +45,7 @@ def resolve_architecture(hf_config: dict[str, Any]) -> type[nn.Module]:
         f"supported: {sorted(MODEL_REGISTRY)}")
 
 
-def build_model(hf_config: dict[str, Any], dtype: torch.dtype, attention_backend: str = "torch") -> nn.Module:
+def build_model(hf_config: dict[str, Any], dtype: torch.dtype, attention_backend: str = "torch"
+                ) -> DecoderForCausalLM:
     """An uninitialised model on the ambient default device (wrap in `with torch.device(...)`)."""
     return resolve_architecture(hf_config)(hf_config, dtype, attention_backend)

@@ -51,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     from actors.layers.kernels.rms_norm import rms_norm_triton
     out = rms_norm_triton(_rows(x), weight, eps,
                           None if residual is None else _rows(residual), gemma=gemma)
-    if residual is None:
+    if isinstance(out, torch.Tensor):  # no residual: the norm alone
         return out.view(x.shape)
     return out[0].view(x.shape), out[1].view(x.shape)
 

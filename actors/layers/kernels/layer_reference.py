@@ -5,10 +5,18 @@ layers bit for bit.
 """
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 
 
+@overload
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: None = None, gemma: bool = False) -> torch.Tensor: ...
+@overload
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None, gemma: bool = False
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
