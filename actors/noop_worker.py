@@ -59,8 +59,9 @@ class NoopWorker:
             computed[nr.req_id] = nr.num_computed_tokens
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
-            if c.resumed_token_ids[i] is not None:
-                self.num_tokens[rid] = len(c.resumed_token_ids[i])
+            resumed = c.resumed_token_ids[i]
+            if resumed is not None:
+                self.num_tokens[rid] = len(resumed)
             computed[rid] = c.num_computed_tokens[i]
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():

@@ -233,27 +233,30 @@ def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     # The kernel reads per-row values at unit stride (a no-op for the runner's buffers).
     temperature, top_k, top_p, seeds, positions = (
         t.contiguous() for t in (temperature, top_k, top_p, seeds, positions))
+    dummy = temperature
+    pen_args: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, int]
     if penalty_slots is not None:
+        assert penalties is not None and counts is not None and prompt_mask is not None, \
+            "launch_sample: penalty_slots needs penalties, counts and prompt_mask"
         penalty_slots = penalty_slots.contiguous()
         if penalties.stride(1) != 1:
             penalties = penalties.contiguous()
+        pen_args = (penalty_slots, penalties, penalties.stride(0), counts, prompt_mask, counts.stride(0))
+    else:
+        pen_args = (dummy, dummy, 0, dummy, dummy, 0)
+    has_pen = penalty_slots is not None
     if ban_ids is not None and ban_ids.stride(1) != 1:
         ban_ids = ban_ids.contiguous()
-    has_pen = penalty_slots is not None
-    dummy = temperature
+    num_ban = 0 if ban_ids is None else ban_ids.shape[1]
+    ban_args = (ban_ids, ban_ids.stride(0)) if ban_ids is not None and num_ban else (dummy, 0)
     if block_v is None:
         block_v = min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(vocab))
     block_v = triton.next_power_of_2(block_v)
     rows_per_program = triton.next_power_of_2(rows_per_program)
-    num_ban = 0 if ban_ids is None else ban_ids.shape[1]
     grid = (triton.cdiv(n, rows_per_program),)
     _sample_kernel[grid](
         logits, logits.stride(0), out, temperature, top_k, top_p, seeds, positions,
-        penalty_slots if has_pen else dummy, penalties if has_pen else dummy,
-        penalties.stride(0) if has_pen else 0,
-        counts if has_pen else dummy, prompt_mask if has_pen else dummy,
-        counts.stride(0) if has_pen else 0,
-        ban_ids if num_ban else dummy, ban_ids.stride(0) if num_ban else 0, num_ban,
+        *pen_args, *ban_args, num_ban,
         n, vocab, BLOCK_R=rows_per_program, BLOCK_V=block_v, HAS_PENALTY=has_pen, HAS_BAN=num_ban > 0,
         HAS_FILTER=need_filter, STEPS=BISECT_STEPS, num_warps=8 if logits.is_cuda else 4)
     return out

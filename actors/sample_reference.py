@@ -88,6 +88,8 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     n, vocab = logits.shape
     x = logits.float()
     if penalty_slots is not None:
+        assert penalties is not None and counts is not None and prompt_mask is not None, \
+            "sample_reference: penalty_slots needs penalties, counts and prompt_mask"
         has = penalty_slots >= 0
         slots = penalty_slots.clamp(min=0).long()
         c = torch.where(has.unsqueeze(1), counts[slots], 0)

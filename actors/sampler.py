@@ -96,17 +96,22 @@ class Sampler:
         top_p = md.top_p if md.top_p is not None else torch.ones(n, device=dev)
         seeds = md.seeds if md.seeds is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         positions = md.positions if md.positions is not None else torch.zeros(n, dtype=torch.int64, device=dev)
-        pen = {}
-        if md.penalty_slots is not None:
-            if self.penalty_state is None:
-                raise RuntimeError("Sampler: penalty_slots given but the sampler has no PenaltyState")
-            pen = dict(penalty_slots=md.penalty_slots, penalties=md.penalties,
-                       counts=self.penalty_state.counts, prompt_mask=self.penalty_state.prompt_mask)
+        slots, penalties, counts, prompt_mask = self._penalty_inputs(md)
         use_triton = self.use_triton if self.use_triton is not None else triton_runs_on(dev)
         if use_triton:
             # The interpreter vectorises one program's rows; a GPU program owns one row.
             rows = 1 if dev.type == "cuda" else 16
             return launch_sample(logits, temperature, top_k, top_p, seeds, positions,
                                  need_filter=md.need_filter and not md.all_greedy, ban_ids=md.ban_ids,
-                                 rows_per_program=rows, **pen)
-        return sample_reference(logits, temperature, top_k, top_p, seeds, positions, ban_ids=md.ban_ids, **pen)
+                                 rows_per_program=rows, penalty_slots=slots, penalties=penalties, counts=counts,
+                                 prompt_mask=prompt_mask)
+        return sample_reference(logits, temperature, top_k, top_p, seeds, positions, ban_ids=md.ban_ids,
+                                penalty_slots=slots, penalties=penalties, counts=counts, prompt_mask=prompt_mask)
+
+    def _penalty_inputs(self, md: SamplingMetadata) -> tuple[torch.Tensor | None, ...]:
+        """(penalty_slots, penalties, counts, prompt_mask), all None when no row has penalties."""
+        if md.penalty_slots is None:
+            return None, None, None, None
+        if self.penalty_state is None:
+            raise RuntimeError("Sampler: penalty_slots given but the sampler has no PenaltyState")
+        return md.penalty_slots, md.penalties, self.penalty_state.counts, self.penalty_state.prompt_mask

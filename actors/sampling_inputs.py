@@ -21,11 +21,10 @@ class SamplingInputs:
         self.max_num_reqs = max_num_reqs
         self.device = device
         self.pin_memory = pin_memory
-        kw = dict(device=device, pin_memory=pin_memory)
         # float32 rows: temperature, top_p, presence, frequency, repetition.
-        self.f32 = CpuGpuBuffer(5, max_num_reqs, dtype=torch.float32, **kw)
+        self.f32 = CpuGpuBuffer(5, max_num_reqs, dtype=torch.float32, device=device, pin_memory=pin_memory)
         # int64 rows: top_k, seed, output position, penalty slot.
-        self.i64 = CpuGpuBuffer(4, max_num_reqs, dtype=torch.int64, **kw)
+        self.i64 = CpuGpuBuffer(4, max_num_reqs, dtype=torch.int64, device=device, pin_memory=pin_memory)
         self.ban: CpuGpuBuffer | None = None  # [max_num_reqs, width], grown to the widest ban list
 
     def build(self, batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> SamplingMetadata:

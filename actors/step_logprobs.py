@@ -38,6 +38,7 @@ def prompt_plan(batch: InputBatch, num_reqs: int, computed: np.ndarray, num_sche
     index, targets, segments = [], [], []
     for row in rows.tolist():
         rid = batch.index_to_req_id[row]
+        assert rid is not None  # rows below num_reqs are occupied
         if rid in done:
             continue
         s = int(computed[row])
@@ -104,6 +105,7 @@ class LogprobsCollector:
         prompt: dict[str, Logprobs] | None = None
         rows = sample_rows.tolist()
         if lp.sample is not None:
+            assert lp.sample_k is not None  # launch_copies sets both or neither
             sampled = {}
             for i, row in enumerate(rows):
                 k = int(lp.sample_k[i])

@@ -143,13 +143,14 @@ class StepTimer:
             n, t, begin, _ = self._steps[-1]
             self._steps[-1] = (n, t, begin, event)
 
-    def collect(self) -> list[dict[str, float]]:
+    def collect(self) -> list[dict[str, float | None]]:
         """Per timed step: num_reqs, num_tokens, busy_ms (begin -> end) and gap_ms (the previous step's
         end -> this begin; None for the first). Clears the record."""
         torch.cuda.synchronize()
-        steps, self._steps = [s for s in self._steps if s[3] is not None], []
-        out: list[dict[str, float]] = []
-        prev_end = None
+        steps = [(n, t, begin, end) for n, t, begin, end in self._steps if end is not None]
+        self._steps = []
+        out: list[dict[str, float | None]] = []
+        prev_end: torch.cuda.Event | None = None
         for n, t, begin, end in steps:
             out.append({"num_reqs": n, "num_tokens": t, "busy_ms": begin.elapsed_time(end),
                         "gap_ms": None if prev_end is None else prev_end.elapsed_time(begin)})
