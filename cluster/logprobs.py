@@ -36,6 +36,8 @@ class LogprobsProcessor:
 
     def update(self, o: EngineCoreOutput, num_new_tokens: int) -> None:
         if self.logprobs is not None and num_new_tokens:
+            # logprobs, num_logprobs and cumulative_logprob are set together in __init__.
+            assert self.num_logprobs is not None and self.cumulative_logprob is not None
             lists = getattr(o, SAMPLE_FIELD, None)
             rows = self._rows(lists, self.num_logprobs, "logprobs")
             if len(rows) != num_new_tokens:
@@ -47,6 +49,7 @@ class LogprobsProcessor:
         if self.prompt_logprobs is not None:
             lists = getattr(o, PROMPT_FIELD, None)
             if lists is not None:
+                assert self.num_prompt_logprobs is not None  # set together with prompt_logprobs
                 self.prompt_logprobs.extend(self._rows(lists, self.num_prompt_logprobs, "prompt_logprobs"))
 
     def _rows(self, lists: Any, k: int, name: str) -> list[dict[int, Logprob]]:
@@ -72,6 +75,7 @@ class LogprobsProcessor:
     def truncate(self, num_tokens: int) -> None:
         """Drop the rows of tokens cut off by a stop string, and their share of the cumulative logprob."""
         if self.logprobs is not None and len(self.logprobs) > num_tokens:
+            assert self.cumulative_logprob is not None  # set together with logprobs
             for row in self.logprobs[num_tokens:]:
                 self.cumulative_logprob -= next(iter(row.values())).logprob
             del self.logprobs[num_tokens:]

@@ -63,10 +63,12 @@ class RequestState:
 
     def _check_stop(self, delta: str) -> bool:
         detok, p = self.detokenizer, self.params
+        assert detok is not None  # called only where a detokenizer exists
         self.completion.text = detok.output_text
         # Text of the first min_tokens tokens cannot complete a stop string (vLLM's min_tokens rule).
         if not p.stop or not delta or len(self.completion.token_ids) <= p.min_tokens:
             return False
+        assert isinstance(p.stop, list)  # SamplingParams.__post_init__ normalizes stop to a list
         hit = check_stop_strings(detok.output_text, len(delta), p.stop, p.include_stop_str_in_output)
         if hit is None:
             return False
