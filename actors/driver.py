@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from actors.driver_debug import DriverDebug
 from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
@@ -31,6 +31,9 @@ from actors.messages import PollResult, RequestSpec, RequestTiming, error_output
 from actors.poison import PoisonHunt, PoisonIsolation, StepError
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
+
+if TYPE_CHECKING:
+    from actors.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class EngineDriver(PoisonIsolation, DriverDebug):
         self._hunt = PoisonHunt()
         self._peak_kv_usage = 0.0
         self._num_output_tokens = 0
-        self._metrics = None
+        self._metrics: EngineMetrics | None = None
 
     # ---- set-up -----------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -212,6 +215,7 @@ class EngineDriver(PoisonIsolation, DriverDebug):
             self._peak_kv_usage = max(self._peak_kv_usage, float(stats.get("kv_cache_usage", 0.0)))
             if outputs:
                 self._cv.notify_all()
+        assert self._metrics is not None  # start() sets it before the loop runs
         self._metrics.record_step(stats, step_time, new_tokens)
         if not self.engine.has_unfinished():
             self._metrics.flush()  # idle from now on: export the last window at once
@@ -263,6 +267,7 @@ class EngineDriver(PoisonIsolation, DriverDebug):
             for rid in self._live.ids():
                 if rid not in pending:
                     self._readd(rid)
+        assert self._metrics is not None  # restarts happen on the loop that start() began
         self._metrics.record_restart()
 
     # The PoisonIsolation hooks.

@@ -112,8 +112,12 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_async()
         so = self.scheduler.schedule()
-        out = self._count(so, self.executor.execute_model(so)) if self._needs_run(so) else _empty(so)
-        return self.scheduler.update_from_output(so, out)
+        if not self._needs_run(so):
+            return self.scheduler.update_from_output(so, _empty(so))
+        out = self.executor.execute_model(so)
+        if out is None:
+            raise RuntimeError(f"workers answered synchronous step {so.step_id} with no output")
+        return self.scheduler.update_from_output(so, self._count(so, out))
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Run step N+1; the workers answer with step N's output, which is applied now."""

@@ -34,8 +34,9 @@ class Executor(abc.ABC):
         """Call `Worker.<method>(*args, **kwargs)` on every rank; the answers in rank order."""
 
     @abc.abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Send one step to every rank; rank 0's output."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Send one step to every rank; rank 0's output (with async scheduling the previous step's, None
+        when none was in flight)."""
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...

@@ -9,7 +9,6 @@ import os
 from typing import Any
 
 import torch
-from torch import nn
 
 from actors.hf_config import read_config_json
 from actors.models.decoder import DecoderForCausalLM

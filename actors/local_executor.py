@@ -140,7 +140,7 @@ class LocalExecutor(Executor):
         self.shutdown(graceful=False)
         raise WorkerFailure(rank, reason)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.collective_rpc("execute_model", scheduler_output)[0]
 
     # ---- teardown ---------------------------------------------------------------------------

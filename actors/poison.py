@@ -22,7 +22,7 @@ import logging
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from kvcore.messages import EngineCoreOutput
 
@@ -146,8 +146,12 @@ class PoisonIsolation:
     _live: Any  # the driver's books: `rid in _live` while it answers for rid
     _inbox: list
     _hunt: PoisonHunt
-    # The driver provides: _live_ids() (ids it answers for), _readd(rid) (re-queue by recompute; an
-    # error there ends the request), _finish_with_error(rid, msg), _end_held(rid, output).
+    # The driver provides these methods: the ids it answers for, re-queue by recompute (an error there
+    # ends the request), end a request with an error, end a held request with its output.
+    _live_ids: Callable[[], list[str]]
+    _readd: Callable[[str], None]
+    _finish_with_error: Callable[[str, str], None]
+    _end_held: Callable[[str, EngineCoreOutput], None]
 
     def _isolate(self, error: StepError) -> None:
         """Reset the workers' request state (a WorkerFailure from that is a real failure: it propagates),

@@ -51,7 +51,7 @@ def _probe(model: str | None) -> NodeProbe:
     return probe
 
 
-def import_class(path: str) -> type:
+def import_class(path: str) -> type[Any]:
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
 
@@ -85,7 +85,7 @@ class RayExecutor(Executor):
         return ray.get(task.remote(self.config.model.model if probe_model else None),
                        timeout=self.setup_timeout_s)
 
-    def _start_workers(self, worker_cls: str | type) -> None:
+    def _start_workers(self, worker_cls: str | type[Any]) -> None:
         cls = import_class(worker_cls) if isinstance(worker_cls, str) else worker_cls
         p = self.config.parallel
         if p.device == "cuda":

@@ -8,7 +8,8 @@ so a seeded request draws the same tokens in any batch and after any restart. Th
 exponential race in log space: argmax_v y_v - log(-log u_v) picks v with probability softmax(y)_v.
 
 Top-k and top-p are thresholds found by bisection on the float's order-preserving integer key (exact;
-a pass over the row per step, stopping once no key lies inside the bracket, at most 33 each): top-k keeps every token whose value is >= the k-th largest; top-p then keeps
+a pass over the row per step, stopping once no key lies inside the bracket, at most 33 each): top-k
+keeps every token whose value is >= the k-th largest; top-p then keeps
 every token whose strictly-larger tokens hold less than p of the top-k mass. Ties at a cut-off are all
 kept (vLLM's top-k does the same; its top-p splits ties by sort order). Rows without either filter
 make one pass. The plain-torch reference is actors/sample_reference.py.
