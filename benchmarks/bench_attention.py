@@ -98,7 +98,7 @@ def run_decode(args, device: str, dtype: torch.dtype) -> None:
                   f"{moved / (ms * 1e-3) / 1e9:7.0f} GB/s  {100 * frac:5.1f}% of copy", flush=True)
             if not args.smoke and b == 128 and ctx == 4096:
                 record(SCRIPT, "attn_decode_bw_frac_b128_c4096", frac, "fraction")
-            del q, kc, vc, out
+            q = kc = vc = out = None  # free this size's KV before the next (a del would unbind fn's closure)
             if device == "cuda":
                 torch.cuda.empty_cache()
 

@@ -8,8 +8,8 @@ attention layers) produces every SchedulerOutput and consumes every ModelRunnerO
 The model is a stub whose forward and compute_logits return preallocated tensors, so only host work
 is timed. The block table commits in "delta" mode, as on CUDA. Two pieces that are device work on a GPU
 are no-ops here because their CPU stand-ins (torch reference kernels) would dominate and mislead:
-the slot-mapping computation, the input-preparation kernels and the scatter of the block-table delta (the host packing of the delta
-is still timed). Decode batches are padded to graph buckets as with CUDA graphs.
+the slot-mapping computation, the input-preparation kernels and the scatter of the block-table delta
+(the host packing of the delta is still timed). Decode batches are padded to graph buckets as with CUDA graphs.
 
     PYTHONPATH=. python benchmarks/bench_runner_host.py [--steps 200] [--profile] [--no-record]
 """
@@ -37,7 +37,6 @@ from common import record  # noqa: E402
 from kvcore import Request, SamplingParams  # noqa: E402
 from kvcore.block_table import MultiGroupBlockTable  # noqa: E402
 from kvcore.kv_cache_manager import KVCacheManager  # noqa: E402
-from kvcore.messages import ModelRunnerOutput  # noqa: E402
 from kvcore.scheduler import Scheduler  # noqa: E402
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 

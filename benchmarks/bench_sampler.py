@@ -117,9 +117,11 @@ def main() -> None:
         tk = md.top_k if md.need_filter else None
         tp = md.top_p if md.need_filter else None
         if name == "greedy":
-            old_fn = lambda: logits.argmax(dim=-1)
+            def old_fn() -> torch.Tensor:
+                return logits.argmax(dim=-1)
         else:
-            old_fn = lambda: old_sampler(logits, md.temperature, tk, tp, gens)
+            def old_fn() -> torch.Tensor:
+                return old_sampler(logits, md.temperature, tk, tp, gens)
         old_us = bench(old_fn, smoke)
         if not md.plain_argmax:
             pen = {} if state is None else dict(penalty_slots=md.penalty_slots, penalties=md.penalties,

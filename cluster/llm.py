@@ -2,8 +2,8 @@
 
 Prompts are tokenized here, on the client (chat messages rendered with the model's chat template first),
 and outputs are made here by the OutputProcessor (detokenization, stop strings, n samples, logprobs); the
-engines see token ids only. Outputs come back in input order. A bad prompt gets an output whose finish_reason is "error" (with the
-message in `.error`) while the others proceed; a replica that fails for good raises EngineFailure.
+engines see token ids only. Outputs come back in input order. A bad prompt gets an output whose
+finish_reason is "error" (with the message in `.error`) while the others proceed; a replica that fails for good raises EngineFailure.
 """
 from __future__ import annotations
 
@@ -180,7 +180,9 @@ class LLM:
             if parent is not None:
                 results[index_of[parent.request_id]] = parent.output()
         self._collect(processor, results, index_of, _progress(len(index_of), use_tqdm))
-        return results  # type: ignore[return-value]
+        done = [r for r in results if r is not None]
+        assert len(done) == len(results)  # every prompt ends with an output or an error output
+        return done
 
     def _unsupported(self, sp: SamplingParams) -> str | None:
         """A request this client or engine cannot serve as asked (never silently ignored)."""
@@ -193,10 +195,12 @@ class LLM:
 
     def _collect(self, processor: OutputProcessor, results: list[RequestOutput | None], index_of: dict[str, int],
                  bar: Any) -> None:
+        engines = self.engines
+        assert engines is not None  # _run refused a shut-down LLM
         try:
             while processor.has_unfinished():
                 aborts = []
-                for item in self.engines.poll(timeout_s=1.0):
+                for item in engines.poll(timeout_s=1.0):
                     o, timing = item.output, item.timing
                     parent, abort = processor.process_output(o, timing)
                     if abort:
@@ -206,9 +210,9 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
                 if aborts:
-                    self.engines.abort(aborts)
-                if self.engines.fatal is not None:
-                    raise EngineFailure(self.engines.fatal)
+                    engines.abort(aborts)
+                if engines.fatal is not None:
+                    raise EngineFailure(engines.fatal)
         finally:
             if bar is not None:
                 bar.close()

@@ -44,7 +44,8 @@ def test_gemma3_12b_concurrency_at_8k_hybrid_vs_full():
     assert hybrid["groups"] == ["8 x sliding 1024"] * 5 + ["8 x full"]
     assert full["groups"] == ["48 x full"]
     assert hybrid["bytes_per_block"] * hybrid["num_blocks"] <= 40 << 30
-    # 8 global layers keep 8k tokens, 40 local ones 1024 + a chunk: ~2.1x at the peak (a 2048-token chunk in flight) and ~3.7x decoding.
+    # 8 global layers keep 8k tokens, 40 local ones 1024 + a chunk: ~2.1x at the peak (a 2048-token chunk
+    # in flight) and ~3.7x decoding.
     assert hybrid["max_concurrency"] > 2 * full["max_concurrency"]
     assert hybrid["max_concurrency_decoding"] > 3.5 * full["max_concurrency_decoding"]
 

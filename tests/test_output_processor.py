@@ -15,7 +15,6 @@ from actors.hf_config import ModelConfigError
 from actors.models.tiny_random import EOS_ID, SPECIAL_TOKENS, ensure_tiny_random
 from cluster.detokenizer import IncrementalDetokenizer, check_stop_strings
 from cluster.output_processor import OutputProcessor
-from cluster.outputs import Logprob
 from cluster.sampling_defaults import VLLM_DEFAULTS, default_sampling_params
 from cluster.tokenizer import Tokenizer
 from kvcore.messages import EngineCoreOutput, Logprobs

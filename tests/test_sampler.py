@@ -102,7 +102,10 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
     logits, temp, top_k, top_p, seeds, pos = _rows(24, seed=3)
     target, steps = 4, 16
     temp[target], top_k[target], top_p[target] = 2.0, 0, 0.95
-    rep = lambda t: t[target:target + 1].expand(steps, *t.shape[1:])
+
+    def rep(t):
+        return t[target:target + 1].expand(steps, *t.shape[1:])
+
     positions = torch.arange(steps)
 
     def alone(seed):
@@ -226,7 +229,10 @@ def test_penalties_match_vllm_formulas_and_counts_grow_on_device():
                               torch.zeros(n, dtype=torch.int64), torch.full((n,), step), all_greedy=True,
                               need_filter=False, penalty_slots=slots, penalties=pen)
         tokens = sampler(logits, md).token_ids
-        pad = lambda rows: torch.tensor([r + [vocab] * (10 - len(r)) for r in rows])
+
+        def pad(rows):
+            return torch.tensor([r + [vocab] * (10 - len(r)) for r in rows])
+
         want = vllm_penalties(logits, pad(prompts), pad(outputs), pen[0], pen[1], pen[2]).argmax(-1)
         assert tokens.tolist() == want.tolist(), step
         for i, t in enumerate(tokens.tolist()):

@@ -133,7 +133,10 @@ def test_penalties_equal_vllm_formulas_on_hf_logits(model):
         for _ in range(n):
             with torch.no_grad():
                 logits = hf(torch.tensor([prompt + out])).logits[0, -1:].float()
-            pad = lambda ids: torch.tensor([ids + [H.VOCAB] * (40 - len(ids))])
+
+            def pad(ids):
+                return torch.tensor([ids + [H.VOCAB] * (40 - len(ids))])
+
             pen = vllm_penalties(logits, pad(prompt), pad(out), torch.tensor([sp.presence_penalty]),
                                  torch.tensor([sp.frequency_penalty]), torch.tensor([sp.repetition_penalty]))
             out.append(int(pen.argmax(-1)))
