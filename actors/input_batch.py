@@ -221,7 +221,7 @@ class InputBatch:
             self.token_ids_cpu[row, n] = token_id
             self.num_tokens[row] = n + 1
 
-    def append_tokens(self, rows: np.ndarray, token_ids: list[int]) -> None:
+    def append_tokens(self, rows: np.ndarray, token_ids: list[int] | np.ndarray) -> None:
         """append_token for many rows at once (rows distinct): one numpy pass instead of a Python call
         per sampled row, the runner's per-step hot path."""
         n = self.num_tokens[rows]

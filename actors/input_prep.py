@@ -71,8 +71,9 @@ class InputStager:
         r = len(num_sched)
         k = self._next
         self._next ^= 1
-        if self._events[k] is not None:
-            self._events[k].synchronize()  # two steps old: normally long done
+        done = self._events[k]
+        if done is not None:
+            done.synchronize()  # two steps old: normally long done
         buf = self._host_np[k]
         cu = np.cumsum(num_sched)
         total = int(cu[-1]) if r else 0
@@ -94,9 +95,10 @@ class InputStager:
         used = lay.tokens + total
         self.stage[:used].copy_(self._host[k][:used], non_blocking=True)
         if self.device.type == "cuda":
-            if self._events[k] is None:
-                self._events[k] = torch.cuda.Event()
-            self._events[k].record()
+            event = self._events[k]
+            if event is None:
+                event = self._events[k] = torch.cuda.Event()
+            event.record()
         return StagedStep(num_reqs=r, num_tokens=total, num_sched=num_sched, seq_lens=seq_lens,
                           sample_rows=sample_rows, max_query_len=int(num_sched.max()) if r else 0,
                           max_seq_len=int(seq_lens.max()) if r else 0)

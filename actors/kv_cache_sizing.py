@@ -3,12 +3,12 @@ and the memory tensors bound to the attention layers."""
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from actors.forward_context import ForwardContext, set_forward_context
 from actors.engine_config import EngineConfig
+from actors.forward_context import ForwardContext, set_forward_context
 from kvcore.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -18,23 +18,25 @@ from kvcore.spec import (
     num_blocks_for_budget,
 )
 
+if TYPE_CHECKING:
+    from actors.models.decoder import DecoderForCausalLM
+
 logger = logging.getLogger(__name__)
 
 
-def kv_cache_specs(model: torch.nn.Module, block_size: int, dtype: torch.dtype,
+def kv_cache_specs(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype,
                    hybrid: bool = True) -> dict[str, KVCacheSpec]:
     """hybrid=False gives sliding-window layers full-attention specs (one group, no window savings)."""
     specs: dict[str, KVCacheSpec] = {}
     for layer in model.attention_layers():
-        kw = dict(block_size=block_size, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
-                  dtype=dtype)
-        specs[layer.layer_name] = (SlidingWindowSpec(**kw, sliding_window=layer.sliding_window)
-                                   if layer.sliding_window and hybrid else FullAttentionSpec(**kw))
+        shape = (block_size, layer.num_kv_heads, layer.head_size, dtype)  # both spec classes start with these
+        specs[layer.layer_name] = (SlidingWindowSpec(*shape, sliding_window=layer.sliding_window)
+                                   if layer.sliding_window and hybrid else FullAttentionSpec(*shape))
     return specs
 
 
 @torch.inference_mode()
-def profile_run(model: torch.nn.Module, num_tokens: int, num_rows: int, max_model_len: int,
+def profile_run(model: DecoderForCausalLM, num_tokens: int, num_rows: int, max_model_len: int,
                 device: torch.device, sample: Callable[[torch.Tensor], object]) -> None:
     """A forward of num_tokens tokens and logits for num_rows rows, with no KV cache, so the peak
     activation memory is what a real step can reach; `sample(logits)` runs the sampler's worst case."""
@@ -76,7 +78,7 @@ def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec], de
     return num_blocks_for_budget(groups, budget)
 
 
-def allocate_kv_cache(model: torch.nn.Module, kv_cache_config: KVCacheConfig,
+def allocate_kv_cache(model: DecoderForCausalLM, kv_cache_config: KVCacheConfig,
                       device: torch.device) -> list[torch.Tensor]:
     """One memory tensor per layer slot (shared by the i-th layer of every group); binds each attention
     layer's view of it. Old bindings go first."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,29 +20,23 @@ import torch
 from actors import kv_cache_sizing, parallel_state
 from actors.cuda_graphs import Bucket, BucketPlan, GraphStats, StepGraphs
 from actors.engine_config import EngineConfig
-from actors.forward_context import (
-    AttentionMetadata,
-    ForwardContext,
-    set_forward_context,
-)
+from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from actors.input_batch import CachedRequestState, InputBatch
 from actors.input_prep import InputStager, StagedStep
 from actors.logprobs import MAX_LOGPROBS
 from actors.penalty_state import PenaltyState
 from actors.sampler import Sampler, request_seed
 from actors.sampling_inputs import SamplingInputs
-from actors.step_logprobs import (
-    LogprobsCollector,
-    compute_prompt_logprobs,
-    launch_copies,
-    prompt_plan,
-)
+from actors.step_logprobs import LogprobsCollector, compute_prompt_logprobs, launch_copies, prompt_plan
 from actors.step_profiler import StepTimer
 from actors.token_readback import SampledStep, TokenReadback
 from actors.warmup import dummy_sampling, warm_sampler
 from kvcore.kernels import check_backend
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
+
+if TYPE_CHECKING:  # the model zoo is imported only where a model is loaded
+    from actors.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +73,7 @@ class ModelRunner:
         self.pin_memory = device.type == "cuda"
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
-        self.model: torch.nn.Module | None = None
+        self.model: DecoderForCausalLM | None = None
         self.hf_config: Any = None
         self.max_model_len = 0
         self.dtype = torch.float32
@@ -111,9 +105,7 @@ class ModelRunner:
 
     # ---- model and KV cache -----------------------------------------------------------------
     def load_model(self) -> None:
-        from actors.loader import (
-            load_model,  # the loader pulls in the model zoo; only workers need it
-        )
+        from actors.loader import load_model  # the loader pulls in the model zoo; only workers need it
         self.model, self.hf_config = load_model(self.config.model.model, dtype=self.config.model.dtype,
                                                 attention_backend=self.backend, device=self.device)
         self.model.eval()
@@ -222,7 +214,7 @@ class ModelRunner:
     def _hf(self, key: str) -> Any:
         return self.hf_config.get(key) if isinstance(self.hf_config, dict) else getattr(self.hf_config, key, None)
 
-    def _model(self) -> torch.nn.Module:
+    def _model(self) -> DecoderForCausalLM:
         if self.model is None:
             raise RuntimeError("ModelRunner: load_model() must run first")
         return self.model
@@ -289,7 +281,7 @@ class ModelRunner:
             if previous is not None:
                 return self._complete(previous)
             return None if self.lag_outputs or self.rank != 0 else ModelRunnerOutput([], [], step_id=so.step_id)
-        step = self._launch(so, self._prepare(so))
+        step: SampledStep | None = self._launch(so, self._prepare(so))
         self._last = step
         if timer is not None:
             timer.mark("launched")
@@ -316,8 +308,8 @@ class ModelRunner:
         rows = staged.sample_rows
         # Sampling parameters of the sampling rows (their output position: what Philox is keyed by) and
         # the prompt positions whose logprobs this step scores.
-        staged.sampling = (self.sampling_inputs.build(batch, rows, staged.seq_lens[rows] - batch.num_prompt_tokens[rows])
-                           if len(rows) else None)
+        out_pos = staged.seq_lens[rows] - batch.num_prompt_tokens[rows]
+        staged.sampling = self.sampling_inputs.build(batch, rows, out_pos) if len(rows) else None
         staged.prompt_plan = prompt_plan(batch, num_reqs, computed, num_sched, np.cumsum(num_sched) - num_sched,
                                          self.logprobs.done)
         if self.device.type == "cuda":
@@ -387,7 +379,7 @@ class ModelRunner:
             for i, (row, token) in enumerate(zip(step.sample_rows.tolist(), sampled)):
                 state = step.states[row]
                 out_tokens[row] = [token]
-                if requests.get(state.req_id) is state:
+                if state.req_id in requests and requests[state.req_id] is state:  # not gone, id not reused
                     state.output_token_ids.append(token)
                     rows_now[i] = batch.req_id_to_index.get(state.req_id, -1)
             live = rows_now >= 0
