@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 from cluster.config import ConfigError, EngineConfig, load_config, resolved_max_model_len
 
@@ -27,7 +27,8 @@ EXIT_USAGE = 2           # a bad config, argument, input or output path, or a mo
 EXIT_LINE_ERRORS = 3     # the job finished, but some lines got error records (the count is on the last line)
 EXIT_INTERRUPTED = 130   # Ctrl-C
 
-EXIT_CODES = f"""exit codes: {EXIT_OK} every line answered; {EXIT_FAILED} the engine or cluster failed (rerun to resume);
+EXIT_CODES = f"""exit codes: {EXIT_OK} every line answered; {EXIT_FAILED} the engine or cluster failed \
+(rerun to resume);
 {EXIT_USAGE} bad config, arguments, input/output path or model path (checked before Ray starts);
 {EXIT_LINE_ERRORS} finished, some lines got error records; {EXIT_INTERRUPTED} interrupted (rerun to resume)"""
 
@@ -82,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config (default: the built-in defaults of actors/engine_config.py: CPU, tiny-random, TP=1)")
+    p.add_argument("--config", help="YAML config (default: the built-in defaults of actors/engine_config.py: "
+                                    "CPU, tiny-random, TP=1)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field, e.g. --set cache.block_size=32 (repeatable)")
 
@@ -175,7 +177,7 @@ def _warn_oversubscribed(config: EngineConfig) -> None:
 def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total: int | None) -> int:
     from cluster.engines import EngineFailure, EngineGroup
     from cluster.job import Job, format_summary, summarize, synthetic_items
-    from cluster.job_input import InputReader
+    from cluster.job_input import InputReader, Item
     from cluster.llm import load_client_model
     from kvcore.request import SamplingParams
 
@@ -183,6 +185,7 @@ def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total:
     engines = EngineGroup(config)
     try:
         info = engines.info
+        items: Iterable[Item]
         if shards:
             items = InputReader(shards, SamplingParams(max_tokens=args.max_tokens))
         else:

@@ -30,7 +30,7 @@ def plan(config: EngineConfig, nodes: list[dict[str, Any]]) -> tuple[list[list[s
                           f"{bundles_for(config)[0]} with {p.placement_strategy} do not fit what is left")
             out.append([None] * p.tensor_parallel_size)
         else:
-            out.append(got)
+            out.append(list(got))
     return out, why
 
 

@@ -133,8 +133,10 @@ class Job:
     def _submit(self, batch: list[Item]) -> None:
         if not batch:
             return
-        specs = []
+        specs: list[RequestSpec] = []
         for item in batch:
+            # A batch holds only items ready to submit: id, tokens and sampling set (see Item).
+            assert item.id is not None and item.prompt_token_ids is not None and item.sampling is not None
             self.stats.requests += 1
             self.live[item.id] = item
             _, subs = self.processor.add_request(item.id, item.prompt, item.prompt_token_ids, item.sampling)
@@ -180,6 +182,7 @@ class Job:
             self.out.write(data)
         s, t = self.stats, out.metrics
         s.completed += 1
+        assert item.id is not None and item.prompt_token_ids is not None  # it was submitted
         s.input_tokens += len(item.prompt_token_ids)
         s.output_tokens += tokens
         if t is not None and t.ttft_s is not None and len(s.ttft_s) < 100_000:  # bounded: a sample suffices

@@ -237,6 +237,7 @@ class InputReader:
             return
         if self.tokenizer is None:
             raise _LineError(f"{where}: text prompt, but the model has no tokenizer.json here")
+        assert item.prompt is not None  # the line parser demands exactly one of prompt, prompt_token_ids
         cap = self.limits.max_prompt_chars
         if cap is not None and len(item.prompt) > cap:
             raise _LineError(f"{where}: prompt has {len(item.prompt):,} characters, more than "

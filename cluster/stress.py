@@ -114,7 +114,7 @@ class StressDriver:
         n = len(workload)
         # Kill when a random share of the requests has ended: a random time while work is in flight.
         self.kill_at = sorted(int(self.rng.uniform(0.1, 0.7) * n) for _ in range(opts.kill_workers))
-        self.kills_on = Counter()
+        self.kills_on: Counter[int] = Counter()
         self.stall_s = max(120.0, 2 * config.parallel.step_timeout_s)
 
     def run(self) -> Observed:

@@ -47,7 +47,9 @@ def evaluate(workload: list[StressRequest], obs: Any, reference: dict[str, list[
              pools: list[dict[str, Any]], engine_stats: list[dict[str, Any]], kills_asked: int) -> dict[str, Any]:
     c = {"completed": 0, "aborted": 0, "lost": 0, "duplicated": obs.unknown_outputs, "mismatched": 0,
          "wrong_token_count": 0}
-    latencies, errors, output_tokens = [], [], 0
+    latencies: list[float] = []
+    errors: list[str] = []
+    output_tokens = 0
     for r in workload:
         o = obs.outcomes[r.request_id]
         ref = reference[r.request_id]
