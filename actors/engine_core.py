@@ -16,8 +16,8 @@ import logging
 import time
 from typing import Any, Iterable
 
-from actors.executor_base import Executor
 from actors.engine_config import EngineConfig
+from actors.executor_base import Executor
 from kvcore.async_scheduler import AsyncScheduler
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput

@@ -9,8 +9,17 @@ from typing import Any
 
 import torch
 
-from kvcore.spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec, as_full_attention,
-                         blocks_per_request, bytes_per_block, group_layers_by_spec, max_concurrency)
+from kvcore.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    as_full_attention,
+    blocks_per_request,
+    bytes_per_block,
+    group_layers_by_spec,
+    max_concurrency,
+)
 
 
 def layer_specs_from_hf_config(hf_config: dict[str, Any], dtype: torch.dtype, block_size: int,

@@ -14,9 +14,9 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from actors.engine_config import EngineConfig
 from actors.executor_base import Executor, WorkerFailure
 from actors.worker import Worker
-from actors.engine_config import EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 _SHUTDOWN = "__shutdown__"
@@ -33,7 +33,8 @@ def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: 
     """Child process loop: call the requested Worker method, send back ("ok", result) or ("err", tb)."""
     import torch
     torch.set_num_threads(num_threads)
-    worker = Worker(config, rank, world_size, init_method, device_index=rank if config.parallel.resolved_device() == "cuda" else None)
+    device_index = rank if config.parallel.resolved_device() == "cuda" else None
+    worker = Worker(config, rank, world_size, init_method, device_index=device_index)
     while True:
         try:
             method, args, kwargs = conn.recv()

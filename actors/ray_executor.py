@@ -19,9 +19,9 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
 from actors.executor_base import Executor
 from actors.transport import WorkerFailure, gather_ranks, make_transport
-from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from actors import parallel_state
+from actors.engine_config import EngineConfig
 from actors.model_runner import ModelRunner
 from actors.step_profiler import StepProfiler
-from actors.engine_config import EngineConfig
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
 

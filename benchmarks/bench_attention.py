@@ -24,8 +24,8 @@ if "--smoke" in sys.argv:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
-
 from common import record  # noqa: E402
+
 from kvcore.kernels.ops import paged_attention  # noqa: E402
 
 COPY_GBPS = 4277.0

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from common import record  # noqa: E402
+
 from kvcore.block_table import BlockTable, MultiGroupBlockTable  # noqa: E402
 from kvcore.kernels.slot_mapping import slot_mapping_ref  # noqa: E402
 

@@ -27,13 +27,14 @@ FAMILIES = ("qwen3-30b-a3b", "gemma-3-12b")
 
 def run_smoke(shape: str, model_dir: str) -> None:
     """The same engine path on the CPU: a tiny model of the family, a few short requests."""
-    from cluster import LLM, SamplingParams
     from bench_offline import make_workload
+
+    from cluster import LLM, SamplingParams
 
     prompts, out_lens = make_workload("sharegpt", 256)
     prompts = [p[:24] for p in prompts[:6]]
-    llm = LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=8,
-              enable_prefix_caching=False)
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=64,
+              max_num_seqs=8, enable_prefix_caching=False)
     try:
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, ignore_eos=True))

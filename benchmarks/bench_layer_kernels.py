@@ -24,13 +24,13 @@ if "--smoke" in sys.argv:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
+from common import SHAPES, record  # noqa: E402
 
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context  # noqa: E402
 from actors.layers.attention import Attention  # noqa: E402
 from actors.layers.rotary import RotaryEmbedding  # noqa: E402
 from actors.models.args import parse_args  # noqa: E402
 from actors.models.decoder import DecoderLayer, attention_layer_name  # noqa: E402
-from common import SHAPES, record  # noqa: E402
 
 SCRIPT = "bench_layer_kernels"
 TINY = {  # smoke-mode stand-ins of the two shapes

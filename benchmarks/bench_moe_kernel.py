@@ -78,10 +78,10 @@ def main() -> int:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    from common import record
 
     from actors.layers.kernels.fused_moe import fused_moe_triton
     from actors.layers.kernels.moe_reference import fused_moe_ref
-    from common import record
 
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16

@@ -170,7 +170,8 @@ def main() -> None:
     if "defaults" in results:
         d = results["defaults"]
         record("bench_offline", headline, d["tok_s"], "tok/s")
-        record("bench_offline", f"graph_step_share_{'qwen3' if tag == 'qwen3_0p6b' else tag}", d["graph_share"], "share")
+        share_tag = "qwen3" if tag == "qwen3_0p6b" else tag
+        record("bench_offline", f"graph_step_share_{share_tag}", d["graph_share"], "share")
         record("bench_offline", f"init_s_{tag}_in_bench", d["init_s"], "s")
         if "gpu_idle_frac" in d:
             record("bench_offline", "gpu_idle_frac_all_steps", d["gpu_idle_frac"], "share")
@@ -182,7 +183,8 @@ def main() -> None:
             print(f"kvray [defaults, logprobs={args.logprobs}]: {lp['tok_s']:.0f} tok/s "
                   f"({lp['tok_s'] / d['tok_s']:.3f} of without)", flush=True)
             record("bench_offline", f"offline_{tag}_logprobs{args.logprobs}_output_tok_s", lp["tok_s"], "tok/s")
-            record("bench_offline", f"offline_{tag}_logprobs{args.logprobs}_vs_none_ratio", lp["tok_s"] / d["tok_s"], "x")
+            record("bench_offline", f"offline_{tag}_logprobs{args.logprobs}_vs_none_ratio", lp["tok_s"] / d["tok_s"],
+                   "x")
         if args.kvray_run:
             job = run_job(model_dir, prompts, params, Path("/tmp/kvray-bench-run"))
             record("bench_offline", "kvray_run_vs_api_ratio", job / d["tok_s"], "x")

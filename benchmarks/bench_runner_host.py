@@ -27,13 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
+from common import record  # noqa: E402
 
 import kvcore.kernels.block_table_delta as delta_mod  # noqa: E402
 from actors.input_batch import InputBatch  # noqa: E402
 from actors.input_prep import InputStager  # noqa: E402
 from actors.model_runner import ModelRunner  # noqa: E402
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from common import record  # noqa: E402
 from kvcore import Request, SamplingParams  # noqa: E402
 from kvcore.block_table import MultiGroupBlockTable  # noqa: E402
 from kvcore.kv_cache_manager import KVCacheManager  # noqa: E402

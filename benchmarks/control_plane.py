@@ -21,14 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ray  # noqa: E402
+from common import record  # noqa: E402
 
 from actors.engine_core import EngineCore  # noqa: E402
 from actors.ray_executor import RayExecutor  # noqa: E402
 from cluster.config import EngineConfig  # noqa: E402
 from cluster.placement import create_placement_group, remove, start_local_ray  # noqa: E402
-from common import record  # noqa: E402
 from kvcore.request import Request, SamplingParams  # noqa: E402
-
 
 
 def measure(tp: int, transport: str, steps: int, num_reqs: int, device: str,

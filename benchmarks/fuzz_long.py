@@ -24,7 +24,6 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import record  # noqa: E402
 
-
 BAD_TEXT = ["\ud800", "a\udc80b", "\udfff\ud800", "\x00", "\u2028", "\ufeff", "\U0010ffff", "\x1b[2J"]
 EDGE = [0, 1, -1, 2**31 - 1, 2**31, 2**63, 2**64, 10**30, 1e-50, 1e300, float("inf"), float("nan"), 0.5, 2.0,
         True, None, "x", [], {}, [1, "a"]]

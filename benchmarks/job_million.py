@@ -32,7 +32,8 @@ def write_shards(d: str, lines: int, shards: int, seed: int) -> int:
         with open(os.path.join(d, f"part-{s:03d}.jsonl"), "w") as f:
             for i in range(s * per, min(lines, (s + 1) * per)):
                 ids = [rng.randrange(1, 250) for _ in range(rng.randint(2, 8))]
-                f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": 1, "ignore_eos": True}) + "\n")
+                rec = {"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": 1, "ignore_eos": True}
+                f.write(json.dumps(rec) + "\n")
             size += f.tell()
     return size
 
@@ -78,7 +79,8 @@ def main() -> None:
     print(json.dumps({
         "lines": a.lines, "shards": a.shards, "input_mib": round(in_bytes / 2**20, 1), "generate_s": round(gen_s, 1),
         "run_wall_s": first["wall_s"], "run_peak_rss_mib": first["peak_rss_mib_so_far"],
-        "completed": s1["completed"], "errors": s1["errors"], "requests_per_s": round(s1["completed"] / s1["wall_s"], 1),
+        "completed": s1["completed"], "errors": s1["errors"],
+        "requests_per_s": round(s1["completed"] / s1["wall_s"], 1),
         "output_lines": out_lines, "output_mib": round(out_bytes / 2**20, 1),
         "resume_wall_s": again["wall_s"], "resume_skipped": s2["skipped_already_done"],
         "peak_rss_mib_both_runs": again["peak_rss_mib_so_far"], "overrides": a.overrides,

@@ -10,11 +10,28 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from actors.engine_config import (ATTENTION_BACKENDS, DEFAULT_WORKER_CLS, DEVICES,  # noqa: F401
-                                  DIST_BACKENDS, DTYPES, FIELD_PATHS, SECTIONS, STRATEGIES, TRANSPORTS,
-                                  CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig,
-                                  RayConfig, SchedulerConfig, config_from_dict, override_fields,
-                                  resolved_max_model_len, validate_for_model)
+from actors.engine_config import (  # noqa: F401
+    ATTENTION_BACKENDS,
+    DEFAULT_WORKER_CLS,
+    DEVICES,
+    DIST_BACKENDS,
+    DTYPES,
+    FIELD_PATHS,
+    SECTIONS,
+    STRATEGIES,
+    TRANSPORTS,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    RayConfig,
+    SchedulerConfig,
+    config_from_dict,
+    override_fields,
+    resolved_max_model_len,
+    validate_for_model,
+)
 from cluster.config_yaml import MAX_BYTES, YamlLimitError, load_yaml
 
 

@@ -121,8 +121,7 @@ def make_chat_renderer(tokenizer: Any) -> Callable[[list[Any]], str] | None:
     it); None when this model has no template."""
     model_dir = getattr(tokenizer, "model_dir", None)
     try:
-        from cluster.chat import (ChatTemplateError, as_conversations, render_chat, resolve_chat_template,
-                                  special_tokens)
+        from cluster.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
     except ImportError:
         return None
     try:

@@ -3,7 +3,8 @@
 Prompts are tokenized here, on the client (chat messages rendered with the model's chat template first),
 and outputs are made here by the OutputProcessor (detokenization, stop strings, n samples, logprobs); the
 engines see token ids only. Outputs come back in input order. A bad prompt gets an output whose
-finish_reason is "error" (with the message in `.error`) while the others proceed; a replica that fails for good raises EngineFailure.
+finish_reason is "error" (with the message in `.error`) while the others proceed; a replica that fails
+for good raises EngineFailure.
 """
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from actors.messages import RequestSpec
 from cluster.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
-from cluster.config import (DEFAULT_WORKER_CLS, ConfigError, EngineConfig, apply_overrides, load_config,
-                            validate_for_model)
+from cluster.config import (
+    DEFAULT_WORKER_CLS,
+    ConfigError,
+    EngineConfig,
+    apply_overrides,
+    load_config,
+    validate_for_model,
+)
 from cluster.engines import EngineFailure, EngineGroup
 from cluster.logprobs import engine_computes_logprobs
 from cluster.output_processor import OutputProcessor

@@ -288,7 +288,8 @@ def _check_blocks(pool: BlockPool, expected_refs: Counter) -> None:
         assert block.in_free_queue == (want == 0), (
             f"block {block.block_id}: ref_cnt {want} but in_free_queue={block.in_free_queue}")
     queue = pool.free_block_queue.get_all_free_blocks()
-    assert len(queue) == pool.num_free_blocks, f"free queue walks {len(queue)} blocks, counter says {pool.num_free_blocks}"
+    assert len(queue) == pool.num_free_blocks, \
+        f"free queue walks {len(queue)} blocks, counter says {pool.num_free_blocks}"
     assert len({b.block_id for b in queue}) == len(queue), "a block appears twice in the free queue"
     prev = pool.free_block_queue._head
     seen_hashed = False

@@ -15,8 +15,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvcore.admission import AdmissionGate, RequestFit, check_positive_int
-from kvcore.messages import (BlockIds, CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
-                             NewRequestData, SchedulerOutput)
+from kvcore.messages import (
+    BlockIds,
+    CachedRequestData,
+    EngineCoreOutput,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from kvcore.request import Request, RequestStatus
 from kvcore.stopping import StopRule, append_until_stop, make_stop_rule, set_finished_status, stops_on
 

@@ -8,8 +8,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 from test_attention_kernels import SHAPES, assert_written_and_untouched, make_batch  # noqa: E402
+
 from kvcore.kernels.ops import paged_attention  # noqa: E402
 from kvcore.kernels.paged_attention import paged_attention_triton  # noqa: E402
 

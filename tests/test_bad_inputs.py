@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+from waits import within
 
 from actors.loader import resolve_model_dir
 from actors.messages import RequestSpec
@@ -20,7 +21,6 @@ from cluster.config import ConfigError, EngineConfig, load_config
 from cluster.job import Job, read_items
 from cluster.placement import PlacementError, start_local_ray
 from kvcore.request import RequestValidationError
-from waits import within
 
 MAX_MODEL_LEN = 64
 GOOD = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -125,7 +125,8 @@ LINE_CASES = {
                                   "line {n}: prompt_token_ids must be a list of integers"),
     "max_tokens_0": ('{"id": "m0", "prompt": "hi", "max_tokens": 0}', "SamplingParams.max_tokens=0: must be >= 1"),
     "max_tokens_float": ('{"id": "mf", "prompt": "hi", "max_tokens": 2.5}', "max_tokens=2.5: must be an integer"),
-    "negative_temperature": ('{"id": "nt", "prompt": "hi", "temperature": -1}', "temperature=-1: must be finite and >= 0"),
+    "negative_temperature": ('{"id": "nt", "prompt": "hi", "temperature": -1}',
+                             "temperature=-1: must be finite and >= 0"),
     "top_p_0": ('{"id": "tp", "prompt": "hi", "top_p": 0}', "SamplingParams.top_p=0: must be in (0, 1]"),
     "top_k_negative": ('{"id": "tk", "prompt": "hi", "top_k": -5}', "SamplingParams.top_k=-5: must be >= -1"),
     "top_k_past_int32": ('{"id": "k32", "prompt_token_ids": [1, 2], "temperature": 1, "top_k": 2147483648}',

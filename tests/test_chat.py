@@ -10,9 +10,15 @@ import pytest
 import transformers
 
 from actors.models.tiny_random import ensure_tiny_random
+from cluster.chat import (
+    ChatTemplateError,
+    as_conversations,
+    load_chat_template,
+    render_chat,
+    resolve_chat_template,
+    special_tokens,
+)
 from cluster.tokenizer import Tokenizer
-from cluster.chat import (ChatTemplateError, as_conversations, load_chat_template, render_chat,
-                          resolve_chat_template, special_tokens)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 QWEN = open(os.path.join(DATA, "qwen2_5_chat_template.jinja")).read()
@@ -66,8 +72,8 @@ def test_qwen_template_equals_hf(tmp_path, model_dir, conv, tools, add_generatio
 
 
 def test_llama3_template_sees_the_special_tokens_as_hf_does(tmp_path, model_dir) -> None:
-    path = model_with(tmp_path, model_dir, chat_template=LLAMA3, bos_token={"__type": "AddedToken", "content": "<|im_start|>",
-                                                                             "special": True})
+    bos = {"__type": "AddedToken", "content": "<|im_start|>", "special": True}
+    path = model_with(tmp_path, model_dir, chat_template=LLAMA3, bos_token=bos)
     ours = render_chat(MULTI, load_chat_template(path), tokens=special_tokens(path))
     assert ours.startswith("<|im_start|><|start_header_id|>system")
     assert ours == hf_render(path, MULTI, add_generation_prompt=True)

@@ -2,8 +2,15 @@
 overrides, YAML files, LLM-style keyword mapping, and the rules that need the model's config."""
 import pytest
 
-from cluster.config import (ConfigError, EngineConfig, apply_overrides, config_from_dict, load_config,
-                            parse_override, validate_for_model)
+from cluster.config import (
+    ConfigError,
+    EngineConfig,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    parse_override,
+    validate_for_model,
+)
 
 BAD = [
     ({"cach": {}}, "unknown section(s) ['cach']"),
@@ -42,7 +49,8 @@ BAD = [
      "scheduler.max_num_batched_tokens=32: must be >= scheduler.max_num_seqs (64)"),
     ({"scheduler": {"long_prefill_token_threshold": -1}}, "scheduler.long_prefill_token_threshold=-1"),
     ({"scheduler": {"admission_min_batch": 300}}, "scheduler.admission_min_batch=300: must be in [1, "),
-    ({"scheduler": {"admission_max_wait_steps": -2}}, "scheduler.admission_max_wait_steps=-2: must be in [0, 2147483647]"),
+    ({"scheduler": {"admission_max_wait_steps": -2}},
+     "scheduler.admission_max_wait_steps=-2: must be in [0, 2147483647]"),
     ({"ray": {"transport": "grpc"}}, "ray.transport='grpc': must be one of ['compiled_graph', 'actor_calls']"),
     ({"ray": {"namespace": " "}}, "ray.namespace=' ': must not be empty"),
     ({"ray": {"num_cpus": 0}}, "ray.num_cpus=0: must be in [1, 1048576], or null"),

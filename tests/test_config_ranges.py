@@ -24,7 +24,8 @@ from cluster.config import ConfigError, EngineConfig, config_from_dict, load_con
     ({"ray": {"num_cpus": 2**40}}, "ray.num_cpus=1099511627776: must be in [1, 1048576], or null"),
     ({"model": {"model": "a\udc80b"}}, "config: model.model: not valid Unicode (lone surrogate U+DC80 at index 1)"),
     ({"model": {"model": "m" * 5000}}, "model.model='mmmmmmmmmmmm"),
-    ({"model": {"model": ["x"] * 10**5}}, "model.model=['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', ...]: must be a string"),
+    ({"model": {"model": ["x"] * 10**5}},
+     "model.model=['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', ...]: must be a string"),
 ])
 def test_out_of_range_values_get_a_named_error(data, message):
     with pytest.raises(ConfigError) as e:

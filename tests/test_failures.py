@@ -10,13 +10,13 @@ import threading
 import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
+from waits import wait_until, within
 
 from actors.messages import RequestSpec
 from cluster import LLM, SamplingParams
 from cluster.config import EngineConfig
 from cluster.engines import EngineFailure, EngineGroup
 from cluster.placement import PlacementError, start_local_ray
-from waits import wait_until, within
 
 NOOP = "actors.noop_worker.NoopWorker"
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)

@@ -10,14 +10,24 @@ import math
 
 import pytest
 import ray
+from fuzz_strategies import input_lines, json_values, prompts, sampling_fields, texts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster import LLM, SamplingParams
 from cluster.placement import start_local_ray
-from fuzz_strategies import input_lines, json_values, prompts, sampling_fields, texts
-from kvcore.request import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_TEMPERATURE, MAX_TOKENS_LIMIT,
-                            RequestValidationError, check_request_id, check_text, check_token_ids, validate)
+from kvcore.request import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_LIMIT,
+    RequestValidationError,
+    check_request_id,
+    check_text,
+    check_token_ids,
+    validate,
+)
 
 FAST = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -17,9 +17,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import hf_models as H
 import pytest
 
-import hf_models as H
 from actors.engine_core import EngineCore
 from actors.local_executor import LocalExecutor
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig

@@ -5,9 +5,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import hf_models as H  # noqa: E402
 import torch  # noqa: E402
 
-import hf_models as H  # noqa: E402
 from actors.engine_core import EngineCore  # noqa: E402
 from actors.kv_memory import kv_cache_report  # noqa: E402
 from actors.local_executor import LocalExecutor  # noqa: E402

@@ -31,7 +31,8 @@ def run(tmp_path, inp, render_chat=render, out_name="out.jsonl"):
     engines = FakeEngines()
     reader = InputReader(resolve_shards(str(inp)), SP, render_chat=render_chat)
     stats = Job(EngineConfig(), engines, tok, str(out), progress=False).run(reader)
-    return stats, {r.get("custom_id", r.get("id")): r for r in map(json.loads, out.read_text().splitlines())}, tok, engines
+    records = {r.get("custom_id", r.get("id")): r for r in map(json.loads, out.read_text().splitlines())}
+    return stats, records, tok, engines
 
 
 def test_completions_and_chat_lines_get_openai_batch_output_lines(tmp_path):

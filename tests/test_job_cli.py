@@ -13,7 +13,8 @@ import time
 import pytest
 import ray
 
-from cluster.cli import EXIT_INTERRUPTED, EXIT_USAGE, main as kvray_main
+from cluster.cli import EXIT_INTERRUPTED, EXIT_USAGE
+from cluster.cli import main as kvray_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISE = ("Token authentication is enabled", "Tearing down compiled DAG", "Started a local Ray instance",

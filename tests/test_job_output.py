@@ -129,7 +129,8 @@ def test_resume_retries_failed_lines_and_keeps_their_earlier_error_records(tmp_p
     good = [json.dumps({"id": f"g{i}", "prompt_token_ids": [i + 1]}) for i in range(3)]
     inp.write_text("\n".join([*good, '{"id": "fixme", "prompt_token_ids": [5], "max_tokens": 0}']) + "\n")
     tok = load_client_model(EngineConfig())[0]
-    s1 = Job(EngineConfig(), FakeEngines(), tok, str(out), progress=False).run(InputReader(resolve_shards(str(inp)), SP))
+    s1 = Job(EngineConfig(), FakeEngines(), tok, str(out), progress=False).run(
+        InputReader(resolve_shards(str(inp)), SP))
     assert s1.completed == 3 and s1.errors == 1
     inp.write_text("\n".join([*good, '{"id": "fixme", "prompt_token_ids": [5], "max_tokens": 2}']) + "\n")
     engines = FakeEngines()

@@ -6,8 +6,8 @@ by its own process group, never by `ray stop`)."""
 import json
 import os
 import secrets
-import signal
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -74,7 +74,8 @@ def start_head(env, ray_tmp, attempts: int = 3):
         head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and head.poll() is None:
-            if os.path.exists(os.path.join(ray_tmp, "ray", "ray_current_cluster")) and dashboard_up(ports["dashboard-port"]):
+            cluster_file = os.path.join(ray_tmp, "ray", "ray_current_cluster")
+            if os.path.exists(cluster_file) and dashboard_up(ports["dashboard-port"]):
                 return head, ports["dashboard-port"]
             time.sleep(1)
         log.seek(0)

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from actors.layers.activation import SiluAndMul
-from actors.layers.norm import RMSNorm
-from actors.layers.rotary import RopeParams, RotaryEmbedding
 from actors.layers.kernels import layer_ops
 from actors.layers.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
+from actors.layers.norm import RMSNorm
+from actors.layers.rotary import RopeParams, RotaryEmbedding
 
 GEN = torch.Generator().manual_seed(0)
 EXACT_RATE = 0.999
@@ -235,9 +235,10 @@ def test_bad_inputs_name_the_argument() -> None:
 # A whole model: the tiny-random Qwen3 (q/k norm, hybrid sliding window) through a paged KV cache.
 
 def test_tiny_model_triton_layers_match_torch(tmp_path) -> None:
+    from test_model_forward import PagedDriver
+
     from actors.loader import load_model
     from actors.models.tiny_random import ensure_tiny_random
-    from test_model_forward import PagedDriver
 
     path = ensure_tiny_random(str(tmp_path))
     prompts = [[72, 101, 108, 108, 111, 32, 119, 111, 114], [84, 104, 101, 32, 99]]

@@ -18,8 +18,7 @@ from actors.forward_context import ForwardContext, set_forward_context
 from actors.layers.activation import SiluAndMul
 from actors.layers.attention import Attention
 from actors.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from actors.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                  RowParallelLinear)
+from actors.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from actors.layers.norm import RMSNorm
 from actors.layers.rotary import RotaryEmbedding, inverse_frequencies, rope_params_from_config
 from actors.layers.weight_utils import ShardShapeError

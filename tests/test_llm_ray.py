@@ -7,10 +7,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import hf_models as H
 import pytest
 import ray
 
-import hf_models as H
 from cluster import LLM, SamplingParams
 from cluster.placement import start_local_ray
 

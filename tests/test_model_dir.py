@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from actors.hf_config import ModelConfigError
 from actors.loader import load_model, read_hf_config, resolve_model_dir
 from actors.models.checkpoint import Checkpoint, CheckpointDtypeError, CorruptCheckpointError
-from cluster.tokenizer import Tokenizer
 from cluster import LLM
+from cluster.tokenizer import Tokenizer
 
 
 @pytest.fixture

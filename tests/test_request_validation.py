@@ -4,9 +4,20 @@ import math
 
 import pytest
 
-from kvcore.request import (GREEDY_TEMPERATURE, INT32_MAX, INT64_MAX, INT64_MIN, MAX_TEMPERATURE,
-                            MAX_TOKENS_LIMIT, RequestValidationError, SamplingParams, check_request_id,
-                            check_text, check_token_ids, validate)
+from kvcore.request import (
+    GREEDY_TEMPERATURE,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_LIMIT,
+    RequestValidationError,
+    SamplingParams,
+    check_request_id,
+    check_text,
+    check_token_ids,
+    validate,
+)
 
 
 @pytest.mark.parametrize("fields", [

@@ -11,10 +11,8 @@ import torch  # noqa: E402
 
 import kvcore.kernels.block_table_delta as delta_mod  # noqa: E402
 from kvcore.block_table import BlockTable, MultiGroupBlockTable  # noqa: E402
-from kvcore.kernels.block_table_delta import (  # noqa: E402
-    apply_block_table_delta, apply_block_table_delta_ref)
-from kvcore.kernels.slot_mapping import (  # noqa: E402
-    TOKEN_TILE, SlotMappingLaunch, slot_mapping_ref, triton_runs_on)
+from kvcore.kernels.block_table_delta import apply_block_table_delta, apply_block_table_delta_ref  # noqa: E402
+from kvcore.kernels.slot_mapping import TOKEN_TILE, SlotMappingLaunch, slot_mapping_ref, triton_runs_on  # noqa: E402
 
 CPU = torch.device("cpu")
 

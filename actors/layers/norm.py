@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from actors.layers.weight_utils import default_weight_loader, new_param
 from actors.layers.kernels import layer_ops
+from actors.layers.weight_utils import default_weight_loader, new_param
 from kvcore.kernels import check_backend
 
 

@@ -8,6 +8,7 @@ gate_up_proj, so checkpoint names map onto them mechanically.
 from __future__ import annotations
 
 import os
+
 import torch
 from safetensors import SafetensorError
 from torch import nn
@@ -20,8 +21,7 @@ from actors.layers.norm import GemmaRMSNorm, RMSNorm
 from actors.layers.rotary import RotaryEmbedding
 from actors.layers.weight_utils import ShardShapeError
 from actors.models.args import ModelArgs
-from actors.models.checkpoint import (Checkpoint, CorruptCheckpointError, TensorShapeError,
-                                      UnexpectedTensorError)
+from actors.models.checkpoint import Checkpoint, CorruptCheckpointError, TensorShapeError, UnexpectedTensorError
 
 # (fused parameter, checkpoint sub-module, shard id)
 STACKED_PARAMS = (
@@ -120,8 +120,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype)
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope, backend)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, dtype, backend, self.make_mlp(args, i, dtype, backend))
-                                    for i in range(args.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, rotary, dtype, backend, self.make_mlp(args, i, dtype, backend))
+            for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
 
     def make_mlp(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype, backend: str) -> nn.Module:
