@@ -6,7 +6,7 @@ request per step, and slotted instances are cheaper to create and to pickle.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -137,3 +137,13 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     logprobs: Logprobs | None = None         # one row per new token, when SamplingParams.logprobs is set
     prompt_logprobs: Logprobs | None = None  # with the first token, when SamplingParams.prompt_logprobs is set
+
+
+# The scheduler's _apply_sampled builds the EngineCoreOutput of an unfinished request by filling a bare
+# instance (one per running request per step, so the __init__ call is worth skipping); it sets exactly
+# these fields, so a new field must be added there too.
+ENGINE_CORE_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finished", "finish_reason", "stop_reason", "error",
+                             "num_cached_tokens", "logprobs", "prompt_logprobs")
+if tuple(f.name for f in fields(EngineCoreOutput)) != ENGINE_CORE_OUTPUT_FIELDS:
+    raise RuntimeError("kvcore.messages: EngineCoreOutput's fields changed; update Scheduler._apply_sampled, "
+                       f"which fills {ENGINE_CORE_OUTPUT_FIELDS} by hand")

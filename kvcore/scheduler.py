@@ -9,31 +9,22 @@ requests the workers already know. The scheduler never touches a tensor.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from kvcore.admission import AdmissionGate, RequestFit, check_positive_int
+from kvcore.logprob_outputs import attach_logprobs
 from kvcore.messages import (
     BlockIds,
     CachedRequestData,
     EngineCoreOutput,
-    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from kvcore.request import Request, RequestStatus
 from kvcore.stopping import StopRule, append_until_stop, make_stop_rule, set_finished_status, stops_on
-
-# _apply_sampled builds the EngineCoreOutput of an unfinished request by filling a bare instance (one
-# per running request per step, so the __init__ call is worth skipping); it sets exactly these fields.
-_UNFINISHED_FIELDS = ("request_id", "new_token_ids", "finished", "finish_reason", "stop_reason", "error",
-                      "num_cached_tokens", "logprobs", "prompt_logprobs")
-if tuple(f.name for f in dataclasses.fields(EngineCoreOutput)) != _UNFINISHED_FIELDS:
-    raise RuntimeError(f"kvcore.scheduler: EngineCoreOutput fields changed; update _apply_sampled, which "
-                       f"fills {_UNFINISHED_FIELDS} by hand")
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
@@ -306,7 +297,7 @@ class Scheduler:
         if model_runner_output is not None and scheduler_output.total_num_scheduled_tokens:
             self._apply_sampled(scheduler_output, model_runner_output, outputs, expected)
             if model_runner_output.logprobs or model_runner_output.prompt_logprobs:
-                _attach_logprobs(outputs, model_runner_output)
+                attach_logprobs(outputs, model_runner_output)
         if self.debug_invariants:
             self._check_invariants()
         return outputs
@@ -347,7 +338,7 @@ class Scheduler:
                 all_ids.append(tok)
                 if num_tokens + 1 < token_limit and (tok not in stops or num_tokens + 1 < rule[5]):
                     # = EngineCoreOutput(rid, token_ids, False, None, None, None, num_cached_tokens),
-                    # filled in place: half the cost of the dataclass __init__ call (see _UNFINISHED_FIELDS).
+                    # filled in place: half the cost of the dataclass __init__ (see messages.ENGINE_CORE_OUTPUT_FIELDS).
                     o = new_bare(EngineCoreOutput)
                     o.request_id, o.new_token_ids, o.finished, o.finish_reason = rid, token_ids, False, None
                     o.stop_reason = o.error = o.logprobs = o.prompt_logprobs = None
@@ -405,19 +396,3 @@ class Scheduler:
         # Only running requests may hold blocks; a row of any other request is a leak.
         self.kv_cache_manager.check_invariants(self.running)
 
-
-def _attach_logprobs(outputs: list[EngineCoreOutput], model_runner_output: ModelRunnerOutput) -> None:
-    """Hand each output the logprobs the runner computed for its request this step (the sampler's)."""
-    sampled = model_runner_output.logprobs or {}
-    prompt = model_runner_output.prompt_logprobs or {}
-    for o in outputs:
-        if o.new_token_ids:
-            lp = sampled.get(o.request_id)
-            if lp is not None:
-                o.logprobs = lp if len(lp) == len(o.new_token_ids) else _head(lp, len(o.new_token_ids))
-            o.prompt_logprobs = prompt.get(o.request_id, o.prompt_logprobs)
-
-
-def _head(lp: Logprobs, n: int) -> Logprobs:
-    """The rows of the tokens kept (a stop inside a multi-token step drops the rest)."""
-    return Logprobs(lp.token_ids[:n], lp.logprobs[:n], lp.ranks[:n])
