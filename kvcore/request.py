@@ -46,12 +46,16 @@ _REPR.maxstring = _REPR.maxother = 60
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
 
 
+_MAX_REPR_CHARS = 200  # nesting multiplies reprlib's per-level limits, so the whole is cut as well
+
+
 def short_repr(value: Any) -> str:
     """A bounded repr: an error message never carries a whole (possibly huge or nested) value."""
     try:
-        return _REPR.repr(value)
+        text = _REPR.repr(value)
     except Exception:  # noqa: BLE001 - a hostile __repr__ must not replace the real error
         return f"<{type(value).__name__}>"
+    return text if len(text) <= _MAX_REPR_CHARS else text[:_MAX_REPR_CHARS - 3] + "..."
 
 
 def _is_int(v: Any) -> bool:

@@ -16,6 +16,7 @@ from kvcore.request import (
     check_request_id,
     check_text,
     check_token_ids,
+    short_repr,
     validate,
 )
 
@@ -118,3 +119,11 @@ def test_request_ids(rid, rule):
 def test_good_request_ids():
     for rid in ["0", "req-1", "ü 中文 id", "x" * 512]:
         assert check_request_id(rid) is None
+
+
+def test_error_for_a_nested_value_stays_short():
+    # Found by tests/test_fuzz_inputs.py: reprlib bounds each level, so nesting multiplied the message.
+    value = {f"k{i}": {f"j{j}": ["\U000ef0b0" * 80, {"x": "\ud800" * 80}] for j in range(8)} for i in range(8)}
+    msg = check_request_id(value)
+    assert msg is not None and msg.startswith("request_id=") and len(msg) < 300
+    assert len(short_repr(value)) <= 200
