@@ -48,7 +48,10 @@ def connect(config: EngineConfig) -> bool:
         return False
     address = config.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
+        # A loopback address is a kvray-style local Ray: this process must take 127.0.0.1 for its own
+        # node address too, or it looks for a raylet on the machine's outward IP and never finds one.
+        with _loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext():
+            ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
         return False
     need = int(total_request(config).get("CPU", 0))
     existing = running_local_cluster()
@@ -115,6 +118,17 @@ def _loopback_node_ip() -> Iterator[None]:
             os.environ.pop(_LOCAL_ONLY_ENV, None)
         else:
             os.environ[_LOCAL_ONLY_ENV] = old_env
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", LOOPBACK, "::1")
+
+
+def local_address() -> str:
+    """The GCS address of the Ray this process started, as other processes here must dial it."""
+    gcs = ray.get_runtime_context().gcs_address
+    return f"{LOOPBACK}:{gcs.rsplit(':', 1)[1]}"
 
 
 def running_local_cluster() -> str | None:

@@ -18,7 +18,7 @@ import ray
 
 from cluster.engines import DRIVER_NAME_PREFIX
 from cluster.job import load_done
-from cluster.placement import start_local_ray
+from cluster.placement import local_address, start_local_ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 24
@@ -28,7 +28,7 @@ N = 24
 def ray_address():
     start_local_ray(num_cpus=4, namespace="kvray-test-resume", include_dashboard=False)
     try:
-        yield ray.get_runtime_context().gcs_address
+        yield local_address()
     finally:
         ray.shutdown()
 
