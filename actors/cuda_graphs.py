@@ -93,13 +93,14 @@ class Bucket:
 class BucketPlan:
     """Which buckets exist for a configuration, and which one a step pads to."""
 
-    def __init__(self, max_num_reqs: int, max_num_tokens: int, mode: str) -> None:
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, mode: str, max_graph_tokens: int | None = None) -> None:
         if mode not in GRAPH_MODES:
             raise ValueError(f"model.cudagraph_mode={mode!r}: must be one of {GRAPH_MODES}")
         self.mode = mode
         self.max_num_reqs = max_num_reqs
-        self.decode_sizes = capture_sizes(min(max_num_reqs, max_num_tokens)) if mode != "none" else []
-        self.token_sizes = token_sizes(max_num_tokens) if mode == "all" else []
+        graph_tokens = min(max_num_tokens, max_graph_tokens or max_num_tokens)
+        self.decode_sizes = capture_sizes(min(max_num_reqs, graph_tokens)) if mode != "none" else []
+        self.token_sizes = token_sizes(graph_tokens) if mode == "all" else []
 
     def buckets(self) -> list[Bucket]:
         decode = [Bucket(s, s, True) for s in self.decode_sizes]
@@ -117,7 +118,7 @@ class BucketPlan:
                 else "cudagraph_mode is none"
         t = bucket_for(num_tokens, self.token_sizes)
         if t is None:
-            return None, f"{num_tokens} tokens exceed every bucket"
+            return None, f"{num_tokens} tokens exceed every bucket (model.cudagraph_max_tokens)"
         return Bucket(t, min(self.max_num_reqs, t), False), ""
 
 

@@ -112,6 +112,10 @@ class ModelConfig(_Section):
     attention_backend: str = "auto"   # auto (triton on cuda, torch on cpu) | torch | triton
     enforce_eager: bool = False       # True disables CUDA graphs (cudagraph_mode none)
     cudagraph_mode: str = "all"       # all (every step replays a graph) | decode (decode steps only) | none
+    # Mixed steps with more tokens than this run eagerly at their exact size: their launches are a
+    # small share of their GPU time, and a bucket would pad them (vLLM's max_cudagraph_capture_size).
+    # None: graphs up to scheduler.max_num_batched_tokens.
+    cudagraph_max_tokens: int | None = None
 
     def _rules(self) -> None:
         self._check(self.model.strip() != "", "model", "must name an HF model directory or 'tiny-random'")
@@ -123,6 +127,8 @@ class ModelConfig(_Section):
                     f"must be one of {list(ATTENTION_BACKENDS)}")
         self._check(self.cudagraph_mode in CUDAGRAPH_MODES, "cudagraph_mode",
                     f"must be one of {list(CUDAGRAPH_MODES)}")
+        self._check(self.cudagraph_max_tokens is None or 1 <= self.cudagraph_max_tokens <= MAX_TOKENS,
+                    "cudagraph_max_tokens", f"must be in [1, {MAX_TOKENS}] (or null for every mixed step)")
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ class ModelRunner:
         # their pinned sources again.
         self._copies_done: torch.cuda.Event | None = None
         mode = "none" if config.model.enforce_eager else config.model.cudagraph_mode
-        self.plan = BucketPlan(self.max_num_reqs, self.max_num_tokens, mode)
+        self.plan = BucketPlan(self.max_num_reqs, self.max_num_tokens, mode, config.model.cudagraph_max_tokens)
         self.graphs: StepGraphs | None = None
         self.graph_stats = GraphStats()
         # Tests set this on the CPU to run the padded bucket inputs eagerly (what a replay computes).

@@ -12,6 +12,9 @@ Configs (--configs, each one LLM after the other on the same prompts):
   tuned     + async scheduling on, admission 32/32, prefix caching off, max_model_len 4096
   admit1    defaults admitting every request at once (admission_min_batch 1)
   eager     defaults with cudagraph_mode none        decode: defaults with cudagraph_mode decode
+  cap512, cap2048   defaults with mixed steps above 512 / 2048 tokens eager (model.cudagraph_max_tokens)
+  big, big_cap512   max_num_seqs 512, max_num_batched_tokens 16384 (vLLM's offline defaults on big GPUs)
+--idle times every step of every config with CUDA events and prints where the GPU time went.
 Records offline_<tag>_output_tok_s (defaults), offline_<tag>_<config>_tok_s, graph_step_share_<tag>,
 gpu_idle_frac_all_steps (defaults; CUDA events around every step's GPU work), defaults_vs_best_ratio.
 --kvray-run also runs `kvray run` on the same workload as JSON lines (kvray_run_vs_api_ratio).
@@ -44,6 +47,10 @@ CONFIGS = {
     "no_admission": dict(async_scheduling=True, enable_prefix_caching=False, max_model_len=4096),
     "decode": dict(cudagraph_mode="decode"),
     "eager": dict(cudagraph_mode="none"),
+    "cap512": dict(cudagraph_max_tokens=512),
+    "cap2048": dict(cudagraph_max_tokens=2048),
+    "big": dict(max_num_seqs=512, max_num_batched_tokens=16384),
+    "big_cap512": dict(max_num_seqs=512, max_num_batched_tokens=16384, cudagraph_max_tokens=512),
 }
 
 
@@ -109,12 +116,32 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
         gaps = [s["gap_ms"] for s in steps_timed if s["gap_ms"] is not None]
         busy = [s["busy_ms"] for s in steps_timed[1:]]
         res["gpu_idle_frac"] = sum(gaps) / max(sum(gaps) + sum(busy), 1e-9)
+        print_step_breakdown(steps_timed[1:])
     timed = [o.metrics for o in outs if o.metrics is not None and o.metrics.ttft_s is not None]
     if timed:
         res["ttft_p50_ms"] = statistics.median(m.ttft_s for m in timed) * 1e3
         res["tpot_p50_ms"] = statistics.median((m.e2e_s - m.ttft_s) / max(1, m.num_output_tokens - 1)
                                                for m in timed) * 1e3
     return res
+
+
+def print_step_breakdown(steps: list[dict]) -> None:
+    """GPU busy time by step kind: decode steps by batch size, mixed steps by token count."""
+    def row(label: str, sel: list[dict]) -> str:
+        ms = sum(s["busy_ms"] for s in sel)
+        toks = sum(s["num_tokens"] for s in sel)
+        return (f"  {label:<22} steps {len(sel):>5}  busy {ms / 1e3:7.2f} s  mean {ms / max(len(sel), 1):7.2f} ms"
+                f"  tokens {toks:>8}  {ms / max(toks, 1) * 1e3:7.1f} us/token")
+    decode = [s for s in steps if s["num_tokens"] == s["num_reqs"]]
+    mixed = [s for s in steps if s["num_tokens"] != s["num_reqs"]]
+    lines = ["GPU busy time by step kind:"]
+    for lo, hi in ((0, 16), (16, 64), (64, 128), (128, 256), (256, 1 << 30)):
+        lines.append(row(f"decode {lo + 1}-{hi if hi < 1 << 30 else 'up'} rows",
+                         [s for s in decode if lo < s["num_reqs"] <= hi]))
+    for lo, hi in ((0, 512), (512, 2048), (2048, 8192), (8192, 1 << 30)):
+        lines.append(row(f"mixed {lo + 1}-{hi if hi < 1 << 30 else 'up'} tok",
+                         [s for s in mixed if lo < s["num_tokens"] <= hi]))
+    print("\n".join(lines), flush=True)
 
 
 def run_job(model_dir: str, prompts, params, out_dir: Path) -> float:
@@ -141,7 +168,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=["nano", "small", "sharegpt"], default="nano")
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
     ap.add_argument("--configs", nargs="+", default=["defaults", "tuned"], choices=sorted(CONFIGS))
-    ap.add_argument("--idle", action="store_true", help="CUDA events around every step (gpu_idle_frac_all_steps)")
+    ap.add_argument("--idle", action="store_true",
+                    help="CUDA events around every step (gpu_idle_frac_all_steps, the busy-time breakdown)")
     ap.add_argument("--kvray-run", action="store_true", help="also `kvray run` on the workload")
     ap.add_argument("--temperature", type=float, help="override the workload's temperature (nano: 0.6, else 0)")
     ap.add_argument("--logprobs", type=int, metavar="K",
@@ -161,7 +189,7 @@ def main() -> None:
     results = {}
     for name in args.configs:
         a = argparse.Namespace(**{**vars(args), "profile": args.profile if name == "defaults" else None,
-                                  "idle": args.idle and name == "defaults"})
+                                  "idle": args.idle})
         res = run_kvray(model_dir, prompts, params, CONFIGS[name], a)
         results[name] = res
         print(f"kvray [{name}] {CONFIGS[name]}: " + ", ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
@@ -173,7 +201,7 @@ def main() -> None:
         share_tag = "qwen3" if tag == "qwen3_0p6b" else tag
         record("bench_offline", f"graph_step_share_{share_tag}", d["graph_share"], "share")
         record("bench_offline", f"init_s_{tag}_in_bench", d["init_s"], "s")
-        if "gpu_idle_frac" in d:
+        if "gpu_idle_frac" in d and args.idle:
             record("bench_offline", "gpu_idle_frac_all_steps", d["gpu_idle_frac"], "share")
         best = max(r["tok_s"] for r in results.values())
         record("bench_offline", f"defaults_vs_best_ratio_{tag}", d["tok_s"] / best, "x")

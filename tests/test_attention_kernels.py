@@ -14,8 +14,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from kvcore.kernels.attention_tiles import choose_num_splits  # noqa: E402
 from kvcore.kernels.ops import paged_attention, reshape_and_cache  # noqa: E402
-from kvcore.kernels.paged_attention import choose_num_splits, paged_attention_triton  # noqa: E402
+from kvcore.kernels.paged_attention import paged_attention_triton  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
 PAD_ROWS = 3  # rows of query/out beyond the batch's tokens, which must stay untouched
@@ -250,3 +251,38 @@ def test_bad_input_errors_name_the_field():
     kv = batch["key_cache"]
     with pytest.raises(ValueError, match="slot_mapping"):
         reshape_and_cache(kv[0, :2], kv[0, :2], kv, kv, torch.zeros(1, dtype=torch.int64))
+
+
+def test_tiles_too_big_for_shared_memory_fall_back_to_smaller_ones(monkeypatch):
+    """A device that cannot hold the first tile choice (head 256 in fp32 on the H200) gets smaller
+    KV tiles and fewer stages, with the same rows, and the result still equals the reference."""
+    import triton
+
+    from kvcore.kernels import paged_attention as pa
+    from kvcore.kernels.attention_tiles import shrink, small_tiles
+
+    t = small_tiles(2)
+    chain = [t]
+    while (t := shrink(t)) is not None:
+        chain.append(t)
+    assert [(x.block_n, x.num_stages) for x in chain] == [(128, 3), (64, 3), (32, 3), (16, 3), (16, 2), (16, 1)]
+    assert {x.block_m for x in chain} == {16}
+
+    launched, real = [], pa._launch_tiles
+
+    def limited(a, tiles, *rest):
+        launched.append(tiles)
+        if tiles.block_n > 32 or tiles.num_stages > 2:  # a device with less shared memory
+            raise triton.runtime.errors.OutOfResources(287296, 232448, "shared memory")
+        return real(a, tiles, *rest)
+
+    monkeypatch.setattr(pa, "_launch_tiles", limited)
+    monkeypatch.setattr(pa, "_FITTED", {})
+    batch = make_batch(*SHAPES["mixed"], 4, 2, 32, 8, torch.float32, seed=11)
+    ref = run_attention(batch, 0.2, None, "torch")
+    out = run_attention(batch, 0.2, None, "triton")
+    torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32], equal_nan=True)
+    assert all(x.block_n <= 32 and x.num_stages <= 2 for x in pa._FITTED.values()) and pa._FITTED
+    tried = len(launched)
+    run_attention(batch, 0.2, None, "triton")  # remembered: no failed try the second time
+    assert all(x.block_n <= 32 and x.num_stages <= 2 for x in launched[tried:])

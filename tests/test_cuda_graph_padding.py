@@ -61,6 +61,12 @@ def test_capture_sizes_and_buckets():
     bucket, reason = decode_only.select(5, 40, 36)
     assert bucket is None and "mixed" in reason
     assert BucketPlan(16, 256, "none").buckets() == []
+    # model.cudagraph_max_tokens: bigger mixed steps run eagerly at their exact size
+    capped = BucketPlan(16, 8192, "all", max_graph_tokens=512)
+    assert capped.token_sizes[-1] == 512 and capped.select(16, 512, 400)[0] == Bucket(512, 16, False)
+    bucket, reason = capped.select(16, 513, 400)
+    assert bucket is None and "model.cudagraph_max_tokens" in reason
+    assert BucketPlan(256, 8192, "all", max_graph_tokens=128).decode_sizes[-1] == 128
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,15 @@ Design
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kvcore.kernels.attention_tiles import _Tiles, choose_num_splits, large_tiles, num_sms, shrink, small_tiles
+
 _LOG2E = 1.4426950408889634
-# Below this many tokens per split, the reduce overhead outweighs the extra parallelism.
-_MIN_TOKENS_PER_SPLIT = 128
 
 
 @triton.jit
@@ -232,52 +230,28 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                      num_sms: int) -> int:
-    """Split the KV range only for decode batches whose (sequence x KV head) grid leaves SMs idle
-    (fewer programs than SMs), aiming at ~2 programs per SM, never below _MIN_TOKENS_PER_SPLIT
-    context tokens a split. Measured on the H200 (132 SMs): B=32 x 8 KV heads runs best unsplit,
-    B=8 with 4 splits, B=1 with 16-32."""
-    if max_query_len != 1:
-        return 1
-    programs = num_seqs * num_kv_heads
-    if programs >= num_sms:
-        return 1
-    splits = min(triton.cdiv(2 * num_sms, programs), max_seq_len // _MIN_TOKENS_PER_SPLIT)
-    return max(1, splits)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiles:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def small_tiles(group: int) -> _Tiles:
-    """Decodes and short chunks: the smallest MMA (16 rows) holding the GROUP heads of a token;
-    128-wide KV tiles keep enough bytes in flight for the bandwidth-bound case."""
-    return _Tiles(max(16, triton.next_power_of_2(group)), 128, 4, 3)
-
-
-def large_tiles(group: int, head_size: int) -> _Tiles:
-    """Prefill chunks: 128-row tiles keep Hopper's tensor cores busy; head sizes above 128 halve
-    the rows to keep the fp32 accumulator in registers."""
-    head_pad = max(16, triton.next_power_of_2(head_size))
-    block_m = max(128 if head_pad <= 128 else 64, triton.next_power_of_2(group))
-    return _Tiles(block_m, 64, 8 if block_m >= 128 else 4, 3)
+_FITTED: dict[tuple, _Tiles] = {}  # tiles too big for the device -> the smaller ones that fitted
 
 
 def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int,
             max_query_len: int) -> None:
+    """_launch_tiles with tiles the device holds: head 256 in fp32 (Gemma) needed 281 KiB of shared
+    memory on the H200 (227 there), so smaller tiles are tried once per shape and remembered.
+    Warm-up launches before any capture, so a CUDA graph never records a failed try."""
+    key = (tiles, a["head_pad"], a["query"].dtype, a["precision"])
+    tiles = _FITTED.get(key, tiles)
+    while True:
+        try:
+            return _launch_tiles(a, tiles, num_splits, q_filter, small_q, max_query_len)
+        except triton.runtime.errors.OutOfResources:
+            smaller = shrink(tiles)
+            if smaller is None:
+                raise
+            tiles = _FITTED[key] = smaller
+
+
+def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int,
+                  max_query_len: int) -> None:
     """One kernel launch over the batch. q_filter 1 serves only sequences with q_len <= small_q,
     2 only the others, 0 all of them."""
     query, key_cache, value_cache, out = a["query"], a["key_cache"], a["value_cache"], a["out"]
@@ -341,7 +315,7 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
     small_q = small.block_m // group
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, key_cache.shape[2], max_query_len, max_seq_len,
-                                       _num_sms(query.device))
+                                       num_sms(query.device))
     # Triton's CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): there the
     # operands are widened to fp32 first, after the same bf16 rounding of P as on the GPU.
     upcast = _interpreting() and query.dtype == torch.bfloat16

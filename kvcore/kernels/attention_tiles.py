@@ -1,0 +1,65 @@
+"""Launch heuristics of the paged attention kernel: tile shapes by query length, the split-KV count,
+and the smaller tiles to fall back to when a device's shared memory cannot hold the first choice."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+# Below this many tokens per split, the reduce overhead outweighs the extra parallelism.
+_MIN_TOKENS_PER_SPLIT = 128
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                      num_sms: int) -> int:
+    """Split the KV range only for decode batches whose (sequence x KV head) grid leaves SMs idle
+    (fewer programs than SMs), aiming at ~2 programs per SM, never below _MIN_TOKENS_PER_SPLIT
+    context tokens a split. Measured on the H200 (132 SMs): B=32 x 8 KV heads runs best unsplit,
+    B=8 with 4 splits, B=1 with 16-32."""
+    if max_query_len != 1:
+        return 1
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    splits = min(triton.cdiv(2 * num_sms, programs), max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    return max(1, splits)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def small_tiles(group: int) -> _Tiles:
+    """Decodes and short chunks: the smallest MMA (16 rows) holding the GROUP heads of a token;
+    128-wide KV tiles keep enough bytes in flight for the bandwidth-bound case."""
+    return _Tiles(max(16, triton.next_power_of_2(group)), 128, 4, 3)
+
+
+def large_tiles(group: int, head_size: int) -> _Tiles:
+    """Prefill chunks: 128-row tiles keep Hopper's tensor cores busy; head sizes above 128 halve
+    the rows to keep the fp32 accumulator in registers."""
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    block_m = max(128 if head_pad <= 128 else 64, triton.next_power_of_2(group))
+    return _Tiles(block_m, 64, 8 if block_m >= 128 else 4, 3)
+
+
+def shrink(tiles: _Tiles) -> _Tiles | None:
+    """Same rows (they route sequences to a launch), KV columns halved to 16, then fewer stages."""
+    if tiles.block_n > 16:
+        return dataclasses.replace(tiles, block_n=tiles.block_n // 2)
+    if tiles.num_stages > 1:
+        return dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
+    return None
