@@ -259,14 +259,18 @@ def test_tiles_too_big_for_shared_memory_fall_back_to_smaller_ones(monkeypatch):
     import triton
 
     from kvcore.kernels import paged_attention as pa
-    from kvcore.kernels.attention_tiles import shrink, small_tiles
+    from kvcore.kernels.attention_tiles import large_tiles, shrink, small_tiles
 
     t = small_tiles(2)
     chain = [t]
-    while (t := shrink(t)) is not None:
+    while (t := shrink(t, t.block_m)) is not None:
         chain.append(t)
     assert [(x.block_n, x.num_stages) for x in chain] == [(128, 3), (64, 3), (32, 3), (16, 3), (16, 2), (16, 1)]
     assert {x.block_m for x in chain} == {16}
+    big = large_tiles(2, 256)
+    while (smaller := shrink(big, 16)) is not None:
+        big = smaller
+    assert (big.block_m, big.block_n, big.num_stages) == (16, 16, 1)
 
     launched, real = [], pa._launch_tiles
 

@@ -56,10 +56,13 @@ def large_tiles(group: int, head_size: int) -> _Tiles:
     return _Tiles(block_m, 64, 8 if block_m >= 128 else 4, 3)
 
 
-def shrink(tiles: _Tiles) -> _Tiles | None:
-    """Same rows (they route sequences to a launch), KV columns halved to 16, then fewer stages."""
+def shrink(tiles: _Tiles, min_rows: int) -> _Tiles | None:
+    """KV columns halved to 16, then fewer stages, then rows halved down to min_rows (the small
+    launch keeps its rows: they decide which launch serves a sequence); None when nothing is left."""
     if tiles.block_n > 16:
         return dataclasses.replace(tiles, block_n=tiles.block_n // 2)
     if tiles.num_stages > 1:
         return dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
+    if tiles.block_m // 2 >= min_rows:
+        return dataclasses.replace(tiles, block_m=tiles.block_m // 2, num_warps=4)
     return None

@@ -244,7 +244,7 @@ def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int
         try:
             return _launch_tiles(a, tiles, num_splits, q_filter, small_q, max_query_len)
         except triton.runtime.errors.OutOfResources:
-            smaller = shrink(tiles)
+            smaller = shrink(tiles, tiles.block_m if q_filter != 2 else max(16, a["group"]))
             if smaller is None:
                 raise
             tiles = _FITTED[key] = smaller
