@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.driver import driver_actor_class
 from actors.messages import PollResult, RequestSpec, RequestTiming
@@ -48,6 +49,13 @@ class EngineOutput:
         return self.output.finished
 
 
+def driver_placement() -> NodeAffinitySchedulingStrategy:
+    """Driver actors live on the client's node (the head, under `ray job submit`): they hold no
+    resources, and a worker node that goes away must take only workers with it, never the scheduler
+    that knows what they were doing. Soft, so a client on a node that cannot host actors still runs."""
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+
+
 def unwrap(e: BaseException) -> BaseException:
     """The original exception behind a Ray task error (PlacementError, WorkerFailure, ...)."""
     cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
@@ -76,7 +84,8 @@ class EngineGroup:
         try:
             for i in range(n):
                 self.pgs.append(create_placement_group(config, name=f"kvray-{config.ray.namespace}-{tag}-r{i}"))
-            self.drivers = [cls.options(namespace=config.ray.namespace, name=f"{DRIVER_NAME_PREFIX}{tag}-r{i}")
+            self.drivers = [cls.options(namespace=config.ray.namespace, name=f"{DRIVER_NAME_PREFIX}{tag}-r{i}",
+                                        scheduling_strategy=driver_placement())
                             .remote(config, pg, i, worker_cls) for i, pg in enumerate(self.pgs)]
             self.infos = ray.get([d.start.remote() for d in self.drivers])
         except Exception as e:

@@ -103,7 +103,7 @@ def _local_gpus() -> int:
 def table(report: dict[str, Any]) -> str:
     """The report as a few readable lines."""
     nodes = report["cluster"]["nodes"]
-    rows = [("node", "ip", "alive", "CPUs", "GPUs", "memory GiB", "bundles")]
+    rows = [("node", "ip", "alive", "CPUs", "GPUs", "memory GiB", "labels", "bundles")]
     where: dict[str, list[str]] = {}
     for e, placed in enumerate(report["placement"]["engines_on"]):
         for rank, node in enumerate(placed):
@@ -112,8 +112,9 @@ def table(report: dict[str, Any]) -> str:
     for n in nodes:
         r = n["resources"]
         rows.append((n["node_id"][:12], str(n["node_ip"]), "yes" if n["alive"] else "no", f"{r.get('CPU', 0):g}",
-                     f"{r.get('GPU', 0):g}", f"{r.get('memory', 0) / GIB:.1f}", " ".join(where.get(n["node_id"], []))
-                     or "-"))
+                     f"{r.get('GPU', 0):g}", f"{r.get('memory', 0) / GIB:.1f}",
+                     ",".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items())) or "-",
+                     " ".join(where.get(n["node_id"], [])) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     p = report["placement"]

@@ -145,7 +145,9 @@ def running_local_cluster() -> str | None:
 def describe_cluster() -> dict[str, Any]:
     """What the cluster has: totals, what is free now, and the nodes."""
     nodes = [{"node_id": n.get("NodeID", ""), "node_ip": n.get("NodeManagerAddress"), "alive": n.get("Alive"),
-              "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")}}
+              "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")},
+              # The labels an operator gave the node (`ray start --labels`), not Ray's own ray.io/ ones.
+              "labels": {k: v for k, v in (n.get("Labels") or {}).items() if not k.startswith("ray.io/")}}
              for n in ray.nodes()]
     return {"cluster_resources": _plain(ray.cluster_resources()),
             "available_resources": _plain(ray.available_resources()), "nodes": nodes}

@@ -1,0 +1,92 @@
+"""A real multi-node Ray cluster on this machine for tests: `ray.cluster_utils.Cluster`, one raylet per
+node, each a separate Ray node with its own resources and labels, all on 127.0.0.1.
+
+Every node (and the GCS) listens on the loopback address only: the nodes are started inside the switch
+that keeps kvray's embedded Ray local (cluster/placement.py). The cluster records itself in a private
+Ray temp dir, never in /tmp/ray, so no other Ray user on the machine finds or joins it, and the test
+stops it with `Cluster.shutdown()` (its own processes only).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+import ray
+from ray.cluster_utils import Cluster
+
+from cluster.placement import LOOPBACK, _loopback_node_ip
+
+# Node death is noticed within about a second (Ray's default is 15 s): the failure tests wait for it.
+FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 300,
+                      "health_check_failure_threshold": 3}
+
+
+class LocalCluster:
+    """A head without CPUs (the client and the driver actors live there) and worker nodes."""
+
+    def __init__(self, tmp: str) -> None:
+        self.tmp = tmp
+        with _loopback_node_ip():
+            self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+                num_cpus=0, node_ip_address=LOOPBACK, temp_dir=tmp, include_dashboard=False,
+                _system_config=FAST_HEALTH_CHECKS))
+        self.nodes: dict[str, Any] = {}
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add(self, name: str, num_cpus: int = 1) -> Any:
+        """A worker node labelled kvray-node=<name>, with a custom resource of its name."""
+        with _loopback_node_ip():
+            node = self.cluster.add_node(num_cpus=num_cpus, node_ip_address=LOOPBACK, resources={name: 1.0},
+                                         labels={"kvray-node": name})
+        self.nodes[name] = node
+        return node
+
+    def remove(self, name: str) -> None:
+        """The node's raylet and every process on it killed at once, as a lost host."""
+        self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
+
+    def node_name(self, node_id: str) -> str:
+        """The name a node was added under, from its Ray node id."""
+        return next(name for name, n in self.nodes.items() if n.node_id == node_id)
+
+    def connect(self) -> None:
+        with _loopback_node_ip():
+            ray.init(address=self.address, namespace="kvray-test-multinode", log_to_driver=False)
+
+
+@contextlib.contextmanager
+def local_cluster(**nodes: int) -> Iterator[LocalCluster]:
+    """A connected LocalCluster with worker nodes {name: num_cpus}; shut down (and its temp dir removed)."""
+    tmp = tempfile.mkdtemp(prefix="kvn-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    os.makedirs(os.path.join(tmp, "ray"))
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp  # where Cluster records its address (ray_current_cluster)
+    c = None
+    try:
+        c = LocalCluster(tmp)
+        for name, cpus in nodes.items():
+            c.add(name, cpus)
+        c.connect()
+        yield c
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if c is not None:
+            c.cluster.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bundle_nodes(pg: Any) -> list[str]:
+    """The Ray node id of each bundle of a placement group, in bundle order."""
+    table = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    return [table[i] for i in sorted(table)]
