@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.messages import Logprobs
+from kvcore.messages import Logprobs, LogprobsBatch
 
 MAX_LOGPROBS = 20
 
@@ -30,14 +30,11 @@ class LogprobsTensors:
         return LogprobsTensors(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                                  for t in (self.token_ids, self.logprobs, self.ranks)))
 
-    def row(self, i: int, k: int) -> Logprobs:
-        """Row i trimmed to its request's k, as a message-ready array triple."""
-        return Logprobs(self.token_ids[i:i + 1, :1 + k].numpy().copy(),
-                        self.logprobs[i:i + 1, :1 + k].numpy().copy(), self.ranks[i:i + 1].numpy().copy())
-
-    def rows(self, start: int, stop: int, k: int) -> Logprobs:
-        return Logprobs(self.token_ids[start:stop, :1 + k].numpy().copy(),
-                        self.logprobs[start:stop, :1 + k].numpy().copy(), self.ranks[start:stop].numpy().copy())
+    def to_batch(self) -> LogprobsBatch:
+        """The host copies as the step's message rows: one numpy copy per field per step (the messages
+        of its requests are windows of it), owned by the batch (no view of a buffer the runner reuses)."""
+        return LogprobsBatch(self.token_ids.numpy().copy(), self.logprobs.numpy().copy(),
+                             self.ranks.numpy().copy())
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int) -> LogprobsTensors:

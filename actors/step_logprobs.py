@@ -98,19 +98,18 @@ class LogprobsCollector:
             return None, None
         sampled: dict[str, Logprobs] | None = None
         if lp.prompt is not None and lp.prompt_segments:
-            a = 0
+            batch, a = lp.prompt.to_batch(), 0
             for rid, n, k in lp.prompt_segments:
-                self.parts.setdefault(rid, []).append(lp.prompt.rows(a, a + n, k))
+                self.parts.setdefault(rid, []).append(Logprobs.window(batch, a, a + n, 1 + k))
                 a += n
         prompt: dict[str, Logprobs] | None = None
         rows = sample_rows.tolist()
         if lp.sample is not None:
             assert lp.sample_k is not None  # launch_copies sets both or neither
-            sampled = {}
-            for i, row in enumerate(rows):
-                k = int(lp.sample_k[i])
-                if k >= 0:
-                    sampled[req_ids[row]] = lp.sample.row(i, k)
+            batch, window = lp.sample.to_batch(), Logprobs.window
+            ks = lp.sample_k.tolist()
+            sampled = {req_ids[row]: window(batch, i, i + 1, 1 + k) for i, (row, k) in enumerate(zip(rows, ks))
+                       if k >= 0}
         if self.parts:
             for row in rows:
                 rid = req_ids[row]

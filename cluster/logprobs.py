@@ -1,7 +1,7 @@
 """Logprobs from the engine's arrays into vLLM's shape: per position {token_id: Logprob(logprob, rank,
 decoded_token)}.
 
-The engine output carries them as kvcore.messages.Logprobs (compact arrays, filled by the sampler on the
+The engine output carries them as kvcore.messages.Logprobs (windows of one step's arrays, filled by the sampler on the
 device): row j is one position; `token_ids[j, 0]` is the position's own token (the sampled one, or the
 prompt token) and `logprobs[j, 0]` its logprob, columns 1..k the top-k tokens best first, `ranks[j]`
 the own token's rank (1 = most likely). `EngineCoreOutput.logprobs` has one row per new token;
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.outputs import Logprob, PromptLogprobs, SampleLogprobs
-from kvcore.messages import EngineCoreOutput
+from kvcore.messages import EngineCoreOutput, Logprobs
 
 SAMPLE_FIELD = "logprobs"
 PROMPT_FIELD = "prompt_logprobs"
@@ -25,9 +25,26 @@ def engine_computes_logprobs() -> bool:
     return SAMPLE_FIELD in getattr(EngineCoreOutput, "__dataclass_fields__", {})
 
 
+class TokenDecoder(dict[int, str]):
+    """token id -> its text decoded alone, special tokens kept, as vLLM shows logprob tokens. A token's
+    text depends on its id only, so it is decoded once per id (at most the vocabulary) and shared by the
+    requests of an OutputProcessor: a step of 256 requests with logprobs=5 reads up to 1,536 of them, and
+    a hit is a plain dict lookup."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
 class LogprobsProcessor:
-    def __init__(self, tokenizer: Any, num_logprobs: int | None, num_prompt_logprobs: int | None) -> None:
-        self.tokenizer = tokenizer  # None: no decoded_token (detokenize=False or no tokenizer)
+    def __init__(self, tokenizer: Any, num_logprobs: int | None, num_prompt_logprobs: int | None,
+                 decoder: TokenDecoder | None = None) -> None:
+        # No tokenizer (detokenize=False, or none): no decoded_token.
+        self.decode: TokenDecoder | None = None if tokenizer is None else decoder or TokenDecoder(tokenizer)
         self.num_logprobs = num_logprobs
         self.num_prompt_logprobs = num_prompt_logprobs
         self.logprobs: SampleLogprobs | None = [] if num_logprobs is not None else None
@@ -52,25 +69,21 @@ class LogprobsProcessor:
                 assert self.num_prompt_logprobs is not None  # set together with prompt_logprobs
                 self.prompt_logprobs.extend(self._rows(lists, self.num_prompt_logprobs, "prompt_logprobs"))
 
-    def _rows(self, lists: Any, k: int, name: str) -> list[dict[int, Logprob]]:
+    def _rows(self, lists: Logprobs | None, k: int, name: str) -> list[dict[int, Logprob]]:
         if lists is None:
             raise ValueError(f"SamplingParams.{name} was set but the engine output carries no {name}")
-        return [self._position(ids, lps, rank, k) for ids, lps, rank in
-                zip(_rows_of(lists.token_ids), _rows_of(lists.logprobs), _rows_of(lists.ranks))]
+        position = self._position
+        return [position(ids, lps, rank, k) for ids, lps, rank in zip(*lists.row_lists())]
 
     def _position(self, token_ids: list[int], logprobs: list[float], rank: int, k: int) -> dict[int, Logprob]:
         # The chosen token first (its own rank), then ranks 1..k; a chosen token inside the top k appears
-        # once, as in vLLM.
-        ranks = [rank, *range(1, k + 1)]
+        # once, as in vLLM. The values are Python ints and floats already (LogprobsBatch.lists).
+        decode = self.decode
         out: dict[int, Logprob] = {}
-        for tid, lp, r in zip(token_ids[:k + 1], logprobs[:k + 1], ranks):
+        for tid, lp, r in zip(token_ids[:k + 1], logprobs[:k + 1], (rank, *range(1, k + 1))):
             if tid not in out:
-                out[int(tid)] = Logprob(float(lp), int(r), self._decode(tid))
+                out[tid] = Logprob(lp, r, None if decode is None else decode[tid])
         return out
-
-    def _decode(self, token_id: int) -> str | None:
-        # As vLLM: each token alone, special tokens kept.
-        return None if self.tokenizer is None else self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
     def truncate(self, num_tokens: int) -> None:
         """Drop the rows of tokens cut off by a stop string, and their share of the cumulative logprob."""
@@ -79,8 +92,3 @@ class LogprobsProcessor:
             for row in self.logprobs[num_tokens:]:
                 self.cumulative_logprob -= next(iter(row.values())).logprob
             del self.logprobs[num_tokens:]
-
-
-def _rows_of(a: Any) -> list[Any]:
-    """A numpy array's rows as plain Python values (one conversion per field, not per element)."""
-    return a.tolist() if hasattr(a, "tolist") else list(a)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.detokenizer import IncrementalDetokenizer, check_stop_strings
-from cluster.logprobs import LogprobsProcessor
+from cluster.logprobs import LogprobsProcessor, TokenDecoder
 from cluster.outputs import CompletionOutput, RequestOutput
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams
@@ -24,14 +24,15 @@ class RequestState:
     """One engine request (a child of a ParentRequest): its text, tokens, logprobs and stop state."""
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, decoder: TokenDecoder | None = None) -> None:
         self.request_id = request_id
         self.params = params
         self.completion = CompletionOutput(index, "", [])
         detok = params.detokenize and tokenizer is not None
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens) \
             if detok else None
-        self.logprobs = LogprobsProcessor(tokenizer if detok else None, params.logprobs, params.prompt_logprobs)
+        self.logprobs = LogprobsProcessor(tokenizer if detok else None, params.logprobs, params.prompt_logprobs,
+                                          decoder)
         self.error: str | None = None
         self.timing: Any = None
         self.num_cached_tokens = 0
@@ -120,6 +121,7 @@ def child_params(params: SamplingParams, k: int) -> SamplingParams:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.decoder = None if tokenizer is None else TokenDecoder(tokenizer)  # shared by every request
         self.states: dict[str, tuple[RequestState, ParentRequest]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -129,7 +131,7 @@ class OutputProcessor:
         subs = [(request_id, params)] if params.n == 1 else \
             [(f"{k}_{request_id}", child_params(params, k)) for k in range(params.n)]
         for k, (rid, sp) in enumerate(subs):
-            state = RequestState(rid, k, prompt_token_ids, sp, self.tokenizer)
+            state = RequestState(rid, k, prompt_token_ids, sp, self.tokenizer, self.decoder)
             parent.children.append(state)
             self.states[rid] = (state, parent)
         return parent, subs

@@ -1,7 +1,7 @@
 """Logprobs on the scheduler's outputs: each output gets the rows the runner computed for its request."""
 from __future__ import annotations
 
-from kvcore.messages import EngineCoreOutput, Logprobs, ModelRunnerOutput
+from kvcore.messages import EngineCoreOutput, ModelRunnerOutput
 
 
 def attach_logprobs(outputs: list[EngineCoreOutput], model_runner_output: ModelRunnerOutput) -> None:
@@ -12,10 +12,7 @@ def attach_logprobs(outputs: list[EngineCoreOutput], model_runner_output: ModelR
         if o.new_token_ids:
             lp = sampled.get(o.request_id)
             if lp is not None:
-                o.logprobs = lp if len(lp) == len(o.new_token_ids) else _head(lp, len(o.new_token_ids))
+                # a stop inside a multi-token step keeps only the rows of the tokens kept
+                o.logprobs = lp if len(lp) == len(o.new_token_ids) else lp.head(len(o.new_token_ids))
             o.prompt_logprobs = prompt.get(o.request_id, o.prompt_logprobs)
 
-
-def _head(lp: Logprobs, n: int) -> Logprobs:
-    """The rows of the tokens kept (a stop inside a multi-token step drops the rest)."""
-    return Logprobs(lp.token_ids[:n], lp.logprobs[:n], lp.ranks[:n])

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-import numpy as np
-
+from kvcore.logprob_rows import Logprobs, LogprobsBatch  # noqa: F401 - the messages' logprob rows
 from kvcore.request import SamplingParams
 
 BlockIds = tuple[list[int], ...]  # one list per KV-cache group
@@ -86,23 +85,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass(slots=True)
-class Logprobs:
-    """Log-probabilities of P consecutive positions of one request, as compact arrays.
-
-    Row j: token_ids[j, 0] is the position's own token (the sampled one, or the prompt token) and
-    logprobs[j, 0] its logprob; columns 1..k are the top-k tokens by logprob, best first; ranks[j] is
-    the own token's rank (1 = most likely). Logprobs are the raw model's float32 log_softmax.
-    """
-
-    token_ids: np.ndarray  # int32 [P, 1 + k]
-    logprobs: np.ndarray   # float32 [P, 1 + k]
-    ranks: np.ndarray      # int32 [P]
-
-    def __len__(self) -> int:
-        return int(self.ranks.shape[0])
 
 
 @dataclass(slots=True)
