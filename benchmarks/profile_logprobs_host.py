@@ -15,6 +15,7 @@ Each stage also runs with logprobs off (the base), so the table shows what logpr
 
   python benchmarks/profile_logprobs_host.py                 # 256 rows, 151936 vocab, k=5
   python benchmarks/profile_logprobs_host.py --profile client_process   # cProfile of one stage
+  python benchmarks/profile_logprobs_host.py --device-breakdown cuda      # the device stage's kernels, GPU
 """
 from __future__ import annotations
 
@@ -140,6 +141,38 @@ def profile_stage(step: Step, stage: str, steps: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def device_breakdown(rows: int, vocab: int, k: int, device: str, reps: int) -> None:
+    """compute_logprobs and its parts on `device` (ms per step; CUDA events on a GPU): what a fused kernel
+    could save. The logits are float32 with bf16 values, as the LM head makes them."""
+    dev = torch.device(device)
+    logits = (torch.randn(rows, vocab, device=dev) * 3).bfloat16().float()
+    tokens = torch.randint(0, vocab, (rows,), device=dev)
+    lp = logits.log_softmax(-1)
+    tok_lp = lp.gather(1, tokens.unsqueeze(1))
+    parts: dict[str, Callable[[], object]] = {
+        "compute_logprobs": lambda: compute_logprobs(logits, tokens, k),
+        "  log_softmax": lambda: logits.log_softmax(-1),
+        "  rank (lp >= tok).sum": lambda: (lp >= tok_lp).sum(-1),
+        f"  topk({k})": lambda: lp.topk(k, dim=-1),
+    }
+    for name, fn in parts.items():
+        fn()  # warm-up
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / reps
+        else:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            ms = (time.perf_counter() - t0) * 1e3 / reps
+        print(f"{name:24s} {ms:8.3f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=256)
@@ -148,7 +181,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device-steps", type=int, default=3, help="runs of the (slow on a CPU) device stage")
     ap.add_argument("--profile", choices=STAGES[1:], help="cProfile this stage instead of timing")
+    ap.add_argument("--device-breakdown", metavar="DEVICE", help="time the device stage's parts on DEVICE "
+                    "(cuda on the GPU) instead of the host stages")
     args = ap.parse_args()
+    if args.device_breakdown:
+        device_breakdown(args.rows, args.vocab, args.k, args.device_breakdown, args.steps)
+        return
 
     from bench_api_features import add_byte_tokenizer
 
