@@ -1,0 +1,230 @@
+"""A one-writer, N-reader ring buffer in shared memory, where every reader acknowledges what it read.
+
+Layout of the segment (int64 words first, then the slots):
+  word 0            closed flag (set by the owner at close: every waiter leaves with RingClosed)
+  word 1            write_seq: chunks published so far
+  words 2 .. 2+N-1  read_seq[r]: chunks reader r has copied out (its acknowledgement)
+  slots             n_slots x slot_bytes; a slot holds [nbytes int64][last int64][payload]
+
+Chunk s lives in slot s % n_slots. The writer publishes chunk s only when every reader has acknowledged
+chunk s - n_slots (s - min(read_seq) < n_slots), so a slot is never reused while any reader may still
+be reading it (nano-vllm's shm RPC has no such acknowledgement: nano-vllm#246). A reader acknowledges
+a chunk only after copying it out. A message larger than a slot goes out as consecutive chunks; the
+reader joins them. Unlike vLLM's MessageQueue (per-slot written/read flags, overflow to ZMQ), the state
+is one counter per party: each word has a single writer, so no atomics are needed beyond aligned 8-byte
+stores, and a fence (a lock round trip, as vLLM does) orders payload and counter.
+
+A reader that does not acknowledge within the writer's timeout (dead or stalled) is named in
+RingTimeout: the caller decides who is at fault. Waits spin (yielding the core) briefly, then sleep.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Callable
+from unittest.mock import patch
+
+_HEAD = struct.Struct("qq")  # a slot's nbytes, last
+_FENCE = threading.Lock()
+SPIN_S = 0.002       # spin (yielding) this long before sleeping: a step's next message comes sooner
+SLEEP_S = 50e-6      # then poll at this interval; an idle waiter costs almost no CPU
+IDLE_SLEEP_S = 1e-3  # after IDLE_AFTER_S of nothing
+IDLE_AFTER_S = 1.0
+
+
+def fence() -> None:
+    """A full memory barrier: a lock acquire/release is an atomic read-modify-write."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+class RingClosed(RuntimeError):
+    """The ring's owner closed it while this party waited."""
+
+
+class RingTimeout(TimeoutError):
+    """A wait ran past its timeout. For the writer, `readers` are those that had not acknowledged."""
+
+    def __init__(self, message: str, readers: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.readers = readers or []
+
+
+@dataclass(frozen=True)
+class RingHandle:
+    """What a process needs to attach to a ring (sent to the workers)."""
+
+    name: str
+    n_readers: int
+    n_slots: int
+    slot_bytes: int
+
+    @property
+    def size(self) -> int:
+        return 8 * (2 + self.n_readers) + self.n_slots * self.slot_bytes
+
+
+class Waiter:
+    """Spin, then sleep: low latency for a message that comes soon, little CPU for one that does not."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def pause(self) -> float:
+        """Wait a little; -> seconds since the wait began."""
+        waited = time.monotonic() - self.start
+        if waited < SPIN_S:
+            os.sched_yield()
+        else:
+            time.sleep(SLEEP_S if waited < IDLE_AFTER_S else IDLE_SLEEP_S)
+        return waited
+
+
+class ShmRing:
+    def __init__(self, handle: RingHandle, shm: shared_memory.SharedMemory, owner: bool) -> None:
+        if handle.slot_bytes <= _HEAD.size or handle.n_slots < 1 or handle.n_readers < 1:
+            raise ValueError(f"ShmRing: {handle} needs n_readers >= 1, n_slots >= 1, slot_bytes > {_HEAD.size}")
+        self.handle = handle
+        self._shm = shm
+        self._buf: memoryview = shm.buf  # type: ignore[assignment]  # None only after close
+        self._owner = owner
+        self._closed = False
+        n = handle.n_readers
+        self._words = self._buf[: 8 * (2 + n)].cast("q")
+        self._slots_at = 8 * (2 + n)
+        self._payload = handle.slot_bytes - _HEAD.size
+        self._broken: str | None = None
+
+    @classmethod
+    def create(cls, n_readers: int, n_slots: int = 8, slot_bytes: int = 1 << 18) -> ShmRing:
+        handle = RingHandle(f"kvray_{os.getpid()}_{os.urandom(6).hex()}", n_readers, n_slots, slot_bytes)
+        shm = shared_memory.SharedMemory(name=handle.name, create=True, size=handle.size)
+        return cls(handle, shm, owner=True)
+
+    @classmethod
+    def attach(cls, handle: RingHandle) -> ShmRing:
+        # Python < 3.13 registers an attached segment with the resource tracker, which would unlink it
+        # when this process exits (and a child shares its parent's tracker); the creator owns its lifetime.
+        with patch("multiprocessing.resource_tracker.register", lambda *args, **kwargs: None):
+            shm = shared_memory.SharedMemory(name=handle.name)
+        return cls(handle, shm, owner=False)
+
+    # ---- state ------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._words[0] != 0
+
+    def _check_open(self) -> None:
+        if self._words[0] != 0:
+            raise RingClosed(f"ring {self.handle.name} was closed")
+
+    def lagging_readers(self) -> list[int]:
+        """Readers that have not acknowledged every chunk written so far."""
+        w = self._words[1]
+        return [r for r in range(self.handle.n_readers) if self._words[2 + r] < w]
+
+    # ---- writer -----------------------------------------------------------------------------
+    def write(self, data: bytes | memoryview, timeout_s: float) -> None:
+        """Publish one message; waits (at most timeout_s in all) for slots every reader has released.
+
+        After a RingTimeout part of a message may be out: the ring refuses later writes."""
+        if self._broken is not None:
+            raise RingClosed(f"ring {self.handle.name} is unusable after an earlier timeout: {self._broken}")
+        view = memoryview(data).cast("B")
+        deadline = time.monotonic() + timeout_s
+        n, off = len(view), 0
+        while True:
+            part = min(self._payload, n - off)
+            self._put(view[off: off + part], off + part == n, deadline)
+            off += part
+            if off == n:
+                return
+
+    def _put(self, chunk: memoryview, last: bool, deadline: float) -> None:
+        words, n_slots = self._words, self.handle.n_slots
+        seq = words[1]
+        read = range(2, 2 + self.handle.n_readers)
+        waiter: Waiter | None = None
+        while seq - min(words[i] for i in read) >= n_slots:
+            self._check_open()
+            waiter = waiter or Waiter()
+            waiter.pause()
+            if time.monotonic() > deadline:
+                slow = [i - 2 for i in read if seq - words[i] >= n_slots]
+                self._broken = (f"reader(s) {slow} did not acknowledge chunk {seq - n_slots} of ring "
+                                f"{self.handle.name} in time")
+                raise RingTimeout(self._broken, slow)
+        at = self._slots_at + (seq % n_slots) * self.handle.slot_bytes
+        buf = self._buf
+        _HEAD.pack_into(buf, at, len(chunk), int(last))
+        buf[at + _HEAD.size: at + _HEAD.size + len(chunk)] = chunk
+        fence()  # the payload is visible before the counter that publishes it
+        words[1] = seq + 1
+
+    # ---- readers ----------------------------------------------------------------------------
+    def read(self, reader: int, timeout_s: float | None = None,
+             should_stop: Callable[[], bool] | None = None) -> bytes | None:
+        """The next message for `reader`, acknowledged; None if should_stop() turned true first.
+
+        Raises RingTimeout after timeout_s (None: wait for ever) and RingClosed once the owner closed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        parts: list[bytes] = []
+        while True:
+            if not self._wait_chunk(reader, deadline, should_stop):
+                return None
+            chunk, last = self._take(reader)
+            parts.append(chunk)
+            if last:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def try_read(self, reader: int, timeout_s: float) -> bytes | None:
+        """The next message if its first chunk is there now (else None at once); the rest of a multi-chunk
+        message is waited for, at most timeout_s."""
+        if self._words[1] <= self._words[2 + reader]:
+            self._check_open()
+            return None
+        return self.read(reader, timeout_s)
+
+    def _wait_chunk(self, reader: int, deadline: float | None, should_stop: Callable[[], bool] | None) -> bool:
+        words, mine = self._words, 2 + reader
+        waiter: Waiter | None = None
+        while words[1] <= words[mine]:
+            self._check_open()
+            if should_stop is not None and should_stop():
+                return False
+            waiter = waiter or Waiter()
+            waiter.pause()
+            if deadline is not None and time.monotonic() > deadline:
+                raise RingTimeout(f"reader {reader}: no message on ring {self.handle.name} in time")
+        return True
+
+    def _take(self, reader: int) -> tuple[bytes, bool]:
+        words, mine = self._words, 2 + reader
+        seq = words[mine]
+        fence()  # read the payload only after seeing the counter that published it
+        at = self._slots_at + (seq % self.handle.n_slots) * self.handle.slot_bytes
+        nbytes, last = _HEAD.unpack_from(self._buf, at)
+        chunk = bytes(self._buf[at + _HEAD.size: at + _HEAD.size + nbytes])
+        fence()  # the copy is complete before the acknowledgement frees the slot
+        words[mine] = seq + 1
+        return chunk, bool(last)
+
+    # ---- teardown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """The owner marks the ring closed (waiters leave) and unlinks it; a reader just detaches."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owner:
+            self._words[0] = 1
+        self._words.release()
+        self._shm.close()
+        if self._owner:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
