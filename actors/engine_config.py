@@ -27,7 +27,7 @@ DEVICES = ("auto", "cpu", "cuda")
 CUDAGRAPH_MODES = ("all", "decode", "none")
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
-TRANSPORTS = ("compiled_graph", "actor_calls")
+TRANSPORTS = ("compiled_graph", "actor_calls", "shm")
 # The worker actor class an engine starts unless told otherwise (tests pass actors.noop_worker.NoopWorker).
 DEFAULT_WORKER_CLS = "actors.worker.Worker"
 
@@ -234,7 +234,7 @@ class RayConfig(_Section):
     SECTION = "ray"
     address: str | None = None        # None = RAY_ADDRESS if set, else a local Ray
     namespace: str = "kvray"
-    transport: str = "compiled_graph"  # compiled_graph | actor_calls
+    transport: str = "compiled_graph"  # compiled_graph | actor_calls | shm
     num_cpus: int | None = None       # logical CPUs of an embedded local Ray (None = enough for the config)
     include_dashboard: bool = False   # embedded local Ray only
 

@@ -10,13 +10,14 @@ import time
 import torch
 
 from actors.engine_config import EngineConfig
+from actors.shm_worker import ShmLoopMixin
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 
 FAKE_TOKEN = 7
 
 
-class NoopWorker:
+class NoopWorker(ShmLoopMixin):
     def __init__(self, config: EngineConfig, rank: int, world_size: int, dist_init_method: str | None,
                  device_index: int | None = None) -> None:
         self.config = config
@@ -92,14 +93,18 @@ class NoopWorker:
 
     # ---- fault injection --------------------------------------------------------------------
     def inject_fault(self, kind: str, at_step: int) -> None:
-        """kind "hang" (sleep through the step) or "exit" (the process dies) at step `at_step`."""
-        if kind not in ("hang", "exit"):
-            raise ValueError(f"inject_fault: kind={kind!r} must be 'hang' or 'exit'")
+        """kind "hang" (sleep through the step) or "exit" (the process dies) at step `at_step`, or
+        "raise" (that one step raises ValueError on this rank alone; the others answer)."""
+        if kind not in ("hang", "exit", "raise"):
+            raise ValueError(f"inject_fault: kind={kind!r} must be 'hang', 'exit' or 'raise'")
         self.fault = (kind, at_step)
 
     def _maybe_fault(self) -> None:
         if self.fault is None or self.steps < self.fault[1]:
             return
+        if self.fault[0] == "raise":
+            self.fault = None
+            raise ValueError(f"injected fault: rank {self.rank} raises at step {self.steps}")
         if self.fault[0] == "exit":
             os._exit(1)
         time.sleep(3600)

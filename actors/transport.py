@@ -1,10 +1,11 @@
 """The control-plane broadcast: one SchedulerOutput to every tensor-parallel rank, rank 0's reply back.
 
-Two transports with one contract (`broadcast(so) -> rank 0's ModelRunnerOutput | None`, `close()`):
+Three transports with one contract (`broadcast(so) -> rank 0's ModelRunnerOutput | None`, `close()`):
 - CompiledGraphTransport: a Ray Compiled Graph (InputNode -> every worker's execute_model ->
   MultiOutputNode), compiled once; each step writes the message once to shared-memory channels, which
   skips the per-call task submission of plain actor calls (~0.2 ms vs ~1.3 ms a round trip).
 - ActorCallTransport: plain `.remote()` calls, the fallback.
+- ShmTransport (actors/shm_transport.py): a shared-memory ring on the driver's node, ZMQ across nodes.
 A dead worker or a step longer than `step_timeout_s` raises WorkerFailure naming the rank, within
 seconds; after a failure the transport stays broken (every later call raises the same error), since the
 surviving ranks may be stuck in a collective waiting for the lost one.
@@ -212,4 +213,8 @@ def make_transport(kind: str, workers: Sequence[Any], step_timeout_s: float) -> 
         return CompiledGraphTransport(workers, step_timeout_s)
     if kind == "actor_calls":
         return ActorCallTransport(workers, step_timeout_s)
-    raise ValueError(f"ray.transport={kind!r}: must be compiled_graph or actor_calls")
+    if kind == "shm":
+        from actors.shm_transport import ShmTransport  # it builds on this module
+
+        return ShmTransport(workers, step_timeout_s)
+    raise ValueError(f"ray.transport={kind!r}: must be compiled_graph, actor_calls or shm")

@@ -15,6 +15,7 @@ import torch
 from actors import parallel_state
 from actors.engine_config import EngineConfig
 from actors.model_runner import ModelRunner
+from actors.shm_worker import ShmLoopMixin
 from actors.step_profiler import StepProfiler
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
@@ -40,7 +41,7 @@ def select_backend(config: EngineConfig) -> str:
     return backend
 
 
-class Worker:
+class Worker(ShmLoopMixin):
     def __init__(self, config: EngineConfig, rank: int, world_size: int, dist_init_method: str | None,
                  device_index: int | None = None) -> None:
         if not 0 <= rank < world_size:
@@ -170,6 +171,7 @@ class Worker:
         return self.rank
 
     def shutdown(self) -> None:
+        self.stop_shm_loop()
         self.model_runner = None
         parallel_state.destroy_tensor_parallel()
         if self.device is not None and self.device.type == "cuda":

@@ -51,7 +51,7 @@ BAD = [
     ({"scheduler": {"admission_min_batch": 300}}, "scheduler.admission_min_batch=300: must be in [1, "),
     ({"scheduler": {"admission_max_wait_steps": -2}},
      "scheduler.admission_max_wait_steps=-2: must be in [0, 2147483647]"),
-    ({"ray": {"transport": "grpc"}}, "ray.transport='grpc': must be one of ['compiled_graph', 'actor_calls']"),
+    ({"ray": {"transport": "grpc"}}, "ray.transport='grpc': must be one of ['compiled_graph', 'actor_calls', 'shm']"),
     ({"ray": {"namespace": " "}}, "ray.namespace=' ': must not be empty"),
     ({"ray": {"num_cpus": 0}}, "ray.num_cpus=0: must be in [1, 1048576], or null"),
     ([1, 2], "the top level must be a mapping"),
