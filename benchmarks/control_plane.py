@@ -2,10 +2,11 @@
 reply + update_from_output, with a no-op model (actors/noop_worker.py) so only the control plane is timed.
 
 This process plays the driver: it reserves the placement group and runs EngineCore over a RayExecutor,
-exactly as the driver actor does. For TP = 1, 2, 4 and both transports (compiled graph, plain actor
-calls) it times `--steps` steps with `--num-reqs` requests decoding, and reports the median.
-Appends JSON lines to benchmarks/results/control_plane.jsonl; `control_plane_us_tp2` is the headline
-(TP=2, compiled graph).
+exactly as the driver actor does. For TP = 1, 2, 4 and every transport (shared-memory broadcast, compiled
+graph, plain actor calls), side by side in one run, it times `--steps` steps with `--num-reqs` requests
+decoding, and reports the median. Appends JSON lines to benchmarks/results/control_plane.jsonl:
+`control_plane_us_tp<N>_<transport>` for each, and `control_plane_us_tp<N>` (the headline at TP=2) for
+the default transport (ray.transport's default in actors/engine_config.py).
 
   python benchmarks/control_plane.py [--tp 1 2 4] [--steps 300] [--num-reqs 32] [--device cpu]
 """
@@ -66,7 +67,7 @@ def measure(tp: int, transport: str, steps: int, num_reqs: int, device: str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--transports", nargs="+", default=["compiled_graph", "actor_calls"])
+    ap.add_argument("--transports", nargs="+", default=["shm", "compiled_graph", "actor_calls"])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--num-reqs", type=int, default=32)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -92,9 +93,10 @@ def main() -> None:
         ray.shutdown()
     if args.no_write:
         return
+    default = EngineConfig().ray.transport
     for tp, transport, us in results:
         record("control_plane", f"control_plane_us_tp{tp}_{transport}", us, "us")
-        if transport == "compiled_graph" and tp in (2, 4):
+        if transport == default and tp in (2, 4):
             record("control_plane", f"control_plane_us_tp{tp}", us, "us")
 
 
