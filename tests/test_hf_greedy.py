@@ -1,11 +1,14 @@
 """End to end against HF transformers: EngineCore + LocalExecutor (Scheduler, KV-cache manager, workers,
 model runner, paged attention) must reproduce HF's greedy continuation token for token.
 
-Each family runs four scenarios: TP=1 and TP=2 (two processes, gloo), each under a roomy pool and
-under a tight pool with a small token budget, where chunked prefill, prefix-cache hits and preemption
-must all happen. Two sampling requests (one seeded, one unseeded with top-k/top-p) ride along; their
-tokens must be identical in all four scenarios: generators live with the request on every rank, not
-with the batch, the schedule or the rank count.
+Each family runs at TP=1 under a roomy pool and under a tight pool with a small token budget, where
+chunked prefill, prefix-cache hits and preemption must all happen; the families whose layers shard
+differently (dense with and without biases, sliding-window groups, Gemma, mixture of experts) run the
+roomy pool at TP=2 as well (two processes, gloo). The schedule does not depend on the rank count, so
+a tight pool at TP=2 would repeat TP=1's schedule (the suite has a time budget). Two sampling requests
+(one seeded, one unseeded with top-k/top-p) ride along; their tokens must be identical in every
+scenario: generators live with the request on every rank, not with the batch, the schedule or the
+rank count.
 
 Kernel paths: at TP=1 (this process, TRITON_INTERPRET=1) the slot mapping runs the Triton kernel through
 the interpreter; the TP=2 workers are spawned without the interpreter, so they take the plain-CPU path
@@ -31,6 +34,8 @@ BLOCK_SIZE = 8
 TIGHT_BLOCKS = {"llama": 40, "qwen2": 40, "qwen3": 40, "mistral": 36, "qwen3_hybrid": 52,
                 "gemma2": 52, "gemma3": 52, "qwen3_moe": 40, "mixtral": 40}
 TIGHT_TOKENS = 32
+TP2_FAMILIES = ("llama", "qwen2", "qwen3_hybrid", "gemma3", "qwen3_moe")
+assert set(TP2_FAMILIES) <= set(H.FAMILIES)
 SAMPLED = {
     "s-seeded": SamplingParams(temperature=0.9, max_tokens=NEW_TOKENS, ignore_eos=True, seed=1234),
     "s-unseeded": SamplingParams(temperature=1.3, top_k=20, top_p=0.9, max_tokens=NEW_TOKENS, ignore_eos=True),
@@ -109,7 +114,7 @@ def test_greedy_matches_hf(family, hf_reference):
     model_dir, expected = hf_reference(family)
     prompts = H.make_prompts()
     sampled: dict[str, dict[str, list[int]]] = {}
-    for tp in (1, 2):
+    for tp in (1, 2) if family in TP2_FAMILIES else (1,):
         base = engine_config(model_dir, tp)
         with plain_cpu_children(tp):
             executor = LocalExecutor(base)
@@ -120,7 +125,8 @@ def test_greedy_matches_hf(family, hf_reference):
             check_greedy(scenario, tokens, expected, prompts)
             assert roomy.stats()["prefix_cache_hits"] > 0, f"{scenario}: no prefix hit: {roomy.stats()}"
             sampled[scenario] = {r: tokens[r] for r in SAMPLED}
-
+            if tp > 1:
+                continue
             tight = EngineCore(tight_config(base, family), executor)
             scenario = f"{family} tp={tp} tight"
             tokens = run(tight, prompts)
