@@ -247,8 +247,31 @@ class RayConfig(_Section):
                     "must be in [1, 1048576], or null")
 
 
+@dataclass(frozen=True)
+class ServeConfig(_Section):
+    """`kvray serve` (cluster/serve/): what the OpenAI server admits and how it routes across replicas."""
+
+    SECTION = "serve"
+    # Requests a replica may hold beyond the scheduler.max_num_seqs it runs at once; past it on every
+    # replica, new requests get 503 with Retry-After (an n-sample request counts n).
+    max_queued_requests: int = 64
+    retry_after_s: int = 1
+    served_model_name: str | None = None  # the `model` clients name; null = model.model
+    prefix_affinity: bool = True          # route requests that share prompt blocks to the same replica
+    # Outstanding-request gap between the busiest and the idlest replica past which routing ignores
+    # prefix affinity and takes the least-loaded replica (Ray Serve LLM's imbalanced_threshold).
+    imbalance_threshold: int = 8
+
+    def _rules(self) -> None:
+        self._check(0 <= self.max_queued_requests <= MAX_TOKENS, "max_queued_requests", f"must be in [0, {MAX_TOKENS}]")
+        self._check(1 <= self.retry_after_s <= 3600, "retry_after_s", "must be in [1, 3600] seconds")
+        self._check(self.served_model_name is None or self.served_model_name.strip() != "", "served_model_name",
+                    "must be a non-empty name, or null (= model.model)")
+        self._check(0 <= self.imbalance_threshold <= INT32_MAX, "imbalance_threshold", f"must be in [0, {INT32_MAX}]")
+
+
 SECTIONS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig,
-                             "scheduler": SchedulerConfig, "ray": RayConfig}
+                             "scheduler": SchedulerConfig, "ray": RayConfig, "serve": ServeConfig}
 
 
 @dataclass(frozen=True)
@@ -258,6 +281,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():

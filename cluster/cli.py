@@ -4,9 +4,10 @@
   kvray [-v] info --config C [--set k=v ...] [--json]
   kvray [-v] stress --config C [--requests N] [--duration S] [--kill-workers K] [--abort-rate R] [--seed X]
                     [--report DIR]   (the last line printed is the JSON report; exit 1 when a check fails)
+  kvray [-v] serve --config C [--host 127.0.0.1] [--port 8000] [--set k=v ...]   (OpenAI-compatible, Ray Serve)
   kvray --version
 
-All three work unchanged under `ray job submit --working-dir . -- kvray ...` (RAY_ADDRESS is set there).
+All of them work unchanged under `ray job submit --working-dir . -- kvray ...` (RAY_ADDRESS is set there).
 """
 from __future__ import annotations
 
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--abort-rate", type=float, default=0.1, help="share of requests aborted mid-flight")
     st.add_argument("--seed", type=int, default=0, help="seed of the workload, aborts and kills")
     st.add_argument("--report", help="also write DIR/stress.png: latency CDF, KV usage, running requests")
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server (Ray Serve) over the engine replicas")
+    _common(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     return p
 
 
@@ -100,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         check_model(config)
         if args.command == "stress":
             return cmd_stress(config, args)
+        if args.command == "serve":
+            return cmd_serve(config, args)
         return cmd_run(config, args) if args.command == "run" else cmd_info(config, args)
     except (ConfigError, JobError) as e:
         return _fail(EXIT_USAGE, str(e))
@@ -264,6 +271,16 @@ def cmd_stress(config: EngineConfig, args: Any) -> int:
         print(f"kvray stress: FAILED checks: {', '.join(report['checks_failed'])}", file=sys.stderr)
     print(json.dumps(report), flush=True)
     return code
+
+
+def cmd_serve(config: EngineConfig, args: Any) -> int:
+    from cluster.serve.app import run_server
+
+    if not 0 < args.port < 65536:
+        return _fail(EXIT_USAGE, f"--port={args.port}: must be in [1, 65535]")
+    _warn_oversubscribed(config)
+    run_server(config, args.host, args.port)
+    return EXIT_OK
 
 
 def cmd_info(config: EngineConfig, args: Any) -> int:

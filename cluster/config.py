@@ -27,6 +27,7 @@ from actors.engine_config import (  # noqa: F401
     ParallelConfig,
     RayConfig,
     SchedulerConfig,
+    ServeConfig,
     config_from_dict,
     override_fields,
     resolved_max_model_len,

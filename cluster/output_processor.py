@@ -24,9 +24,10 @@ class RequestState:
     """One engine request (a child of a ParentRequest): its text, tokens, logprobs and stop state."""
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Any, decoder: TokenDecoder | None = None) -> None:
+                 tokenizer: Any, decoder: TokenDecoder | None = None, incremental: bool = False) -> None:
         self.request_id = request_id
         self.params = params
+        self.incremental = incremental  # text as tokens arrive (a stream), not only at the end
         self.completion = CompletionOutput(index, "", [])
         detok = params.detokenize and tokenizer is not None
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens) \
@@ -51,7 +52,7 @@ class RequestState:
             self.completion.token_ids.append(tok)
             if self.detokenizer is None or (skip_last and k == len(o.new_token_ids) - 1):
                 continue
-            if not self.params.stop:
+            if not self.params.stop and not self.incremental:
                 self.detokenizer.append(tok)  # decoded once, at the end
             elif self._check_stop(self.detokenizer.decode_next(tok)):
                 self.logprobs.truncate(len(self.completion.token_ids))
@@ -119,9 +120,10 @@ def child_params(params: SamplingParams, k: int) -> SamplingParams:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, incremental: bool = False) -> None:
         self.tokenizer = tokenizer
         self.decoder = None if tokenizer is None else TokenDecoder(tokenizer)  # shared by every request
+        self.incremental = incremental  # the server's streams: decode every token as it arrives
         self.states: dict[str, tuple[RequestState, ParentRequest]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -131,7 +133,7 @@ class OutputProcessor:
         subs = [(request_id, params)] if params.n == 1 else \
             [(f"{k}_{request_id}", child_params(params, k)) for k in range(params.n)]
         for k, (rid, sp) in enumerate(subs):
-            state = RequestState(rid, k, prompt_token_ids, sp, self.tokenizer, self.decoder)
+            state = RequestState(rid, k, prompt_token_ids, sp, self.tokenizer, self.decoder, self.incremental)
             parent.children.append(state)
             self.states[rid] = (state, parent)
         return parent, subs

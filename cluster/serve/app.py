@@ -1,0 +1,99 @@
+"""The Ray Serve application: build it, start it, stop it.
+
+  kvray serve --config C [--host 127.0.0.1] [--port 8000]        (cluster/cli.py -> run_server)
+  serve run cluster.serve.app:build_app config=configs/local.yaml [set=serve.max_queued_requests=8,...]
+  ray job submit --working-dir . -- kvray serve --config configs/gpu.yaml
+
+`kvray serve` without an address starts the same embedded, loopback-only local Ray as `kvray run`
+(cluster/placement.py); with RAY_ADDRESS (as under `ray job submit`) it joins that cluster.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+from cluster.config import DEFAULT_WORKER_CLS, EngineConfig, load_config
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "kvray"
+INGRESS_HEADROOM = 64  # /health, /metrics and refusals beyond the engine requests the replicas hold
+
+
+def deployment_options(config: EngineConfig) -> dict[str, Any]:
+    s, p = config.serve, config.parallel
+    per_replica = config.scheduler.max_num_seqs + s.max_queued_requests
+    # Serve's own limit must sit above ours, so that back-pressure is a 503 from the ingress (with
+    # Retry-After) and never a silent queue in Serve's proxy.
+    return {"name": "OpenAIServer", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0},
+            "max_ongoing_requests": p.data_parallel_size * per_replica + INGRESS_HEADROOM,
+            "graceful_shutdown_timeout_s": p.step_timeout_s + 30}
+
+
+def build(config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> Any:
+    """The application: one ingress deployment over the config's engine replicas."""
+    from ray import serve
+
+    from cluster.serve.ingress import OpenAIServer
+
+    deployment = serve.deployment(**deployment_options(config))(OpenAIServer)
+    return deployment.bind(config, worker_cls)
+
+
+def build_app(args: dict[str, str]) -> Any:
+    """The app builder for `serve run cluster.serve.app:build_app config=C [set=k=v,k=v]`."""
+    unknown = sorted(set(args) - {"config", "set"})
+    if unknown:
+        raise ValueError(f"build_app: unknown argument(s) {unknown}; it takes config=PATH and set=k=v,k=v")
+    overrides = [s for s in args.get("set", "").split(",") if s]
+    return build(load_config(args.get("config"), overrides))
+
+
+def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+                 worker_cls: str = DEFAULT_WORKER_CLS) -> bool:
+    """Connect to Ray (or start the embedded local one), start Serve's proxy on host:port and deploy the
+    app; returns once it is ready. -> whether this call started Ray (stop_server then stops it)."""
+    from ray import serve
+
+    from cluster.placement import connect
+
+    started = connect(config)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build(config, worker_cls), name=APP_NAME, route_prefix="/", blocking=False)
+    except BaseException:
+        stop_server(started)
+        raise
+    return started
+
+
+def stop_server(started_ray: bool) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    except Exception as e:  # noqa: BLE001 - Ray may be going down already
+        logger.debug("serve.shutdown: %s", e)
+    if started_ray and ray.is_initialized():
+        ray.shutdown()
+
+
+def run_server(config: EngineConfig, host: str, port: int) -> None:
+    """`kvray serve`: serve until Ctrl-C or SIGTERM, then take everything down."""
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    started = start_server(config, host, port)
+    try:
+        name = config.serve.served_model_name or config.model.model
+        print(f"kvray serve: {name!r} on {config.parallel.data_parallel_size} replica(s) at "
+              f"http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_server(started)

@@ -1,0 +1,198 @@
+"""The server's asyncio side of the engine replicas: EngineGroup's driver actors, driven without blocking.
+
+EngineGroup (cluster/engines.py) starts and stops the replicas, as for `kvray run`; this class talks
+to its drivers from the ingress's event loop. One poll task per replica awaits `get_outputs` (the
+driver answers as soon as a step produced something, so tokens stream step by step) and hands each
+output to the queue of the request that owns it. Submission picks a replica with the router, within
+each replica's bound (scheduler.max_num_seqs + serve.max_queued_requests outstanding engine requests);
+when none has room it raises Overloaded (503). An output that finishes a request frees its slot, so
+the count is what the engine still holds, aborts included (their echo is the finished output).
+
+A replica whose driver died, or that reports itself down (past its worker-restart budget), ends every
+request it held with an error output and takes no new ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from actors.messages import PollResult, RequestSpec, error_output
+from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
+from cluster.engines import EngineGroup
+from cluster.serve.router import PrefixAffinityRouter
+from kvcore.messages import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+POLL_TIMEOUT_S = 1.0
+
+
+class Overloaded(RuntimeError):
+    """No replica has room for the request now (back-pressure): answer 503 with Retry-After."""
+
+
+class Unavailable(RuntimeError):
+    """Every replica is down."""
+
+
+@dataclass
+class ReplicaBooks:
+    outstanding: int = 0
+    down: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finished: int = 0
+    rejected: int = 0
+    owned: set[str] = field(default_factory=set)
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> None:
+        self.group = EngineGroup(config, worker_cls=worker_cls)
+        self.config = self.group.config
+        n = len(self.group.drivers)
+        self.capacity = config.scheduler.max_num_seqs + config.serve.max_queued_requests
+        self.books = [ReplicaBooks() for _ in range(n)]
+        info = self.group.info
+        self.router = PrefixAffinityRouter(n, config.cache.block_size, int(info.get("num_blocks") or 1),
+                                           config.serve.imbalance_threshold, config.serve.prefix_affinity)
+        self.queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self.owner: dict[str, int] = {}
+        self.prompt_len: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.group.info
+
+    def _ensure_polling(self) -> None:
+        # Started from a request handler: the tasks must live on the loop the handlers run on.
+        if not self._tasks and not self._closed:
+            self._tasks = [asyncio.get_running_loop().create_task(self._poll(r)) for r in range(len(self.books))]
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def submit(self, specs: list[RequestSpec], queue: asyncio.Queue[EngineCoreOutput]
+                     ) -> tuple[int, dict[str, str]]:
+        """Send one prompt's engine requests (its n samples) to one replica, chosen by the router; their
+        outputs go to `queue`. -> (the replica, {request_id: why it was refused}); raises Overloaded /
+        Unavailable."""
+        self._ensure_polling()
+        if all(b.down for b in self.books):
+            raise Unavailable("every engine replica is down: " + "; ".join(str(b.down) for b in self.books))
+        need = len(specs)
+        eligible = [b.down is None and b.outstanding + need <= self.capacity for b in self.books]
+        r = self.router.choose(specs[0].prompt_token_ids, [b.outstanding for b in self.books], eligible)
+        if r is None:
+            for b in self.books:
+                b.rejected += 1
+            raise Overloaded(f"every engine replica holds its limit of {self.capacity} requests "
+                             f"(scheduler.max_num_seqs={self.config.scheduler.max_num_seqs} + "
+                             f"serve.max_queued_requests={self.config.serve.max_queued_requests})")
+        books = self.books[r]
+        for spec in specs:
+            self.queues[spec.request_id] = queue
+            self.owner[spec.request_id] = r
+            self.prompt_len[spec.request_id] = len(spec.prompt_token_ids)
+            books.owned.add(spec.request_id)
+        books.outstanding += need
+        self.router.record(r, specs[0].prompt_token_ids)
+        try:
+            errs = await self.group.drivers[r].add_requests.remote(specs)
+        except RayActorError as e:
+            self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
+            errs = [self.books[r].down] * len(specs)
+        refused = {s.request_id: e for s, e in zip(specs, errs) if e is not None}
+        for rid in refused:
+            self._release(rid)
+        return r, refused
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask each owner to abort (fire and forget: the driver drains aborts before its next step)."""
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            r = self.owner.get(rid)
+            if r is not None and self.books[r].down is None:
+                by_replica.setdefault(r, []).append(rid)
+        for r, ids in by_replica.items():
+            self.group.drivers[r].abort.remote(ids)
+
+    def close(self, request_ids: list[str]) -> None:
+        """The caller stopped reading these requests: outputs still to come are dropped."""
+        for rid in request_ids:
+            self.queues.pop(rid, None)
+
+    def _release(self, rid: str) -> None:
+        r = self.owner.pop(rid, None)
+        self.prompt_len.pop(rid, None)
+        if r is not None:
+            self.books[r].outstanding -= 1
+            self.books[r].owned.discard(rid)
+
+    # ---- outputs ----------------------------------------------------------------------------
+    async def _poll(self, r: int) -> None:
+        driver = self.group.drivers[r]
+        while not self._closed and self.books[r].down is None:
+            try:
+                res: PollResult = await driver.get_outputs.remote(POLL_TIMEOUT_S)
+            except RayActorError as e:
+                self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
+                return
+            except asyncio.CancelledError:
+                return
+            except Exception as e:  # noqa: BLE001 - never let the poll loop die silently
+                logger.exception("engine replica %d: get_outputs failed", r)
+                self._replica_down(r, f"engine replica {r}: get_outputs failed: {type(e).__name__}: {e}")
+                return
+            for o in res.outputs:
+                self._deliver(r, o)
+            if res.fatal is not None:
+                self._replica_down(r, res.fatal)
+
+    def _deliver(self, r: int, o: EngineCoreOutput) -> None:
+        rid = o.request_id
+        if o.finished:
+            books = self.books[r]
+            books.finished += 1
+            books.cached_tokens += o.num_cached_tokens
+            books.prompt_tokens += self.prompt_len.get(rid, 0)
+            self._release(rid)
+        q = self.queues.get(rid)
+        if q is not None:
+            q.put_nowait(o)
+
+    def _replica_down(self, r: int, why: str) -> None:
+        books = self.books[r]
+        if books.down is not None:
+            return
+        logger.error("engine replica %d is down: %s", r, why)
+        books.down = why
+        self.router.forget(r)
+        for rid in list(books.owned):
+            self._deliver(r, error_output(rid, why))
+
+    # ---- introspection and teardown ---------------------------------------------------------
+    async def engine_stats(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for r, d in enumerate(self.group.drivers):
+            if self.books[r].down is not None:
+                out.append({"replica": r, "fatal": self.books[r].down})
+                continue
+            try:
+                out.append(await asyncio.wait_for(d.stats.remote(), timeout=10.0))
+            except Exception as e:  # noqa: BLE001 - a stats call must not fail /metrics
+                out.append({"replica": r, "error": f"{type(e).__name__}: {e}"})
+        return out
+
+    def healthy(self) -> bool:
+        return any(b.down is None for b in self.books)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        self.group.shutdown()

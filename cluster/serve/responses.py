@@ -1,0 +1,94 @@
+"""OpenAI response bodies: completions and chat completions, whole or as server-sent-event chunks.
+
+Logprobs take OpenAI's shapes through the batch job's formatter (cluster/job_batch.py), so
+`kvray run` on an OpenAI batch file and the server answer alike.
+"""
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from cluster.job_batch import _logprobs as openai_logprobs
+from cluster.outputs import RequestOutput
+from cluster.serve.generation import ChoiceDelta
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(num_prompt: int, num_output: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+
+
+def _lp(token_ids: list[int], rows: Any, chat: bool) -> dict[str, Any] | None:
+    if rows is None:
+        return None
+    return openai_logprobs(SimpleNamespace(token_ids=token_ids, logprobs=rows), chat)
+
+
+def full_response(request_id: str, model: str, out: RequestOutput, chat: bool) -> dict[str, Any]:
+    choices = []
+    for c in out.outputs:
+        choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                  "logprobs": _lp(c.token_ids, c.logprobs, chat)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        choices.append(choice)
+    n_out = sum(len(c.token_ids) for c in out.outputs)
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(len(out.prompt_token_ids), n_out)}
+
+
+class ChunkWriter:
+    """The SSE chunks of one streamed request (OpenAI's chunk objects, in order)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, n: int, include_usage: bool) -> None:
+        self.request_id, self.model, self.chat = request_id, model, chat
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self._role_sent = [False] * n
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {"id": self.request_id,
+                               "object": "chat.completion.chunk" if self.chat else "text_completion",
+                               "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            obj["usage"] = None
+        return obj
+
+    def deltas(self, deltas: list[ChoiceDelta]) -> str | None:
+        """The chunk of one batch of deltas; None when none of them has anything to show."""
+        choices = []
+        for d in deltas:
+            if not d.text and d.finish_reason is None and d.logprobs is None and "role" not in self._pending(d):
+                continue  # tokens that complete no character yet: nothing to show
+            choice: dict[str, Any] = {"index": d.index, "logprobs": _lp(d.token_ids, d.logprobs, self.chat),
+                                      "finish_reason": d.finish_reason}
+            if self.chat:
+                delta: dict[str, Any] = {}
+                if not self._role_sent[d.index]:
+                    delta["role"] = "assistant"
+                    self._role_sent[d.index] = True
+                if d.text or "role" in delta:
+                    delta["content"] = d.text
+                choice["delta"] = delta
+            else:
+                choice["text"] = d.text
+                choice["stop_reason"] = d.stop_reason
+            choices.append(choice)
+        return sse(self._chunk(choices)) if choices else None
+
+    def _pending(self, d: ChoiceDelta) -> dict[str, Any]:
+        return {"role": True} if self.chat and not self._role_sent[d.index] else {}
+
+    def usage(self, num_prompt: int, num_output: int) -> str:
+        obj = self._chunk([])
+        obj["usage"] = usage(num_prompt, num_output)
+        return sse(obj)
