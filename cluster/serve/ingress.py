@@ -168,10 +168,11 @@ class OpenAIServer:
                 else 500
             return self._error(req.endpoint, APIError(status, msg))
         self.server_metrics.requests.labels(req.endpoint, "200").inc()
-        return JSONResponse(full_response(gen.request_id, self.model_name, out, req.chat))
+        return JSONResponse(full_response(gen.request_id, self.model_name, out, req.chat, req.return_token_ids))
 
     async def _stream(self, gen: Generation, req: ParsedRequest) -> AsyncIterator[str]:
-        writer = ChunkWriter(gen.request_id, self.model_name, req.chat, len(gen.specs), req.include_usage)
+        writer = ChunkWriter(gen.request_id, self.model_name, req.chat, len(gen.specs), req.include_usage,
+                             req.return_token_ids)
         try:
             async for deltas in gen.deltas():
                 failed = [d for d in deltas if d.error is not None]

@@ -18,7 +18,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _SAMPLING = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "stop",
              "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
              "include_stop_str_in_output", "skip_special_tokens")
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "user", "logprobs", *_SAMPLING}
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "user", "logprobs", "return_token_ids", *_SAMPLING}
 _KNOWN = {COMPLETIONS: _COMMON | {"prompt", "echo", "best_of", "logit_bias", "suffix"},
           CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "logit_bias", "tools",
                            "tool_choice", "response_format", "add_generation_prompt"}}
@@ -40,6 +40,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     add_generation_prompt: bool = True
+    return_token_ids: bool = False  # vLLM's extra: token ids in each choice (and every token streamed)
 
     @property
     def chat(self) -> bool:
@@ -75,11 +76,12 @@ def parse_request(endpoint: str, body: Any, defaults: SamplingParams) -> ParsedR
         raise bad_request(str(e)) from None
     except TypeError as e:  # a value of a type the comparisons in validate() cannot take
         raise bad_request(f"a sampling field has a wrong type: {e}") from None
-    agp = body.get("add_generation_prompt", True)
-    if not isinstance(agp, bool):
-        raise bad_request(f"body.add_generation_prompt={agp!r}: must be a bool")
+    agp, rti = body.get("add_generation_prompt", True), body.get("return_token_ids") or False
+    for name, v in (("add_generation_prompt", agp), ("return_token_ids", rti)):
+        if not isinstance(v, bool):
+            raise bad_request(f"body.{name}={v!r}: must be a bool")
     return ParsedRequest(endpoint, model, prompt, ids, messages, params, max_tokens is not None, stream,
-                         include_usage, agp)
+                         include_usage, agp, rti)
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:

@@ -31,11 +31,14 @@ def _lp(token_ids: list[int], rows: Any, chat: bool) -> dict[str, Any] | None:
     return openai_logprobs(SimpleNamespace(token_ids=token_ids, logprobs=rows), chat)
 
 
-def full_response(request_id: str, model: str, out: RequestOutput, chat: bool) -> dict[str, Any]:
+def full_response(request_id: str, model: str, out: RequestOutput, chat: bool,
+                  return_token_ids: bool = False) -> dict[str, Any]:
     choices = []
     for c in out.outputs:
         choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                   "logprobs": _lp(c.token_ids, c.logprobs, chat)}
+        if return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
@@ -49,9 +52,11 @@ def full_response(request_id: str, model: str, out: RequestOutput, chat: bool) -
 class ChunkWriter:
     """The SSE chunks of one streamed request (OpenAI's chunk objects, in order)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, n: int, include_usage: bool) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, n: int, include_usage: bool,
+                 return_token_ids: bool = False) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
+        self.return_token_ids = return_token_ids  # then every new token makes a chunk, text or not
         self.created = int(time.time())
         self._role_sent = [False] * n
 
@@ -67,7 +72,8 @@ class ChunkWriter:
         """The chunk of one batch of deltas; None when none of them has anything to show."""
         choices = []
         for d in deltas:
-            if not d.text and d.finish_reason is None and d.logprobs is None and "role" not in self._pending(d):
+            if not (d.text or d.finish_reason or d.logprobs or self._pending(d)
+                    or (self.return_token_ids and d.token_ids)):
                 continue  # tokens that complete no character yet: nothing to show
             choice: dict[str, Any] = {"index": d.index, "logprobs": _lp(d.token_ids, d.logprobs, self.chat),
                                       "finish_reason": d.finish_reason}
@@ -82,6 +88,8 @@ class ChunkWriter:
             else:
                 choice["text"] = d.text
                 choice["stop_reason"] = d.stop_reason
+            if self.return_token_ids:
+                choice["token_ids"] = d.token_ids
             choices.append(choice)
         return sse(self._chunk(choices)) if choices else None
 

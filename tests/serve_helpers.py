@@ -1,0 +1,70 @@
+"""Shared pieces of the `kvray serve` tests: the server fixture's config, driver handles, pool books."""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import ray
+
+from cluster.config import EngineConfig, load_config
+from cluster.engines import DRIVER_NAME_PREFIX
+from cluster.stress_report import leaked_blocks
+
+# Two replicas (routing, a kill on one while the other serves), a small bound per replica
+# (back-pressure), a restart budget (the kill), short contexts (fast steps on two cores).
+SERVE_OVERRIDES = {
+    "model.max_model_len": 256,
+    "parallel.data_parallel_size": 2,
+    "parallel.max_worker_restarts": 2,
+    "parallel.step_timeout_s": 60,
+    "scheduler.max_num_seqs": 6,
+    "scheduler.max_num_batched_tokens": 256,
+    "serve.max_queued_requests": 4,
+    "ray.include_dashboard": False,
+}
+
+
+def serve_config() -> EngineConfig:
+    return load_config("configs/local.yaml", SERVE_OVERRIDES)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def drivers() -> list[Any]:
+    """The live engine drivers of this (private) Ray, replica order."""
+    names = sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(DRIVER_NAME_PREFIX))
+    out = []
+    for name, ns in names:
+        try:
+            out.append(ray.get_actor(name, namespace=ns))
+        except ValueError:  # an LLM's driver, shut down a moment ago
+            continue
+    return out
+
+
+def pool_books() -> list[dict[str, Any]]:
+    return [ray.get(d.kv_pool_accounting.remote(), timeout=30) for d in drivers()]
+
+
+def wait_pool_whole(limit_s: float = 60.0) -> list[dict[str, Any]]:
+    """Every replica idle with no block held (or the limit passes: the caller's asserts then fail)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        books = pool_books()
+        if all(b.get("idle") and leaked_blocks(b) == 0 for b in books) or time.monotonic() > deadline:
+            return books
+        time.sleep(0.2)
+
+
+def percentiles(xs: list[float]) -> str:
+    if not xs:
+        return "n/a"
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return f"p50={pick(0.5) * 1e3:.1f}ms p99={pick(0.99) * 1e3:.1f}ms (n={len(s)})"
