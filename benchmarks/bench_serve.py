@@ -138,6 +138,49 @@ async def sweep(url: str, model: str, reqs: list[tuple[list[int], int]], rates: 
     return out
 
 
+def family_workload(n: int, vocab: int, max_total: int) -> list[tuple[list[int], int]]:
+    """The stress run's workload (cluster/stress_workload.py): 75% of prompts open with one of n/20
+    shared long prefixes (its families)."""
+    from cluster.stress_workload import WorkloadShape, make_workload
+
+    wl = make_workload(n, 0, WorkloadShape(vocab_size=vocab, max_total_tokens=max_total), abort_rate=0.0)
+    return [(r.prompt_token_ids, min(r.sampling.max_tokens, 4)) for r in wl]
+
+
+def cached_share(url: str) -> float:
+    """The server's share of prompt tokens that came from the prefix cache (GET /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("kvray_serve_prompt_cached_share "):
+                return float(line.split()[1])
+    raise RuntimeError("GET /metrics: no kvray_serve_prompt_cached_share")
+
+
+def families(config: Any, n: int, vocab: int, rate: float) -> dict[str, float]:
+    """The prefix-cache share that routing buys on the stress workload's families: two replicas,
+    prefix affinity on, then off, the same requests at the same Poisson rate."""
+    from cluster.serve.app import start_server, stop_server
+
+    reqs = family_workload(n, vocab, min(config.model.max_model_len or 512, 512))
+    out = {}
+    for affinity in (True, False):
+        c = config.replace(data_parallel_size=2, prefix_affinity=affinity)
+        port = free_port()
+        started = start_server(c, "127.0.0.1", port)
+        try:
+            res = asyncio.run(run_rate(f"http://127.0.0.1:{port}", c.model.model, reqs, rate, 0))
+            if res["failed"]:
+                raise SystemExit(f"bench_serve --families: {res['failed']} failed: {res.get('first_error')}")
+            out["on" if affinity else "off"] = cached_share(f"http://127.0.0.1:{port}")
+        finally:
+            stop_server(started)
+        print(f"prefix affinity {'on' if affinity else 'off'}: cached share of prompt tokens "
+              f"{out['on' if affinity else 'off']:.3f} ({format_row(res)})", flush=True)
+    return out
+
+
 def offline_tok_s(config: Any, reqs: list[tuple[list[int], int]]) -> float:
     from cluster import LLM, SamplingParams
 
@@ -179,6 +222,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0, help="0: a free port")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate run")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny-random, a few short requests; records nothing")
+    ap.add_argument("--families", action="store_true",
+                    help="instead of the sweep: the prefix-cache share with prefix affinity on vs off, two replicas, "
+                         "on the stress workload's prefix families")
+    ap.add_argument("--families-rate", type=float, default=8.0, help="request rate of --families (req/s)")
     args = ap.parse_args()
     from cluster.config import load_config
     from cluster.serve.app import start_server, stop_server
@@ -194,6 +241,16 @@ def main() -> None:
         vocab, n = SHAPES[args.shape]["vocab_size"], args.num_prompts
     # Saturation queues every request: the bound per replica must not refuse the benchmark's own burst.
     config = config.replace(max_queued_requests=max(config.serve.max_queued_requests, n))
+    if args.families:
+        shares = families(config, args.num_prompts if not args.smoke else 80, vocab, args.families_rate)
+        print(json.dumps({"families_cached_share": shares}), flush=True)
+        if not args.smoke:
+            from common import record
+
+            tag = TAGS[args.shape]
+            record("bench_serve", f"serve_{tag}_families_cached_share_affinity", shares["on"], "share")
+            record("bench_serve", f"serve_{tag}_families_cached_share_no_affinity", shares["off"], "share")
+        return
     reqs = sharegpt_like(n, vocab, 0, args.smoke)
     offline = None if args.no_offline else offline_tok_s(config, reqs)
     if offline is not None:

@@ -40,7 +40,13 @@ class ServerMetrics:
                                   "prompt tokens served from the prefix cache / prompt tokens (finished "
                                   "requests)", ["replica"], registry=r)
 
+        self.cached_share_all = Gauge("kvray_serve_prompt_cached_share",
+                                      "prompt tokens served from the prefix cache / prompt tokens, all replicas",
+                                      registry=r)
+
     def render(self, books: list[Any], engine_stats: list[dict[str, Any]]) -> bytes:
+        prompt = sum(b.prompt_tokens for b in books)
+        self.cached_share_all.set(sum(b.cached_tokens for b in books) / prompt if prompt else 0.0)
         for r, b in enumerate(books):
             label = str(r)
             self.outstanding.labels(label).set(b.outstanding)

@@ -41,7 +41,8 @@ class PrefixAffinityRouter:
         candidates = [r for r, ok in enumerate(eligible) if ok]
         if not candidates:
             return None
-        least = min(candidates, key=lambda r: (outstanding[r], len(self.seen[r]), r))
+        # Off: plain least outstanding, as EngineGroup.submit spreads `kvray run`'s requests.
+        least = min(candidates, key=lambda r: (outstanding[r], len(self.seen[r]) if self.prefix_affinity else 0, r))
         if not self.prefix_affinity or len(candidates) == 1:
             return least
         loads = [outstanding[r] for r in candidates]

@@ -1,0 +1,95 @@
+"""The server's pure parts, without Ray: request parsing (OpenAI fields -> SamplingParams, errors naming
+the field), the prefix-affinity router, and the error bodies."""
+import pytest
+
+from cluster.serve.errors import APIError, field_of
+from cluster.serve.protocol import CHAT, COMPLETIONS, parse_request
+from cluster.serve.router import PrefixAffinityRouter, block_hashes
+from kvcore.request import SamplingParams
+
+DEFAULTS = SamplingParams(temperature=1.0, max_tokens=16)
+
+
+def test_completion_fields_map_to_sampling_params():
+    r = parse_request(COMPLETIONS, {"model": "m", "prompt": ["Hi"], "max_tokens": 5, "n": 2, "seed": 3, "stop": "x",
+                                    "logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
+                                    "ignore_eos": True, "presence_penalty": 0.5}, DEFAULTS)
+    p = r.params
+    assert (r.prompt, r.stream, r.include_usage, r.max_tokens_given) == ("Hi", True, True, True)
+    assert (p.max_tokens, p.n, p.seed, p.stop, p.logprobs, p.ignore_eos, p.presence_penalty, p.temperature) == \
+        (5, 2, 3, ["x"], 2, True, 0.5, 1.0)
+    ids = parse_request(COMPLETIONS, {"prompt": [1, 2, 3]}, DEFAULTS)
+    assert ids.prompt_token_ids == [1, 2, 3] and ids.params.max_tokens == 16
+
+
+def test_chat_fields_map_to_sampling_params():
+    r = parse_request(CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 7,
+                             "logprobs": True, "top_logprobs": 3}, DEFAULTS)
+    assert r.chat and r.params.max_tokens == 7 and r.params.logprobs == 3 and r.messages[0]["content"] == "Hi"
+    assert parse_request(CHAT, {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True},
+                         DEFAULTS).params.logprobs == 0
+    assert not parse_request(CHAT, {"messages": [{"role": "user", "content": "x"}]}, DEFAULTS).max_tokens_given
+
+
+@pytest.mark.parametrize("endpoint,body,param,needle", [
+    (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p", "SamplingParams.top_p=0"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, "max_tokens", "SamplingParams.max_tokens=-1"),
+    (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
+    (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream", "must be a bool"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": True}, "logprobs", "integer in [0, 20]"),
+    (COMPLETIONS, {"prompt": "x", "echo": True}, "echo", "not supported"),
+    (COMPLETIONS, {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "best_of == n"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    (COMPLETIONS, {"prompt": "x", "bogus": 1}, "bogus", "unknown field"),
+    (COMPLETIONS, [1, 2], None, "JSON object"),
+    (CHAT, {"messages": []}, "messages", "non-empty list"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs", "must be a bool"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools"),
+])
+def test_bad_fields_are_400s_naming_the_field(endpoint, body, param, needle):
+    with pytest.raises(APIError) as e:
+        parse_request(endpoint, body, DEFAULTS)
+    err = e.value.body()["error"]
+    assert e.value.status == 400 and err["param"] == param and needle in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+
+
+def test_field_of_reads_the_field_from_validation_messages():
+    assert field_of("SamplingParams.temperature=-1: must be ...") == "temperature"
+    assert field_of("body.stream_options.include_usage=1: must be a bool") == "stream_options"
+    assert field_of("something else") is None
+    e = APIError(503, "full", code="overloaded", retry_after_s=2)
+    assert e.headers() == {"Retry-After": "2"} and e.body()["error"]["type"] == "service_unavailable_error"
+
+
+def test_block_hashes_chain_full_blocks_only():
+    a, b = block_hashes(list(range(40)), 16), block_hashes(list(range(32)) + [99] * 8, 16)
+    assert len(a) == 2 and a == b  # the partial third block does not count
+    assert block_hashes([5] + list(range(1, 32)), 16)[1] != a[1]  # block 2's hash covers block 1 too
+
+
+def test_router_prefers_the_replica_holding_the_prefix():
+    r = PrefixAffinityRouter(3, 4, max_blocks_per_replica=100, imbalance_threshold=4)
+    family = list(range(100, 116))
+    assert r.choose(family + [1], [0, 0, 0], [True] * 3) == 0  # nothing seen: least loaded, then lowest
+    r.record(2, family + [1, 2, 3, 4])
+    assert r.choose(family + [7, 8], [1, 0, 0], [True] * 3) == 2  # the prefix is there
+    assert r.choose(family + [7, 8], [0, 0, 3], [True] * 3) == 2  # within the imbalance threshold
+    assert r.choose(family + [7, 8], [0, 0, 5], [True] * 3) == 0  # imbalanced: least loaded wins
+    assert r.choose(family + [7, 8], [1, 0, 0], [True, True, False]) == 1  # full or down: never chosen
+    assert r.choose([9] * 16, [2, 1, 1], [True] * 3) == 1  # no match: least loaded, fewest blocks seen
+    assert r.choose(family, [0, 0, 0], [False] * 3) is None
+    off = PrefixAffinityRouter(3, 4, 100, 4, prefix_affinity=False)
+    off.record(2, family)
+    assert off.choose(family, [1, 0, 0], [True] * 3) == 1
+
+
+def test_router_forgets_past_the_pool_and_on_restart():
+    r = PrefixAffinityRouter(2, 4, max_blocks_per_replica=2, imbalance_threshold=8)
+    old, new = list(range(8)), list(range(50, 58))
+    r.record(1, old)
+    r.record(1, new)  # the pool holds two blocks: the old prompt's are gone
+    assert r.choose(old, [0, 0], [True, True]) == 0 and r.choose(new, [0, 0], [True, True]) == 1
+    r.forget(1)
+    assert r.choose(new, [0, 0], [True, True]) == 0
