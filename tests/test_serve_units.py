@@ -93,3 +93,27 @@ def test_router_forgets_past_the_pool_and_on_restart():
     assert r.choose(old, [0, 0], [True, True]) == 0 and r.choose(new, [0, 0], [True, True]) == 1
     r.forget(1)
     assert r.choose(new, [0, 0], [True, True]) == 0
+
+
+def test_kvray_serve_refuses_bad_arguments_before_ray_starts(capsys):
+    from cluster.cli import main
+
+    assert main(["serve", "--port", "0"]) == 2
+    assert "--port=0: must be in [1, 65535]" in capsys.readouterr().err
+    assert main(["serve", "--set", "serve.max_queued_requests=-1"]) == 2
+    assert "serve.max_queued_requests=-1" in capsys.readouterr().err
+
+
+def test_the_app_builder_for_serve_run():
+    from ray.serve import Application
+
+    from cluster.config import load_config
+    from cluster.serve.app import build_app, deployment_options
+
+    app = build_app({"config": "configs/local.yaml", "set": "serve.max_queued_requests=3,scheduler.max_num_seqs=5"})
+    assert isinstance(app, Application)
+    opts = deployment_options(load_config("configs/local.yaml", ["serve.max_queued_requests=3",
+                                                                 "scheduler.max_num_seqs=5"]))
+    assert opts["max_ongoing_requests"] > 5 + 3 and opts["num_replicas"] == 1  # Serve's bound above ours
+    with pytest.raises(ValueError, match="unknown argument"):
+        build_app({"confg": "configs/local.yaml"})

@@ -46,7 +46,6 @@ class ReplicaBooks:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finished: int = 0
-    rejected: int = 0
     owned: set[str] = field(default_factory=set)
 
 
@@ -88,8 +87,6 @@ class AsyncEngineClient:
         eligible = [b.down is None and b.outstanding + need <= self.capacity for b in self.books]
         r = self.router.choose(specs[0].prompt_token_ids, [b.outstanding for b in self.books], eligible)
         if r is None:
-            for b in self.books:
-                b.rejected += 1
             raise Overloaded(f"every engine replica holds its limit of {self.capacity} requests "
                              f"(scheduler.max_num_seqs={self.config.scheduler.max_num_seqs} + "
                              f"serve.max_queued_requests={self.config.serve.max_queued_requests})")
