@@ -142,6 +142,9 @@ class ParallelConfig(_Section):
     distributed_backend: str = "auto"  # auto (nccl on whole GPUs, gloo otherwise) | nccl | gloo
     placement_timeout_s: float = 60.0
     step_timeout_s: float = 120.0
+    # Bounds every tensor-parallel collective (gloo raises, NCCL's watchdog ends the process); null: half
+    # of step_timeout_s, so a rank stuck waiting for a failed peer reports before the driver gives up.
+    collective_timeout_s: float | None = None
     max_worker_restarts: int = 0
 
     def _rules(self) -> None:
@@ -160,7 +163,14 @@ class ParallelConfig(_Section):
                         "nccl refuses two ranks on one GPU; use gloo (or auto) when gpus_per_worker < 1")
         for name in ("placement_timeout_s", "step_timeout_s"):
             self._check(0 < getattr(self, name) <= MAX_TIMEOUT_S, name, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds")
+        self._check(self.collective_timeout_s is None or 0 < self.collective_timeout_s <= self.step_timeout_s,
+                    "collective_timeout_s", f"must be > 0 and <= parallel.step_timeout_s ({self.step_timeout_s:g}), "
+                                            "or null (half of it)")
         self._check(0 <= self.max_worker_restarts <= 1000, "max_worker_restarts", "must be in [0, 1000]")
+
+    @property
+    def resolved_collective_timeout_s(self) -> float:
+        return self.collective_timeout_s if self.collective_timeout_s is not None else self.step_timeout_s / 2
 
     def resolved_device(self) -> str:
         """cpu or cuda. "auto" is resolved here from this process's view (a worker asks on its own

@@ -11,7 +11,8 @@ Failures, as on the other transports: an answer that does not come within step_t
 does not acknowledge in time (stalled) and a rank whose process died all raise WorkerFailure naming the
 rank (diagnosed with Ray pings, which the actor's free main thread answers); while a step waits, a
 liveness check runs every LIVENESS_S so a death is reported in about that long, not at the timeout. A
-rank whose step raised gives StepError once every rank has answered. After a failure the transport stays
+rank whose step raised gives StepError once every rank has answered (WorkerFailure if a collective failed:
+actors.transport.step_failure). After a failure the transport stays
 broken, as the others do. SchedulerOutput is pickled with protocol 5 (its dataclasses use __slots__).
 """
 from __future__ import annotations
@@ -26,11 +27,10 @@ import zmq
 from ray.exceptions import RayActorError
 
 from actors.executor_base import WorkerFailure
-from actors.poison import StepError
 from actors.shm_channels import ChannelSpec, Receiver, RingReceiver, RingSender, Sender, ZmqReceiver, ZmqSender, bind
 from actors.shm_ring import RingClosed, RingTimeout, ShmRing, Waiter
 from actors.shm_worker import ShmLoopSpec, dumps
-from actors.transport import _first_line, _Transport, diagnose
+from actors.transport import _first_line, _Transport, diagnose, step_failure
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -135,9 +135,9 @@ class ShmTransport(_Transport):
                 pings = self._check_alive(pings, answers, so.step_id)
                 next_check = now + LIVENESS_S
             waiter.pause()
-        errors = [(r, payload) for r, (ok, payload) in sorted(answers.items()) if not ok]
+        errors = [(r, *payload) for r, (ok, payload) in sorted(answers.items()) if not ok]
         if errors:
-            raise StepError(errors[0][0], f"execute_model raised {errors[0][1]}")
+            raise step_failure(errors)
         return answers[0][1]
 
     def _fail_late(self, step_id: int, pending: list[int]) -> WorkerFailure:

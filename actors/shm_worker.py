@@ -7,7 +7,8 @@ beside the actor's thread). The driver waits for every rank's answer before it s
 so a plain call never runs while a step does.
 
 Every rank answers every step: rank 0 with its ModelRunnerOutput, the others with None, and a rank
-whose step raised with the error's repr. Answers are pickled (protocol 5) tuples (ok, payload).
+whose step raised with (the error's repr, whether it is a CollectiveError). Answers are pickled
+(protocol 5) tuples (ok, payload).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from actors.parallel_state import CollectiveError
 from actors.shm_channels import ChannelSpec, Receiver, Sender, open_receiver, open_sender
 from actors.shm_ring import RingClosed, RingTimeout
 
@@ -69,7 +71,8 @@ class ShmWorkerLoop:
             out = self.worker.execute_model(so)
         except Exception as e:  # noqa: BLE001 - a step that raised is answered, as other transports do
             text = repr(e)
-            return False, text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
+            text = text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
+            return False, (text, isinstance(e, CollectiveError))
         return True, out if self.spec.rank == 0 else None
 
     def _close(self) -> None:

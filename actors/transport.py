@@ -20,6 +20,7 @@ import ray
 from ray.exceptions import RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
 
 from actors.executor_base import WorkerFailure  # noqa: F401 - raised here, imported from here too
+from actors.parallel_state import CollectiveError
 from actors.poison import StepError
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -61,14 +62,14 @@ def gather_ranks(refs: Sequence[Any], method: str, timeout_s: float,
 
     Answers are taken one at a time so that a dead rank is reported at once, even while the others are
     stuck in a collective waiting for it. A timeout raises `on_timeout(pending ranks)`. A rank that
-    raised is reported once every rank has answered (StepError): if the others wait for it in a
-    collective, that is a hang, and the timeout reports it.
+    raised is reported once every rank has answered (see step_failure): if the others wait for it in a
+    collective, their collective timeout (shorter than the step's) makes them answer too.
     """
     rank_of = {ref: r for r, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
-    raised: StepError | None = None
+    errors: list[tuple[int, str, bool]] = []
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
@@ -79,11 +80,28 @@ def gather_ranks(refs: Sequence[Any], method: str, timeout_s: float,
         except RayActorError as e:
             raise WorkerFailure(rank, f"its actor died during {method} ({_summary(e)})") from None
         except RayTaskError as e:
-            if raised is None or rank < raised.rank:
-                raised = StepError(rank, f"{method} raised {_cause(e)}")
-    if raised is not None:
-        raise raised
+            errors.append((rank, _cause(e), isinstance(e.cause, CollectiveError)))
+    if errors:
+        raise step_failure(sorted(errors), method)
     return results
+
+
+def step_failure(errors: list[tuple[int, str, bool]], method: str = "execute_model") -> StepError | WorkerFailure:
+    """What the ranks that raised mean, from (rank, error, is a CollectiveError) in rank order.
+
+    Without a failed collective it is a StepError (every rank alive and in step: the poison hunt runs).
+    A failed collective leaves the group out of step, so it is a WorkerFailure (the group is rebuilt),
+    naming the rank that failed on its own, whose peers then timed out waiting for it."""
+    stuck = [r for r, _, collective in errors if collective]
+    if not stuck:
+        return StepError(errors[0][0], f"{method} raised {errors[0][1]}")
+    alone = [(r, text) for r, text, collective in errors if not collective]
+    if alone:
+        return WorkerFailure(alone[0][0], f"its {method} raised {alone[0][1]} while rank(s) {stuck} waited for "
+                                          f"it in a collective until parallel.collective_timeout_s; the "
+                                          f"tensor-parallel group is out of step and is rebuilt")
+    return WorkerFailure(stuck[0], f"a tensor-parallel collective failed in {method} ({errors[0][1]}); the "
+                                   f"group is out of step and is rebuilt")
 
 
 def _cause(e: RayTaskError) -> str:
@@ -177,7 +195,7 @@ class CompiledGraphTransport(_Transport):
     def _collect(self, so: SchedulerOutput, refs: Any) -> ModelRunnerOutput:
         deadline = time.monotonic() + self.step_timeout_s
         results: list[Any] = []
-        raised: StepError | None = None
+        errors: list[tuple[int, str, bool]] = []
         # Every rank's ref is read (not only rank 0's) so no result is left buffered in the graph, also
         # when a rank raised: the graph stays usable for the next step.
         for rank, ref in enumerate(refs):
@@ -190,9 +208,9 @@ class CompiledGraphTransport(_Transport):
                 raise self._fail_dead(so.step_id, e) from None
             except RayTaskError as e:
                 results.append(None)
-                raised = raised or StepError(rank, f"execute_model raised {_cause(e)}")
-        if raised is not None:
-            raise raised
+                errors.append((rank, _cause(e), isinstance(e.cause, CollectiveError)))
+        if errors:
+            raise step_failure(errors)
         return results[0]
 
     def _fail_dead(self, step_id: int, e: BaseException) -> WorkerFailure:

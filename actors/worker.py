@@ -57,6 +57,7 @@ class Worker(ShmLoopMixin):
         self.model_runner: ModelRunner | None = None
         self.profiler = StepProfiler(rank)
         self._fail_for: set[str] = set()  # fault injection (tests): steps that run these ids raise
+        self._fail_before = False
 
     # ---- set-up -----------------------------------------------------------------------------
     def _cuda_index(self) -> int:
@@ -85,7 +86,8 @@ class Worker(ShmLoopMixin):
             raise ValueError(f"parallel.device={device_kind!r}: must be cpu or cuda")
         parallel_state.init_tensor_parallel(self.rank, self.world_size, self.dist_init_method,
                                             select_backend(self.config),
-                                            timeout_s=self.config.parallel.step_timeout_s)
+                                            timeout_s=self.config.parallel.step_timeout_s,
+                                            collective_timeout_s=self.config.parallel.resolved_collective_timeout_s)
         torch.manual_seed(self.config.model.seed)
         self.model_runner = ModelRunner(self.config, self.device, self.rank)
 
@@ -112,6 +114,11 @@ class Worker(ShmLoopMixin):
 
     # ---- the step ---------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self._fail_before and not self._fail_for.isdisjoint(scheduler_output.num_scheduled_tokens):
+            # Before the forward: the other ranks enter its collectives and wait for this one.
+            raise ValueError(f"injected fault: rank {self.rank} fails a step with request(s) "
+                             f"{sorted(self._fail_for.intersection(scheduler_output.num_scheduled_tokens))} "
+                             "before its forward")
         self.profiler.before_step()
         try:
             # A named range per step, so a trace's steps can be told apart.
@@ -119,7 +126,8 @@ class Worker(ShmLoopMixin):
                 out = self._runner().execute_model(scheduler_output)
         finally:
             self.profiler.after_step()
-        if self._fail_for and not self._fail_for.isdisjoint(scheduler_output.num_scheduled_tokens):
+        if self._fail_for and not self._fail_before and \
+                not self._fail_for.isdisjoint(scheduler_output.num_scheduled_tokens):
             # After the runner ran, as a real fault would leave it: its state has moved on.
             bad = sorted(self._fail_for.intersection(scheduler_output.num_scheduled_tokens))
             raise ValueError(f"injected fault: a step with request(s) {bad} raises")
@@ -128,10 +136,12 @@ class Worker(ShmLoopMixin):
     def reset_requests(self) -> None:
         self._runner().reset_requests()
 
-    def fail_steps_with(self, request_ids: list[str]) -> None:
+    def fail_steps_with(self, request_ids: list[str], before_run: bool = False) -> None:
         """Fault injection: every later step that runs one of these request ids raises ValueError on
-        this rank (a poison request whose input the worker cannot handle)."""
+        this rank (a poison request whose input the worker cannot handle); after the runner ran, or with
+        `before_run` before its forward (so the other ranks wait for this one in a collective)."""
         self._fail_for = set(request_ids)
+        self._fail_before = before_run
 
     # ---- profiling --------------------------------------------------------------------------
     def start_profile(self, trace_dir: str, num_steps: int = 5, skip_steps: int = 0) -> None:
