@@ -13,14 +13,13 @@ and the send times out. An empty frame is the close message.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import zmq
 
-from actors.shm_ring import SPIN_S, RingClosed, RingHandle, RingTimeout, ShmRing, Waiter
+from actors.shm_ring import RingClosed, RingHandle, RingTimeout, ShmRing
 
 POLL_MS = 100  # a blocked ZMQ receiver checks should_stop this often
 SEND_HWM = 64
@@ -34,6 +33,8 @@ class Sender(Protocol):
 class Receiver(Protocol):
     def recv(self, timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None) -> bytes | None: ...
     def try_recv(self, timeout_s: float) -> bytes | None: ...
+    def pollable(self) -> Any: ...  # what zmq.Poller waits on: a file descriptor or a ZMQ socket
+    def drain(self) -> None: ...    # after a wake-up, before looking (try_recv) again
     def close(self) -> None: ...
 
 
@@ -68,6 +69,12 @@ class RingReceiver:
 
     def try_recv(self, timeout_s: float) -> bytes | None:
         return self.ring.try_read(self.reader, timeout_s)
+
+    def pollable(self) -> Any:
+        return self.ring.doorbell_fd(self.reader)
+
+    def drain(self) -> None:
+        self.ring.drain_doorbell(self.reader)
 
     def close(self) -> None:
         self.ring.close()
@@ -118,7 +125,7 @@ class ZmqSender:
             self.sock.send(b"", zmq.NOBLOCK)  # the close message
         except zmq.ZMQError:
             pass
-        self.sock.close(linger=200)  # long enough for the close message to leave
+        self.sock.close(linger=2000)  # returns at once; ZMQ has this long to deliver the close message
 
 
 class ZmqReceiver:
@@ -127,7 +134,6 @@ class ZmqReceiver:
 
     def recv(self, timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None) -> bytes | None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        waiter = Waiter()
         while True:
             msg = self._take(zmq.NOBLOCK)
             if msg is not None:
@@ -137,14 +143,18 @@ class ZmqReceiver:
             now = time.monotonic()
             if deadline is not None and now > deadline:
                 raise RingTimeout(f"no message from {self.sock.last_endpoint!r} in {timeout_s:g}s")
-            if now - waiter.start < SPIN_S:
-                os.sched_yield()
-            else:  # block on the socket's fd, waking to check should_stop and the deadline
-                left_ms = POLL_MS if deadline is None else max(1, min(POLL_MS, int((deadline - now) * 1000)))
-                self.sock.poll(left_ms)
+            # Block on the socket, waking to check should_stop and the deadline.
+            left_ms = POLL_MS if deadline is None else max(1, min(POLL_MS, int((deadline - now) * 1000)))
+            self.sock.poll(left_ms)
 
     def try_recv(self, timeout_s: float) -> bytes | None:
         return self._take(zmq.NOBLOCK)
+
+    def pollable(self) -> Any:
+        return self.sock
+
+    def drain(self) -> None:
+        pass  # the socket's readiness is its queue
 
     def _take(self, flags: int) -> bytes | None:
         try:

@@ -15,11 +15,15 @@ is one counter per party: each word has a single writer, so no atomics are neede
 stores, and a fence (a lock round trip, as vLLM does) orders payload and counter.
 
 A reader that does not acknowledge within the writer's timeout (dead or stalled) is named in
-RingTimeout: the caller decides who is at fault. Waits spin (yielding the core) briefly, then sleep.
+RingTimeout: the caller decides who is at fault. A waiting reader spins a few microseconds, then blocks
+on its doorbell, a FIFO beside the segment that the writer rings (one byte) after each chunk: the kernel
+wakes it at once, where yielding or sleeping in a loop costs milliseconds on a loaded machine. The
+writer, waiting for acknowledgements (the ring full: rare), polls.
 """
 from __future__ import annotations
 
 import os
+import select
 import struct
 import threading
 import time
@@ -30,10 +34,12 @@ from unittest.mock import patch
 
 _HEAD = struct.Struct("qq")  # a slot's nbytes, last
 _FENCE = threading.Lock()
-SPIN_S = 0.002       # spin (yielding) this long before sleeping: a step's next message comes sooner
-SLEEP_S = 50e-6      # then poll at this interval; an idle waiter costs almost no CPU
+SPIN_S = 0.002       # the writer spins (yielding) this long waiting for acknowledgements, then sleeps
+SLEEP_S = 50e-6      # at this interval
 IDLE_SLEEP_S = 1e-3  # after IDLE_AFTER_S of nothing
 IDLE_AFTER_S = 1.0
+READ_SPIN_S = 20e-6  # a reader spins this long (no syscall) before it blocks on its doorbell
+BELL_POLL_S = 0.1    # a blocked reader wakes this often to check should_stop and its deadline
 
 
 def fence() -> None:
@@ -62,6 +68,9 @@ class RingHandle:
     n_readers: int
     n_slots: int
     slot_bytes: int
+
+    def doorbell(self, reader: int) -> str:
+        return f"/dev/shm/{self.name}_bell{reader}"
 
     @property
     def size(self) -> int:
@@ -98,11 +107,15 @@ class ShmRing:
         self._slots_at = 8 * (2 + n)
         self._payload = handle.slot_bytes - _HEAD.size
         self._broken: str | None = None
+        self._bells_out: list[int] | None = None  # the writer's ends, opened on first write
+        self._bells_in: dict[int, int] = {}       # a reader's end of its own doorbell
 
     @classmethod
     def create(cls, n_readers: int, n_slots: int = 8, slot_bytes: int = 1 << 18) -> ShmRing:
         handle = RingHandle(f"kvray_{os.getpid()}_{os.urandom(6).hex()}", n_readers, n_slots, slot_bytes)
         shm = shared_memory.SharedMemory(name=handle.name, create=True, size=handle.size)
+        for r in range(n_readers):
+            os.mkfifo(handle.doorbell(r), 0o600)
         return cls(handle, shm, owner=True)
 
     @classmethod
@@ -164,6 +177,21 @@ class ShmRing:
         buf[at + _HEAD.size: at + _HEAD.size + len(chunk)] = chunk
         fence()  # the payload is visible before the counter that publishes it
         words[1] = seq + 1
+        self._ring_bells()
+
+    def _ring_bells(self) -> None:
+        if self._bells_out is None:
+            # O_RDWR: opening a FIFO so never blocks, whether or not its reader has it open yet.
+            try:
+                self._bells_out = [os.open(self.handle.doorbell(r), os.O_RDWR | os.O_NONBLOCK)
+                                   for r in range(self.handle.n_readers)]
+            except FileNotFoundError:
+                raise RingClosed(f"ring {self.handle.name} was removed by its owner") from None
+        for fd in self._bells_out:
+            try:
+                os.write(fd, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full of rings the reader has not drained: it will wake anyway
 
     # ---- readers ----------------------------------------------------------------------------
     def read(self, reader: int, timeout_s: float | None = None,
@@ -189,17 +217,38 @@ class ShmRing:
             return None
         return self.read(reader, timeout_s)
 
+    def doorbell_fd(self, reader: int) -> int:
+        """The reader's end of its doorbell: readable once a chunk may have come (drain_doorbell, then look)."""
+        fd = self._bells_in.get(reader)
+        if fd is None:
+            fd = self._bells_in[reader] = os.open(self.handle.doorbell(reader), os.O_RDWR | os.O_NONBLOCK)
+        return fd
+
+    def drain_doorbell(self, reader: int) -> None:
+        try:
+            while os.read(self.doorbell_fd(reader), 4096):
+                pass
+        except BlockingIOError:
+            pass
+
     def _wait_chunk(self, reader: int, deadline: float | None, should_stop: Callable[[], bool] | None) -> bool:
         words, mine = self._words, 2 + reader
-        waiter: Waiter | None = None
+        spin_until = time.monotonic() + READ_SPIN_S
         while words[1] <= words[mine]:
             self._check_open()
             if should_stop is not None and should_stop():
                 return False
-            waiter = waiter or Waiter()
-            waiter.pause()
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 raise RingTimeout(f"reader {reader}: no message on ring {self.handle.name} in time")
+            if now < spin_until:
+                continue
+            # Drain first, then look again: a ring that comes after the look stays in the pipe.
+            self.drain_doorbell(reader)
+            if words[1] > words[mine]:
+                break
+            wait = BELL_POLL_S if deadline is None else max(0.0, min(BELL_POLL_S, deadline - now))
+            select.select([self.doorbell_fd(reader)], [], [], wait)
         return True
 
     def _take(self, reader: int) -> tuple[bytes, bool]:
@@ -221,9 +270,21 @@ class ShmRing:
         self._closed = True
         if self._owner:
             self._words[0] = 1
+            try:
+                self._ring_bells()  # wake blocked readers: they see the closed flag
+            except OSError:
+                pass
+        for fd in [*(self._bells_out or []), *self._bells_in.values()]:
+            os.close(fd)
+        self._bells_out, self._bells_in = [], {}
         self._words.release()
         self._shm.close()
         if self._owner:
+            for path in [self.handle.doorbell(r) for r in range(self.handle.n_readers)]:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
             try:
                 self._shm.unlink()
             except FileNotFoundError:

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError
 
 from actors.executor_base import WorkerFailure
 from actors.shm_channels import ChannelSpec, Receiver, RingReceiver, RingSender, Sender, ZmqReceiver, ZmqSender, bind
-from actors.shm_ring import RingClosed, RingTimeout, ShmRing, Waiter
+from actors.shm_ring import RingClosed, RingTimeout, ShmRing
 from actors.shm_worker import ShmLoopSpec, dumps
 from actors.transport import _first_line, _Transport, diagnose, step_failure
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
@@ -36,6 +36,7 @@ from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 LIVENESS_S = 0.5        # while a step waits longer than this, check the ranks are alive this often
+REPLY_SPIN_S = 20e-6    # look at the answer channels this long before sleeping on them
 SETUP_TIMEOUT_S = 60.0  # attaching the workers to their channels
 BROADCAST_SLOTS, BROADCAST_SLOT_BYTES = 8, 1 << 18
 REPLY_SLOTS, REPLY_SLOT_BYTES = 4, 1 << 16
@@ -85,6 +86,10 @@ class ShmTransport(_Transport):
         self._setup_call([w.start_shm_loop.remote(specs[r]) for r, w in enumerate(self.workers)],
                          "start_shm_loop")
         self._remote_ranks = [r for r in range(len(self.workers)) if r not in local]
+        self._poller = zmq.Poller()
+        for chan in self._replies:
+            assert chan is not None
+            self._poller.register(chan.pollable(), zmq.POLLIN)
         logger.info("shm transport: ranks %s through shared memory, %s through ZMQ", local, self._remote_ranks)
 
     def _setup_call(self, refs: list[Any], method: str) -> list[Any]:
@@ -121,24 +126,33 @@ class ShmTransport(_Transport):
 
     def _collect(self, so: SchedulerOutput, deadline: float) -> ModelRunnerOutput:
         answers: dict[int, tuple[bool, Any]] = {}
-        waiter = Waiter()
         next_check = time.monotonic() + LIVENESS_S
         pings: list[Any] | None = None
+        spin_until = time.monotonic() + REPLY_SPIN_S
         while len(answers) < len(self.workers):
             got = self._poll(answers, deadline, so.step_id)
             now = time.monotonic()
-            if got:
+            if got or now < spin_until:
                 continue
             if now > deadline:
                 raise self._fail_late(so.step_id, [r for r in range(len(self.workers)) if r not in answers])
             if now >= next_check:
                 pings = self._check_alive(pings, answers, so.step_id)
                 next_check = now + LIVENESS_S
-            waiter.pause()
+            self._block(answers, deadline, min(deadline, next_check), so.step_id)
         errors = [(r, *payload) for r, (ok, payload) in sorted(answers.items()) if not ok]
         if errors:
             raise step_failure(errors)
         return answers[0][1]
+
+    def _block(self, answers: dict[int, Any], deadline: float, until: float, step_id: int) -> None:
+        """Sleep in the kernel until an answer channel may have something, or `until`."""
+        for rank, chan in enumerate(self._replies):
+            if rank not in answers and chan is not None:
+                chan.drain()
+        # Look once more after draining: an answer that came before the drain would not wake the poller.
+        if not self._poll(answers, deadline, step_id):
+            self._poller.poll(max(1, int((until - time.monotonic()) * 1000)))
 
     def _fail_late(self, step_id: int, pending: list[int]) -> WorkerFailure:
         rank, why = diagnose(self.workers)

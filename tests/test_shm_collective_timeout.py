@@ -2,25 +2,18 @@
 peer that never comes raises CollectiveError within parallel.collective_timeout_s, and its group then
 refuses every collective (it is out of step); the driver reads a step where one rank failed on its own
 and the others timed out waiting for it as a WorkerFailure naming the first, and rebuilds the TP group.
-End to end (TP=2, shm transport): rank 1 fails a step before its forward, rank 0 times out in the
-all-reduce, the group is rebuilt within the restart budget and every request still gets its tokens."""
+End to end (TP=2): tests/test_shm_transport.py."""
 import multiprocessing as mp
-import os
 import socket
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-import ray
 
 from actors.executor_base import WorkerFailure
 from actors.poison import StepError
 from actors.transport import step_failure
-from cluster import LLM, SamplingParams
-from cluster.placement import start_local_ray
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _free_port() -> int:
@@ -76,25 +69,3 @@ def test_a_rank_failing_alone_while_others_time_out_is_a_worker_failure_naming_i
     assert isinstance(step_failure([(1, "ValueError('x')", False)]), StepError)  # all in step: poison hunt
     lone = step_failure([(1, "CollectiveError('peer gone')", True)])
     assert isinstance(lone, WorkerFailure) and lone.rank == 1 and "out of step" in str(lone)
-
-
-def test_tp2_rank_failing_before_its_forward_is_recovered_by_a_rebuild():
-    start_local_ray(num_cpus=3, include_dashboard=False)
-    llm = LLM(model="tiny-random", device="cpu", tensor_parallel_size=2, max_model_len=64, num_gpu_blocks=64,
-              max_num_seqs=4, max_num_batched_tokens=64, step_timeout_s=30, collective_timeout_s=4,
-              max_worker_restarts=1, transport="shm")
-    try:
-        prompts = [{"prompt_token_ids": [5 + i, 9, 40 - i]} for i in range(2)]
-        params = SamplingParams(max_tokens=5, ignore_eos=True)
-        first = llm.generate(prompts, params, use_tqdm=False)
-        want = [list(o.outputs[0].token_ids) for o in first]
-        bad = str(int(first[-1].request_id) + 2)  # the second request of the next call
-        ray.get(llm.engines.drivers[0].worker_call.remote(1, "fail_steps_with", [bad], True))
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert outs[1].request_id == bad
-        assert [o.error for o in outs] == [None, None]
-        assert [list(o.outputs[0].token_ids) for o in outs] == want
-        assert llm.stats()[0]["worker_restarts"] == 1  # the group was rebuilt, the fault gone with it
-    finally:
-        llm.shutdown()
-        ray.shutdown()

@@ -131,6 +131,7 @@ def _zmq_echo(steps_addr, replies_addr, n):
     except RingClosed:
         replies.send(b"closed", 10.0)
     replies.close(), steps.close()
+    zmq.Context.instance().term()  # waits for the queued messages: a fork child leaves with os._exit
 
 
 def test_zmq_channel_between_two_processes_on_loopback():

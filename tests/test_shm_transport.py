@@ -1,7 +1,8 @@
 """`ray.transport: shm` end to end on a local Ray: greedy output equals HF at TP=1 and TP=2 (gloo); a
-rank that hangs past the step timeout, a rank whose step raises, and a killed worker within the restart
-budget each end as on the other transports (a clear error naming the cause, or a recovery that loses
-nothing). No-op workers where the model does not matter."""
+rank that fails a step before a collective, a rank that hangs past the step timeout, a rank whose step
+raises, and a killed worker within the restart budget each end as on the other transports (a clear
+error naming the cause, or a recovery that loses nothing). No-op workers where the model does not
+matter. One Ray for the module."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -35,15 +36,38 @@ def reference(tmp_path_factory):
     return H.greedy_references(tmp_path_factory.mktemp, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_shm_greedy_matches_hf(reference, tp):
+def shm_llm(path, tp, **kw):
+    return LLM(model=path, device="cpu", dtype="float32", block_size=8, max_num_seqs=8, max_num_batched_tokens=128,
+               cpu_kv_cache_gib=0.01, step_timeout_s=60, tensor_parallel_size=tp, transport="shm", **kw)
+
+
+def test_shm_tp1_greedy_matches_hf(reference):
     path, prompts, expected = reference("qwen3")
-    llm = LLM(model=path, device="cpu", dtype="float32", block_size=8, max_num_seqs=8, max_num_batched_tokens=128,
-              cpu_kv_cache_gib=0.01, step_timeout_s=60, tensor_parallel_size=tp, transport="shm")
+    llm = shm_llm(path, 1)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected[:4]
+    finally:
+        llm.shutdown()
+
+
+def test_shm_tp2_greedy_matches_hf_and_a_rank_failing_before_its_forward_is_rebuilt(reference):
+    """TP=2 over gloo. Then rank 1 fails a step before its forward: rank 0 waits in the all-reduce until
+    parallel.collective_timeout_s, the driver names rank 1 and rebuilds the group (one restart); the
+    requests still get HF's tokens."""
+    path, prompts, expected = reference("qwen3")
+    llm = shm_llm(path, 2, collective_timeout_s=4, max_worker_restarts=1)
+    try:
+        batch = [{"prompt_token_ids": p} for p in prompts[:4]]
+        outs = llm.generate(batch, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected[:4]
         assert llm.stats()[0]["worker_restarts"] == 0
+        bad = str(int(outs[-1].request_id) + 2)  # the second request of the next call
+        ray.get(llm.engines.drivers[0].worker_call.remote(1, "fail_steps_with", [bad], True))
+        again = llm.generate(batch[:2], GREEDY, use_tqdm=False)
+        assert again[1].request_id == bad and [o.error for o in again] == [None, None]
+        assert [o.outputs[0].token_ids for o in again] == expected[:2]
+        assert llm.stats()[0]["worker_restarts"] == 1  # the rebuilt group has no fault
     finally:
         llm.shutdown()
 
