@@ -10,7 +10,7 @@ offline engine is shut down before the server starts).
 Records (not with --smoke): serve_vs_offline_ratio (saturation output tok/s over offline),
 serve_ttft_p99_ms_qwen3_rate_half (TTFT p99 at half the saturation request rate), per-rate figures.
 
-  python benchmarks/bench_serve.py --shape qwen3-0.6b                     # the H200 sweep
+  python benchmarks/bench_serve.py --shape qwen3-0.6b                     # the H200 sweep (~5 minutes)
   python benchmarks/bench_serve.py --shape llama-3.1-8b --num-prompts 500
   python benchmarks/bench_serve.py --smoke                                # CPU, tiny-random, seconds of load
 """
@@ -126,13 +126,18 @@ def summarize(rate: float, outs: list[Outcome], elapsed: float) -> dict:
     return res
 
 
+RATE_WINDOW_S = 30.0  # a finite rate sends at most this many seconds of arrivals (at least MIN_PER_RATE)
+MIN_PER_RATE = 20
+
+
 async def sweep(url: str, model: str, reqs: list[tuple[list[int], int]], rates: list[float],
                 seed: int = 0) -> list[dict]:
     """Saturation first (rate inf), then each rate, then half the saturation request rate."""
     out = [await run_rate(url, model, reqs, float("inf"), seed)]
     half = out[0]["request_s"] / 2
     for r in [*rates, half]:
-        res = await run_rate(url, model, reqs, r, seed)
+        n = min(len(reqs), max(MIN_PER_RATE, int(r * RATE_WINDOW_S)))
+        res = await run_rate(url, model, reqs[:n], r, seed)
         res["half_saturation"] = r is half
         out.append(res)
     return out
@@ -218,7 +223,9 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
     ap.add_argument("--config", default="configs/gpu.yaml")
     ap.add_argument("--num-prompts", type=int, default=500)
-    ap.add_argument("--rates", default="2,8,32", help="request rates (req/s) besides inf and half saturation")
+    ap.add_argument("--rates", default="2,8,32",
+                    help="request rates (req/s) besides inf and half saturation; a finite rate sends at most "
+                         f"{RATE_WINDOW_S:g} s of arrivals")
     ap.add_argument("--port", type=int, default=0, help="0: a free port")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate run")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny-random, a few short requests; records nothing")
@@ -242,7 +249,8 @@ def main() -> None:
     # Saturation queues every request: the bound per replica must not refuse the benchmark's own burst.
     config = config.replace(max_queued_requests=max(config.serve.max_queued_requests, n))
     if args.families:
-        shares = families(config, args.num_prompts if not args.smoke else 80, vocab, args.families_rate)
+        shares = families(config, args.num_prompts if not args.smoke else min(args.num_prompts, 160), vocab,
+                          args.families_rate)
         print(json.dumps({"families_cached_share": shares}), flush=True)
         if not args.smoke:
             from common import record

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 import time
 
 import openai
@@ -15,6 +16,7 @@ import ray
 import requests
 
 from cluster.llm import LLM
+from cluster.placement import connect
 from cluster.serve.app import start_server, stop_server
 from cluster.stress_report import leaked_blocks
 from kvcore.request import SamplingParams
@@ -25,13 +27,37 @@ MODEL = "tiny-random"
 PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time", "1 2 3 4"]
 
 
+CHAT = [{"role": "user", "content": "Say hi."}]
+
+
+def offline_reference(config, box):
+    """LLM.generate's and LLM.chat's greedy texts (one replica of the same config), into box."""
+    try:
+        llm = LLM(config=config.replace(data_parallel_size=1))
+        try:
+            sp = SamplingParams(temperature=0, max_tokens=8)
+            box["generate"] = [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+            box["chat"] = llm.chat(CHAT, sp, use_tqdm=False)[0].outputs[0].text
+        finally:
+            llm.shutdown()
+    except BaseException as e:  # noqa: BLE001 - handed to the test that reads it
+        box["error"] = e
+
+
 @pytest.fixture(scope="module")
 def server():
     config = serve_config()
     port = free_port()
-    started = start_server(config, "127.0.0.1", port)
+    # The offline reference starts beside the server (one Ray, started here), so that their start-ups,
+    # mostly waits on new processes, overlap.
+    started = connect(config)
+    reference: dict = {}
+    thread = threading.Thread(target=offline_reference, args=(config, reference), daemon=True)
     try:
-        yield f"http://127.0.0.1:{port}", config
+        thread.start()
+        start_server(config, "127.0.0.1", port)
+        thread.join(240)
+        yield f"http://127.0.0.1:{port}", config, reference
     finally:
         stop_server(started)
 
@@ -65,18 +91,12 @@ def test_models_health_metrics(server, client):
 def test_greedy_equals_llm_generate_and_chat(server, client):
     got = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
            for p in PROMPTS]
-    msgs = [{"role": "user", "content": "Say hi."}]
-    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
-    config = server[1].replace(data_parallel_size=1)
-    llm = LLM(config=config)
-    try:
-        want = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8),
-                                                        use_tqdm=False)]
-        want_chat = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
-    finally:
-        llm.shutdown()
-    assert got == want
-    assert chat.choices[0].message.content == want_chat and chat.choices[0].message.role == "assistant"
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    want = server[2]
+    if "error" in want:
+        raise want["error"]
+    assert got == want["generate"]
+    assert chat.choices[0].message.content == want["chat"] and chat.choices[0].message.role == "assistant"
 
 
 def test_streaming_equals_whole_with_n_seed_usage(client):

@@ -138,6 +138,9 @@ class OpenAIServer:
             raise overloaded(str(e), self.config.serve.retry_after_s) from None
         except Unavailable as e:
             raise APIError(503, str(e), code="engine_down", retry_after_s=self.config.serve.retry_after_s) from None
+        except asyncio.CancelledError:  # the client left while the driver took the request
+            gen.close()
+            raise
         return gen, req
 
     def _encode(self, req: ParsedRequest) -> tuple[str | None, list[int]]:
