@@ -279,3 +279,42 @@ def test_bench_serve_sweep_runs_against_the_server(server):
     for r in results:
         assert r["completed"] == 6 and r["failed"] == 0, r
         assert r["ttft_p50_ms"] is not None and r["output_tok_s"] > 0, r
+
+
+def test_a_driver_death_ends_its_streams_with_an_error_event_and_the_rest_serve_on(server, client):
+    """Last in the module: replica 1 stays down. Its in-flight streams end with one error event; the
+    other replica's streams finish whole; new requests go to the replica that is left."""
+    async def streams():
+        c = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+        started = asyncio.Event()
+
+        async def one(i):
+            tokens = 0
+            try:
+                stream = await c.completions.create(model=MODEL, prompt=f"stream {i} " * 3, max_tokens=40,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True,
+                                                                                           "return_token_ids": True})
+                async for ch in stream:
+                    tokens += sum(len(getattr(x, "token_ids", None) or []) for x in ch.choices)
+                    started.set()
+                return ("finished", tokens)
+            except openai.APIError as e:
+                return ("error", str(e))
+
+        tasks = [asyncio.create_task(one(i)) for i in range(6)]
+        await started.wait()
+        ray.kill(drivers()[1], no_restart=True)
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            await c.close()
+
+    results = asyncio.run(streams())
+    errors = [r for r in results if r[0] == "error"]
+    assert errors and all("replica 1" in r[1] for r in errors), results
+    assert all(r == ("finished", 40) for r in results if r[0] == "finished"), results
+    assert len(errors) < len(results), results  # replica 0's streams finished
+    for _ in range(3):  # replica 1 takes nothing new
+        assert client.completions.create(model=MODEL, prompt="after", max_tokens=2).choices[0].finish_reason == "length"
+    assert requests.get(server[0] + "/health", timeout=30).status_code == 200
+    assert 'kvray_serve_replica_up{replica="1"} 0.0' in requests.get(server[0] + "/metrics", timeout=30).text
