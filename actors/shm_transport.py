@@ -147,8 +147,9 @@ class ShmTransport(_Transport):
 
     def _block(self, answers: dict[int, Any], deadline: float, until: float, step_id: int) -> None:
         """Sleep in the kernel until an answer channel may have something, or `until`."""
-        for rank, chan in enumerate(self._replies):
-            if rank not in answers and chan is not None:
+        # Every channel, the answered ones too: a bell left in one would wake the poller at once, for ever.
+        for chan in self._replies:
+            if chan is not None:
                 chan.drain()
         # Look once more after draining: an answer that came before the drain would not wake the poller.
         if not self._poll(answers, deadline, step_id):
