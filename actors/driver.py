@@ -27,7 +27,15 @@ from actors.driver_debug import DriverDebug
 from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
 from actors.executor_base import WorkerFailure
 from actors.live_requests import LiveRequests, make_request
-from actors.messages import PollResult, RequestSpec, RequestTiming, error_output  # noqa: F401 - re-exported
+from actors.messages import (  # noqa: F401 - re-exported
+    DOWN,
+    REBUILDING,
+    PollResult,
+    RequestSpec,
+    RequestTiming,
+    error_output,
+)
+from actors.placement_wait import wait_for_placement
 from actors.poison import PoisonHunt, PoisonIsolation, StepError
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
@@ -61,6 +69,8 @@ class EngineDriver(PoisonIsolation, DriverDebug):
         self._timings: dict[str, RequestTiming] = {}
         self._live = LiveRequests()
         self._fatal: str | None = None
+        self._unavailable: str | None = None  # why, while it waits for resources to rebuild on
+        self._returned: list[str] = []  # requests given back to the client meanwhile
         self._stop = False
         self._thread: threading.Thread | None = None
         self._restarts = 0
@@ -127,7 +137,9 @@ class EngineDriver(PoisonIsolation, DriverDebug):
         """Everything a request carries is checked again here: a client's objects are not trusted."""
         rid = spec.request_id
         if self._fatal is not None:
-            return f"engine replica {self.replica} is down: {self._fatal}"
+            return f"engine replica {self.replica} {DOWN}: {self._fatal}"
+        if self._unavailable is not None:
+            return f"engine replica {self.replica} {REBUILDING}: {self._unavailable}"
         err = check_request_id(rid)
         if err is not None:
             return err
@@ -150,12 +162,13 @@ class EngineDriver(PoisonIsolation, DriverDebug):
     def get_outputs(self, timeout_s: float = 1.0) -> PollResult:
         """Outputs since the last call; waits up to timeout_s for the first one."""
         with self._cv:
-            if not self._outbox and self._fatal is None:
+            if not self._outbox and self._fatal is None and not self._returned:
                 self._cv.wait(timeout_s)
             out, self._outbox = self._outbox, []
+            returned, self._returned = self._returned, []
             timings = {o.request_id: self._timings.pop(o.request_id) for o in out
                        if o.finished and o.request_id in self._timings}
-            return PollResult(out, timings, self._fatal)
+            return PollResult(out, timings, self._fatal, returned, self._unavailable is None)
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -260,7 +273,12 @@ class EngineDriver(PoisonIsolation, DriverDebug):
             self.engine.shutdown()
         except Exception as e:  # noqa: BLE001 - the old workers may be gone already
             logger.debug("engine shutdown: %s", e)
+        self._await_resources()
         self._build_engine()
+        with self._cv:
+            if self._unavailable is not None:
+                logger.warning("engine replica %d: rebuilt; it takes requests again", self.replica)
+            self._unavailable = None
         self._hunt = PoisonHunt()  # every live request is re-queued on the new group
         with self._cv:
             pending = {s.request_id for s in self._inbox}
@@ -269,6 +287,26 @@ class EngineDriver(PoisonIsolation, DriverDebug):
                     self._readd(rid)
         assert self._metrics is not None  # restarts happen on the loop that start() began
         self._metrics.record_restart()
+
+    def _await_resources(self) -> None:
+        """Wait for the placement group to be whole (Ray reschedules a lost node's bundles by itself).
+        Past parallel.placement_timeout_s, every live request goes back to the client, which sends it
+        to the other replicas; this replica refuses requests and goes on waiting (a node may join)."""
+        timeout_s = self.config.parallel.placement_timeout_s
+        if wait_for_placement(self.pg, timeout_s, lambda: self._stop):
+            return
+        if not self._stop:
+            why = (f"its placement group was not whole again within parallel.placement_timeout_s={timeout_s:g}s "
+                   "(a node it used is gone)")
+            logger.warning("engine replica %d: %s; its requests go to the other replicas until it is rebuilt",
+                           self.replica, why)
+            with self._cv:
+                self._unavailable = why
+                self._returned.extend(self._live.clear())
+                self._inbox.clear()
+                self._cv.notify_all()
+        if not wait_for_placement(self.pg, None, lambda: self._stop):
+            raise RuntimeError("the driver was shut down while it waited for resources")
 
     # The PoisonIsolation hooks.
     def _live_ids(self) -> list[str]:

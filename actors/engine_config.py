@@ -146,6 +146,9 @@ class ParallelConfig(_Section):
     # of step_timeout_s, so a rank stuck waiting for a failed peer reports before the driver gives up.
     collective_timeout_s: float | None = None
     max_worker_restarts: int = 0
+    # New driver actors a replica may get when its driver dies (the client starts them and re-sends the
+    # replica's unfinished requests); 0 = a dead driver takes its replica down for good.
+    max_driver_restarts: int = 3
 
     def _rules(self) -> None:
         self._check(1 <= self.tensor_parallel_size <= 1024, "tensor_parallel_size", "must be in [1, 1024]")
@@ -167,6 +170,7 @@ class ParallelConfig(_Section):
                     "collective_timeout_s", f"must be > 0 and <= parallel.step_timeout_s ({self.step_timeout_s:g}), "
                                             "or null (half of it)")
         self._check(0 <= self.max_worker_restarts <= 1000, "max_worker_restarts", "must be in [0, 1000]")
+        self._check(0 <= self.max_driver_restarts <= 1000, "max_driver_restarts", "must be in [0, 1000]")
 
     @property
     def resolved_collective_timeout_s(self) -> float:

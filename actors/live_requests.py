@@ -28,12 +28,19 @@ class LiveRequest:
     replay: int = 0
 
 
+def continued(spec: RequestSpec, done: list[int]) -> RequestSpec:
+    """The spec that goes on from `done`, the tokens produced so far: they join the prompt."""
+    if not done:
+        return spec
+    sp = replace(spec.sampling_params, max_tokens=spec.sampling_params.max_tokens - len(done),
+                 min_tokens=max(0, spec.sampling_params.min_tokens - len(done)))
+    return RequestSpec(spec.request_id, spec.prompt_token_ids + done, sp)
+
+
 def make_request(spec: RequestSpec, done: list[int], eos_token_id: int | None) -> Request:
     """The engine's Request for a spec; after a restart the tokens produced so far join the prompt."""
-    sp = spec.sampling_params if not done else replace(
-        spec.sampling_params, max_tokens=spec.sampling_params.max_tokens - len(done),
-        min_tokens=max(0, spec.sampling_params.min_tokens - len(done)))
-    return Request(spec.request_id, spec.prompt_token_ids + done, sp, eos_token_id=eos_token_id)
+    spec = continued(spec, done)
+    return Request(spec.request_id, spec.prompt_token_ids, spec.sampling_params, eos_token_id=eos_token_id)
 
 
 class LiveRequests:
@@ -85,12 +92,18 @@ class LiveRequests:
         again. So it starts over from its prompt, and the tokens already published are regenerated,
         checked and dropped (`drop_replayed`).
         """
+        spec = self.resume_spec(rid)
+        return Request(spec.request_id, spec.prompt_token_ids, spec.sampling_params, eos_token_id=eos_token_id)
+
+    def resume_spec(self, rid: str) -> RequestSpec:
+        """What to send a new engine (another replica, a new driver) for a request whose engine was
+        lost, so that the stream the client already has goes on unbroken: as `restart`, as a spec."""
         live = self._live[rid]
         if live.spec.sampling_params.greedy:
-            return make_request(live.spec, live.output_token_ids, eos_token_id)
+            return continued(live.spec, live.output_token_ids)
         live.replay = len(live.output_token_ids)
         self.num_replayed += 1 if live.replay else 0
-        return make_request(live.spec, [], eos_token_id)
+        return live.spec
 
     def drop_replayed(self, outputs: list[EngineCoreOutput],
                       abort: Callable[[list[str]], None]) -> list[EngineCoreOutput]:

@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams
 
+# How a driver words a refusal that is the replica's state, not the request's fault (the client sends
+# such a request elsewhere): "engine replica <r> is down: <why>" / "engine replica <r> is rebuilding: <why>".
+DOWN = "is down"
+REBUILDING = "is rebuilding"
+
 
 @dataclass
 class RequestSpec:
@@ -31,6 +36,11 @@ class PollResult:
     outputs: list[EngineCoreOutput]
     timings: dict[str, RequestTiming] = field(default_factory=dict)
     fatal: str | None = None  # set once the replica is down for good
+    # Unfinished requests the driver gave back: its TP group lost its resources (a node went away) and
+    # could not be rebuilt within parallel.placement_timeout_s. The client sends them elsewhere.
+    returned: list[str] = field(default_factory=list)
+    # False while the replica waits for resources to rebuild on; it refuses requests meanwhile.
+    available: bool = True
 
 
 def error_output(rid: str, message: str) -> EngineCoreOutput:

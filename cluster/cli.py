@@ -2,8 +2,9 @@
 
   kvray [-v] run  --config C [--input FILE|DIR|GLOB|-] [--output out.jsonl] [--set k=v ...] [--summary-json P]
   kvray [-v] info --config C [--set k=v ...] [--json]
-  kvray [-v] stress --config C [--requests N] [--duration S] [--kill-workers K] [--abort-rate R] [--seed X]
-                    [--report DIR]   (the last line printed is the JSON report; exit 1 when a check fails)
+  kvray [-v] stress --config C [--requests N] [--duration S] [--kill-workers K] [--kill-nodes K]
+                    [--abort-rate R] [--seed X] [--report DIR]
+                    (the last line printed is the JSON report; exit 1 when a check fails)
   kvray [-v] serve --config C [--host 127.0.0.1] [--port 8000] [--set k=v ...]   (OpenAI-compatible, Ray Serve)
   kvray --version
 
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="spread the arrivals over this many seconds (0: all at once)")
     st.add_argument("--kill-workers", type=int, default=0,
                     help="kill this many random worker actors at random times (within max_worker_restarts)")
+    st.add_argument("--kill-nodes", type=int, default=0,
+                    help="kill this many whole nodes (their raylets) under the engines at random times; needs a "
+                         "multi-node cluster (ray.address), never the client's node")
     st.add_argument("--abort-rate", type=float, default=0.1, help="share of requests aborted mid-flight")
     st.add_argument("--seed", type=int, default=0, help="seed of the workload, aborts and kills")
     st.add_argument("--report", help="also write DIR/stress.png: latency CDF, KV usage, running requests")
@@ -255,7 +259,7 @@ def cmd_stress(config: EngineConfig, args: Any) -> int:
     from cluster.stress import StressOptions, check_options, run_stress
 
     opts = StressOptions(requests=args.requests, duration_s=args.duration, kill_workers=args.kill_workers,
-                         abort_rate=args.abort_rate, seed=args.seed, report_dir=args.report)
+                         kill_nodes=args.kill_nodes, abort_rate=args.abort_rate, seed=args.seed, report_dir=args.report)
     try:
         check_options(config, opts)
     except ValueError as e:

@@ -7,17 +7,27 @@ died) sets `fatal`; outputs already finished elsewhere still come back first.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.driver import driver_actor_class
-from actors.messages import PollResult, RequestSpec, RequestTiming
+from actors.messages import DOWN, PollResult, RequestSpec, RequestTiming, error_output
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
+from cluster.failover import (  # noqa: F401 - DRIVER_CALL_GRACE_S re-exported
+    DOWN_STATE,
+    DRIVER_CALL_GRACE_S,
+    REBUILDING_STATE,
+    STARTING,
+    UP,
+    ReplicaFailover,
+    ReplicaLost,
+)
 from cluster.placement import connect, create_placement_group, remove, resolve_device
 from kvcore.messages import EngineCoreOutput
 
@@ -25,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 
 DRIVER_NAME_PREFIX = "kvray-driver-"
-DRIVER_CALL_GRACE_S = 30.0  # beyond parallel.step_timeout_s, for a call into a driver actor
 
 
 class EngineFailure(RuntimeError):
@@ -52,8 +61,10 @@ class EngineOutput:
 def driver_placement() -> NodeAffinitySchedulingStrategy:
     """Driver actors live on the client's node (the head, under `ray job submit`): they hold no
     resources, and a worker node that goes away must take only workers with it, never the scheduler
-    that knows what they were doing. Soft, so a client on a node that cannot host actors still runs."""
-    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    that knows what they were doing. Hard affinity: a soft one lets Ray place them elsewhere even when
+    the client's node could host them (seen with a head of 0 CPUs); a process connected to Ray always
+    has a raylet on its node, which can start a 0-CPU actor."""
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def unwrap(e: BaseException) -> BaseException:
@@ -62,36 +73,42 @@ def unwrap(e: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else e
 
 
-class EngineGroup:
+class EngineGroup(ReplicaFailover):
     def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> None:
         self.started_ray = connect(config)
         config = resolve_device(config)  # the drivers and workers see cpu or cuda, never auto
         self.config = config
-        cls = driver_actor_class()
+        self.worker_cls = worker_cls
         n = config.parallel.data_parallel_size
         # Named, so an operator (or a failure test) can find a job's drivers: `ray list actors`,
         # ray.util.list_named_actors(); the suffix keeps concurrent jobs in one namespace apart.
-        tag = uuid.uuid4().hex[:8]
+        self.tag = uuid.uuid4().hex[:8]
         self.outstanding = [0] * n
         self.owner: dict[str, int] = {}
         self._polls: dict[Any, int] = {}
         self.fatal: str | None = None
         self.infos: list[dict[str, Any]] = []
         self.drivers: list[Any] = []
+        self._init_failover(n)
         # This process owns each replica's placement group, not its driver: a driver killed from outside
         # must not take its reservation with it, nor leave it behind.
         self.pgs: list[Any] = []
         try:
             for i in range(n):
-                self.pgs.append(create_placement_group(config, name=f"kvray-{config.ray.namespace}-{tag}-r{i}"))
-            self.drivers = [cls.options(namespace=config.ray.namespace, name=f"{DRIVER_NAME_PREFIX}{tag}-r{i}",
-                                        scheduling_strategy=driver_placement())
-                            .remote(config, pg, i, worker_cls) for i, pg in enumerate(self.pgs)]
+                self.pgs.append(create_placement_group(config, name=f"kvray-{config.ray.namespace}-{self.tag}-r{i}"))
+            self.drivers = [self._new_driver(i) for i in range(n)]
             self.infos = ray.get([d.start.remote() for d in self.drivers])
         except Exception as e:
             self.shutdown()
             cause = unwrap(e)
             raise cause from None
+
+    def _new_driver(self, replica: int) -> Any:
+        gen = self.driver_restarts[replica]
+        return driver_actor_class().options(
+            namespace=self.config.ray.namespace, scheduling_strategy=driver_placement(),
+            name=f"{DRIVER_NAME_PREFIX}{self.tag}-r{replica}" + (f"-{gen}" if gen else ""),
+        ).remote(self.config, self.pgs[replica], replica, self.worker_cls)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -99,75 +116,96 @@ class EngineGroup:
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, specs: list[RequestSpec]) -> dict[str, str]:
-        """Send requests to the least-loaded replicas; returns {request_id: error} for refused ones."""
-        per_replica: dict[int, list[RequestSpec]] = {}
-        for spec in specs:
-            r = min(range(len(self.drivers)), key=lambda i: self.outstanding[i])
-            self.outstanding[r] += 1
-            self.owner[spec.request_id] = r
-            per_replica.setdefault(r, []).append(spec)
-        refs = {r: self.drivers[r].add_requests.remote(batch) for r, batch in per_replica.items()}
+        """Send requests to the least-loaded replicas; returns {request_id: error} for refused ones.
+        While no replica is up they wait (see cluster/failover.py); once the group is down for good,
+        each is refused with the reason."""
         errors: dict[str, str] = {}
-        for r, ref in refs.items():
-            for spec, err in zip(per_replica[r], self._get(ref, r)):
-                if err is not None:
-                    errors[spec.request_id] = err
-                    self._finish_refused(spec.request_id, r, err)
+        rids = []
+        now = time.monotonic()
+        for spec in specs:
+            if self.fatal is not None:
+                errors[spec.request_id] = f"every engine replica {DOWN}: {self.fatal}"
+            elif spec.request_id in self.live:
+                errors[spec.request_id] = (f"request {spec.request_id!r}: request_id is already in use by an "
+                                           "unfinished request")
+            else:
+                self.live.add(spec, now)
+                rids.append(spec.request_id)
+        errors.update(self._dispatch(rids))
+        self._check_fatal()
         return errors
-
-    def _finish_refused(self, rid: str, r: int, err: str) -> None:
-        if self.owner.pop(rid, None) is not None:
-            self.outstanding[r] -= 1
-        # A replica that is down refuses everything: that is the replica's failure, not the request's.
-        if err.startswith(f"engine replica {r} is down:") and self.fatal is None:
-            self.fatal = err
 
     def abort(self, request_ids: Iterable[str]) -> None:
         by_replica: dict[int, list[str]] = {}
         for rid in request_ids:
             if rid in self.owner:
                 by_replica.setdefault(self.owner[rid], []).append(rid)
+            if rid in self.pending:
+                self.pending.remove(rid)
+            # Out of the books now: were its replica lost before the abort lands, it must not move.
+            self.live.retire(rid, time.monotonic())
         for r, ids in by_replica.items():
             self.drivers[r].abort.remote(ids)
 
     def poll(self, timeout_s: float = 1.0) -> list[EngineOutput]:
         """Outputs that arrived within timeout_s, streaming and finished ones alike."""
-        for r in range(len(self.drivers)):
-            if r not in self._polls.values():
+        self._check_starting()
+        self._dispatch_pending()
+        items = [EngineOutput(error_output(rid, err)) for rid, err in self._refused_late.items()]
+        self._refused_late.clear()
+        for r, s in enumerate(self.state):
+            if s in (UP, REBUILDING_STATE) and r not in self._polls.values():
                 self._polls[self.drivers[r].get_outputs.remote(timeout_s)] = r
-        ready, _ = ray.wait(list(self._polls), num_returns=1, timeout=timeout_s + 5.0)
-        items: list[EngineOutput] = []
+        wait_on = list(self._polls) + list(self._starting)
+        ready = ray.wait(wait_on, num_returns=1, timeout=timeout_s + 5.0)[0] if wait_on else []
         for ref in ready:
-            r = self._polls.pop(ref)
-            res: PollResult = self._get(ref, r)
-            for o in res.outputs:
-                if res.fatal is not None and o.finish_reason == "error" and o.error == res.fatal:
-                    continue  # in-flight casualties of the failure: reported once, as `fatal`
-                items.append(self._finish(o, r, res) if o.finished else EngineOutput(o))
-            if res.fatal is not None and self.fatal is None:
-                self.fatal = res.fatal
+            if ref in self._polls:
+                items += self._take(self._polls.pop(ref), ref)
+        self._check_starting()
+        self._dispatch_pending()
+        self._check_fatal()
         return items
 
-    def _finish(self, o: EngineCoreOutput, r: int, res: PollResult) -> EngineOutput:
-        if self.owner.pop(o.request_id, None) is not None:
-            self.outstanding[r] -= 1
-        return EngineOutput(o, res.timings.get(o.request_id))
-
-    def _get(self, ref: Any, replica: int) -> Any:
-        # The driver answers these calls between steps (its step loop never holds their lock long): a
-        # driver silent for this long is hung, and the caller must hear it rather than wait forever.
-        timeout_s = self.config.parallel.step_timeout_s + DRIVER_CALL_GRACE_S
+    def _take(self, r: int, ref: Any) -> list[EngineOutput]:
         try:
-            return ray.get(ref, timeout=timeout_s)
-        except RayActorError as e:
-            self.fatal = f"the driver actor of engine replica {replica} died: {str(e).splitlines()[0]}"
-            raise EngineFailure(self.fatal) from None
-        except GetTimeoutError:
-            self.fatal = f"the driver actor of engine replica {replica} did not answer within {timeout_s:g}s"
-            raise EngineFailure(self.fatal) from None
+            res: PollResult = self._get(ref, r)
+        except ReplicaLost as e:
+            self.pending += self._lose(r, str(e))
+            return []
+        items: list[EngineOutput] = []
+        # Outputs of requests moved away from r since are stale; unknown ids (aborted) pass through.
+        kept = self.live.drop_replayed([o for o in res.outputs if self.owner.get(o.request_id) == r or
+                                        o.request_id not in self.live],
+                                       lambda ids: self.drivers[r].abort.remote(ids))
+        for o in kept:
+            if res.fatal is not None and o.finish_reason == "error" and o.error == res.fatal:
+                continue  # in-flight casualties of the replica's failure: they move, below
+            self.live.record(o, time.monotonic())
+            if o.finished:
+                self._unown(o.request_id)
+            items.append(EngineOutput(o, res.timings.get(o.request_id) if o.finished else None))
+        if res.returned:
+            self.pending += self._orphans(r, res.returned)
+        if res.fatal is not None:
+            self._set_state(r, DOWN_STATE, res.fatal)
+            self.pending += self._orphans(r)
+        elif not res.available:
+            self._set_state(r, REBUILDING_STATE, self.why[r] or "waiting for resources to rebuild on")
+        elif self.state[r] == REBUILDING_STATE:
+            self._set_state(r, UP, None)
+        return items
 
     def stats(self) -> list[dict[str, Any]]:
-        return [self._get(d.stats.remote(), r) for r, d in enumerate(self.drivers)]
+        out = []
+        for r, d in enumerate(self.drivers):
+            try:
+                s = self._get(d.stats.remote(), r) if self.state[r] != STARTING else {"replica": r}
+            except ReplicaLost as e:
+                s = {"replica": r, "fatal": str(e)}
+            s.update(driver_restarts=self.driver_restarts[r], requests_moved_away=self.moved_away[r],
+                     state=self.state[r])
+            out.append(s)
+        return out
 
     # ---- teardown ---------------------------------------------------------------------------
     def shutdown(self) -> None:

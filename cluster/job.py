@@ -265,6 +265,8 @@ def summarize(stats: JobStats, engine_stats: list[dict[str, Any]]) -> dict[str, 
         "peak_kv_cache_usage": round(max((float(s.get("peak_kv_cache_usage", 0.0)) for s in engine_stats),
                                          default=0.0), 4),
         "worker_restarts": sum(int(s.get("worker_restarts", 0)) for s in engine_stats),
+        "driver_restarts": sum(int(s.get("driver_restarts", 0)) for s in engine_stats),
+        "requests_moved": sum(int(s.get("requests_moved_away", 0)) for s in engine_stats),
         "data_parallel_size": len(engine_stats),
     }
 

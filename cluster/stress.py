@@ -42,6 +42,7 @@ class StressOptions:
     requests: int = 200
     duration_s: float = 0.0
     kill_workers: int = 0
+    kill_nodes: int = 0
     abort_rate: float = 0.1
     seed: int = 0
     report_dir: str | None = None
@@ -69,6 +70,7 @@ class Observed:
     unknown_outputs: int = 0
     kill_times: list[float] = field(default_factory=list)
     kills: list[dict[str, Any]] = field(default_factory=list)
+    node_kills: list[dict[str, Any]] = field(default_factory=list)  # {"t", "node", "replicas"}
     timeline: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
     stalled: bool = False
@@ -115,6 +117,7 @@ class StressDriver:
         # Kill when a random share of the requests has ended: a random time while work is in flight.
         self.kill_at = sorted(int(self.rng.uniform(0.1, 0.7) * n) for _ in range(opts.kill_workers))
         self.kills_on: Counter[int] = Counter()
+        self.node_kill_at = sorted(int(self.rng.uniform(0.1, 0.7) * n) for _ in range(opts.kill_nodes))
         self.stall_s = max(120.0, 2 * config.parallel.step_timeout_s)
 
     def run(self) -> Observed:
@@ -149,6 +152,7 @@ class StressDriver:
             ended += self._take(got)
             self._send_aborts()
             self._maybe_kill(ended, t0)
+            self._maybe_kill_node(ended, t0)
             if self.engines.fatal is not None:
                 self.obs.failure = self.engines.fatal
                 return
@@ -225,6 +229,29 @@ class StressDriver:
         self.obs.kills.append({"t": round(t, 3), "replica": replica, "rank": rank})
 
 
+    def _maybe_kill_node(self, ended: int, t0: float) -> None:
+        if not self.node_kill_at or ended < self.node_kill_at[0]:
+            return
+        from cluster.node_kill import engine_nodes, kill_node
+
+        budget = self.config.parallel.max_worker_restarts
+        stats = self.engines.stats()
+        me = ray.get_runtime_context().get_node_id()
+        # A node whose replicas are all up with work in flight and restart budget left.
+        ok = [(node, reps) for node, reps in sorted(engine_nodes(self.engines.pgs).items()) if node != me and all(
+            self.engines.state[r] == "up" and self.engines.outstanding[r] > 0
+            and int(stats[r].get("worker_restarts", 0)) < budget for r in reps)]
+        if not ok:
+            return
+        node, reps = self.rng.choice(ok)
+        kill_node(node)
+        t = time.monotonic() - t0
+        log.warning("stress: killed node %s (replica(s) %s) at t=%.1fs (%d requests ended)", node[:12], reps, t, ended)
+        self.node_kill_at.pop(0)
+        self.obs.kill_times.append(t)
+        self.obs.node_kills.append({"t": round(t, 3), "node": node, "replicas": reps})
+
+
 # ---- the reference run --------------------------------------------------------------------------------
 def reference_config(config: EngineConfig, workload: list[StressRequest], block_size: int,
                      num_groups: int) -> EngineConfig:
@@ -282,7 +309,10 @@ def check_options(config: EngineConfig, opts: StressOptions) -> None:
              ("--kill-workers", opts.kill_workers,
               opts.kill_workers <= p.max_worker_restarts * p.data_parallel_size,
               f"exceeds the restart budget, parallel.max_worker_restarts={p.max_worker_restarts} per replica x "
-              f"{p.data_parallel_size} replica(s); raise it with --set parallel.max_worker_restarts=N")]
+              f"{p.data_parallel_size} replica(s); raise it with --set parallel.max_worker_restarts=N"),
+             ("--kill-nodes", opts.kill_nodes, opts.kill_nodes >= 0, "must be >= 0"),
+             ("--kill-nodes", opts.kill_nodes, opts.kill_nodes == 0 or p.max_worker_restarts >= 1,
+              "needs parallel.max_worker_restarts >= 1: a replica rebuilds after its node is lost")]
     for name, value, ok, rule in rules:
         if not ok:
             raise ValueError(f"{name}={value}: {rule}")
@@ -313,7 +343,7 @@ def run_stress(config: EngineConfig, opts: StressOptions) -> tuple[dict[str, Any
     t_ref = time.monotonic()
     reference = run_reference(reference_config(config, workload, config.cache.block_size,
                                                int(stats0.get("num_kv_cache_groups", 1))), workload)
-    report = evaluate(workload, obs, reference, pools, engine_stats, opts.kill_workers)
+    report = evaluate(workload, obs, reference, pools, engine_stats, opts.kill_workers, opts.kill_nodes)
     report["reference_wall_s"] = round(time.monotonic() - t_ref, 2)
     if opts.report_dir:
         report["png"] = write_png(opts.report_dir, obs, report)

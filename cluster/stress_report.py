@@ -44,7 +44,8 @@ def leaked_blocks(book: dict[str, Any]) -> int:
 
 
 def evaluate(workload: list[StressRequest], obs: Any, reference: dict[str, list[int]],
-             pools: list[dict[str, Any]], engine_stats: list[dict[str, Any]], kills_asked: int) -> dict[str, Any]:
+             pools: list[dict[str, Any]], engine_stats: list[dict[str, Any]], kills_asked: int,
+             nodes_asked: int = 0) -> dict[str, Any]:
     c = {"completed": 0, "aborted": 0, "lost": 0, "duplicated": obs.unknown_outputs, "mismatched": 0,
          "wrong_token_count": 0}
     latencies: list[float] = []
@@ -83,24 +84,30 @@ def evaluate(workload: list[StressRequest], obs: Any, reference: dict[str, list[
         "wrong_token_count": c["wrong_token_count"],
         "replayed_after_restart": sum(int(s.get("num_replayed", 0)) for s in engine_stats),
         "kills": len(obs.kills), "kill_times_s": [k["t"] for k in obs.kills],
+        # A lost node costs each replica with a bundle on it one TP-group rebuild.
+        "node_losses": len(obs.node_kills), "node_loss_times_s": [k["t"] for k in obs.node_kills],
+        "replicas_hit_by_node_losses": sum(len(k["replicas"]) for k in obs.node_kills),
+        "requests_moved": sum(int(s.get("requests_moved_away", 0)) for s in engine_stats),
+        "driver_restarts": sum(int(s.get("driver_restarts", 0)) for s in engine_stats),
         "wall_s": round(obs.wall_s, 2),
         "pool_errors": [b.get("error") or b.get("invariant_error") for b in pools
                         if b.get("error") or b.get("invariant_error")],
         "errors": errors, "fatal": fatal,
     }
-    report["checks_failed"] = failed_checks(report, kills_asked, obs.stalled)
+    report["checks_failed"] = failed_checks(report, kills_asked, obs.stalled, nodes_asked)
     report["_latencies"] = latencies
     return report
 
 
-def failed_checks(rep: dict[str, Any], kills_asked: int, stalled: bool) -> list[str]:
+def failed_checks(rep: dict[str, Any], kills_asked: int, stalled: bool, nodes_asked: int = 0) -> list[str]:
     rules = [
         ("lost", rep["lost"] == 0), ("duplicated", rep["duplicated"] == 0),
         ("mismatched", rep["mismatched"] == 0), ("wrong_token_count", rep["wrong_token_count"] == 0),
         ("completed+aborted==requests", rep["completed"] + rep["aborted"] == rep["requests"]),
         ("leaked_blocks", rep["leaked_blocks"] == 0), ("pool_invariants", not rep["pool_errors"]),
         ("replica_down", not rep["fatal"]), ("stalled", not stalled),
-        ("kills_done", rep["kills"] == kills_asked), ("worker_restarts==kills", rep["worker_restarts"] == rep["kills"]),
+        ("kills_done", rep["kills"] == kills_asked), ("node_losses_done", rep.get("node_losses", 0) == nodes_asked),
+        ("worker_restarts==kills", rep["worker_restarts"] == rep["kills"] + rep.get("replicas_hit_by_node_losses", 0)),
     ]
     return [name for name, ok in rules if not ok]
 

@@ -44,6 +44,7 @@ BAD = [
     ({"parallel": {"placement_timeout_s": 0}}, "parallel.placement_timeout_s=0.0: must be > 0"),
     ({"parallel": {"step_timeout_s": float("inf")}}, "parallel.step_timeout_s=inf: must be finite"),
     ({"parallel": {"max_worker_restarts": -1}}, "parallel.max_worker_restarts=-1: must be in [0, 1000]"),
+    ({"parallel": {"max_driver_restarts": -1}}, "parallel.max_driver_restarts=-1: must be in [0, 1000]"),
     ({"scheduler": {"max_num_seqs": 0}}, "scheduler.max_num_seqs=0: must be in [1, 16777216]"),
     ({"scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 32}},
      "scheduler.max_num_batched_tokens=32: must be >= scheduler.max_num_seqs (64)"),

@@ -111,3 +111,21 @@ def test_the_verdict_counts_each_kind_of_failure():
                                          "completed+aborted==requests", "leaked_blocks", "kills_done",
                                          "worker_restarts==kills"}
     assert rep["preemptions"] == 4 and rep["latency_p50_s"] == 1.0
+
+
+def test_the_verdict_counts_node_losses():
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+    wl = make_workload(2, 0, WorkloadShape(260, 64))
+    for r in wl:
+        r.sampling, r.abort_after = greedy, None
+    ref = {r.request_id: [1, 2, 3] for r in wl}
+    outcomes = {r.request_id: Outcome([1, 2, 3], 0.0, 1.0, "length", num_finished=1) for r in wl}
+    # One lost node held bundles of both replicas: each rebuilt once; three requests moved meanwhile.
+    obs = Observed(outcomes, wall_s=1.0, node_kills=[{"t": 0.5, "node": "n1", "replicas": [0, 1]}])
+    pools = [{"replica": r, "usable_blocks": 10, "free_uncached": 10, "cached_free": 0, "held": 0,
+              "ref_count_total": 0, "idle": True, "invariant_error": None} for r in range(2)]
+    stats = [{"worker_restarts": 1, "fatal": None}, {"worker_restarts": 1, "fatal": None, "requests_moved_away": 3}]
+    rep = evaluate(wl, obs, ref, pools, stats, kills_asked=0, nodes_asked=1)
+    assert (rep["node_losses"], rep["replicas_hit_by_node_losses"], rep["requests_moved"]) == (1, 2, 3)
+    assert rep["checks_failed"] == [], rep["checks_failed"]
+    assert "node_losses_done" in evaluate(wl, obs, ref, pools, stats, kills_asked=0, nodes_asked=2)["checks_failed"]

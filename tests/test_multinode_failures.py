@@ -1,0 +1,119 @@
+"""Node failure on a real multi-node cluster (tests/multinode.py): nodes a, b, c of one CPU each, an
+engine of two data-parallel replicas (TP=1) on two of them, the third spare. Each round runs the same
+greedy and seeded requests and must give the reference tokens, every request exactly once:
+
+1. the node under replica 0 goes away mid-run: its placement group is rescheduled on the spare node
+   and its TP group rebuilt there;
+2. the node under replica 1 loses its raylet (as `kvray stress --kill-nodes` does it), no spare left: replica 1 cannot rebuild, its requests move
+   to replica 0;
+3. a new node joins: replica 1 rebuilds on it and takes requests again;
+4. replica 0's driver actor is killed mid-run: a new driver takes its place, its requests move.
+"""
+import pytest
+import ray
+from multinode import bundle_nodes, local_cluster
+from waits import wait_until
+
+from actors.messages import RequestSpec
+from cluster.config import EngineConfig
+from cluster.engines import UP, EngineGroup
+from cluster.node_kill import kill_node
+from kvcore.request import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+N = 6
+
+
+def specs(tag):
+    out = []
+    for i in range(N):
+        sp = SamplingParams(max_tokens=16, ignore_eos=True) if i % 2 == 0 else \
+            SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
+        out.append(RequestSpec(f"{tag}-{i}", [(7 * i + j) % 250 + 1 for j in range(6 + i)], sp))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(a=1, b=1, c=1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def group(cluster):
+    config = EngineConfig().replace(model="tiny-random", device="cpu", data_parallel_size=2, max_num_seqs=2,
+                                    max_num_batched_tokens=64, cpu_kv_cache_gib=0.01, step_timeout_s=20,
+                                    placement_timeout_s=4, max_worker_restarts=3, transport="actor_calls")
+    g = EngineGroup(config)
+    yield g
+    g.shutdown()
+
+
+def run(group, tag, action=None):
+    """Every request's tokens, by index; `action` runs once, after the first tokens of the run."""
+    batch = specs(tag)
+    assert group.submit(batch) == {}
+    tokens = {s.request_id: [] for s in batch}
+    finished = []
+
+    def step():
+        nonlocal action
+        if action is not None and sum(map(len, tokens.values())) >= 4:
+            action, act = None, action
+            act()
+        for item in group.poll(timeout_s=0.5):
+            o = item.output
+            tokens[o.request_id].extend(o.new_token_ids)
+            if item.finished:
+                assert o.error is None, o.error
+                finished.append(o.request_id)
+        assert group.fatal is None, group.fatal
+
+    wait_until(lambda: len(finished) == N, 200, step=step, what=f"every request of round {tag!r} finishing")
+    assert sorted(finished) == sorted(tokens)  # each exactly once
+    return [tokens[s.request_id] for s in batch]
+
+
+@pytest.fixture(scope="module")
+def reference(group):
+    ref = run(group, "ref")
+    assert all(len(t) == 16 for t in ref)
+    return ref
+
+
+def node_of(cluster, group, replica):
+    return cluster.node_name(bundle_nodes(group.pgs[replica])[0])
+
+
+def test_a_lost_node_rebuilds_the_replica_on_the_spare_node(cluster, group, reference):
+    used = {node_of(cluster, group, 0), node_of(cluster, group, 1)}
+    spare = ({"a", "b", "c"} - used).pop()
+    lost = node_of(cluster, group, 0)
+    assert run(group, "rebuild", action=lambda: cluster.remove(lost)) == reference
+    assert node_of(cluster, group, 0) == spare
+    assert group.stats()[0]["worker_restarts"] == 1
+
+
+def test_with_no_spare_node_the_requests_move_to_the_other_replica(cluster, group, reference):
+    # This time the node dies as `kvray stress --kill-nodes` kills one: its raylet SIGKILLed.
+    lost = bundle_nodes(group.pgs[1])[0]
+    assert run(group, "failover", action=lambda: kill_node(lost)) == reference
+    assert group.state[1] == "rebuilding" and group.moved_away[1] > 0, (group.state, group.moved_away)
+
+
+def test_a_node_that_joins_later_is_used_again(cluster, group, reference):
+    cluster.add("d")
+    wait_until(lambda: group.state[1] == UP, 120, step=lambda: group.poll(timeout_s=0.5),
+               what="replica 1 rebuilding on the new node")
+    assert node_of(cluster, group, 1) == "d"
+    before = group.stats()[1]["num_output_tokens"]
+    assert run(group, "rejoined") == reference
+    assert group.stats()[1]["num_output_tokens"] > before
+
+
+def test_a_killed_driver_is_replaced_and_its_requests_move(cluster, group, reference):
+    assert run(group, "driver", action=lambda: ray.kill(group.drivers[0], no_restart=True)) == reference
+    assert group.driver_restarts[0] == 1
+    wait_until(lambda: group.state[0] == UP, 120, step=lambda: group.poll(timeout_s=0.5),
+               what="the new driver of replica 0 starting")
