@@ -14,7 +14,7 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
-PROBE_S = 10.0  # a bundle's probe task waits this long for its node at most, before asking again
+PROBE_S = 60.0  # a bundle's probe task waits this long at most while its node still reads alive
 
 
 def placement_whole(pg: Any) -> bool:
@@ -30,10 +30,11 @@ def placement_whole(pg: Any) -> bool:
     return len(nodes) == len(table.get("bundles", {})) and all(n in alive for n in nodes.values())
 
 
-def bundles_answer(pg: Any, timeout_s: float) -> bool:
-    """A 0-CPU task runs in every bundle within timeout_s. A worker's death can be seen before the GCS
-    declares its node dead (its connection breaks at once): until then the group still reads whole,
-    and only a task sent there tells that the bundle is gone."""
+def bundles_answer(pg: Any) -> bool:
+    """A 0-CPU task runs in every bundle. A worker's death can be seen before the GCS declares its node
+    dead (its connection breaks at once): until then the group still reads whole, and only a task sent
+    there tells that a bundle is gone. Waits as long as the group still reads whole (a task on a live
+    but loaded node may take a while to get a worker process), up to PROBE_S."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -41,7 +42,12 @@ def bundles_answer(pg: Any, timeout_s: float) -> bool:
     task = ray.remote(num_cpus=0, max_retries=0)(_here)
     refs = [task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
             .remote() for i in range(n)]
-    ready, pending = ray.wait(refs, num_returns=n, timeout=timeout_s)
+    deadline = time.monotonic() + PROBE_S
+    pending = refs
+    while pending and time.monotonic() < deadline:
+        _, pending = ray.wait(refs, num_returns=n, timeout=POLL_S * 2)
+        if pending and not placement_whole(pg):
+            break
     for ref in pending:
         try:
             ray.cancel(ref, force=True)
@@ -59,9 +65,8 @@ def wait_for_placement(pg: Any, timeout_s: float | None, stopped: Callable[[], b
     runs out or `stopped()`."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not stopped():
-        left = None if deadline is None else deadline - time.monotonic()
         try:
-            if placement_whole(pg) and bundles_answer(pg, PROBE_S if left is None else max(min(left, PROBE_S), 0.1)):
+            if placement_whole(pg) and bundles_answer(pg):
                 return True
         except Exception as e:  # noqa: BLE001 - the GCS is briefly unreachable: ask again
             logger.debug("placement group state: %s", e)
