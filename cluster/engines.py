@@ -97,11 +97,23 @@ class EngineGroup(ReplicaFailover):
             for i in range(n):
                 self.pgs.append(create_placement_group(config, name=f"kvray-{config.ray.namespace}-{self.tag}-r{i}"))
             self.drivers = [self._new_driver(i) for i in range(n)]
-            self.infos = ray.get([d.start.remote() for d in self.drivers])
+            self.infos = self._await_start([d.start.remote() for d in self.drivers])
         except Exception as e:
             self.shutdown()
             cause = unwrap(e)
             raise cause from None
+
+    def _await_start(self, refs: list[Any]) -> list[dict[str, Any]]:
+        """Every driver's start, bounded: its workers' set-up calls are each bounded by
+        max(600 s, parallel.step_timeout_s) (probe, process group, model load), so a start that takes
+        longer than three of those will never end."""
+        timeout_s = 3 * max(600.0, self.config.parallel.step_timeout_s) + DRIVER_CALL_GRACE_S
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            late = [i for i, ref in enumerate(refs) if ref in pending]
+            raise EngineFailure(f"engine replica(s) {late} did not start within {timeout_s:g}s (starting the "
+                                "workers in the placement group, joining the TP group, loading the model)")
+        return ray.get(refs)
 
     def _new_driver(self, replica: int) -> Any:
         gen = self.driver_restarts[replica]
