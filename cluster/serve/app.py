@@ -84,8 +84,9 @@ def stop_server(started_ray: bool) -> None:
 def run_server(config: EngineConfig, host: str, port: int) -> None:
     """`kvray serve`: serve until Ctrl-C or SIGTERM, then take everything down."""
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     started = start_server(config, host, port)
+    # After ray.init, which installs its own SIGTERM handler (it would end the process without a shutdown).
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         name = config.serve.served_model_name or config.model.model
         print(f"kvray serve: {name!r} on {config.parallel.data_parallel_size} replica(s) at "
@@ -97,3 +98,4 @@ def run_server(config: EngineConfig, host: str, port: int) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_server(started)
+        print("kvray serve: stopped", flush=True)
