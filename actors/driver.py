@@ -292,6 +292,8 @@ class EngineDriver(PoisonIsolation, DriverDebug):
         """Wait for the placement group to be whole (Ray reschedules a lost node's bundles by itself).
         Past parallel.placement_timeout_s, every live request goes back to the client, which sends it
         to the other replicas; this replica refuses requests and goes on waiting (a node may join)."""
+        if self.pg is None:  # no reservation to wait for (a driver built without one, as in unit tests)
+            return
         timeout_s = self.config.parallel.placement_timeout_s
         if wait_for_placement(self.pg, timeout_s, lambda: self._stop):
             return
