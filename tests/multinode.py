@@ -61,6 +61,11 @@ class LocalCluster:
             ray.init(address=self.address, namespace="kvray-test-multinode", log_to_driver=False)
 
 
+# A tiny-random CPU engine small enough for several replicas on the loopback nodes.
+ENGINE = dict(model="tiny-random", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, cpu_kv_cache_gib=0.01,
+              step_timeout_s=60, placement_timeout_s=30)
+
+
 @contextlib.contextmanager
 def local_cluster(**nodes: int) -> Iterator[LocalCluster]:
     """A connected LocalCluster with worker nodes {name: num_cpus}; shut down (and its temp dir removed)."""

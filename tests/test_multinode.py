@@ -5,7 +5,7 @@ single-node run; `kvray info` lists the nodes and where each engine's bundles wo
 import json
 
 import pytest
-from multinode import bundle_nodes, local_cluster
+from multinode import ENGINE, bundle_nodes, local_cluster
 
 from cluster import LLM, SamplingParams
 from cluster.cli import main
@@ -14,8 +14,6 @@ pytestmark = pytest.mark.timeout(240)
 
 PROMPTS = ["Hello, my name is", "The capital of France", "a b c d e f", "Once upon a time"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-ENGINE = dict(model="tiny-random", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, cpu_kv_cache_gib=0.01,
-              step_timeout_s=60, placement_timeout_s=30)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ over ZMQ. Greedy output equals the single-node run's; a killed rank on another n
 the restart budget and every request still ends once, whole."""
 import pytest
 import ray
-from multinode import local_cluster
+from multinode import ENGINE, local_cluster
 from waits import wait_until
 
 from actors.messages import RequestSpec
@@ -15,8 +15,6 @@ from cluster.engines import EngineGroup
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = ["Hello, my name is", "a b c d e f"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-ENGINE = dict(model="tiny-random", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, cpu_kv_cache_gib=0.01,
-              step_timeout_s=60, placement_timeout_s=30)
 
 
 @pytest.fixture(scope="module")
