@@ -39,7 +39,8 @@ class EngineCore:
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(specs, num_blocks=num_blocks)
         t1 = time.perf_counter()
         executor.initialize_kv_cache(self.kv_cache_config)  # also captures the CUDA graphs (warm-up)
-        self.startup_s = {"kv_sizing_s": round(t1 - t0, 2), "kv_init_capture_s": round(time.perf_counter() - t1, 2)}
+        self.startup_s = {**executor.startup_s, "kv_sizing_s": round(t1 - t0, 2),
+                          "kv_init_capture_s": round(time.perf_counter() - t1, 2)}
         logger.info("EngineCore start-up: KV sizing (profile run) %.1f s, KV cache + graph capture + "
                     "warm-up %.1f s", t1 - t0, time.perf_counter() - t1)
         self.max_model_len = self._resolve_max_model_len()

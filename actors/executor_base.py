@@ -5,6 +5,8 @@ Every method fans out to all tensor-parallel ranks; `execute_model` returns rank
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
@@ -29,6 +31,9 @@ class WorkerFailure(RuntimeError):
 
 
 class Executor(abc.ABC):
+    # Seconds each set-up phase took (probe, worker start, model load), for the engine's stats.
+    startup_s: Mapping[str, float] = MappingProxyType({})
+
     @abc.abstractmethod
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `Worker.<method>(*args, **kwargs)` on every rank; the answers in rank order."""

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -68,11 +69,17 @@ class RayExecutor(Executor):
         self.workers: list[Any] = []
         self.transport: Any = None
         self._closed = False
+        t0 = time.perf_counter()
         self.probe = self._run_probe(probe_model)
+        t1 = time.perf_counter()
         try:
             self._start_workers(worker_cls)
             self.collective_rpc("init_device")
+            t2 = time.perf_counter()
             self.collective_rpc("load_model")
+            # Where start-up time goes (the engine stats carry it; benchmarks/bench_startup.py prints it).
+            self.startup_s = {"probe_s": round(t1 - t0, 2), "workers_start_s": round(t2 - t1, 2),
+                              "load_model_s": round(time.perf_counter() - t2, 2)}
         except BaseException:
             self.shutdown()
             raise

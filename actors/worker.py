@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from actors import parallel_state
+from actors import compile_log, parallel_state
 from actors.engine_config import EngineConfig
 from actors.model_runner import ModelRunner
 from actors.shm_worker import ShmLoopMixin
@@ -58,6 +58,8 @@ class Worker(ShmLoopMixin):
         self.profiler = StepProfiler(rank)
         self._fail_for: set[str] = set()  # fault injection (tests): steps that run these ids raise
         self._fail_before = False
+        # KVRAY_LOG_COMPILES=1: record every Triton compile (benchmarks/bench_startup.py reads it).
+        self.compile_log = compile_log.install() if os.environ.get("KVRAY_LOG_COMPILES") == "1" else None
 
     # ---- set-up -----------------------------------------------------------------------------
     def _cuda_index(self) -> int:
@@ -175,6 +177,10 @@ class Worker(ShmLoopMixin):
         collect_step_timing, which ends the timing."""
         timer = self._runner().step_timer
         return [] if timer is None else timer.host_phases()
+
+    def compile_events(self, since: int = 0) -> list[dict]:
+        """The Triton compiles after the first `since` (KVRAY_LOG_COMPILES=1; else none)."""
+        return [] if self.compile_log is None else self.compile_log.since(since)
 
     # ---- housekeeping -----------------------------------------------------------------------
     def ping(self) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -92,9 +93,12 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
         timing = ray.get(driver.worker_call.remote(0, "start_step_timing")) if args.idle else False
         if args.profile:
             ray.get(driver.start_profile.remote(args.profile, args.profile_steps, args.profile_skip))
+        mark = len(ray.get(driver.worker_call.remote(0, "compile_events", 0)))
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps)
         elapsed = time.perf_counter() - t0
+        for e in ray.get(driver.worker_call.remote(0, "compile_events", mark)):  # variants the warm-up missed
+            print(f"compiled in the timed run: {e['kernel']} {e['took_s']:.2f} s {e['signature'][:240]}", flush=True)
         after = llm.engines.stats()[0]
         steps_timed = ray.get(driver.worker_call.remote(0, "collect_step_timing")) if timing else []
         if args.profile:
@@ -117,6 +121,8 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
         busy = [s["busy_ms"] for s in steps_timed[1:]]
         res["gpu_idle_frac"] = sum(gaps) / max(sum(gaps) + sum(busy), 1e-9)
         print_step_breakdown(steps_timed[1:])
+        if args.steps_json:
+            Path(args.steps_json).write_text(json.dumps(steps_timed))
     timed = [o.metrics for o in outs if o.metrics is not None and o.metrics.ttft_s is not None]
     if timed:
         res["ttft_p50_ms"] = statistics.median(m.ttft_s for m in timed) * 1e3
@@ -130,7 +136,9 @@ def print_step_breakdown(steps: list[dict]) -> None:
     def row(label: str, sel: list[dict]) -> str:
         ms = sum(s["busy_ms"] for s in sel)
         toks = sum(s["num_tokens"] for s in sel)
+        each = [s["busy_ms"] for s in sel] or [0.0]
         return (f"  {label:<22} steps {len(sel):>5}  busy {ms / 1e3:7.2f} s  mean {ms / max(len(sel), 1):7.2f} ms"
+                f"  median {statistics.median(each):7.2f}  max {max(each):7.2f}"
                 f"  tokens {toks:>8}  {ms / max(toks, 1) * 1e3:7.1f} us/token")
     decode = [s for s in steps if s["num_tokens"] == s["num_reqs"]]
     mixed = [s for s in steps if s["num_tokens"] != s["num_reqs"]]
@@ -170,6 +178,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["defaults", "tuned"], choices=sorted(CONFIGS))
     ap.add_argument("--idle", action="store_true",
                     help="CUDA events around every step (gpu_idle_frac_all_steps, the busy-time breakdown)")
+    ap.add_argument("--steps-json", metavar="PATH", help="with --idle: every timed step's record, as JSON")
     ap.add_argument("--kvray-run", action="store_true", help="also `kvray run` on the workload")
     ap.add_argument("--temperature", type=float, help="override the workload's temperature (nano: 0.6, else 0)")
     ap.add_argument("--logprobs", type=int, metavar="K",
@@ -178,6 +187,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--profile-skip", type=int, default=40, help="steps of the timed run before the trace")
     args = ap.parse_args()
+    os.environ.setdefault("KVRAY_LOG_COMPILES", "1")  # before Ray starts: the workers inherit it
 
     model_dir = make_random_model(args.shape, args.model_dir)
     prompts, params = make_workload(args.workload, SHAPES[args.shape]["vocab_size"])

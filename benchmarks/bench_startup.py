@@ -2,7 +2,8 @@
 
 Each measurement runs in a fresh process (Triton also caches compiled kernels in memory): cold with an
 empty TRITON_CACHE_DIR, then warm with the cache the cold run filled. In the warm process, a workload
-of 128 requests (prompts of 128-512 tokens, 64 greedy tokens) runs twice with no warm-up call before:
+of 128 requests (prompts of 128-512 tokens, 64 greedy tokens) runs twice with no warm-up call before,
+with the same lengths but fresh token ids the second time (no prefix-cache hits):
 first_run_ttft_ratio = TTFT p50 of the first run / of the second (target <= 1.2: nothing compiles on
 the first requests).
 
@@ -25,26 +26,46 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, make_random_model, record  # noqa: E402
 
+STARTUP_KEYS = ("probe_s", "workers_start_s", "load_model_s", "kv_sizing_s", "kv_init_capture_s")
 TAGS = {"qwen3-0.6b": "qwen3_0p6b", "llama-3.1-8b": "llama8b"}
 
 
 def child(model_dir: str, runs: int) -> dict:
+    t0 = time.perf_counter()
+    import ray
+
     from cluster import LLM, SamplingParams
+    import_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, device="cuda")
-    out = {"init_s": time.perf_counter() - t0}
-    rng = np.random.default_rng(1)
-    prompts = [{"prompt_token_ids": rng.integers(0, 10000, int(n)).tolist()} for n in rng.integers(128, 513, 128)]
+    out = {"init_s": time.perf_counter() - t0, "import_s": import_s}
+    driver = llm.engines.drivers[0]
+    stats = llm.engines.stats()[0]
+    out.update(llm.engines.startup_s)
+    out.update({k: v for k, v in stats.items() if k.endswith("_s") and k in STARTUP_KEYS})
+    compiles = ray.get(driver.worker_call.remote(0, "compile_events", 0))
+    out["compiles_at_start"] = len(compiles)
+    out["compile_s_at_start"] = round(sum(e["took_s"] for e in compiles), 2)
+    print("slowest start-up compiles:", json.dumps(sorted(compiles, key=lambda e: -e["took_s"])[:15], indent=1),
+          file=sys.stderr)
+    lens = np.random.default_rng(1).integers(128, 513, 128)
     sp = SamplingParams(max_tokens=64, ignore_eos=True)
     try:
         for r in range(runs):
+            # Same lengths, fresh tokens: a repeated prompt would hit the prefix cache and flatter the later run.
+            rng = np.random.default_rng(100 + r)
+            prompts = [{"prompt_token_ids": rng.integers(0, 10000, int(n)).tolist()} for n in lens]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp)
             wall = time.perf_counter() - t0
             ttft = statistics.median(o.metrics.ttft_s for o in outs if o.metrics and o.metrics.ttft_s is not None)
             out[f"run{r}_ttft_p50_ms"] = ttft * 1e3
             out[f"run{r}_wall_s"] = wall
+            # Any compile here is a variant the warm-up missed: a request waited for it.
+            late = ray.get(driver.worker_call.remote(0, "compile_events", len(compiles)))
+            compiles += late
+            out[f"run{r}_compiles"] = [f"{e['kernel']} {e['took_s']:.2f}s {e['signature'][:300]}" for e in late]
     finally:
         llm.shutdown()
     return out
@@ -65,7 +86,7 @@ def main() -> None:
     cache = tempfile.mkdtemp(prefix="kvray-triton-cache-")
     results = {}
     for name, runs in (("cold", 1), ("warm", 2)):
-        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        env = {**os.environ, "TRITON_CACHE_DIR": cache, "KVRAY_LOG_COMPILES": "1"}
         p = subprocess.run([sys.executable, __file__, "--child", model_dir, "--runs", str(runs)], env=env,
                            capture_output=True, text=True)
         sys.stderr.write(p.stderr[-4000:])

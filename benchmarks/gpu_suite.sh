@@ -92,6 +92,17 @@ graphs_profile() {  # a torch-profiler trace of 3 mixed steps of the defaults (L
   TAIL=60 step trace_summary 15 python3 benchmarks/summarize_trace.py /tmp/trace_llama
 }
 
+phase_diag() {  # [graphs] where the time goes: step kinds (median, max), late compiles, two traces, start-up phases
+  TAIL=30 step nano_idle 130 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults \
+    --idle --steps-json "$OUT/nano_steps.json" --profile /tmp/trace_mixed --profile-steps 3 --profile-skip 2
+  TAIL=70 step trace_mixed 30 python3 benchmarks/summarize_trace.py /tmp/trace_mixed --top 25
+  TAIL=20 step nano_tail 80 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults \
+    --profile /tmp/trace_tail --profile-steps 6 --profile-skip 1010
+  TAIL=70 step trace_tail 30 python3 benchmarks/summarize_trace.py /tmp/trace_tail --top 25
+  TAIL=40 step startup 150 python3 benchmarks/bench_startup.py --shape qwen3-0.6b
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
   TAIL=30 step check_tp_nccl 300 python3 benchmarks/check_tp.py --gpus-per-worker 1 --tp 2,4
   TAIL=30 step tp_scaling 600 python3 benchmarks/bench_tp_scaling.py
@@ -106,6 +117,7 @@ case "${1:-all}" in
   graphs) phase_graphs ;;
   graphs_perf) graphs_perf 150 160 110 ;;  # the throughput and start-up half of graphs (420 s)
   graphs_profile) graphs_profile ;;
+  diag) phase_diag ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;

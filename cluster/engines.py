@@ -75,7 +75,10 @@ def unwrap(e: BaseException) -> BaseException:
 
 class EngineGroup(ReplicaFailover):
     def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> None:
+        t0 = time.perf_counter()
         self.started_ray = connect(config)
+        t_connected = time.perf_counter()
+        self.startup_s = {"ray_connect_s": round(t_connected - t0, 2)}
         config = resolve_device(config)  # the drivers and workers see cpu or cuda, never auto
         self.config = config
         self.worker_cls = worker_cls
@@ -96,8 +99,11 @@ class EngineGroup(ReplicaFailover):
         try:
             for i in range(n):
                 self.pgs.append(create_placement_group(config, name=f"kvray-{config.ray.namespace}-{self.tag}-r{i}"))
+            t1 = time.perf_counter()
             self.drivers = [self._new_driver(i) for i in range(n)]
             self.infos = self._await_start([d.start.remote() for d in self.drivers])
+            self.startup_s.update(placement_s=round(t1 - t_connected, 2),
+                                  drivers_start_s=round(time.perf_counter() - t1, 2))
         except Exception as e:
             self.shutdown()
             cause = unwrap(e)

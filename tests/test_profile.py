@@ -66,3 +66,30 @@ def test_step_timer_host_phases_follow_the_marks():
             timer.mark(name)
     assert timer.host_phases() == [{"prepare_ms": 500.0, "wait_ms": 500.0, "complete_ms": 125.0,
                                     "outside_ms": 16500.0}]
+
+
+def test_the_compile_log_records_each_variant_with_its_time():
+    from actors.compile_log import CompileLog, install
+
+    log = CompileLog()
+
+    class Fn:
+        name = "k"
+
+    assert log._before(key=1, repr="k[num_warps=4](x: *fp32)", fn=Fn()) is False  # False: Triton goes on
+    log._after(key=1, repr="k[num_warps=4](x: *fp32)", fn=Fn())
+    mark = len(log.events)
+    log._before(repr="k2", fn=Fn())
+    log._after(repr="k2", fn=Fn())
+    assert [e["signature"] for e in log.since(0)] == ["k[num_warps=4](x: *fp32)", "k2"]
+    assert [e["kernel"] for e in log.since(mark)] == ["k"]
+    assert all(e["took_s"] >= 0 and e["started_s"] >= 0 for e in log.since(0))
+
+    from triton import knobs
+
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        installed = install()
+        assert installed is not None and knobs.runtime.jit_cache_hook == installed._before
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved

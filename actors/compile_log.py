@@ -1,0 +1,58 @@
+"""Which Triton kernel variants a worker compiled (or loaded from Triton's disk cache), and when.
+
+A request that waits for a compile is what the start-up warm-up exists to prevent; this log says
+which variant was missed. It hooks Triton's runtime (knobs.runtime.jit_cache_hook, called before a
+variant is built, and jit_post_compile_hook, after), so it costs nothing between compiles.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CompileEvent:
+    kernel: str  # the @triton.jit function's qualified name
+    signature: str  # Triton's repr of the variant: options and argument specialisations
+    started_s: float  # seconds since the log was installed
+    took_s: float
+
+
+class CompileLog:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.events: list[CompileEvent] = []
+        self._pending: dict[int, tuple[str, str, float]] = {}  # per thread: the variant being built
+        self._lock = threading.Lock()
+
+    def _before(self, *, repr: str, fn: Any, **_: Any) -> bool:  # noqa: A002 (Triton's keyword)
+        self._pending[threading.get_ident()] = (getattr(fn, "name", "?"), repr, time.perf_counter())
+        return False  # False: go on and compile
+
+    def _after(self, *, repr: str, fn: Any, **_: Any) -> None:  # noqa: A002
+        now = time.perf_counter()
+        name, _, started = self._pending.pop(threading.get_ident(), (getattr(fn, "name", "?"), repr, now))
+        with self._lock:
+            self.events.append(CompileEvent(name, repr, round(started - self.t0, 4), round(now - started, 4)))
+
+    def since(self, index: int) -> list[dict]:
+        """The events after the first `index` (a mark taken with len(self.events))."""
+        with self._lock:
+            return [asdict(e) for e in self.events[index:]]
+
+
+def install() -> CompileLog | None:
+    """Hook this process's Triton compiles into a new log; None where this Triton has no such hooks."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        return None
+    log = CompileLog()
+    runtime.jit_cache_hook = log._before
+    runtime.jit_post_compile_hook = log._after
+    return log
