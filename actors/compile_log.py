@@ -27,15 +27,19 @@ class CompileLog:
         self._pending: dict[int, tuple[str, str, float]] = {}  # per thread: the variant being built
         self._lock = threading.Lock()
 
-    def _before(self, *, repr: str, fn: Any, **_: Any) -> bool:  # noqa: A002 (Triton's keyword)
-        self._pending[threading.get_ident()] = (getattr(fn, "name", "?"), repr, time.perf_counter())
+    def _before(self, *, repr: str, fn: Any, key: Any = None, **_: Any) -> bool:  # noqa: A002 (Triton's keyword)
+        # The key holds the argument specialisations (dtypes, alignment, ints equal to 1 or a multiple of
+        # 16) and the constexprs: what tells two variants of one kernel apart. Some Triton versions'
+        # repr lists none of them.
+        sig = repr if key is None else f"{repr} key={key}"
+        self._pending[threading.get_ident()] = (getattr(fn, "name", "?"), sig, time.perf_counter())
         return False  # False: go on and compile
 
     def _after(self, *, repr: str, fn: Any, **_: Any) -> None:  # noqa: A002
         now = time.perf_counter()
-        name, _, started = self._pending.pop(threading.get_ident(), (getattr(fn, "name", "?"), repr, now))
+        name, sig, started = self._pending.pop(threading.get_ident(), (getattr(fn, "name", "?"), repr, now))
         with self._lock:
-            self.events.append(CompileEvent(name, repr, round(started - self.t0, 4), round(now - started, 4)))
+            self.events.append(CompileEvent(name, sig, round(started - self.t0, 4), round(now - started, 4)))
 
     def since(self, index: int) -> list[dict]:
         """The events after the first `index` (a mark taken with len(self.events))."""

@@ -44,6 +44,9 @@ class EngineCore:
         logger.info("EngineCore start-up: KV sizing (profile run) %.1f s, KV cache + graph capture + "
                     "warm-up %.1f s", t1 - t0, time.perf_counter() - t1)
         self.max_model_len = self._resolve_max_model_len()
+        t2 = time.perf_counter()
+        executor.open_step_path()
+        self.startup_s["step_path_s"] = round(time.perf_counter() - t2, 2)
         self.async_scheduling = config.use_async_scheduling
         self._new_scheduler()
         self._num_steps = 0

@@ -30,6 +30,12 @@ class WorkerFailure(RuntimeError):
         return (WorkerFailure, (self.rank, self.reason))
 
 
+class CollectiveError(RuntimeError):
+    """A tensor-parallel collective failed (timed out waiting for a rank, or its peer went away): this
+    rank's group is out of step and must be rebuilt. Defined here, torch-free, because the driver's
+    transport catches it and the driver process never imports torch."""
+
+
 class Executor(abc.ABC):
     # Seconds each set-up phase took (probe, worker start, model load), for the engine's stats.
     startup_s: Mapping[str, float] = MappingProxyType({})
@@ -56,3 +62,7 @@ class Executor(abc.ABC):
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.collective_rpc("initialize_kv_cache", kv_cache_config)
+
+    def open_step_path(self) -> None:
+        """Called once the set-up calls are done: build whatever carries the steps now, so that the
+        first request does not wait for it."""

@@ -101,5 +101,5 @@ def allocate_kv_cache(model: DecoderForCausalLM, kv_cache_config: KVCacheConfig,
         s = group.kv_cache_spec
         shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)
         for name in group.layer_names:
-            layers[name].kv_cache = kv_caches[slots[name]].view(s.dtype).view(shape)
+            layers[name].kv_cache = kv_caches[slots[name]].view(getattr(torch, s.dtype)).view(shape)
     return kv_caches

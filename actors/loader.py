@@ -5,7 +5,6 @@ target dtype, then fills it from safetensors only, each rank reading just its ow
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -13,25 +12,11 @@ import torch
 from actors.hf_config import read_config_json
 from actors.models.decoder import DecoderForCausalLM
 from actors.models.registry import build_model
+from actors.node_probe import TINY_RANDOM, resolve_model_dir
 
-TINY_RANDOM = "tiny-random"
+__all__ = ["TINY_RANDOM", "load_model", "read_hf_config", "resolve_dtype", "resolve_model_dir"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
-def resolve_model_dir(name: str) -> str:
-    """"tiny-random" -> the built-in model (written on first use); otherwise an existing local
-    directory. Nothing is downloaded."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"model={name!r}: must be a local HF model directory or {TINY_RANDOM!r}")
-    if name == TINY_RANDOM:
-        from actors.models.tiny_random import ensure_tiny_random
-        return ensure_tiny_random()
-    path = os.path.abspath(os.path.expanduser(name))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model={name!r}: no such directory (kvray loads local HF-format directories, "
-                                f"or the built-in {TINY_RANDOM!r}; it downloads nothing)")
-    return path
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from actors.sampling_inputs import SamplingInputs
 from actors.step_logprobs import LogprobsCollector, compute_prompt_logprobs, launch_copies, prompt_plan
 from actors.step_profiler import StepTimer
 from actors.token_readback import SampledStep, TokenReadback
-from actors.warmup import dummy_sampling, warm_sampler
+from actors.warmup import warm_sampler
 from kvcore.kernels import check_backend
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
@@ -126,7 +126,7 @@ class ModelRunner:
         # kernel itself allocates nothing. (The CPU budget is configured, not profiled.)
         kv_cache_sizing.profile_run(self._model(), self.max_num_tokens, rows, self.max_model_len, self.device,
                                     lambda logits: self.device.type == "cuda" and self.sampler(
-                                        logits, dummy_sampling(rows, True, MAX_LOGPROBS, self.device)))
+                                        logits, self.sampling_inputs.dummy(rows, True, MAX_LOGPROBS)))
 
     def determine_num_blocks(self) -> int:
         return kv_cache_sizing.determine_num_blocks(self.config, self.get_kv_cache_specs(), self.device,
@@ -145,7 +145,8 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
                                       self.device, self.pin_memory, kv_cache_config.block_sizes)
         self.capture_graphs()
-        warm_sampler(self.sampler, int(self._hf("vocab_size")), self.device, self.max_num_reqs)
+        warm_sampler(self.sampler, int(self._hf("vocab_size")), self.device, self.max_num_reqs,
+                     self.sampling_inputs.dummy)
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     def _graphs_unavailable(self) -> str | None:

@@ -16,15 +16,12 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from actors.executor_base import CollectiveError  # noqa: F401 - raised here, imported from here too
+
 _RANK = 0
 _WORLD = 1
 _GROUP: dist.ProcessGroup | None = None
 _BROKEN: str | None = None  # why the group is out of step, once a collective failed
-
-
-class CollectiveError(RuntimeError):
-    """A tensor-parallel collective failed (timed out waiting for a rank, or its peer went away): this
-    rank's group is out of step and must be rebuilt."""
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, backend: str,

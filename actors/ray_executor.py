@@ -8,12 +8,8 @@ the group (`init_device`, all ranks at once) and load their shard. Steps go thro
 from __future__ import annotations
 
 import importlib
-import json
 import logging
-import os
-import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import ray
@@ -22,35 +18,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
 from actors.executor_base import Executor
+from actors.node_probe import NodeProbe, probe_node
 from actors.transport import WorkerFailure, gather_ranks, make_transport
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class NodeProbe:
-    """What the probe on rank 0's node found."""
-
-    node_ip: str
-    port: int
-    hf_config: dict[str, Any] = field(default_factory=dict)
-    model_dir: str = ""
-
-
-def _probe(model: str | None) -> NodeProbe:
-    """Runs on rank 0's bundle: its node IP, a port free there now, and the model's config.json."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    probe = NodeProbe(ray.util.get_node_ip_address(), port)
-    if model is not None:
-        from actors.loader import resolve_model_dir  # resolving "tiny-random" writes it on this node
-
-        probe.model_dir = resolve_model_dir(model)
-        with open(os.path.join(probe.model_dir, "config.json")) as f:
-            probe.hf_config = json.load(f)
-    return probe
-
 
 def import_class(path: str) -> type[Any]:
     module, _, name = path.rpartition(".")
@@ -88,7 +60,7 @@ class RayExecutor(Executor):
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
 
     def _run_probe(self, probe_model: bool) -> NodeProbe:
-        task = ray.remote(num_cpus=0)(_probe).options(scheduling_strategy=self._strategy(0))
+        task = ray.remote(num_cpus=0)(probe_node).options(scheduling_strategy=self._strategy(0))
         return ray.get(task.remote(self.config.model.model if probe_model else None),
                        timeout=self.setup_timeout_s)
 
@@ -118,11 +90,15 @@ class RayExecutor(Executor):
         return gather_ranks(refs, method, timeout_s, on_timeout=lambda ranks: WorkerFailure(
             ranks[0], f"{method} did not finish within {timeout_s:g}s on rank(s) {ranks}"))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def open_step_path(self) -> None:
+        # Compiled after the set-up calls (they must not compete with a live graph's channels) and before
+        # the first request, which would otherwise wait for Ray to compile the graph.
         if self.transport is None:
-            # Compiled only now: set-up calls must not compete with a live graph's channels.
             self.transport = make_transport(self.config.ray.transport, self.workers,
                                             self.config.parallel.step_timeout_s)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.open_step_path()
         return self.transport.broadcast(scheduler_output)
 
     @property

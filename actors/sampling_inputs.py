@@ -57,6 +57,18 @@ class SamplingInputs:
             penalty_slots=ig[3, :n] if has_pen else None, penalties=fg[2:5, :n] if has_pen else None,
             ban_ids=self._ban_ids(batch, rows, ban_rows) if ban_rows else None, num_logprobs=num_logprobs)
 
+    def dummy(self, n: int, filters: bool, num_logprobs: int = -1) -> SamplingMetadata:
+        """Metadata for n random rows (temperature 1; top-k 8 and top-p 0.9 when `filters`) in the very
+        buffers build() fills: the warm-up compiles the sampler variants that real steps use, since
+        Triton specialises on the dtypes and alignment of these views."""
+        f, i = self.f32.np, self.i64.np
+        f[:, :n] = np.array([1.0, 0.9 if filters else 1.0, 0.0, 0.0, 1.0], dtype=np.float32)[:, None]
+        i[:, :n] = np.array([8 if filters else 0, 0, 0, -1], dtype=np.int64)[:, None]
+        fg, ig = self.f32.copy_to_gpu(), self.i64.copy_to_gpu()
+        return SamplingMetadata(temperature=fg[0, :n], top_k=ig[0, :n], top_p=fg[1, :n], seeds=ig[1, :n],
+                                positions=ig[2, :n], all_greedy=False, need_filter=filters,
+                                num_logprobs=num_logprobs)
+
     @staticmethod
     def _ban_rows(batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> list[int]:
         """Indices j (into rows) still short of min_tokens: they may not sample EOS or a stop token."""

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from actors.parallel_state import CollectiveError
+from actors.executor_base import CollectiveError
 from actors.shm_channels import ChannelSpec, Receiver, Sender, open_receiver, open_sender
 from actors.shm_ring import RingClosed, RingTimeout
 

@@ -19,8 +19,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
 
-from actors.executor_base import WorkerFailure  # noqa: F401 - raised here, imported from here too
-from actors.parallel_state import CollectiveError
+from actors.executor_base import CollectiveError, WorkerFailure  # noqa: F401 - WorkerFailure: imported from here too
 from actors.poison import StepError
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 

@@ -97,8 +97,7 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps)
         elapsed = time.perf_counter() - t0
-        for e in ray.get(driver.worker_call.remote(0, "compile_events", mark)):  # variants the warm-up missed
-            print(f"compiled in the timed run: {e['kernel']} {e['took_s']:.2f} s {e['signature'][:240]}", flush=True)
+        print_late_compiles(ray.get(driver.worker_call.remote(0, "compile_events", 0)), mark)
         after = llm.engines.stats()[0]
         steps_timed = ray.get(driver.worker_call.remote(0, "collect_step_timing")) if timing else []
         if args.profile:
@@ -129,6 +128,16 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
         res["tpot_p50_ms"] = statistics.median((m.e2e_s - m.ttft_s) / max(1, m.num_output_tokens - 1)
                                                for m in timed) * 1e3
     return res
+
+
+def print_late_compiles(events: list[dict], mark: int) -> None:
+    """The kernel variants compiled in the timed run (the warm-up missed them), each beside the warm-up's
+    variants of the same kernel, so that the specialisation that differs can be read off."""
+    for e in events[mark:]:
+        print(f"compiled in the timed run: {e['kernel']} {e['took_s']:.2f} s\n  {e['signature']}", flush=True)
+        for w in events[:mark]:
+            if w["kernel"] == e["kernel"]:
+                print(f"  warm-up had: {w['signature']}", flush=True)
 
 
 def print_step_breakdown(steps: list[dict]) -> None:

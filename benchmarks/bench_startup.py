@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, make_random_model, record  # noqa: E402
 
-STARTUP_KEYS = ("probe_s", "workers_start_s", "load_model_s", "kv_sizing_s", "kv_init_capture_s")
+STARTUP_KEYS = ("probe_s", "workers_start_s", "load_model_s", "kv_sizing_s", "kv_init_capture_s", "step_path_s")
 TAGS = {"qwen3-0.6b": "qwen3_0p6b", "llama-3.1-8b": "llama8b"}
 
 

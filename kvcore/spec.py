@@ -8,8 +8,11 @@ one block of memory holds `max_layers_per_group` layer pages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+# Bytes per element of the cache dtypes. Specs name their dtype, so that the driver, which sizes and
+# groups caches but holds none, never imports torch (unpickling a torch.dtype would).
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 @dataclass(frozen=True)
@@ -17,13 +20,18 @@ class FullAttentionSpec:
     block_size: int
     num_kv_heads: int
     head_size: int
-    dtype: torch.dtype
+    dtype: Any  # a torch.dtype or its name; kept as the name ("bfloat16")
+
+    def __post_init__(self) -> None:
+        name = str(self.dtype).removeprefix("torch.")
+        if name not in ITEMSIZE:
+            raise ValueError(f"{type(self).__name__}.dtype={self.dtype!r}: must be one of {sorted(ITEMSIZE)}")
+        object.__setattr__(self, "dtype", name)
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes of K and V for one block of one layer."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * ITEMSIZE[self.dtype]
 
     def max_blocks_per_request(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)
@@ -34,6 +42,7 @@ class SlidingWindowSpec(FullAttentionSpec):
     sliding_window: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.sliding_window <= 0:
             raise ValueError(f"SlidingWindowSpec.sliding_window={self.sliding_window}: must be >= 1")
 

@@ -163,3 +163,21 @@ def test_append_token_and_limits():
         batch.add_request(CachedRequestState(f"x{i}", [1], sp, 0, ([1], [1]), 0))
     with pytest.raises(RuntimeError, match="full"):
         batch.add_request(CachedRequestState("y", [1], sp, 0, ([1], [1]), 0))
+
+
+def test_the_warm_up_samples_through_the_views_real_steps_use():
+    """Triton compiles a variant per argument dtype and alignment: the warm-up's metadata must be the
+    very views build() hands the sampler, or the first real steps compile their own."""
+    from actors.sampling_inputs import SamplingInputs
+
+    batch, rng = make_batch(), np.random.default_rng(0)
+    rows = np.array([batch.add_request(make_state(i, rng)) for i in range(1, 6)])
+    si = SamplingInputs(MAX_REQS, torch.device("cpu"), False)
+    real = si.build(batch, rows, np.zeros(len(rows), dtype=np.int64))
+    for filters in (False, True):
+        warm = si.dummy(len(rows), filters)
+        assert warm.need_filter is filters and not warm.all_greedy
+        for name in ("temperature", "top_k", "top_p", "seeds", "positions"):
+            a, b = getattr(real, name), getattr(warm, name)
+            assert (a.dtype, a.shape, a.stride(), a.data_ptr()) == (b.dtype, b.shape, b.stride(), b.data_ptr()), name
+    assert torch.equal(warm.top_k, torch.full((5,), 8)) and torch.allclose(warm.top_p, torch.full((5,), 0.9))

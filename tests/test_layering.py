@@ -70,3 +70,14 @@ def test_the_client_side_never_loads_torch():
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_driver_process_never_loads_torch():
+    # The driver actor (scheduler, KV-cache manager, transport) holds no tensor: importing torch there
+    # cost seconds of every engine start and rebuild.
+    code = ("import sys, actors.driver, actors.engine_core, actors.ray_executor, actors.shm_transport; "
+            "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,56 @@
+"""What the engine needs to know of rank 0's node before its workers start: the node's IP, a port free
+there for the TP process group, and the model's config.json as that node sees it.
+
+It runs as a Ray task in bundle 0 of the engine's placement group, so it stays free of torch: a fresh
+worker process importing torch spent ~2 s of every engine start on it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+TINY_RANDOM = "tiny-random"
+
+
+@dataclass
+class NodeProbe:
+    """What the probe on rank 0's node found."""
+
+    node_ip: str
+    port: int
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    model_dir: str = ""
+
+
+def resolve_model_dir(name: str) -> str:
+    """"tiny-random" -> the built-in model (written on first use); otherwise an existing local
+    directory. Nothing is downloaded."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model={name!r}: must be a local HF model directory or {TINY_RANDOM!r}")
+    if name == TINY_RANDOM:
+        from actors.models.tiny_random import ensure_tiny_random  # torch: only for the built-in model
+
+        return ensure_tiny_random()
+    path = os.path.abspath(os.path.expanduser(name))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model={name!r}: no such directory (kvray loads local HF-format directories, "
+                                f"or the built-in {TINY_RANDOM!r}; it downloads nothing)")
+    return path
+
+
+def probe_node(model: str | None) -> NodeProbe:
+    """Runs on rank 0's bundle: its node IP, a port free there now, and the model's config.json."""
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    probe = NodeProbe(ray.util.get_node_ip_address(), port)
+    if model is not None:
+        probe.model_dir = resolve_model_dir(model)  # resolving "tiny-random" writes it on this node
+        with open(os.path.join(probe.model_dir, "config.json")) as f:
+            probe.hf_config = json.load(f)
+    return probe
