@@ -103,6 +103,16 @@ phase_diag() {  # [graphs] where the time goes: step kinds (median, max), late c
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
+phase_warm() {  # [graphs] after the warm-up fixes: nano defaults vs tuned, start-up, logprobs cost, head-256 attention
+  TAIL=40 step nano 170 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults tuned \
+    --idle --steps-json "$OUT/nano_steps.json"
+  TAIL=40 step startup 130 python3 benchmarks/bench_startup.py --shape qwen3-0.6b
+  TAIL=20 step api_features 110 python3 benchmarks/bench_api_features.py --shape qwen3-0.6b
+  TAIL=20 step attn_head256 130 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_attention_kernels.py -k "head_256 or fall_back or half_precision"
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
   TAIL=30 step check_tp_nccl 300 python3 benchmarks/check_tp.py --gpus-per-worker 1 --tp 2,4
   TAIL=30 step tp_scaling 600 python3 benchmarks/bench_tp_scaling.py
@@ -118,6 +128,7 @@ case "${1:-all}" in
   graphs_perf) graphs_perf 150 160 110 ;;  # the throughput and start-up half of graphs (420 s)
   graphs_profile) graphs_profile ;;
   diag) phase_diag ;;
+  warm) phase_warm ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;
