@@ -110,7 +110,6 @@ phase_warm() {  # [graphs] after the warm-up fixes: nano defaults vs tuned, star
   TAIL=20 step api_features 110 python3 benchmarks/bench_api_features.py --shape qwen3-0.6b
   TAIL=20 step attn_head256 130 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
     tests/test_attention_kernels.py -k "head_256 or fall_back or half_precision"
-  cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
