@@ -187,6 +187,11 @@ class StepGraphs:
                     with torch.cuda.graph(graph, pool=pool):
                         output = forward(bucket)
                     self._graphs[bucket] = _Captured(graph, output)
+                for bucket, captured in self._graphs.items():
+                    # A graph's first launch also uploads it to the device: paid here, not by the
+                    # first requests (the dummy step of prepare() writes no KV).
+                    prepare(bucket)
+                    captured.graph.replay()
             torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001 - any capture problem: warn and run eagerly
             logger.warning("CUDA graph capture failed (%s: %s); steps run eagerly", type(e).__name__, e)

@@ -292,6 +292,24 @@ def test_tiles_too_big_for_shared_memory_fall_back_to_smaller_ones(monkeypatch):
     assert all(x.block_n <= 32 and x.num_stages <= 2 for x in launched[tried:])
 
 
+def test_one_failed_compile_jumps_to_tiles_that_fit():
+    """The compiler's figures for one variant calibrate the shared-memory model: the next try is the
+    first variant along the shrink chain that the model says fits, not the next one."""
+    from kvcore.kernels.attention_tiles import fit, large_tiles, shrink, smem_model
+
+    big = large_tiles(2, 256)  # head 256 in fp32 on the H200: 287,296 bytes needed, 232,448 there
+    got = fit(big, 16, 256, 287296, 232448)
+    assert got is not None and 287296 * smem_model(got, 256) <= 232448 * smem_model(big, 256)
+    prev = shrink(big, 16)
+    assert prev is not None and (prev == got or 287296 * smem_model(prev, 256) > 232448 * smem_model(big, 256))
+    assert (got.block_m, got.block_n, got.num_stages) == (64, 32, 3)
+    end = big
+    while (nxt := shrink(end, 16)) is not None:
+        end = nxt
+    assert fit(big, 16, 256, 10**9, 1) == end  # nothing fits by the model: the smallest, for the compiler
+    assert fit(end, 16, 256, 10**9, 1) is None  # nothing smaller is left: the caller raises
+
+
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_head_256_float32(kind):
     """Gemma's head size in float32: on the H200 the first tile choice does not fit shared memory."""

@@ -66,3 +66,24 @@ def shrink(tiles: _Tiles, min_rows: int) -> _Tiles | None:
     if tiles.block_m // 2 >= min_rows:
         return dataclasses.replace(tiles, block_m=tiles.block_m // 2, num_warps=4)
     return None
+
+
+def smem_model(tiles: _Tiles, head_pad: int) -> int:
+    """Shared memory of a launch, up to a constant factor: the pipelined K and V tiles plus the
+    score tile. Only ratios are used, calibrated by what the compiler reported for one variant."""
+    return max(1, tiles.num_stages - 1) * 2 * tiles.block_n * head_pad + tiles.block_m * tiles.block_n
+
+
+def fit(tiles: _Tiles, min_rows: int, head_pad: int, required: int, limit: int) -> _Tiles | None:
+    """The first tiles along shrink()'s chain that should fit: the compiler said `tiles` need
+    `required` bytes against `limit`, and each candidate is scaled by smem_model. One failed compile
+    then jumps straight to a fitting variant, where walking the chain one step a time compiled up to
+    six variants of the largest kernel (minutes for head 256 in float32)."""
+    base = smem_model(tiles, head_pad)
+    cand = shrink(tiles, min_rows)
+    while cand is not None and required * smem_model(cand, head_pad) > limit * base:
+        nxt = shrink(cand, min_rows)
+        if nxt is None:
+            return cand  # the smallest left: let the compiler decide
+        cand = nxt
+    return cand

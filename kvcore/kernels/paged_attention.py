@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernels.attention_tiles import _Tiles, choose_num_splits, large_tiles, num_sms, shrink, small_tiles
+from kvcore.kernels.attention_tiles import _Tiles, choose_num_splits, fit, large_tiles, num_sms, small_tiles
 
 _LOG2E = 1.4426950408889634
 
@@ -243,8 +243,9 @@ def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int
     while True:
         try:
             return _launch_tiles(a, tiles, num_splits, q_filter, small_q, max_query_len)
-        except triton.runtime.errors.OutOfResources:
-            smaller = shrink(tiles, tiles.block_m if q_filter != 2 else max(16, a["group"]))
+        except triton.runtime.errors.OutOfResources as e:
+            min_rows = tiles.block_m if q_filter != 2 else max(16, a["group"])
+            smaller = fit(tiles, min_rows, a["head_pad"], int(e.required), int(e.limit))
             if smaller is None:
                 raise
             tiles = _FITTED[key] = smaller
