@@ -12,6 +12,7 @@ Configs (--configs, each one LLM after the other on the same prompts):
   tuned     + async scheduling on, admission 32/32, prefix caching off, max_model_len 4096
   admit1    defaults admitting every request at once (admission_min_batch 1)
   eager     defaults with cudagraph_mode none        decode: defaults with cudagraph_mode decode
+  no_prefix_cache, len4096   defaults with prefix caching off / max_model_len 4096 (the two halves of tuned)
   cap512, cap2048   defaults with mixed steps above 512 / 2048 tokens eager (model.cudagraph_max_tokens)
   big, big_cap512   max_num_seqs 512, max_num_batched_tokens 16384 (vLLM's offline defaults on big GPUs)
 --idle times every step of every config with CUDA events and prints where the GPU time went.
@@ -48,6 +49,8 @@ CONFIGS = {
     "no_admission": dict(async_scheduling=True, enable_prefix_caching=False, max_model_len=4096),
     "decode": dict(cudagraph_mode="decode"),
     "eager": dict(cudagraph_mode="none"),
+    "no_prefix_cache": dict(enable_prefix_caching=False),
+    "len4096": dict(max_model_len=4096),
     "cap512": dict(cudagraph_max_tokens=512),
     "cap2048": dict(cudagraph_max_tokens=2048),
     "big": dict(max_num_seqs=512, max_num_batched_tokens=16384),

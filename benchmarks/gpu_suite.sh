@@ -112,6 +112,15 @@ phase_warm() {  # [graphs] after the warm-up fixes: nano defaults vs tuned, star
     tests/test_attention_kernels.py -k "head_256 or fall_back or half_precision"
 }
 
+phase_final() {  # [graphs] the round's figures: greedy = HF in every graph mode, start-up, nano defaults beside the knobs
+  TAIL=30 step cuda_graphs 100 python3 benchmarks/check_cuda_graphs.py
+  TAIL=40 step startup 120 python3 benchmarks/bench_startup.py --shape qwen3-0.6b
+  TAIL=40 step nano 150 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults no_prefix_cache len4096 --idle
+  TAIL=20 step attn_head256 70 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_attention_kernels.py -k "head_256 or fall_back or half_precision or jumps"
+}
+
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
   TAIL=30 step check_tp_nccl 300 python3 benchmarks/check_tp.py --gpus-per-worker 1 --tp 2,4
   TAIL=30 step tp_scaling 600 python3 benchmarks/bench_tp_scaling.py
@@ -128,6 +137,7 @@ case "${1:-all}" in
   graphs_profile) graphs_profile ;;
   diag) phase_diag ;;
   warm) phase_warm ;;
+  final) phase_final ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;
