@@ -115,9 +115,9 @@ phase_warm() {  # [graphs] after the warm-up fixes: nano defaults vs tuned, star
 phase_final() {  # [graphs] the round's figures: greedy = HF in every graph mode, start-up, nano defaults beside the knobs
   TAIL=30 step cuda_graphs 100 python3 benchmarks/check_cuda_graphs.py
   TAIL=40 step startup 120 python3 benchmarks/bench_startup.py --shape qwen3-0.6b
-  TAIL=40 step nano 150 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
+  TAIL=40 step nano 140 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
     --configs defaults no_prefix_cache len4096 --idle
-  TAIL=20 step attn_head256 70 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+  TAIL=20 step attn_head256 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
     tests/test_attention_kernels.py -k "head_256 or fall_back or half_precision or jumps"
 }
 
