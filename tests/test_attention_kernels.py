@@ -310,6 +310,17 @@ def test_one_failed_compile_jumps_to_tiles_that_fit():
     assert fit(end, 16, 256, 10**9, 1) is None  # nothing smaller is left: the caller raises
 
 
+def test_head_256_in_float32_starts_from_the_tiles_measured_to_compile():
+    """On the H200 the usual tiles for head 256 in fp32 compiled for over 40 s and then did not fit
+    shared memory; 16x32 / 32x16 in 2 stages compiled in ~5 s. Half precision keeps its tiles."""
+    from kvcore.kernels.attention_tiles import large_tiles, small_tiles
+
+    assert (small_tiles(2, 256, 4).block_n, small_tiles(2, 256, 4).num_stages) == (32, 2)
+    assert (large_tiles(2, 256, 4).block_m, large_tiles(2, 256, 4).block_n) == (32, 16)
+    assert small_tiles(2, 256, 2) == small_tiles(2) and large_tiles(2, 256, 2).block_m == 64
+    assert small_tiles(8, 128, 4).block_n == 128  # head 128 in fp32: 512-byte rows, the usual tiles
+
+
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_head_256_float32(kind):
     """Gemma's head size in float32: on the H200 the first tile choice does not fit shared memory."""

@@ -42,16 +42,29 @@ class _Tiles:
     num_stages: int
 
 
-def small_tiles(group: int) -> _Tiles:
+# Head rows of more bytes than this (head 256 in float32) take the wide-row tiles below: on the H200
+# the usual ones either did not fit shared memory or compiled for over 40 s and then did not fit; 16x32
+# and 32x16 tiles in 2 stages compiled in ~5 s and matched the reference.
+_WIDE_ROW_BYTES = 512
+
+
+def _wide(head_size: int, elem_bytes: int) -> bool:
+    return max(16, triton.next_power_of_2(head_size)) * elem_bytes > _WIDE_ROW_BYTES
+
+
+def small_tiles(group: int, head_size: int = 128, elem_bytes: int = 2) -> _Tiles:
     """Decodes and short chunks: the smallest MMA (16 rows) holding the GROUP heads of a token;
     128-wide KV tiles keep enough bytes in flight for the bandwidth-bound case."""
-    return _Tiles(max(16, triton.next_power_of_2(group)), 128, 4, 3)
+    rows = max(16, triton.next_power_of_2(group))
+    return _Tiles(rows, 32, 4, 2) if _wide(head_size, elem_bytes) else _Tiles(rows, 128, 4, 3)
 
 
-def large_tiles(group: int, head_size: int) -> _Tiles:
+def large_tiles(group: int, head_size: int, elem_bytes: int = 2) -> _Tiles:
     """Prefill chunks: 128-row tiles keep Hopper's tensor cores busy; head sizes above 128 halve
     the rows to keep the fp32 accumulator in registers."""
     head_pad = max(16, triton.next_power_of_2(head_size))
+    if _wide(head_size, elem_bytes):
+        return _Tiles(max(32, triton.next_power_of_2(group)), 16, 4, 2)
     block_m = max(128 if head_pad <= 128 else 64, triton.next_power_of_2(group))
     return _Tiles(block_m, 64, 8 if block_m >= 128 else 4, 3)
 

@@ -308,7 +308,7 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
     if num_tokens == 0 or num_seqs == 0:
         return
     group = num_heads // key_cache.shape[2]
-    small = small_tiles(group)
+    small = small_tiles(group, head_size, query.element_size())
     if block_m is not None or block_n is not None:
         small = _Tiles(block_m or small.block_m, block_n or small.block_n, 4, 2)
     if small.block_m < group:
@@ -336,7 +336,7 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
         _launch(a, small, num_splits, 0, small_q, max_query_len)
     else:
         _launch(a, small, num_splits, 1, small_q, max_query_len)
-        _launch(a, large_tiles(group, head_size), num_splits, 2, small_q, max_query_len)
+        _launch(a, large_tiles(group, head_size, query.element_size()), num_splits, 2, small_q, max_query_len)
     if num_splits > 1:
         part_o, part_lse = a["part_o"], a["part_lse"]
         _split_reduce_kernel[(num_tokens, num_heads)](
