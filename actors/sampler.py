@@ -24,7 +24,7 @@ import torch
 
 from actors.logprobs import LogprobsTensors, compute_logprobs
 from actors.penalty_state import PenaltyState
-from actors.sample_kernel import _sample_kernel, launch_sample
+from actors.sample_kernel import launch_sample
 from actors.sample_reference import sample_reference
 
 
@@ -64,16 +64,11 @@ def request_seed(seed: int | None, engine_seed: int, req_id: str) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def triton_runs_on(device: torch.device) -> bool:
-    """The kernel runs on CUDA tensors, or on CPU ones under TRITON_INTERPRET=1 (set before import)."""
-    if device.type == "cuda":
-        return True
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(_sample_kernel, InterpretedFunction)
-
-
 class Sampler:
     def __init__(self, penalty_state: PenaltyState | None = None, use_triton: bool | None = None) -> None:
+        """use_triton None: the kernel on CUDA, the torch reference on the CPU, interpreter or not (as
+        a CPU deployment runs; tests/test_sampler.py holds the kernel to the reference under the
+        interpreter, where one step's sampling cost seconds inside every CPU engine test)."""
         self.penalty_state = penalty_state
         self.use_triton = use_triton
 
@@ -97,7 +92,7 @@ class Sampler:
         seeds = md.seeds if md.seeds is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         positions = md.positions if md.positions is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         slots, penalties, counts, prompt_mask = self._penalty_inputs(md)
-        use_triton = self.use_triton if self.use_triton is not None else triton_runs_on(dev)
+        use_triton = self.use_triton if self.use_triton is not None else dev.type == "cuda"
         if use_triton:
             # The interpreter vectorises one program's rows; a GPU program owns one row.
             rows = 1 if dev.type == "cuda" else 16

@@ -81,13 +81,13 @@ def make_config(path: str, backend: str, tight: bool) -> EngineConfig:
     else:
         cache = CacheConfig(block_size=8, cpu_kv_cache_gib=0.01)
         # Interpreted Triton pays for every padded token: smaller token buckets there.
-        sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64 if backend == "triton" else 256,
+        sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=32 if backend == "triton" else 256,
                                 debug_invariants=True)
     return EngineConfig(model=ModelConfig(model=path, dtype="float32", attention_backend=backend),
                         parallel=ParallelConfig(device="cpu"), cache=cache, scheduler=sched)
 
 
-def run_padded(config: EngineConfig, prompts):
+def run_padded(config: EngineConfig, prompts, max_tokens=MAX_TOKENS):
     """Greedy tokens per prompt with every step padded to its bucket, and the (real rows, bucket) of
     every padded step."""
     padded_steps: list[tuple[int, Bucket]] = []
@@ -105,7 +105,7 @@ def run_padded(config: EngineConfig, prompts):
             return bucket, reason
 
         runner.plan.select = spy
-        for i, (p, n) in enumerate(zip(prompts, MAX_TOKENS)):
+        for i, (p, n) in enumerate(zip(prompts, max_tokens)):
             sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             engine.add_request(Request(f"g{i}", p, sp, eos_token_id=2))
         tokens: dict[str, list[int]] = {}
@@ -126,9 +126,13 @@ def run_padded(config: EngineConfig, prompts):
     ("qwen3", "torch", False), ("qwen3_hybrid", "triton", False), ("qwen3_hybrid", "torch", True)])
 def test_padded_decode_matches_hf(reference, family, tight, backend):
     path, prompts, expected = reference(family)
-    got, padded_steps, stats = run_padded(make_config(path, backend, tight), prompts)
-    for i, (g, exp) in enumerate(zip(got, expected)):
-        assert g == exp[:MAX_TOKENS[i]], f"{family} {backend} tight={tight}: prompt {i}: {g} vs HF {exp}"
+    # Interpreted Triton (its layer kernels most) cost 3 minutes on all eight requests; three of 5, 33 and
+    # 50 tokens still mix chunks into decodes and decode 3 rows in a bucket of 4 (a padding row).
+    pick = [0, 2, 5] if backend == "triton" else list(range(len(prompts)))
+    max_tokens = [MAX_TOKENS[i] for i in pick]
+    got, padded_steps, stats = run_padded(make_config(path, backend, tight), [prompts[i] for i in pick], max_tokens)
+    for i, g, n in zip(pick, got, max_tokens):
+        assert g == expected[i][:n], f"{family} {backend} tight={tight}: prompt {i}: {g} vs HF {expected[i]}"
     assert any(b.decode for _, _, b in padded_steps), "no decode step took the padded path"
     assert any(not b.decode and b.num_tokens > t for _, t, b in padded_steps), "no padded mixed step"
     if tight:

@@ -85,7 +85,7 @@ def test_greedy_rows_are_argmax():
     temp = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 0.5])
     md = SamplingMetadata(temp, torch.zeros(6, dtype=torch.int32), torch.ones(6), torch.arange(6),
                           torch.zeros(6, dtype=torch.int64), all_greedy=False, need_filter=False)
-    out = Sampler()(logits, md).token_ids
+    out = Sampler(use_triton=True)(logits, md).token_ids
     assert out[[0, 2, 4]].tolist() == logits.argmax(-1)[[0, 2, 4]].tolist() and int(out[0]) == 3
 
 
@@ -213,7 +213,8 @@ def vllm_penalties(logits, prompt_tokens, output_tokens, presence, frequency, re
     return logits - presence.unsqueeze(1) * output_mask
 
 
-def test_penalties_match_vllm_formulas_and_counts_grow_on_device():
+@pytest.mark.parametrize("use_triton", [True, False], ids=["kernel", "reference"])
+def test_penalties_match_vllm_formulas_and_counts_grow_on_device(use_triton):
     n, vocab = 6, V
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(n, vocab, generator=g) * 2
@@ -223,7 +224,7 @@ def test_penalties_match_vllm_formulas_and_counts_grow_on_device():
     slots = torch.tensor([state.add(f"r{i}", prompts[i], []) for i in range(n)])
     pen = torch.stack([torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 4 - 2,
                        torch.rand(n, generator=g) * 1.5 + 0.5])
-    sampler = Sampler(state)
+    sampler = Sampler(state, use_triton=use_triton)
     for step in range(6):
         md = SamplingMetadata(torch.zeros(n), torch.zeros(n, dtype=torch.int32), torch.ones(n),
                               torch.zeros(n, dtype=torch.int64), torch.full((n,), step), all_greedy=True,
