@@ -84,11 +84,11 @@ class FakeWorker:
 
 
 def make_manager(num_blocks: int, hybrid: bool, max_model_len: int) -> KVCacheManager:
-    full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=None)
+    full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")
     groups = [KVCacheGroupSpec(["l0"], full)]
     if hybrid:
         groups.append(KVCacheGroupSpec(["l1"], SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8,
-                                                                   dtype=None, sliding_window=9)))
+                                                                   dtype="float32", sliding_window=9)))
     return KVCacheManager(KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups), max_model_len)
 
 
