@@ -62,22 +62,22 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
     assert [m for _, m in imported_modules(pkg / "m.py")] == ["ray.util", "kvcore", "kvcore.x"]
 
 
-def test_the_client_side_never_loads_torch():
-    # The LLM API, the job and the CLI only talk to driver actors; torch (seconds to import) stays there.
-    code = ("import sys, cluster.cli, cluster.llm, cluster.job, cluster.engines, cluster.stress; "
+def loaded_tensor_libs(modules: str) -> str:
+    """Which of torch and triton importing `modules` (comma-separated) pulls in, in a fresh process."""
+    code = (f"import sys, {modules}; "
             "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    return out.stdout.strip()
+
+
+def test_the_client_side_never_loads_torch():
+    # The LLM API, the job and the CLI only talk to driver actors; torch (seconds to import) stays there.
+    assert loaded_tensor_libs("cluster.cli, cluster.llm, cluster.job, cluster.engines, cluster.stress") == "[]"
 
 
 def test_the_driver_process_never_loads_torch():
     # The driver actor (scheduler, KV-cache manager, transport) holds no tensor: importing torch there
     # cost seconds of every engine start and rebuild.
-    code = ("import sys, actors.driver, actors.engine_core, actors.ray_executor, actors.shm_transport; "
-            "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    assert loaded_tensor_libs("actors.driver, actors.engine_core, actors.ray_executor, actors.shm_transport") == "[]"
