@@ -19,7 +19,7 @@ import torch
 
 from actors import kv_cache_sizing, parallel_state
 from actors.cuda_graphs import Bucket, BucketPlan, GraphStats, StepGraphs
-from actors.engine_config import EngineConfig
+from actors.engine_config import EngineConfig, resolved_max_model_len
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from actors.input_batch import CachedRequestState, InputBatch
 from actors.input_prep import InputStager, StagedStep
@@ -46,22 +46,6 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" else "torch"
     check_backend(name, "model.attention_backend")
     return name
-
-
-def resolve_max_model_len(configured: int | None, hf_config: Any) -> int:
-    """The configured limit, else the model's max_position_embeddings; never above the latter."""
-    get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
-    model_max = get("max_position_embeddings", None)
-    if configured is None:
-        if model_max is None:
-            raise ValueError("model.max_model_len: the model config has no max_position_embeddings; set it")
-        return int(model_max)
-    if configured < 1:
-        raise ValueError(f"model.max_model_len={configured}: must be >= 1")
-    if model_max is not None and configured > model_max:
-        raise ValueError(f"model.max_model_len={configured}: exceeds the model's "
-                         f"max_position_embeddings={model_max}")
-    return int(configured)
 
 
 class ModelRunner:
@@ -110,7 +94,7 @@ class ModelRunner:
                                                 attention_backend=self.backend, device=self.device)
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
-        self.max_model_len = resolve_max_model_len(self.config.model.max_model_len, self.hf_config)
+        self.max_model_len = resolved_max_model_len(self.config, self.hf_config)
         eos = self._hf("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos  # as the driver's stop check
         self.penalty_state = PenaltyState(int(self._hf("vocab_size")), self.device)

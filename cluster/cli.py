@@ -200,8 +200,8 @@ def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total:
         if shards:
             items = InputReader(shards, SamplingParams(max_tokens=args.max_tokens))
         else:
-            mml = info.get("max_model_len") or resolved_max_model_len(config, hf_config or {})
-            items = synthetic_items(args.num_requests, config.model.seed, int(info["vocab_size"]), mml)
+            items = synthetic_items(args.num_requests, config.model.seed, int(info["vocab_size"]),
+                                    int(info["max_model_len"]))
         job = Job(config, engines, tokenizer, out.path, progress=not args.no_progress, total=total, output=out)
         traces = _start_profile(engines, args)
         try:
