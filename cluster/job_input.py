@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 from cluster.job_batch import BatchLineError, parse_batch_record
 from cluster.job_keys import KeySet
-from kvcore.request import RequestValidationError, SamplingParams
+from kvcore.request import RequestValidationError, SamplingParams, check_token_ids
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 STDIN_NAMES = ("-", "/dev/stdin")
@@ -295,9 +295,10 @@ def _kvray_fields(where: str, rec: Any) -> dict[str, Any]:
         raise _LineError(f"{where}: needs exactly one of 'prompt' or 'prompt_token_ids', got {present}")
     if "prompt" in rec:
         out["prompt"] = check_text(where, "prompt", rec["prompt"])
-    elif not _int_list(rec["prompt_token_ids"]):
-        raise _LineError(f"{where}: prompt_token_ids must be a list of integers")
     else:
+        err = check_token_ids(f"{where}: prompt_token_ids", rec["prompt_token_ids"])  # the vocabulary: the engine's
+        if err is not None:
+            raise _LineError(err)
         out["prompt_token_ids"] = rec["prompt_token_ids"]
     out["sampling"] = {k: rec[k] for k in sampling_keys if k in rec}
     return out
@@ -329,10 +330,6 @@ def _usable_custom_id(rec: Any) -> str | None:
     except UnicodeEncodeError:
         return None
     return cid
-
-
-def _int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 def _short(v: Any, limit: int = 80) -> str:

@@ -122,7 +122,7 @@ LINE_CASES = {
     "no_prompt": ('{"id": "np", "max_tokens": 3}', "line {n}: needs exactly one of 'prompt' or 'prompt_token_ids'"),
     "prompt_not_a_string": ('{"id": "ps", "prompt": 5}', "line {n}: prompt must be a string"),
     "prompt_token_ids_not_ints": ('{"id": "pt", "prompt_token_ids": [1, "a"]}',
-                                  "line {n}: prompt_token_ids must be a list of integers"),
+                                  "line {n}: prompt_token_ids: must be a list of integers"),
     "max_tokens_0": ('{"id": "m0", "prompt": "hi", "max_tokens": 0}', "SamplingParams.max_tokens=0: must be >= 1"),
     "max_tokens_float": ('{"id": "mf", "prompt": "hi", "max_tokens": 2.5}', "max_tokens=2.5: must be an integer"),
     "negative_temperature": ('{"id": "nt", "prompt": "hi", "temperature": -1}',
