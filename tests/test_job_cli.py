@@ -79,7 +79,10 @@ def test_ctrl_c_ends_with_where_the_output_is_and_how_to_resume(env, tmp_path):
     out = tmp_path / "o.jsonl"
     p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "run", "--num-requests", "400", "--no-progress",
                           "--set", "scheduler.max_num_seqs=2", "--output", str(out)], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         # A pytest started in the background inherits SIGINT ignored, and so would the child
+                         # (Python keeps an ignored SIGINT ignored): the Ctrl-C of a terminal must reach it.
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and p.poll() is None and (not out.exists() or not out.read_text()):
         time.sleep(0.2)
