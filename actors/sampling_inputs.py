@@ -52,7 +52,7 @@ class SamplingInputs:
         i[3, :n] = slots
         fg, ig = self.f32.copy_to_gpu(), self.i64.copy_to_gpu()
         return SamplingMetadata(
-            temperature=fg[0, :n], top_k=ig[0, :n], top_p=fg[1, :n], seeds=ig[1, :n], positions=ig[2, :n],
+            **self._row_views(fg, ig, n),
             all_greedy=bool(greedy.all()), need_filter=bool(((top_k > 0) | (top_p < 1.0)).any()),
             penalty_slots=ig[3, :n] if has_pen else None, penalties=fg[2:5, :n] if has_pen else None,
             ban_ids=self._ban_ids(batch, rows, ban_rows) if ban_rows else None, num_logprobs=num_logprobs)
@@ -65,9 +65,13 @@ class SamplingInputs:
         f[:, :n] = np.array([1.0, 0.9 if filters else 1.0, 0.0, 0.0, 1.0], dtype=np.float32)[:, None]
         i[:, :n] = np.array([8 if filters else 0, 0, 0, -1], dtype=np.int64)[:, None]
         fg, ig = self.f32.copy_to_gpu(), self.i64.copy_to_gpu()
-        return SamplingMetadata(temperature=fg[0, :n], top_k=ig[0, :n], top_p=fg[1, :n], seeds=ig[1, :n],
-                                positions=ig[2, :n], all_greedy=False, need_filter=filters,
+        return SamplingMetadata(**self._row_views(fg, ig, n), all_greedy=False, need_filter=filters,
                                 num_logprobs=num_logprobs)
+
+    @staticmethod
+    def _row_views(fg: torch.Tensor, ig: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+        """The per-row views of the device buffers, one layout for build() and dummy()."""
+        return dict(temperature=fg[0, :n], top_k=ig[0, :n], top_p=fg[1, :n], seeds=ig[1, :n], positions=ig[2, :n])
 
     @staticmethod
     def _ban_rows(batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> list[int]:

@@ -48,8 +48,13 @@ class _Tiles:
 _WIDE_ROW_BYTES = 512
 
 
+def head_pad(head_size: int) -> int:
+    """The head dimension as the kernels tile it: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(head_size))
+
+
 def _wide(head_size: int, elem_bytes: int) -> bool:
-    return max(16, triton.next_power_of_2(head_size)) * elem_bytes > _WIDE_ROW_BYTES
+    return head_pad(head_size) * elem_bytes > _WIDE_ROW_BYTES
 
 
 def small_tiles(group: int, head_size: int = 128, elem_bytes: int = 2) -> _Tiles:
@@ -62,10 +67,9 @@ def small_tiles(group: int, head_size: int = 128, elem_bytes: int = 2) -> _Tiles
 def large_tiles(group: int, head_size: int, elem_bytes: int = 2) -> _Tiles:
     """Prefill chunks: 128-row tiles keep Hopper's tensor cores busy; head sizes above 128 halve
     the rows to keep the fp32 accumulator in registers."""
-    head_pad = max(16, triton.next_power_of_2(head_size))
     if _wide(head_size, elem_bytes):
         return _Tiles(max(32, triton.next_power_of_2(group)), 16, 4, 2)
-    block_m = max(128 if head_pad <= 128 else 64, triton.next_power_of_2(group))
+    block_m = max(128 if head_pad(head_size) <= 128 else 64, triton.next_power_of_2(group))
     return _Tiles(block_m, 64, 8 if block_m >= 128 else 4, 3)
 
 

@@ -25,12 +25,21 @@ Design
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernels.attention_tiles import _Tiles, choose_num_splits, fit, large_tiles, num_sms, small_tiles
+from kvcore.kernels.attention_tiles import (
+    _Tiles,
+    choose_num_splits,
+    fit,
+    head_pad,
+    large_tiles,
+    num_sms,
+    small_tiles,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -320,11 +329,11 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
     # Triton's CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): there the
     # operands are widened to fp32 first, after the same bf16 rounding of P as on the GPU.
     upcast = _interpreting() and query.dtype == torch.bfloat16
-    a = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out,
+    a: dict[str, Any] = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out,
              query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
              num_seqs=num_seqs, group=group, scale_log2=scale if softcap else scale * _LOG2E,
              softcap=float(softcap or 0.0),
-             window=sliding_window or 0, head_pad=max(16, triton.next_power_of_2(head_size)),
+             window=sliding_window or 0, head_pad=head_pad(head_size),
              precision="ieee" if query.dtype == torch.float32 or upcast else "tf32",
              upcast=upcast, part_o=out, part_lse=out)  # partials unused when NUM_SPLITS == 1
     if num_splits > 1:
