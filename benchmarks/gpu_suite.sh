@@ -121,6 +121,15 @@ phase_final() {  # [graphs] the round's figures: greedy = HF in every graph mode
     tests/test_attention_kernels.py -k "head_256 or fall_back or half_precision or jumps"
 }
 
+phase_open() {  # the figures no call has measured yet: Llama step kinds, the serve sweep, shm on the GPU host
+  TAIL=40 step llama_steps 150 python3 benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+    --configs defaults --idle --steps-json "$OUT/llama_steps.json"
+  TAIL=30 step control_plane 60 python3 benchmarks/control_plane.py --device cuda --tp 1 2 --steps 300
+  TAIL=30 step serve 230 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --rates 32
+  TAIL=30 step bf16_moe 80 python3 benchmarks/bf16_divergence.py --shape qwen3-30b-a3b --num-layers 8
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
   TAIL=30 step check_tp_nccl 300 python3 benchmarks/check_tp.py --gpus-per-worker 1 --tp 2,4
   TAIL=30 step tp_scaling 600 python3 benchmarks/bench_tp_scaling.py
@@ -138,6 +147,7 @@ case "${1:-all}" in
   diag) phase_diag ;;
   warm) phase_warm ;;
   final) phase_final ;;
+  open) phase_open ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;
