@@ -133,9 +133,13 @@ phase_open() {  # the figures no call has measured yet: Llama step kinds, the se
 phase_open2() {  # the serve sweep (Ray Serve from .gpu/serve: the slim Ray has none) and bf16 divergence of both new families
   python3 .gpu/serve/install.py
   TAIL=30 step serve 260 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --rates 32
-  TAIL=30 step bf16_gemma3 150 python3 benchmarks/bf16_divergence.py --shape gemma-3-12b --num-layers 8
-  TAIL=30 step bf16_moe 130 python3 benchmarks/bf16_divergence.py --shape qwen3-30b-a3b --num-layers 4
+  # two engine starts on a cold Triton cache (fp32 then bf16, head 256, two KV groups): ~90 s each
+  TAIL=30 step bf16_gemma3 270 python3 benchmarks/bf16_divergence.py --shape gemma-3-12b --num-layers 8
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
+phase_moe() {
+  TAIL=30 step bf16_moe 250 python3 benchmarks/bf16_divergence.py --shape qwen3-30b-a3b --num-layers 4
 }
 
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
@@ -157,6 +161,7 @@ case "${1:-all}" in
   final) phase_final ;;
   open) phase_open ;;
   open2) phase_open2 ;;
+  moe) phase_moe ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;
