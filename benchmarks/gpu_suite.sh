@@ -138,6 +138,13 @@ phase_open2() {  # the serve sweep (Ray Serve from .gpu/serve: the slim Ray has 
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
+phase_open3() {  # the serve sweep again (the image's grpcio did not fit the bundle's reflection) and the MoE divergence
+  python3 .gpu/serve/install.py
+  TAIL=30 step serve 250 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --rates 32
+  phase_moe
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
 phase_moe() {
   TAIL=30 step bf16_moe 250 python3 benchmarks/bf16_divergence.py --shape qwen3-30b-a3b --num-layers 4
 }
@@ -162,6 +169,7 @@ case "${1:-all}" in
   open) phase_open ;;
   open2) phase_open2 ;;
   moe) phase_moe ;;
+  open3) phase_open3 ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;
