@@ -15,6 +15,7 @@ Configs (--configs, each one LLM after the other on the same prompts):
   no_prefix_cache, len4096   defaults with prefix caching off / max_model_len 4096 (the two halves of tuned)
   cap512, cap2048   defaults with mixed steps above 512 / 2048 tokens eager (model.cudagraph_max_tokens)
   big, big_cap512   max_num_seqs 512, max_num_batched_tokens 16384 (vLLM's offline defaults on big GPUs)
+  shm, compiled_graph   defaults with that step transport (ray.transport)
 --idle times every step of every config with CUDA events and prints where the GPU time went.
 Records offline_<tag>_output_tok_s (defaults), offline_<tag>_<config>_tok_s, graph_step_share_<tag>,
 gpu_idle_frac_all_steps (defaults; CUDA events around every step's GPU work), defaults_vs_best_ratio.
@@ -55,6 +56,8 @@ CONFIGS = {
     "cap2048": dict(cudagraph_max_tokens=2048),
     "big": dict(max_num_seqs=512, max_num_batched_tokens=16384),
     "big_cap512": dict(max_num_seqs=512, max_num_batched_tokens=16384, cudagraph_max_tokens=512),
+    "shm": dict(transport="shm"),
+    "compiled_graph": dict(transport="compiled_graph"),
 }
 
 

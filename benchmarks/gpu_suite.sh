@@ -145,6 +145,11 @@ phase_open3() {  # the serve sweep again (the image's grpcio did not fit the bun
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
+phase_transport() {  # the nano workload with each step transport, side by side (real workers on the GPU)
+  TAIL=30 step nano_transport 175 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs compiled_graph shm
+}
+
 phase_moe() {
   TAIL=30 step bf16_moe 250 python3 benchmarks/bf16_divergence.py --shape qwen3-30b-a3b --num-layers 4
 }
@@ -170,6 +175,7 @@ case "${1:-all}" in
   open2) phase_open2 ;;
   moe) phase_moe ;;
   open3) phase_open3 ;;
+  transport) phase_transport ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;
