@@ -146,7 +146,7 @@ phase_open3() {  # the serve sweep again (the image's grpcio did not fit the bun
 }
 
 phase_transport() {  # the nano workload with each step transport, side by side (real workers on the GPU)
-  TAIL=30 step nano_transport 175 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
+  TAIL=30 step nano_transport 150 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
     --configs compiled_graph shm
 }
 
