@@ -1,6 +1,6 @@
 """Installs into /tmp/site (KVRAY_GPU_SITE) what Ray Serve needs on the GPU host and its image lacks:
 ray/serve (cut from the slim Ray) and each wheel of .gpu/serve/ whose import name the image cannot import.
-Copied to .gpu/serve/install.py by benchmarks/gpu_serve_bundle.sh; run there as `python3 .gpu/serve/install.py`.
+Copied to .gpu/serve/install.py by benchmarks/gpu_bundle_extras.sh; run there as `python3 .gpu/serve/install.py`.
 """
 import importlib.util
 import os

@@ -131,7 +131,7 @@ phase_open() {  # the figures no call has measured yet: Llama step kinds, the se
 }
 
 phase_open2() {  # the serve sweep (Ray Serve from .gpu/serve: the slim Ray has none) and bf16 divergence of both new families
-  python3 .gpu/serve/install.py  # built by benchmarks/gpu_serve_bundle.sh
+  python3 .gpu/serve/install.py  # built by benchmarks/gpu_bundle_extras.sh
   TAIL=30 step serve 260 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --rates 32
   # two engine starts on a cold Triton cache (fp32 then bf16, head 256, two KV groups): ~90 s each
   TAIL=30 step bf16_gemma3 270 python3 benchmarks/bf16_divergence.py --shape gemma-3-12b --num-layers 8
@@ -139,7 +139,7 @@ phase_open2() {  # the serve sweep (Ray Serve from .gpu/serve: the slim Ray has 
 }
 
 phase_open3() {  # the serve sweep again (the image's grpcio did not fit the bundle's reflection) and the MoE divergence
-  python3 .gpu/serve/install.py  # built by benchmarks/gpu_serve_bundle.sh
+  python3 .gpu/serve/install.py  # built by benchmarks/gpu_bundle_extras.sh
   TAIL=30 step serve 250 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --rates 32
   phase_moe
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
