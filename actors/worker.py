@@ -32,10 +32,9 @@ def _ray_module() -> Any | None:
 
 
 def select_backend(config: EngineConfig) -> str:
-    """nccl on whole GPUs; gloo on CPUs or GPUs shared by several ranks (NCCL refuses those)."""
+    """nccl on whole GPUs; gloo on CPUs or GPUs shared by several ranks (NCCL refuses those). The config
+    checked the names; what only this node can tell is whether device "auto" found a GPU for nccl."""
     backend = config.parallel.collective_backend
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"parallel.distributed_backend={backend!r}: must be auto, nccl or gloo")
     if backend == "nccl" and config.parallel.resolved_device() != "cuda":
         raise ValueError("parallel.distributed_backend='nccl' needs parallel.device='cuda'")
     return backend
@@ -82,10 +81,8 @@ class Worker(ShmLoopMixin):
             index = self._cuda_index()
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
-        elif device_kind == "cpu":
+        else:  # resolved_device() is cpu or cuda; the config rejected any other name
             self.device = torch.device("cpu")
-        else:
-            raise ValueError(f"parallel.device={device_kind!r}: must be cpu or cuda")
         parallel_state.init_tensor_parallel(self.rank, self.world_size, self.dist_init_method,
                                             select_backend(self.config),
                                             timeout_s=self.config.parallel.step_timeout_s,
