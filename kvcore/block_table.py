@@ -152,16 +152,17 @@ class BlockTable:
 
     def compute_slot_mapping(self, num_reqs: int, query_start_loc: torch.Tensor,
                              positions: torch.Tensor) -> None:
-        """Fills slot_mapping.gpu on the current stream; tokens beyond query_start_loc[num_reqs]
-        get -1. Reads the device table, so commit first."""
+        """Fills slot_mapping.gpu[:len(positions)] on the current stream (the step's entries; the rest
+        is left as it was); tokens from query_start_loc[num_reqs] on get -1. Reads the device table,
+        so commit first."""
         check_slot_mapping_inputs("BlockTable.compute_slot_mapping", num_reqs, self.max_num_reqs,
                                   self.device, query_start_loc, positions)
         if self.use_triton:
             self._launch(num_reqs, query_start_loc, positions)
             return
-        self.slot_mapping.gpu.copy_(slot_mapping_ref(
-            self.block_table.gpu, self.block_size, query_start_loc, positions, num_reqs,
-            self.max_num_batched_tokens))
+        n = min(positions.numel(), self.max_num_batched_tokens)
+        self.slot_mapping.gpu[:n].copy_(slot_mapping_ref(
+            self.block_table.gpu, self.block_size, query_start_loc, positions, num_reqs, n))
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -303,7 +304,7 @@ class MultiGroupBlockTable:
 
     def compute_slot_mapping(self, num_reqs: int, query_start_loc: torch.Tensor,
                              positions: torch.Tensor) -> None:
-        """One launch fills every group's slot_mapping.gpu."""
+        """One launch fills every group's slot_mapping.gpu[:len(positions)]."""
         check_slot_mapping_inputs("MultiGroupBlockTable.compute_slot_mapping", num_reqs,
                                   self.max_num_reqs, self.device, query_start_loc, positions)
         if self.use_triton:

@@ -28,12 +28,14 @@ def make_table(mode, block_size=16, max_reqs=8, max_blocks=12, max_tokens=128):
     return bt
 
 
-def batch(seqs):
-    """seqs: list of position lists, one per row -> (query_start_loc int32, positions int64)."""
+def batch(seqs, pad_to=0):
+    """seqs: list of position lists, one per row -> (query_start_loc int32, positions int64). pad_to:
+    the step's length with padding (a CUDA-graph bucket), whose entries past the tokens must get -1."""
     qsl = [0]
     for s in seqs:
         qsl.append(qsl[-1] + len(s))
     pos = [p for s in seqs for p in s]
+    pos += [0] * max(0, pad_to - len(pos))
     return (torch.tensor(qsl, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64))
 
 
@@ -57,11 +59,11 @@ def test_worked_example(mode):
     bt = make_table(mode)
     bt.add_row([10, 25], 0)
     bt.commit_block_table(1)
-    qsl, pos = batch([[17]])
+    qsl, pos = batch([[17]], pad_to=4)
     bt.compute_slot_mapping(1, qsl, pos)
     assert bt.slot_mapping.gpu[0].item() == 401  # block 25 * 16 + 1
     assert bt.slot_mapping.gpu.dtype == torch.int64
-    assert (bt.slot_mapping.gpu[1:] == -1).all()
+    assert (bt.slot_mapping.gpu[1:4] == -1).all()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -104,17 +106,21 @@ def test_move_swap_clear(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_tail_is_minus_one_after_a_longer_step(mode):
+def test_padding_is_minus_one_after_a_longer_step(mode):
     bt = make_table(mode, max_tokens=300)  # two tiles of the kernel
     bt.add_row(list(range(1, 13)), 0)
     bt.commit_block_table(1)
     qsl, pos = batch([list(range(180))])
     bt.compute_slot_mapping(1, qsl, pos)
     assert bt.slot_mapping.gpu[179].item() == 12 * 16 + 3
-    qsl, pos = batch([[5]])
+    # A 1-token step padded to 264 entries (across the tile boundary): the longer step's slots there
+    # must become -1; past the step's entries nothing is written (no step reads there).
+    before = bt.slot_mapping.gpu.clone()
+    qsl, pos = batch([[5]], pad_to=264)
     bt.compute_slot_mapping(1, qsl, pos)
     assert bt.slot_mapping.gpu[0].item() == 16 + 5
-    assert (bt.slot_mapping.gpu[1:] == -1).all()
+    assert (bt.slot_mapping.gpu[1:264] == -1).all()
+    assert torch.equal(bt.slot_mapping.gpu[264:], before[264:])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -126,7 +132,7 @@ def test_request_longer_than_one_tile(mode):
         bt.add_row(ids, r)
     bt.commit_block_table(2)
     seqs = [list(range(n)), [40, 41]]  # the short request sits after the tile boundary
-    qsl, pos = batch(seqs)
+    qsl, pos = batch(seqs, pad_to=n + 100)
     bt.compute_slot_mapping(2, qsl, pos)
     assert bt.slot_mapping.gpu.tolist() == expected_slots(rows, seqs, 16, n + 100)
 
@@ -235,7 +241,7 @@ def test_random_sequences_against_python_model(mode, seed):
         bt.commit_block_table(num_reqs)
         assert torch.equal(bt.block_table.gpu[:num_reqs], bt.block_table.cpu[:num_reqs])
         seqs = random_step(rng, model, num_reqs, bs, max_tokens)
-        qsl, pos = batch(seqs)
+        qsl, pos = batch(seqs, pad_to=max_tokens)
         bt.compute_slot_mapping(num_reqs, qsl, pos)
         want = expected_slots(model, seqs, bs, max_tokens)
         assert bt.slot_mapping.gpu.tolist() == want
@@ -267,7 +273,7 @@ def test_multi_group_single_launch(mode, monkeypatch):
     mg.swap_row(0, 2)
     mg.commit_block_table(3)
     seqs = [[17, 20], [0, 16, 31], [33, 40, 47]]
-    qsl, pos = batch(seqs)
+    qsl, pos = batch(seqs, pad_to=64)
     counter = CountingKernel(sm._slot_mapping_kernel)
     monkeypatch.setattr(sm, "_slot_mapping_kernel", counter)
     mg.compute_slot_mapping(3, qsl, pos)

@@ -1,15 +1,20 @@
 """Slot mapping: the flat KV-cache slot every scheduled token writes to, for every KV-cache group.
 
     slot[g, t] = block_table_g[req(t), pos(t) // bs_g] * bs_g + pos(t) % bs_g     (int64)
-    slot[g, t] = -1 for t >= query_start_loc[num_reqs] (the tail of the buffer: "write nothing")
+    slot[g, t] = -1 for query_start_loc[num_reqs] <= t < len(positions) (padding: "write nothing")
+
+Only the step's own entries are written, t < len(positions): its tokens, padded up to its CUDA-graph
+bucket (the step's readers slice the buffer to that length; what lies beyond is never read).
 
 One launch serves all groups: grid axis 1 is the group, whose block-table pointer, row stride,
 block size and output pointer come from small device arrays built once when the tables are made
-(the tables never move, so their addresses stay valid). Grid axis 0 tiles the whole output buffer
-by tokens, so one 8k-token prefill is spread over many programs instead of one program walking it
+(the tables never move, so their addresses stay valid). Grid axis 0 tiles the step's entries by
+tokens, so one 8k-token prefill is spread over many programs instead of one program walking it
 serially; each token finds its request by a binary search over query_start_loc. The tile count
-depends only on the buffer size, never on how many tokens were scheduled, so the host never needs
-to read a device value (no synchronisation) and the same launch also writes the -1 tail.
+comes from len(positions), a host int fixed per bucket, never from a device value, so the host
+never synchronises and a captured graph stays valid for every step of its bucket. (Tiling the whole
+buffer instead made a 16-token decode step launch 32 programs a group on an 8k buffer, and under the
+CPU interpreter most of a small engine step's time.)
 """
 from __future__ import annotations
 
@@ -31,14 +36,14 @@ def _slot_mapping_kernel(
     block_table_strides,  # int64 [G]: row stride (elements) of each group's table
     block_sizes,  # int64 [G]
     slot_mapping_ptrs,  # int64 [G]: address of each group's int64 slot-mapping buffer
-    buffer_len,  # elements in each slot-mapping buffer
+    num_out,  # entries written in each buffer: the step's, len(positions) (<= the buffer's length)
     TILE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     group = tl.program_id(1)
     offs = tile * TILE + tl.arange(0, TILE)
-    in_buffer = offs < buffer_len
+    in_buffer = offs < num_out
     num_tokens = tl.load(query_start_loc_ptr + num_reqs)
     is_token = in_buffer & (offs < num_tokens)
 
@@ -115,10 +120,11 @@ class SlotMappingLaunch:
 
     def __call__(self, num_reqs: int, query_start_loc: torch.Tensor,
                  positions: torch.Tensor) -> None:
-        grid = (triton.cdiv(self.buffer_len, TOKEN_TILE), self.num_groups)
+        num_out = min(positions.numel(), self.buffer_len)
+        grid = (max(1, triton.cdiv(num_out, TOKEN_TILE)), self.num_groups)
         _slot_mapping_kernel[grid](
             query_start_loc, positions, num_reqs, self.table_ptrs, self.table_strides,
-            self.block_sizes, self.out_ptrs, self.buffer_len,
+            self.block_sizes, self.out_ptrs, num_out,
             TILE=TOKEN_TILE, SEARCH_STEPS=self.search_steps)
 
 
