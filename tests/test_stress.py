@@ -1,7 +1,8 @@
 """`kvray stress` at CI size (configs/stress-local.yaml: 2 replicas, a tiny KV pool, 100 requests, 2 worker
-kills; the pool is tight enough that 100 preempt as 200 do, at half the CI time): every end check passes, the JSON report is the last line, and the PNG is written. Also: the
-verdict itself counts lost, duplicated and mismatched requests and leaked blocks (no Ray needed), and a
-kill count past the restart budget is refused before anything starts."""
+kills; the pool is tight enough that 100 requests preempt as 200 did, in half the time): every end check
+passes, the JSON report is the last line, and the PNG is written. Also: the verdict itself counts lost,
+duplicated and mismatched requests and leaked blocks (no Ray needed), and a kill count past the restart
+budget is refused before anything starts."""
 import json
 import os
 import subprocess
