@@ -83,13 +83,24 @@ def _mixtral():
                          num_local_experts=4, num_experts_per_tok=2)
 
 
+def _qwen3_hybrid_2l():
+    """qwen3_hybrid on two layers (one full, one sliding): for the runs that interpret Triton per layer."""
+    from transformers import Qwen3Config
+    return Qwen3Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                       use_sliding_window=True, sliding_window=24, layer_types=["full_attention", "sliding_attention"])
+
+
 FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "qwen3_hybrid": _qwen3_hybrid,
             "gemma2": _gemma2, "gemma3": _gemma3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
 
 
+# Smaller variants of a family, for single tests; not in FAMILIES (every family gets the full test matrix).
+VARIANTS = {"qwen3_hybrid_2l": _qwen3_hybrid_2l}
+
+
 def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
-    config = FAMILIES[family]()
+    config = {**FAMILIES, **VARIANTS}[family]()
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")

@@ -125,14 +125,17 @@ def run_padded(config: EngineConfig, prompts, max_tokens=MAX_TOKENS):
 @pytest.mark.parametrize("family,backend,tight", [
     ("qwen3", "torch", False), ("qwen3_hybrid", "triton", False), ("qwen3_hybrid", "torch", True)])
 def test_padded_decode_matches_hf(reference, family, tight, backend):
-    path, prompts, expected = reference(family)
-    # Interpreted Triton (its layer kernels most) cost 3 minutes on all eight requests; three of 5, 33 and
-    # 50 tokens still mix chunks into decodes and decode 3 rows in a bucket of 4 (a padding row).
+    # Interpreted Triton (its layer kernels most) cost 3 minutes on all eight requests of the 4-layer model;
+    # three of 5, 33 and 50 tokens still mix chunks into decodes and decode 3 rows in a bucket of 4 (a
+    # padding row), and the 2-layer variant still has one full and one sliding-window group.
+    path, prompts, expected = reference(f"{family}_2l" if backend == "triton" else family)
     pick = [0, 2, 5] if backend == "triton" else list(range(len(prompts)))
     max_tokens = [MAX_TOKENS[i] for i in pick]
     got, padded_steps, stats = run_padded(make_config(path, backend, tight), [prompts[i] for i in pick], max_tokens)
     for i, g, n in zip(pick, got, max_tokens):
         assert g == expected[i][:n], f"{family} {backend} tight={tight}: prompt {i}: {g} vs HF {expected[i]}"
+    if family == "qwen3_hybrid":
+        assert stats["num_kv_cache_groups"] == 2, stats  # a full and a sliding-window group, both padded
     assert any(b.decode for _, _, b in padded_steps), "no decode step took the padded path"
     assert any(not b.decode and b.num_tokens > t for _, t, b in padded_steps), "no padded mixed step"
     if tight:

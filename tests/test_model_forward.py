@@ -82,12 +82,20 @@ def _init_large(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.3 * noise)
 
 
-def make_hf_model(family: str, path: str) -> torch.nn.Module:
+# The interpreted Triton runs pay per layer: two layers there, still one of each kind (sliding and
+# full attention; Qwen3-MoE's sparse and dense MLP).
+TWO_LAYERS = {"num_hidden_layers": 2}
+TRITON_LAYERS = {"qwen3-hybrid": dict(TWO_LAYERS, layer_types=["sliding_attention", "full_attention"]),
+                 "gemma3": dict(TWO_LAYERS, layer_types=["sliding_attention", "full_attention"]),
+                 "gemma2": TWO_LAYERS, "llama3-rope": TWO_LAYERS, "qwen3-moe": TWO_LAYERS}
+
+
+def make_hf_model(family: str, path: str, layers: dict | None = None) -> torch.nn.Module:
     # transformers is imported here, not at module level, so the spawned TP workers (which import
     # this module) start fast.
     import transformers
     prefix, extra = FAMILIES[family]
-    config = getattr(transformers, f"{prefix}Config")(**COMMON, **extra)
+    config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **extra, **(layers or {})})
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     _init_large(model, seed=sum(map(ord, family)))
@@ -221,11 +229,15 @@ def test_matches_hf_tp1(family: str, tmp_path) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3-hybrid", "llama3-rope", "gemma2", "gemma3", "qwen3-moe"])
 def test_matches_hf_triton_backend(family: str, tmp_path) -> None:
-    """The same schedule through the Triton kernels (interpreted on the CPU in CI)."""
-    hf_model = make_hf_model(family, str(tmp_path))
+    """The same schedule through the Triton kernels (interpreted on the CPU in CI), on two layers."""
+    hf_model = make_hf_model(family, str(tmp_path), TRITON_LAYERS[family])
     seqs, ref = hf_reference(hf_model)
     model, _ = load_model(str(tmp_path), dtype="float32", attention_backend="triton")
     assert {a.backend for a in model.attention_layers()} == {"triton"}
+    windows = [a.sliding_window for a in model.attention_layers()]
+    assert windows == ([8, None] if family in ("qwen3-hybrid", "gemma2", "gemma3") else [None, None]), windows
+    if family == "qwen3-moe":
+        assert type(hf_model.model.layers[0].mlp) is not type(hf_model.model.layers[1].mlp)  # sparse, dense
     _compare(run_schedule(model, seqs), ref, seqs)
 
 

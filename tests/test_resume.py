@@ -1,7 +1,7 @@
 """Resumable `kvray run`: a job killed at any point and run again ends with every input answered exactly
 once, with the same content as an uninterrupted run (greedy).
 
-Kills: the client process (SIGKILL at random points, several rounds; it is the Ray job's driver, so its
+Kills: the client process (SIGKILL at random points, two rounds; it is the Ray job's driver, so its
 engine actors go with it) and a kill mid-write (a half-written last line, which the rerun cuts off and
 answers again). A killed driver actor needs no rerun: the job starts a new driver for the replica,
 sends it every request that has no output yet, and finishes with exit 0.
@@ -40,7 +40,8 @@ def job_input(tmp_path_factory):
     path = tmp_path_factory.mktemp("resume") / "in.jsonl"
     lines = []
     for i in range(N):
-        rec = {"max_tokens": rng.randint(8, 40), "ignore_eos": True}
+        # Short outputs: each run's time is mostly its engine's start; max_num_seqs=2 makes the waves.
+        rec = {"max_tokens": rng.randint(4, 20), "ignore_eos": True}
         if i % 3 == 0:
             rec["prompt"] = f"prompt number {i}: " + "abc" * rng.randint(1, 20)
         else:
@@ -108,7 +109,7 @@ def test_client_killed_at_random_points_then_rerun_answers_each_id_once(ray_addr
     out = tmp_path / "out.jsonl"
     rng = random.Random(11)
     kills = 0
-    for _ in range(3):
+    for _ in range(2):  # each round a fresh client, killed after a random share of what is left
         before = count_lines(out)
         if before >= N:
             break
@@ -121,7 +122,7 @@ def test_client_killed_at_random_points_then_rerun_answers_each_id_once(ray_addr
         p.communicate(timeout=60)
         done_ids, _ = load_done(str(out))  # (successful keys, error records)
         assert len(done_ids) == count_lines(out)  # whole lines only, no id twice
-    assert kills >= 2, "the runs finished before they could be killed"
+    assert kills == 2, "a run finished before it could be killed"
     # A kill in the middle of a write: the last record is only half there.
     text = out.read_text()
     kept, last = text.splitlines(keepends=True)[:-1], text.splitlines(keepends=True)[-1]
