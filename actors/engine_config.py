@@ -183,7 +183,7 @@ class RayConfig(_Section):
     SECTION = "ray"
     address: str | None = None        # None = RAY_ADDRESS if set, else a local Ray
     namespace: str = "kvray"
-    transport: str = "compiled_graph"  # compiled_graph | actor_calls | shm
+    transport: str = "shm"  # shm (fastest on the GPU host, RESULTS.md) | compiled_graph | actor_calls
     num_cpus: int | None = None       # logical CPUs of an embedded local Ray (None = enough for the config)
     include_dashboard: bool = False   # embedded local Ray only
 
