@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, batched into few device calls because device time is scarce.
 # Run from the repo root after `source .gpu/bootstrap.sh`; logs and JSON lines go to $OUT, one log per
-# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | graphs | multigpu | all)
+# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | graphs | diag | warm | final | open | divergence | transport | multigpu | all)
 #   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
 #          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
 #          shape; the cost of logprobs=5, n=4 and stop strings (bench_api_features); the control plane on
@@ -121,37 +121,29 @@ phase_final() {  # [graphs] the round's figures: greedy = HF in every graph mode
     tests/test_attention_kernels.py -k "head_256 or fall_back or half_precision or jumps"
 }
 
-phase_open() {  # the figures no call has measured yet: Llama step kinds, the serve sweep, shm on the GPU host
+serve_sweep() {  # Ray Serve is not in the slim Ray: .gpu/serve/ (benchmarks/gpu_bundle_extras.sh) brings it
+  python3 .gpu/serve/install.py
+  TAIL=30 step serve 260 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --rates 32
+}
+
+phase_open() {  # the fourth session's figures: Llama step kinds, the control plane on the GPU host, the serve sweep
   TAIL=40 step llama_steps 150 python3 benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
     --configs defaults --idle --steps-json "$OUT/llama_steps.json"
   TAIL=30 step control_plane 60 python3 benchmarks/control_plane.py --device cuda --tp 1 2 --steps 300
-  TAIL=30 step serve 230 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --rates 32
-  TAIL=30 step bf16_moe 80 python3 benchmarks/bf16_divergence.py --shape qwen3-30b-a3b --num-layers 8
+  serve_sweep
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
-phase_open2() {  # the serve sweep (Ray Serve from .gpu/serve: the slim Ray has none) and bf16 divergence of both new families
-  python3 .gpu/serve/install.py  # built by benchmarks/gpu_bundle_extras.sh
-  TAIL=30 step serve 260 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --rates 32
-  # two engine starts on a cold Triton cache (fp32 then bf16, head 256, two KV groups): ~90 s each
+phase_divergence() {  # fp32 = HF and bf16 divergence of the new families (~8 minutes on a cold Triton cache)
+  # two engine starts each (fp32 then bf16; Gemma: head 256, two KV groups): ~90 s each when cold
   TAIL=30 step bf16_gemma3 270 python3 benchmarks/bf16_divergence.py --shape gemma-3-12b --num-layers 8
-  cp -r benchmarks/results "$OUT/results" 2>/dev/null
-}
-
-phase_open3() {  # the serve sweep again (the image's grpcio did not fit the bundle's reflection) and the MoE divergence
-  python3 .gpu/serve/install.py  # built by benchmarks/gpu_bundle_extras.sh
-  TAIL=30 step serve 250 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --rates 32
-  phase_moe
+  TAIL=30 step bf16_moe 250 python3 benchmarks/bf16_divergence.py --shape qwen3-30b-a3b --num-layers 4
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
 phase_transport() {  # the nano workload with each step transport, side by side (real workers on the GPU)
   TAIL=30 step nano_transport 150 python3 benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano \
     --configs compiled_graph shm
-}
-
-phase_moe() {
-  TAIL=30 step bf16_moe 250 python3 benchmarks/bf16_divergence.py --shape qwen3-30b-a3b --num-layers 4
 }
 
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
@@ -172,11 +164,9 @@ case "${1:-all}" in
   warm) phase_warm ;;
   final) phase_final ;;
   open) phase_open ;;
-  open2) phase_open2 ;;
-  moe) phase_moe ;;
-  open3) phase_open3 ;;
+  divergence) phase_divergence ;;
   transport) phase_transport ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
-  *) echo "usage: $0 qwen|checks|rerun|llama|graphs|multigpu|all"; exit 2 ;;
+  *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|multigpu|all"; exit 2 ;;
 esac
