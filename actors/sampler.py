@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.logprobs import LogprobsTensors, compute_logprobs
+from actors.logprobs_kernel import topk_logprobs
 from actors.penalty_state import PenaltyState
 from actors.sample_kernel import launch_sample
 from actors.sample_reference import sample_reference
@@ -80,8 +81,14 @@ class Sampler:
             tokens = self._sample(logits, md)
         if md.penalty_slots is not None and self.penalty_state is not None:
             self.penalty_state.record(md.penalty_slots, tokens)
-        lp = compute_logprobs(logits, tokens, md.num_logprobs) if md.num_logprobs >= 0 else None
+        lp = None
+        if md.num_logprobs >= 0:
+            fn = topk_logprobs if self._triton(logits.device) else compute_logprobs
+            lp = fn(logits, tokens, md.num_logprobs)
         return SamplerOutput(tokens, lp)
+
+    def _triton(self, dev: torch.device) -> bool:
+        return self.use_triton if self.use_triton is not None else dev.type == "cuda"
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         n = logits.shape[0]
@@ -92,8 +99,7 @@ class Sampler:
         seeds = md.seeds if md.seeds is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         positions = md.positions if md.positions is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         slots, penalties, counts, prompt_mask = self._penalty_inputs(md)
-        use_triton = self.use_triton if self.use_triton is not None else dev.type == "cuda"
-        if use_triton:
+        if self._triton(dev):
             # The interpreter vectorises one program's rows; a GPU program owns one row.
             rows = 1 if dev.type == "cuda" else 16
             return launch_sample(logits, temperature, top_k, top_p, seeds, positions,

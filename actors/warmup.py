@@ -1,5 +1,5 @@
-"""Start-up warm-up outside the CUDA graphs: the sampler's kernel variants compile before the first
-request (graph capture already compiles everything the forward launches; see actors/cuda_graphs.py)."""
+"""Start-up warm-up outside the CUDA graphs: the sampler's and the logprobs kernel variants compile before
+the first request (graph capture already compiles everything the forward launches; see actors/cuda_graphs.py)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -24,4 +24,6 @@ def warm_sampler(sampler: Sampler, vocab: int, device: torch.device, max_rows: i
         sampler(logits, SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False))
         for filters in (False, True):
             sampler(logits, dummy(rows, filters, -1))
+    # The logprobs kernels specialise on neither the row count nor k: one call compiles both.
+    sampler(logits[:1], dummy(1, False, 1))
     torch.cuda.synchronize(device)

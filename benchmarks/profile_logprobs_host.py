@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.logprobs import compute_logprobs  # noqa: E402
+from actors.logprobs_kernel import topk_logprobs  # noqa: E402
 from actors.messages import PollResult  # noqa: E402
 from actors.step_logprobs import LogprobsCollector, launch_copies  # noqa: E402
 from kvcore.logprob_outputs import attach_logprobs  # noqa: E402
@@ -155,6 +156,8 @@ def device_breakdown(rows: int, vocab: int, k: int, device: str, reps: int) -> N
         "  rank (lp >= tok).sum": lambda: (lp >= tok_lp).sum(-1),
         f"  topk({k})": lambda: lp.topk(k, dim=-1),
     }
+    if dev.type == "cuda":  # what the sampler runs on a GPU
+        parts["topk_logprobs (2 Triton launches)"] = lambda: topk_logprobs(logits, tokens, k)
     for name, fn in parts.items():
         fn()  # warm-up
         if dev.type == "cuda":
@@ -170,7 +173,7 @@ def device_breakdown(rows: int, vocab: int, k: int, device: str, reps: int) -> N
             for _ in range(reps):
                 fn()
             ms = (time.perf_counter() - t0) * 1e3 / reps
-        print(f"{name:24s} {ms:8.3f} ms")
+        print(f"{name:34s} {ms:8.3f} ms")
 
 
 def main() -> None:
