@@ -4,7 +4,10 @@ greedy and seeded requests and must give the reference tokens, every request exa
 
 1. the node under replica 0 goes away mid-run: its placement group is rescheduled on the spare node
    and its TP group rebuilt there;
-2. replica 0's driver actor is killed mid-run: a new driver takes its place, its requests move.
+2. the node under replica 1 goes away with no spare left: replica 1 cannot rebuild, its requests
+   move to replica 0;
+3. a new node joins: replica 1 rebuilds on it and takes requests again;
+4. replica 0's driver actor is killed mid-run: a new driver takes its place, its requests move.
 """
 import time
 
@@ -96,6 +99,22 @@ def test_a_lost_node_rebuilds_the_replica_on_the_spare_node(cluster, group, refe
     assert run(group, "rebuild", action=lambda: cluster.remove(lost)) == reference
     assert node_of(cluster, group, 0) == spare
     assert group.stats()[0]["worker_restarts"] == 1
+
+
+def test_with_no_spare_node_the_requests_move_to_the_other_replica(cluster, group, reference):
+    lost = node_of(cluster, group, 1)
+    assert run(group, "failover", action=lambda: cluster.remove(lost)) == reference
+    assert group.state[1] == "rebuilding" and group.moved_away[1] > 0, (group.state, group.moved_away)
+
+
+def test_a_node_that_joins_later_is_used_again(cluster, group, reference):
+    cluster.add("d")
+    wait_until(lambda: group.state[1] == UP, 120, step=lambda: group.poll(timeout_s=0.5),
+               what="replica 1 rebuilding on the new node")
+    assert node_of(cluster, group, 1) == "d"
+    before = group.stats()[1]["num_output_tokens"]
+    assert run(group, "rejoined") == reference
+    assert group.stats()[1]["num_output_tokens"] > before
 
 
 def test_a_killed_driver_is_replaced_and_its_requests_move(cluster, group, reference):
