@@ -30,11 +30,11 @@ class LogprobsTensors:
         return LogprobsTensors(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                                  for t in (self.token_ids, self.logprobs, self.ranks)))
 
-    def to_batch(self) -> LogprobsBatch:
-        """The host copies as the step's message rows: one numpy copy per field per step (the messages
-        of its requests are windows of it), owned by the batch (no view of a buffer the runner reuses)."""
+    def to_batch(self, req_ids: list[str] | None = None, ks: np.ndarray | None = None) -> LogprobsBatch:
+        """The host copies as one message batch: one numpy copy per field per step, owned by the batch
+        (no view of a buffer the runner reuses); req_ids and ks name the rows' requests and their k."""
         return LogprobsBatch(self.token_ids.numpy().copy(), self.logprobs.numpy().copy(),
-                             self.ranks.numpy().copy())
+                             self.ranks.numpy().copy(), req_ids, ks)
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int) -> LogprobsTensors:

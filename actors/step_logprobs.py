@@ -17,7 +17,7 @@ import torch
 
 from actors.input_batch import InputBatch
 from actors.logprobs import LogprobsTensors, StepLogprobs, compute_logprobs, concat
-from kvcore.messages import Logprobs
+from kvcore.messages import Logprobs, LogprobsBatch
 
 PROMPT_SLICE = 1024  # prompt positions whose logits exist at once
 
@@ -93,25 +93,27 @@ class LogprobsCollector:
         self.parts.pop(req_id, None)
 
     def collect(self, lp: StepLogprobs | None, req_ids: list[str], sample_rows: np.ndarray,
-                live: set[str] | None = None) -> tuple[dict[str, Logprobs] | None, dict[str, Logprobs] | None]:
+                live: set[str] | None = None) -> tuple[LogprobsBatch | None, dict[str, Logprobs] | None]:
+        """-> (the step's sampled rows as one batch, the prompt logprobs of requests complete this step).
+
+        The batch is the step's arrays with the rows' request ids: nothing here is per request but the
+        prompt chunks (a request's prompt is handed out once)."""
         if lp is None:
             return None, None
-        sampled: dict[str, Logprobs] | None = None
         if lp.prompt is not None and lp.prompt_segments:
             batch, a = lp.prompt.to_batch(), 0
             for rid, n, k in lp.prompt_segments:
                 self.parts.setdefault(rid, []).append(Logprobs.window(batch, a, a + n, 1 + k))
                 a += n
-        prompt: dict[str, Logprobs] | None = None
-        rows = sample_rows.tolist()
+        sampled: LogprobsBatch | None = None
         if lp.sample is not None:
             assert lp.sample_k is not None  # launch_copies sets both or neither
-            batch, window = lp.sample.to_batch(), Logprobs.window
-            ks = lp.sample_k.tolist()
-            sampled = {req_ids[row]: window(batch, i, i + 1, 1 + k) for i, (row, k) in enumerate(zip(rows, ks))
-                       if k >= 0}
+            # Every row sampled (a decode step): the rows are the step's, and the list pickles once.
+            ids = req_ids if len(sample_rows) == len(req_ids) else list(map(req_ids.__getitem__, sample_rows.tolist()))
+            sampled = lp.sample.to_batch(ids, np.asarray(lp.sample_k, dtype=np.int32))
+        prompt: dict[str, Logprobs] | None = None
         if self.parts:
-            for row in rows:
+            for row in sample_rows.tolist():
                 rid = req_ids[row]
                 chunks = self.parts.pop(rid, None)
                 if chunks is not None:

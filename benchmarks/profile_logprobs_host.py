@@ -11,6 +11,8 @@ One decode step of `--rows` requests over a `--vocab` vocabulary, through the re
   client_loads    ... and unpickled by the client
   client_process  OutputProcessor.process_output of every output, with a byte-level BPE tokenizer of
                   the full vocabulary (benchmarks/bench_api_features.py's), as LLM.generate runs it
+  client_read     off the engine's path: the user reading every new position's {token_id: Logprob}
+                  dict (built on first read, cluster/logprobs.PositionLogprobs)
 Each stage also runs with logprobs off (the base), so the table shows what logprobs add per step.
 
   python benchmarks/profile_logprobs_host.py                 # 256 rows, 151936 vocab, k=5
@@ -96,7 +98,8 @@ class Step:
     def driver_attach(self) -> None:
         mro = self.mro
         assert mro is not None
-        self.outputs = [EngineCoreOutput(rid, toks) for rid, toks in zip(mro.req_ids, mro.sampled_token_ids)]
+        # The scheduler's own request ids: not the objects the batch unpickled (pickle's memo is by identity).
+        self.outputs = [EngineCoreOutput(rid, toks) for rid, toks in zip(self.req_ids, mro.sampled_token_ids)]
         attach_logprobs(self.outputs, mro)
 
     def driver_dumps(self) -> None:
@@ -109,29 +112,45 @@ class Step:
         for o in self.outputs:
             self.processor.process_output(o)
 
+    def client_read(self) -> None:
+        for state, _ in self.processor.states.values():
+            rows = state.logprobs.logprobs
+            if rows is not None and len(rows):
+                rows[-1]  # builds the positions appended since the last read
+
 
 STAGES = ("device", "worker_collect", "worker_dumps", "driver_loads", "driver_attach", "driver_dumps",
-          "client_loads", "client_process")
-PROCESS = {"worker": STAGES[1:3], "driver": STAGES[3:6], "client": STAGES[6:]}
+          "client_loads", "client_process", "client_read")
+PROCESS = {"worker": STAGES[1:3], "driver": STAGES[3:6], "client": STAGES[6:8]}
+ON_PATH = STAGES[1:8]  # client_read is the user's, after the outputs are made
 
 
-def time_stages(step: Step, steps: int, skip_device: bool) -> dict[str, float]:
-    """Median seconds per step of each stage, over `steps` runs of the whole chain."""
-    times: dict[str, list[float]] = {s: [] for s in STAGES}
+def time_stages(chains: list[Step], steps: int, skip_device: bool) -> list[dict[str, float]]:
+    """Median seconds per step of each stage of each chain, over `steps` runs of every chain's whole step
+    in turn (steps alternate between the chains, so a load that drifts hits them alike); then client_read
+    once over the positions those steps appended (per step), as a user reads them after generate."""
+    times: list[dict[str, list[float]]] = [{s: [] for s in STAGES} for _ in chains]
     for _ in range(steps):
-        for s in STAGES:
-            if s == "device" and skip_device:
-                continue
-            t0 = time.perf_counter()
-            getattr(step, s)()
-            times[s].append(time.perf_counter() - t0)
-    return {s: float(np.median(v)) if v else float("nan") for s, v in times.items()}
+        for step, t in zip(chains, times):
+            for s in STAGES[:-1]:
+                if s == "device" and (skip_device or step.k is None):
+                    continue
+                t0 = time.perf_counter()
+                getattr(step, s)()
+                t[s].append(time.perf_counter() - t0)
+    for step, t in zip(chains, times):
+        t0 = time.perf_counter()
+        step.client_read()
+        t["client_read"].append((time.perf_counter() - t0) / steps)
+    return [{s: float(np.median(v)) if v else 0.0 for s, v in t.items()} for t in times]
 
 
 def profile_stage(step: Step, stage: str, steps: int) -> None:
     prof = cProfile.Profile()
     for _ in range(steps):
         for s in STAGES[1:]:
+            if s == "client_read" != stage:
+                continue  # the user's read, after generate: not interleaved with the output path
             fn: Callable[[], None] = getattr(step, s)
             if s == stage:
                 prof.enable()
@@ -204,18 +223,16 @@ def main() -> None:
         profile_stage(with_lp, args.profile, args.steps)
         return
     base = Step(args.rows, args.vocab, None, tok)
-    time_stages(with_lp, 2, skip_device=True)  # warm-up: tokenizer caches, allocator
-    time_stages(base, 2, skip_device=True)
-    lp_t = time_stages(with_lp, args.steps, skip_device=True)
-    lp_t["device"] = time_stages(with_lp, args.device_steps, skip_device=False)["device"]
-    base_t = time_stages(base, args.steps, skip_device=True)
+    time_stages([with_lp, base], 2, skip_device=True)  # warm-up: tokenizer caches, allocator
+    lp_t, base_t = time_stages([with_lp, base], args.steps, skip_device=True)
+    lp_t["device"] = time_stages([with_lp], args.device_steps, skip_device=False)[0]["device"]
     print(f"{args.rows} rows, vocab {args.vocab}, logprobs={args.k}; median ms per step (1 thread)")
     print(f"{'stage':16s} {'base':>9s} {'logprobs':>9s} {'added':>9s}")
     total_b = total_l = 0.0
     for s in STAGES:
-        b = 0.0 if s == "device" else base_t[s]
+        b = base_t[s]
         lp = lp_t[s]
-        if s != "device":
+        if s in ON_PATH:
             total_b, total_l = total_b + b, total_l + lp
         print(f"{s:16s} {b * 1e3:9.2f} {lp * 1e3:9.2f} {(lp - b) * 1e3:9.2f}")
     print(f"{'host total':16s} {total_b * 1e3:9.2f} {total_l * 1e3:9.2f} {(total_l - total_b) * 1e3:9.2f}")

@@ -1,36 +1,68 @@
-"""Logprob rows as the messages carry them: one step's arrays, shared by the messages of that step.
+"""Logprob rows as the messages carry them: one step's arrays, shared by every request of that step.
 
-A step computes the logprobs of all its sampled rows at once. Each request's `Logprobs` is a window
-of rows of that step's `LogprobsBatch`, not a copy of them: the worker converts a step's results to
-numpy once, not once per request. Pickled (Ray, pipes), a window is (batch, start, stop, width) and
-pickle's memo writes the batch once per message, so a step of 256 requests sends three arrays, not
-768 (the ModelRunnerOutput to the driver, then the PollResult to the client). On the client the batch
-turns into Python lists once (`LogprobsBatch.lists`), and each request reads its rows from those.
+A step computes the logprobs of all its sampled rows at once, and they travel as that one
+`LogprobsBatch` (four arrays and the rows' request ids), from the worker through the driver to the
+client: no per-request object is made, pickled or unpickled on the way (pickle's memo writes a batch
+once per message however many outputs point at it). Each EngineCoreOutput of the step points at the
+batch; the client finds its request's rows by request id (`span`, an index built once per batch), and
+only the client's output processor turns rows into Python objects. `Logprobs` is a window of a batch:
+one request's rows (its prompt logprobs travel as one, and `EngineCoreOutput.logprobs` reads one).
 """
 from __future__ import annotations
 
 import numpy as np
 
-RowLists = tuple[list[list[int]], list[list[float]], list[int]]
-
 
 class LogprobsBatch:
-    """One step's rows: token_ids int32 [R, W], logprobs float32 [R, W], ranks int32 [R]."""
+    """Rows: token_ids int32 [R, W], logprobs float32 [R, W], ranks int32 [R]. For a step's sampled
+    rows also req_ids (one per row; a request's rows are consecutive, in token order) and ks int32 [R]
+    (the k its request asked; -1: none, the row was computed for the batch only)."""
 
-    __slots__ = ("token_ids", "logprobs", "ranks", "_lists")
+    __slots__ = ("token_ids", "logprobs", "ranks", "req_ids", "ks", "_last", "_first", "_own")
 
-    def __init__(self, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> None:
+    def __init__(self, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray,
+                 req_ids: list[str] | None = None, ks: np.ndarray | None = None) -> None:
         self.token_ids, self.logprobs, self.ranks = token_ids, logprobs, ranks
-        self._lists: RowLists | None = None
+        self.req_ids, self.ks = req_ids, ks
+        self._last: dict[str, int] | None = None   # req_id -> its last row
+        self._first: dict[str, int] | None = None  # req_id -> its first row, when some have several
+        self._own: list[float] | None = None
 
-    def __reduce__(self) -> tuple[type, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        return LogprobsBatch, (self.token_ids, self.logprobs, self.ranks)  # the lists are rebuilt on demand
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        # The caches are rebuilt on demand by whoever reads the batch.
+        return LogprobsBatch, (self.token_ids, self.logprobs, self.ranks, self.req_ids, self.ks)
 
-    def lists(self) -> RowLists:
-        """The arrays as Python lists, converted once for all the windows that read them."""
-        if self._lists is None:
-            self._lists = (self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist())
-        return self._lists
+    def __len__(self) -> int:
+        return int(self.ranks.shape[0])
+
+    def span(self, req_id: str) -> tuple[int, int] | None:
+        """The rows [start, stop) of req_id, or None when the batch has none of its rows."""
+        last = self._last
+        if last is None:
+            ids = self.req_ids or []
+            last = self._last = dict(zip(ids, range(len(ids))))
+            if len(last) < len(ids):  # some request has several rows: their first comes from the end
+                self._first = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))
+        stop = last.get(req_id)
+        if stop is None:
+            return None
+        return (stop if self._first is None else self._first[req_id]), stop + 1
+
+    def rows_for(self, req_id: str, n: int) -> "Logprobs | None":
+        """The first n rows of req_id, trimmed to its k; None when it asked for none or has no rows here."""
+        span = self.span(req_id)
+        if span is None:
+            return None
+        k = int(self.ks[span[0]]) if self.ks is not None else int(self.token_ids.shape[1]) - 1
+        if k < 0:
+            return None
+        return Logprobs.window(self, span[0], min(span[0] + n, span[1]), 1 + k)
+
+    def own_logprobs(self) -> list[float]:
+        """Column 0 (each row's own token's logprob) as Python floats, converted once for every reader."""
+        if self._own is None:
+            self._own = self.logprobs[:, 0].tolist()
+        return self._own
 
 
 class Logprobs:
@@ -40,7 +72,7 @@ class Logprobs:
     Row j: token_ids[j, 0] is the position's own token (the sampled one, or the prompt token) and
     logprobs[j, 0] its logprob; columns 1..k are the top-k tokens by logprob, best first; ranks[j] is
     the own token's rank (1 = most likely). Logprobs are the raw model's float32 log_softmax.
-    `Logprobs(token_ids, logprobs, ranks)` wraps arrays of its own; `window` shares a step's batch.
+    `Logprobs(token_ids, logprobs, ranks)` wraps arrays of its own; `window` shares a batch.
     """
 
     __slots__ = ("batch", "start", "stop", "width")
@@ -75,13 +107,3 @@ class Logprobs:
     @property
     def ranks(self) -> np.ndarray:      # int32 [P]
         return self.batch.ranks[self.start:self.stop]
-
-    def head(self, n: int) -> "Logprobs":
-        """The first n rows (a stop inside a multi-token step drops the rest)."""
-        return Logprobs.window(self.batch, self.start, self.start + min(n, len(self)), self.width)
-
-    def row_lists(self) -> RowLists:
-        """The rows as Python lists (token ids and logprobs may run past `width`: read the first width)."""
-        ids, lps, ranks = self.batch.lists()
-        a, b = self.start, self.stop
-        return ids[a:b], lps[a:b], ranks[a:b]

@@ -92,8 +92,9 @@ class ModelRunnerOutput:
     """What rank 0 returns: the tokens it sampled, per scheduled request.
 
     sampled_token_ids[i] belongs to req_ids[i]; it is empty for a request whose prefill is still
-    partial this step (nothing is sampled for it). `logprobs` holds, for the requests that asked
-    (SamplingParams.logprobs) and sampled this step, one row per sampled token. `prompt_logprobs` holds,
+    partial this step (nothing is sampled for it). `logprobs` holds the rows of every request that
+    sampled this step, one per sampled token, as one batch (req_ids and ks say whose rows and which k
+    each asked; -1: none), when any of them asked (SamplingParams.logprobs). `prompt_logprobs` holds,
     for requests that asked and sampled their first token this step, every prompt position from the
     second on (P = prompt length - 1): vLLM's prompt_logprobs without its leading None.
     """
@@ -101,7 +102,7 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     step_id: int = 0
-    logprobs: dict[str, Logprobs] | None = None
+    logprobs: LogprobsBatch | None = None
     prompt_logprobs: dict[str, Logprobs] | None = None
     cudagraph: bool = False  # the step replayed a CUDA graph (the engine reports the share)
 
@@ -117,15 +118,25 @@ class EngineCoreOutput:
     stop_reason: int | None = None  # the stop token id, when a stop token ended it
     error: str | None = None
     num_cached_tokens: int = 0
-    logprobs: Logprobs | None = None         # one row per new token, when SamplingParams.logprobs is set
+    # The sampled rows of the step that made this output, every request's of that step (one object for
+    # all of them, so the output path never splits them per request); `logprobs` reads this request's.
+    step_logprobs: LogprobsBatch | None = None
     prompt_logprobs: Logprobs | None = None  # with the first token, when SamplingParams.prompt_logprobs is set
+
+    @property
+    def logprobs(self) -> Logprobs | None:
+        """This request's rows, one per new token, when SamplingParams.logprobs is set."""
+        batch = self.step_logprobs
+        if batch is None or not self.new_token_ids:
+            return None
+        return batch.rows_for(self.request_id, len(self.new_token_ids))
 
 
 # The scheduler's _apply_sampled builds the EngineCoreOutput of an unfinished request by filling a bare
 # instance (one per running request per step, so the __init__ call is worth skipping); it sets exactly
 # these fields, so a new field must be added there too.
 ENGINE_CORE_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finished", "finish_reason", "stop_reason", "error",
-                             "num_cached_tokens", "logprobs", "prompt_logprobs")
+                             "num_cached_tokens", "step_logprobs", "prompt_logprobs")
 if tuple(f.name for f in fields(EngineCoreOutput)) != ENGINE_CORE_OUTPUT_FIELDS:
     raise RuntimeError("kvcore.messages: EngineCoreOutput's fields changed; update Scheduler._apply_sampled, "
                        f"which fills {ENGINE_CORE_OUTPUT_FIELDS} by hand")

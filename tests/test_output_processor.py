@@ -4,6 +4,7 @@ whose multi-byte characters span several tokens."""
 from __future__ import annotations
 
 import json
+import pickle
 import random
 
 import numpy as np
@@ -17,7 +18,7 @@ from cluster.detokenizer import IncrementalDetokenizer, check_stop_strings
 from cluster.output_processor import OutputProcessor
 from cluster.sampling_defaults import VLLM_DEFAULTS, default_sampling_params
 from cluster.tokenizer import Tokenizer
-from kvcore.messages import EngineCoreOutput, Logprobs
+from kvcore.messages import EngineCoreOutput, Logprobs, LogprobsBatch
 from kvcore.request import RequestValidationError, SamplingParams
 
 IM_END = 256 + SPECIAL_TOKENS.index("<|im_end|>")
@@ -163,6 +164,15 @@ def _rows(rng: random.Random, chosen: list[int], k: int) -> Logprobs:
                     np.array(lps, dtype=np.float32).reshape(len(chosen), k + 1), np.array(ranks, dtype=np.int32))
 
 
+def _step_batch(rng: random.Random, rows: Logprobs, rid: str) -> LogprobsBatch:
+    """A step's batch as the worker sends it: another request's row first, then rid's rows."""
+    other = _rows(rng, [1], rows.token_ids.shape[1] - 1)
+    cat = [np.concatenate([a, b]) for a, b in ((other.token_ids, rows.token_ids), (other.logprobs, rows.logprobs),
+                                               (other.ranks, rows.ranks))]
+    n = len(rows)
+    return LogprobsBatch(*cat, ["other"] + [rid] * n, np.array([2] + [rows.token_ids.shape[1] - 1] * n, np.int32))
+
+
 def test_logprobs_shaped_as_vllm(tok) -> None:
     """Formatting, with hand-made arrays; the engine's own values are checked against HF in test_api_outputs."""
     rng = random.Random(0)
@@ -171,7 +181,8 @@ def test_logprobs_shaped_as_vllm(tok) -> None:
     proc.add_request("r", None, [5, 6, 7], SamplingParams(logprobs=3, prompt_logprobs=2, stop="c"))
     sample = [_rows(rng, ids[:2], 5), _rows(rng, ids[2:], 5)]  # wider than asked: cut to 3
     prompt = [_rows(rng, [6, 7], 4), None]  # with the first token only
-    parent, aborts = stream(proc, "r", ids, per_step=2, logprobs=sample, prompt_logprobs=prompt)
+    steps = [_step_batch(rng, rows, "r") for rows in sample]
+    parent, aborts = stream(proc, "r", ids, per_step=2, step_logprobs=steps, prompt_logprobs=prompt)
     res = parent.output()
     c = res.outputs[0]
     assert aborts == ["r"] and c.text == "ab" and len(c.token_ids) == 3 == len(c.logprobs)
@@ -185,6 +196,31 @@ def test_logprobs_shaped_as_vllm(tok) -> None:
     assert c.cumulative_logprob == pytest.approx(sum(float(lists.logprobs[row, 0]) for lists, row in flat))
     assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == 3
     assert list(res.prompt_logprobs[1])[0] == 6 and len(res.prompt_logprobs[1]) <= 3
+    # The positions read as the list vLLM returns: equal to it, sliced to lists, pickled as one.
+    as_list = list(c.logprobs)
+    assert c.logprobs == as_list and c.logprobs[1:] == as_list[1:] and pickle.loads(pickle.dumps(c.logprobs)) == as_list
+
+
+def test_position_logprobs_read_between_steps_and_truncated(tok) -> None:
+    """Rows read part-way (a stream), appended to, then cut by a stop string before and after the build."""
+    rng = random.Random(1)
+    proc = OutputProcessor(tok)
+    proc.add_request("r", None, [5], SamplingParams(logprobs=1))
+    state = proc.states["r"][0].logprobs
+    steps = [_rows(rng, [t], 1) for t in (10, 11, 12, 13)]
+    for k, rows in enumerate(steps[:2]):
+        state.update(EngineCoreOutput("r", [10 + k], step_logprobs=_step_batch(rng, rows, "r")), 1)
+    assert len(state.logprobs) == 2 and list(state.logprobs[0])[0] == 10  # built: 2 positions
+    for k, rows in enumerate(steps[2:], start=2):
+        state.update(EngineCoreOutput("r", [10 + k], step_logprobs=_step_batch(rng, rows, "r")), 1)
+    own = [float(r.logprobs[0, 0]) for r in steps]
+    assert len(state.logprobs) == 4 and state.cumulative_logprob == pytest.approx(sum(own))
+    state.truncate(3)  # an unbuilt row dropped
+    assert [next(iter(d)) for d in state.logprobs] == [10, 11, 12]
+    state.truncate(1)  # built rows dropped
+    assert len(state.logprobs) == 1 and state.cumulative_logprob == pytest.approx(own[0])
+    with pytest.raises(ValueError, match="0 logprob rows for 1 new tokens"):
+        state.update(EngineCoreOutput("r", [14], step_logprobs=_step_batch(rng, steps[0], "elsewhere")), 1)
 
 
 def test_no_logprobs_unless_asked(tok) -> None:
