@@ -38,7 +38,7 @@ SPIN_S = 0.002       # the writer spins (yielding) this long waiting for acknowl
 SLEEP_S = 50e-6      # at this interval
 IDLE_SLEEP_S = 1e-3  # after IDLE_AFTER_S of nothing
 IDLE_AFTER_S = 1.0
-READ_SPIN_S = 20e-6  # a reader spins this long (no syscall) before it blocks on its doorbell
+READ_SPIN_S = 20e-6  # by default a reader spins (yielding) this long before it blocks on its doorbell
 BELL_POLL_S = 0.1    # a blocked reader wakes this often to check should_stop and its deadline
 
 
@@ -194,15 +194,16 @@ class ShmRing:
                 pass  # the pipe is full of rings the reader has not drained: it will wake anyway
 
     # ---- readers ----------------------------------------------------------------------------
-    def read(self, reader: int, timeout_s: float | None = None,
-             should_stop: Callable[[], bool] | None = None) -> bytes | None:
+    def read(self, reader: int, timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None,
+             spin_s: float = READ_SPIN_S) -> bytes | None:
         """The next message for `reader`, acknowledged; None if should_stop() turned true first.
 
-        Raises RingTimeout after timeout_s (None: wait for ever) and RingClosed once the owner closed."""
+        Raises RingTimeout after timeout_s (None: wait for ever) and RingClosed once the owner closed.
+        It spins (yielding the CPU) spin_s before it blocks on its doorbell."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         parts: list[bytes] = []
         while True:
-            if not self._wait_chunk(reader, deadline, should_stop):
+            if not self._wait_chunk(reader, deadline, should_stop, spin_s):
                 return None
             chunk, last = self._take(reader)
             parts.append(chunk)
@@ -231,9 +232,10 @@ class ShmRing:
         except BlockingIOError:
             pass
 
-    def _wait_chunk(self, reader: int, deadline: float | None, should_stop: Callable[[], bool] | None) -> bool:
+    def _wait_chunk(self, reader: int, deadline: float | None, should_stop: Callable[[], bool] | None,
+                    spin_s: float) -> bool:
         words, mine = self._words, 2 + reader
-        spin_until = time.monotonic() + READ_SPIN_S
+        spin_until = time.monotonic() + spin_s
         while words[1] <= words[mine]:
             self._check_open()
             if should_stop is not None and should_stop():
@@ -242,6 +244,7 @@ class ShmRing:
             if deadline is not None and now > deadline:
                 raise RingTimeout(f"reader {reader}: no message on ring {self.handle.name} in time")
             if now < spin_until:
+                os.sched_yield()  # releases the GIL too: the actor's other threads (pings) still run
                 continue
             # Drain first, then look again: a ring that comes after the look stays in the pipe.
             self.drain_doorbell(reader)
