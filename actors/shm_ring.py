@@ -15,10 +15,12 @@ is one counter per party: each word has a single writer, so no atomics are neede
 stores, and a fence (a lock round trip, as vLLM does) orders payload and counter.
 
 A reader that does not acknowledge within the writer's timeout (dead or stalled) is named in
-RingTimeout: the caller decides who is at fault. A waiting reader spins a few microseconds, then blocks
-on its doorbell, a FIFO beside the segment that the writer rings (one byte) after each chunk: the kernel
-wakes it at once, where yielding or sleeping in a loop costs milliseconds on a loaded machine. The
-writer, waiting for acknowledgements (the ring full: rare), polls.
+RingTimeout: the caller decides who is at fault. A waiting reader spins spin_s (yielding: the core and
+the GIL are offered to others), then blocks on its doorbell, a FIFO beside the segment that the writer
+rings (one byte) after each chunk: the kernel wakes it at once, where sleeping in a loop costs
+milliseconds on a loaded machine; but a wake-up still costs tens of microseconds, so where cores allow
+the transport spins long enough to cover the other side's turn (actors/shm_transport.py). The writer,
+waiting for acknowledgements (the ring full: rare), polls.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ rank (diagnosed with Ray pings, which the actor's free main thread answers); whi
 liveness check runs every LIVENESS_S so a death is reported in about that long, not at the timeout. A
 rank whose step raised gives StepError once every rank has answered (WorkerFailure if a collective failed:
 actors.transport.step_failure). After a failure the transport stays
-broken, as the others do. SchedulerOutput is pickled with protocol 5 (its dataclasses use __slots__).
+broken, as the others do. SchedulerOutput is pickled with protocol 5, as (class, fields) (kvcore.messages).
 """
 from __future__ import annotations
 
