@@ -13,13 +13,14 @@ and the send times out. An empty frame is the close message.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import zmq
 
-from actors.shm_ring import RingClosed, RingHandle, RingTimeout, ShmRing
+from actors.shm_ring import READ_SPIN_S, RingClosed, RingHandle, RingTimeout, ShmRing
 
 POLL_MS = 100  # a blocked ZMQ receiver checks should_stop this often
 SEND_HWM = 64
@@ -40,11 +41,13 @@ class Receiver(Protocol):
 
 @dataclass(frozen=True)
 class ChannelSpec:
-    """A ring (handle + this reader's index) or a ZMQ address the driver bound."""
+    """A ring (handle + this reader's index) or a ZMQ address the driver bound; a receiver made from it
+    spins (yielding) spin_s looking for a message before it blocks."""
 
     ring: RingHandle | None = None
     reader: int = 0
     zmq_addr: str | None = None
+    spin_s: float = READ_SPIN_S
 
 
 # ---- shared memory ------------------------------------------------------------------------------
@@ -60,12 +63,13 @@ class RingSender:
 
 
 class RingReceiver:
-    def __init__(self, ring: ShmRing, reader: int) -> None:
+    def __init__(self, ring: ShmRing, reader: int, spin_s: float = READ_SPIN_S) -> None:
         self.ring = ring
         self.reader = reader
+        self.spin_s = spin_s
 
     def recv(self, timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None) -> bytes | None:
-        return self.ring.read(self.reader, timeout_s, should_stop)
+        return self.ring.read(self.reader, timeout_s, should_stop, self.spin_s)
 
     def try_recv(self, timeout_s: float) -> bytes | None:
         return self.ring.try_read(self.reader, timeout_s)
@@ -129,11 +133,13 @@ class ZmqSender:
 
 
 class ZmqReceiver:
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, spin_s: float = READ_SPIN_S) -> None:
         self.sock = sock
+        self.spin_s = spin_s
 
     def recv(self, timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None) -> bytes | None:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = None if timeout_s is None else start + timeout_s
         while True:
             msg = self._take(zmq.NOBLOCK)
             if msg is not None:
@@ -143,6 +149,9 @@ class ZmqReceiver:
             now = time.monotonic()
             if deadline is not None and now > deadline:
                 raise RingTimeout(f"no message from {self.sock.last_endpoint!r} in {timeout_s:g}s")
+            if now < start + self.spin_s:
+                os.sched_yield()
+                continue
             # Block on the socket, waking to check should_stop and the deadline.
             left_ms = POLL_MS if deadline is None else max(1, min(POLL_MS, int((deadline - now) * 1000)))
             self.sock.poll(left_ms)
@@ -172,9 +181,9 @@ class ZmqReceiver:
 # ---- a worker's ends ----------------------------------------------------------------------------
 def open_receiver(spec: ChannelSpec) -> Receiver:
     if spec.ring is not None:
-        return RingReceiver(ShmRing.attach(spec.ring), spec.reader)
+        return RingReceiver(ShmRing.attach(spec.ring), spec.reader, spec.spin_s)
     assert spec.zmq_addr is not None
-    return ZmqReceiver(connect(zmq.PULL, spec.zmq_addr))
+    return ZmqReceiver(connect(zmq.PULL, spec.zmq_addr), spec.spin_s)
 
 
 def open_sender(spec: ChannelSpec) -> Sender:

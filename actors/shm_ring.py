@@ -15,10 +15,12 @@ is one counter per party: each word has a single writer, so no atomics are neede
 stores, and a fence (a lock round trip, as vLLM does) orders payload and counter.
 
 A reader that does not acknowledge within the writer's timeout (dead or stalled) is named in
-RingTimeout: the caller decides who is at fault. A waiting reader spins a few microseconds, then blocks
-on its doorbell, a FIFO beside the segment that the writer rings (one byte) after each chunk: the kernel
-wakes it at once, where yielding or sleeping in a loop costs milliseconds on a loaded machine. The
-writer, waiting for acknowledgements (the ring full: rare), polls.
+RingTimeout: the caller decides who is at fault. A waiting reader spins spin_s (yielding: the core and
+the GIL are offered to others), then blocks on its doorbell, a FIFO beside the segment that the writer
+rings (one byte) after each chunk: the kernel wakes it at once, where sleeping in a loop costs
+milliseconds on a loaded machine; but a wake-up still costs tens of microseconds, so where cores allow
+the transport spins long enough to cover the other side's turn (actors/shm_transport.py). The writer,
+waiting for acknowledgements (the ring full: rare), polls.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ SPIN_S = 0.002       # the writer spins (yielding) this long waiting for acknowl
 SLEEP_S = 50e-6      # at this interval
 IDLE_SLEEP_S = 1e-3  # after IDLE_AFTER_S of nothing
 IDLE_AFTER_S = 1.0
-READ_SPIN_S = 20e-6  # a reader spins this long (no syscall) before it blocks on its doorbell
+READ_SPIN_S = 20e-6  # by default a reader spins (yielding) this long before it blocks on its doorbell
 BELL_POLL_S = 0.1    # a blocked reader wakes this often to check should_stop and its deadline
 
 
@@ -194,15 +196,16 @@ class ShmRing:
                 pass  # the pipe is full of rings the reader has not drained: it will wake anyway
 
     # ---- readers ----------------------------------------------------------------------------
-    def read(self, reader: int, timeout_s: float | None = None,
-             should_stop: Callable[[], bool] | None = None) -> bytes | None:
+    def read(self, reader: int, timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None,
+             spin_s: float = READ_SPIN_S) -> bytes | None:
         """The next message for `reader`, acknowledged; None if should_stop() turned true first.
 
-        Raises RingTimeout after timeout_s (None: wait for ever) and RingClosed once the owner closed."""
+        Raises RingTimeout after timeout_s (None: wait for ever) and RingClosed once the owner closed.
+        It spins (yielding the CPU) spin_s before it blocks on its doorbell."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         parts: list[bytes] = []
         while True:
-            if not self._wait_chunk(reader, deadline, should_stop):
+            if not self._wait_chunk(reader, deadline, should_stop, spin_s):
                 return None
             chunk, last = self._take(reader)
             parts.append(chunk)
@@ -231,9 +234,10 @@ class ShmRing:
         except BlockingIOError:
             pass
 
-    def _wait_chunk(self, reader: int, deadline: float | None, should_stop: Callable[[], bool] | None) -> bool:
+    def _wait_chunk(self, reader: int, deadline: float | None, should_stop: Callable[[], bool] | None,
+                    spin_s: float) -> bool:
         words, mine = self._words, 2 + reader
-        spin_until = time.monotonic() + READ_SPIN_S
+        spin_until = time.monotonic() + spin_s
         while words[1] <= words[mine]:
             self._check_open()
             if should_stop is not None and should_stop():
@@ -242,6 +246,7 @@ class ShmRing:
             if deadline is not None and now > deadline:
                 raise RingTimeout(f"reader {reader}: no message on ring {self.handle.name} in time")
             if now < spin_until:
+                os.sched_yield()  # releases the GIL too: the actor's other threads (pings) still run
                 continue
             # Drain first, then look again: a ring that comes after the look stays in the pipe.
             self.drain_doorbell(reader)

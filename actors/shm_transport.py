@@ -13,11 +13,12 @@ rank (diagnosed with Ray pings, which the actor's free main thread answers); whi
 liveness check runs every LIVENESS_S so a death is reported in about that long, not at the timeout. A
 rank whose step raised gives StepError once every rank has answered (WorkerFailure if a collective failed:
 actors.transport.step_failure). After a failure the transport stays
-broken, as the others do. SchedulerOutput is pickled with protocol 5 (its dataclasses use __slots__).
+broken, as the others do. SchedulerOutput is pickled with protocol 5, as (class, fields) (kvcore.messages).
 """
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from typing import Any, Sequence
@@ -36,17 +37,30 @@ from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 LIVENESS_S = 0.5        # while a step waits longer than this, check the ranks are alive this often
-REPLY_SPIN_S = 20e-6    # look at the answer channels this long before sleeping on them
 SETUP_TIMEOUT_S = 60.0  # attaching the workers to their channels
 BROADCAST_SLOTS, BROADCAST_SLOT_BYTES = 8, 1 << 18
 REPLY_SLOTS, REPLY_SLOT_BYTES = 4, 1 << 16
 
 
+# How long each party (the driver for answers, a rank for the next step) spins, yielding, before it blocks:
+# long enough to cover the other side's turn (a rank's step; the driver's update + schedule between steps),
+# since a wake-up from a blocking wait costs tens of microseconds each way (a sleeping core, the scheduler).
+# With fewer cores than twice the parties the spinners would take CPU from the parties doing the work.
+SPIN_S = 1e-3
+SHORT_SPIN_S = 20e-6
+
+
+def default_spin_s(n_workers: int) -> float:
+    return SPIN_S if len(os.sched_getaffinity(0)) >= 2 * (n_workers + 1) else SHORT_SPIN_S
+
+
 class ShmTransport(_Transport):
     name = "shm"
 
-    def __init__(self, workers: Sequence[Any], step_timeout_s: float, force_zmq: bool = False) -> None:
+    def __init__(self, workers: Sequence[Any], step_timeout_s: float, force_zmq: bool = False,
+                 spin_s: float | None = None) -> None:
         super().__init__(workers, step_timeout_s)
+        self.spin_s = default_spin_s(len(workers)) if spin_s is None else spin_s
         self._ring: ShmRing | None = None
         self._senders: list[Sender] = []             # the broadcast: the ring (if any) + one per remote rank
         self._replies: list[Receiver | None] = [None] * len(self.workers)  # per rank
@@ -74,14 +88,14 @@ class ShmTransport(_Transport):
                 self._owned_rings.append(reply)
                 self._replies[rank] = RingReceiver(reply, 0)
                 assert self._ring is not None
-                steps = ChannelSpec(ring=self._ring.handle, reader=local.index(rank))
+                steps = ChannelSpec(ring=self._ring.handle, reader=local.index(rank), spin_s=self.spin_s)
                 replies = ChannelSpec(ring=reply.handle)
             else:
                 push, push_addr = bind(zmq.PUSH, ip)
                 self._senders.append(ZmqSender(push))
                 pull, pull_addr = bind(zmq.PULL, ip)
                 self._replies[rank] = ZmqReceiver(pull)
-                steps, replies = ChannelSpec(zmq_addr=push_addr), ChannelSpec(zmq_addr=pull_addr)
+                steps, replies = ChannelSpec(zmq_addr=push_addr, spin_s=self.spin_s), ChannelSpec(zmq_addr=pull_addr)
             specs[rank] = ShmLoopSpec(rank, steps, replies, self.step_timeout_s)
         self._setup_call([w.start_shm_loop.remote(specs[r]) for r, w in enumerate(self.workers)],
                          "start_shm_loop")
@@ -128,11 +142,14 @@ class ShmTransport(_Transport):
         answers: dict[int, tuple[bool, Any]] = {}
         next_check = time.monotonic() + LIVENESS_S
         pings: list[Any] | None = None
-        spin_until = time.monotonic() + REPLY_SPIN_S
+        spin_until = time.monotonic() + self.spin_s
         while len(answers) < len(self.workers):
             got = self._poll(answers, deadline, so.step_id)
             now = time.monotonic()
-            if got or now < spin_until:
+            if got:
+                continue
+            if now < spin_until:
+                os.sched_yield()
                 continue
             if now > deadline:
                 raise self._fail_late(so.step_id, [r for r in range(len(self.workers)) if r not in answers])

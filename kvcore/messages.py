@@ -7,13 +7,35 @@ request per step, and slotted instances are cheaper to create and to pickle.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
+from typing import Any, TypeVar
 
 from kvcore.logprob_rows import Logprobs, LogprobsBatch  # noqa: F401 - the messages' logprob rows
 from kvcore.request import SamplingParams
 
 BlockIds = tuple[list[int], ...]  # one list per KV-cache group
+_T = TypeVar("_T")
 
 
+def positional_pickle(cls: type[_T]) -> type[_T]:
+    """Pickle a slotted dataclass as (cls, its fields in order), rebuilt by its __init__.
+
+    What slots=True generates instead calls fields() per instance to dump and setattr per field to load:
+    twice the cost, on the control plane's hot path (every step's SchedulerOutput and answer)."""
+    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    if not all(f.init for f in fields(cls)):  # type: ignore[arg-type]
+        raise TypeError(f"positional_pickle: every field of {cls.__name__} must be an __init__ argument")
+    get = attrgetter(*names)
+    one = len(names) == 1
+
+    def __reduce__(self: Any) -> tuple[type, tuple[Any, ...]]:
+        return cls, ((get(self),) if one else get(self))
+
+    cls.__reduce__ = __reduce__  # type: ignore[method-assign]
+    return cls
+
+
+@positional_pickle
 @dataclass(slots=True)
 class NewRequestData:
     """A request scheduled for the first time: its full block list per group."""
@@ -25,6 +47,7 @@ class NewRequestData:
     num_computed_tokens: int
 
 
+@positional_pickle
 @dataclass(slots=True)
 class CachedRequestData:
     """Requests the workers already know. Index i of every list describes req_ids[i].
@@ -65,6 +88,7 @@ class CachedRequestData:
         self.resumed_token_ids.extend([None] * k)
 
 
+@positional_pickle
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's decisions. `num_scheduled_tokens` maps every scheduled req_id to its token count.
@@ -87,6 +111,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+@positional_pickle
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """What rank 0 returns: the tokens it sampled, per scheduled request.

@@ -5,6 +5,7 @@ on 127.0.0.1 (a SchedulerOutput round trip, a reader that stops reading, the clo
 import multiprocessing as mp
 import os
 import pickle
+import time
 
 import pytest
 import zmq
@@ -111,6 +112,33 @@ def test_closing_the_ring_releases_a_waiting_reader():
             reader.read(0, 5.0)
     finally:
         reader.close()
+
+
+def _write_later(handle, delays):
+    ring = ShmRing.attach(handle)  # the writer's end here: any process may write, one at a time
+    for i, delay in enumerate(delays):
+        time.sleep(delay)
+        ring.write(message(i, 10), 10.0)
+    ring.close()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.05, 30.0])
+def test_a_reader_gets_messages_whether_they_come_while_it_spins_or_after(spin_s):
+    ring = ShmRing.create(n_readers=1, n_slots=2, slot_bytes=64)
+    try:
+        # While spinning (yielding) the reader still honours its timeout and should_stop.
+        with pytest.raises(RingTimeout, match="no message"):
+            ring.read(0, 0.1, spin_s=spin_s)
+        assert ring.read(0, None, should_stop=lambda: True, spin_s=spin_s) is None
+        proc = CTX.Process(target=_write_later, args=(ring.handle, [0.001, 0.2, 0.0]))
+        proc.start()
+        for i in range(3):  # 0.001 s: within a long spin; 0.2 s: after a short one, through the doorbell
+            assert ring.read(0, 10.0, spin_s=spin_s) == message(i, 10)
+        proc.join(10)
+        assert proc.exitcode == 0
+    finally:
+        ring.close()
 
 
 def scheduler_output(step_id: int) -> SchedulerOutput:
