@@ -210,6 +210,10 @@ class ServeConfig(_Section):
     # Outstanding-request gap between the busiest and the idlest replica past which routing ignores
     # prefix affinity and takes the least-loaded replica (Ray Serve LLM's imbalanced_threshold).
     imbalance_threshold: int = 8
+    # Run the ingress's code on its replica's own event loop and the proxy's router on the proxy's loop
+    # (Ray Serve runs each in a second thread by default): every SSE chunk then skips two cross-thread
+    # hand-offs. The proxy's half applies only where `kvray serve` starts Ray itself.
+    single_event_loop: bool = True
 
     def _rules(self) -> None:
         self._check(0 <= self.max_queued_requests <= MAX_TOKENS, "max_queued_requests", f"must be in [0, {MAX_TOKENS}]")

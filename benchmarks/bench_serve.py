@@ -116,8 +116,10 @@ def summarize(rate: float, outs: list[Outcome], elapsed: float) -> dict:
     tpot = [t for t in (o.tpot_s for o in ok) if t is not None]
     itl = [x for o in ok for x in o.itl_s]
     tokens = sum(o.num_tokens for o in ok)
+    chunks = sum(len(o.itl_s) + 1 for o in ok)  # SSE chunks that carried tokens
     res = {"rate": rate, "completed": len(ok), "failed": len(outs) - len(ok), "elapsed_s": elapsed,
-           "request_s": len(ok) / elapsed, "output_tok_s": tokens / elapsed}
+           "request_s": len(ok) / elapsed, "output_tok_s": tokens / elapsed,
+           "tokens_per_chunk": tokens / chunks if chunks else None}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         res[f"{name}_p50_ms"], res[f"{name}_p99_ms"] = _pct(xs, 0.5), _pct(xs, 0.99)
     errors = [o.error for o in outs if not o.ok]

@@ -10,7 +10,6 @@ next step.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -18,9 +17,8 @@ from typing import Any, AsyncIterator
 from actors.messages import RequestSpec
 from cluster.output_processor import OutputProcessor, RequestState
 from cluster.outputs import Logprob, RequestOutput
-from cluster.serve.engine_client import AsyncEngineClient
+from cluster.serve.engine_client import AsyncEngineClient, Inbox
 from cluster.serve.errors import APIError, bad_request
-from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams
 
 
@@ -49,7 +47,7 @@ class Generation:
         self.processor = OutputProcessor(tokenizer, incremental=True)
         self.parent, subs = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
         self.specs = [RequestSpec(cid, prompt_token_ids, sp) for cid, sp in subs]
-        self.queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        self.queue = Inbox()
         n = len(self.specs)
         self._sent_chars = [0] * n
         self._sent_tokens = [0] * n
@@ -85,9 +83,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
         """What each choice gained, after every batch of engine outputs, until all choices finished."""
         while not self.parent.finished:
-            batch = [await self.queue.get()]
-            while not self.queue.empty():
-                batch.append(self.queue.get_nowait())
+            batch = await self.queue.take_all()
             aborts = []
             for o in batch:
                 _, abort = self.processor.process_output(o, None)

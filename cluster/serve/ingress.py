@@ -33,7 +33,9 @@ from cluster.serve.responses import DONE, ChunkWriter, full_response, sse
 
 logger = logging.getLogger(__name__)
 
-app = FastAPI(title="kvray", docs_url=None, redoc_url=None)
+# FastAPI's own OpenTelemetry hooks look their providers up on every request; Serve traces on its own.
+app = FastAPI(title="kvray", docs_url=None, redoc_url=None,
+              telemetry={"tracing": False, "metrics": False, "logs": False})
 
 
 @app.exception_handler(StarletteHTTPException)
