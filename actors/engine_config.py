@@ -214,6 +214,10 @@ class ServeConfig(_Section):
     # (Ray Serve runs each in a second thread by default): every SSE chunk then skips two cross-thread
     # hand-offs. The proxy's half applies only where `kvray serve` starts Ray itself.
     single_event_loop: bool = True
+    # vLLM's --stream-interval: a stream sends a chunk once this many new tokens are there (the first
+    # token and the last at once). 1: every engine step; more: fewer, larger chunks, so less host work
+    # per token on the serving path at high load.
+    stream_interval: int = 1
 
     def _rules(self) -> None:
         self._check(0 <= self.max_queued_requests <= MAX_TOKENS, "max_queued_requests", f"must be in [0, {MAX_TOKENS}]")
@@ -221,6 +225,7 @@ class ServeConfig(_Section):
         self._check(self.served_model_name is None or self.served_model_name.strip() != "", "served_model_name",
                     "must be a non-empty name, or null (= model.model)")
         self._check(0 <= self.imbalance_threshold <= INT32_MAX, "imbalance_threshold", f"must be in [0, {INT32_MAX}]")
+        self._check(1 <= self.stream_interval <= 1024, "stream_interval", "must be in [1, 1024] tokens")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig,

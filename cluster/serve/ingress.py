@@ -132,7 +132,8 @@ class OpenAIServer:
         if req.chat and not req.max_tokens_given:
             req.params = _with_max_tokens(req.params, self.max_model_len - len(ids))
         prefix = "chatcmpl-" if req.chat else "cmpl-"
-        gen = Generation(self.client, self.tokenizer, prefix + uuid.uuid4().hex, text, ids, req.params)
+        gen = Generation(self.client, self.tokenizer, prefix + uuid.uuid4().hex, text, ids, req.params,
+                         self.config.serve.stream_interval if req.stream else 1)
         try:
             await gen.start()
         except Overloaded as e:
