@@ -8,6 +8,11 @@ only, no detokenization; --detokenize keeps tiny-random's tokenizer.
 
   python benchmarks/bench_serve_ceiling.py                       # 256 requests x 64 tokens, ~1 minute
   python benchmarks/bench_serve_ceiling.py --runs 3 --profile /tmp/prof   # + py-spy of every Ray process
+  python benchmarks/bench_serve_ceiling.py --step-ms 20 --num-prompts 64 --max-tokens 128   # paced engine
+
+Unpaced, the serving path is the bottleneck and coalesces tokens into few large chunks, so per-request
+costs dominate. --step-ms paces the engine (every step takes that long, as on a GPU): when the path
+keeps up, one chunk a step per request, and its CPU us per token is the per-chunk cost to cut.
 """
 from __future__ import annotations
 
@@ -29,7 +34,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_serve import format_row, free_port, run_rate  # noqa: E402
 
+from actors.noop_worker import NoopWorker  # noqa: E402
+
 NOOP = "actors.noop_worker.NoopWorker"
+PACED = "bench_serve_ceiling.PacedNoopWorker"
+STEP_ENV = "KVRAY_BENCH_NOOP_STEP_S"
+
+
+class PacedNoopWorker(NoopWorker):
+    """The no-op worker, each step taking KVRAY_BENCH_NOOP_STEP_S seconds (a GPU step's time)."""
+
+    def execute_model(self, so):  # type: ignore[no-untyped-def]
+        time.sleep(float(os.environ.get(STEP_ENV, "0")))
+        return super().execute_model(so)
 
 
 def client_model_dir(detokenize: bool) -> str:
@@ -46,10 +63,10 @@ def client_model_dir(detokenize: bool) -> str:
     return str(dst)
 
 
-def offline(config, reqs) -> float:
+def offline(config, reqs, worker: str) -> float:
     from cluster import LLM, SamplingParams
 
-    llm = LLM(config=config, worker_cls=NOOP)
+    llm = LLM(config=config, worker_cls=worker)
     try:
         sps = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for _, m in reqs]
         t0 = time.perf_counter()
@@ -105,6 +122,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=2, help="serve runs (after one warm-up); the median is reported")
     ap.add_argument("--detokenize", action="store_true")
+    ap.add_argument("--step-ms", type=float, default=0.0, help="pace every engine step to this many ms")
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="K=V", help="config overrides (serve.x=y)")
     ap.add_argument("--profile", default=None, help="a folder: py-spy raw profiles of the last run")
@@ -113,15 +131,22 @@ def main() -> None:
     from cluster.serve.app import start_server, stop_server
 
     n = args.num_prompts
+    worker = NOOP
+    if args.step_ms:
+        # The worker processes inherit this environment: they find this module, and the pace.
+        os.environ[STEP_ENV] = str(args.step_ms / 1e3)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent),
+                                                    os.environ.get("PYTHONPATH", "")])
+        worker = PACED
     config = load_config("configs/local.yaml", {
         "model.model": client_model_dir(args.detokenize), "model.max_model_len": 1024,
         "scheduler.max_num_seqs": 256, "scheduler.max_num_batched_tokens": 8192,
         "ray.include_dashboard": False, "serve.max_queued_requests": n, **dict(parse_override(kv) for kv in args.set)})
     rng = random.Random(0)
     reqs = [([rng.randrange(256) for _ in range(rng.randint(8, 32))], args.max_tokens) for _ in range(n)]
-    off = None if args.no_offline else offline(config, reqs)
+    off = None if args.no_offline else offline(config, reqs, worker)
     port = free_port()
-    started = start_server(config, "127.0.0.1", port, worker_cls=NOOP)
+    started = start_server(config, "127.0.0.1", port, worker_cls=worker)
     url, sat = f"http://127.0.0.1:{port}", []
     try:
         asyncio.run(run_rate(url, config.model.model, reqs[:16], float("inf"), 1))  # warm-up
