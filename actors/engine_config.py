@@ -210,13 +210,9 @@ class ServeConfig(_Section):
     # Outstanding-request gap between the busiest and the idlest replica past which routing ignores
     # prefix affinity and takes the least-loaded replica (Ray Serve LLM's imbalanced_threshold).
     imbalance_threshold: int = 8
-    # Run the ingress's code on its replica's own event loop and the proxy's router on the proxy's loop
-    # (Ray Serve runs each in a second thread by default): every SSE chunk then skips two cross-thread
-    # hand-offs. The proxy's half applies only where `kvray serve` starts Ray itself.
+    # Ingress on its replica's event loop, proxy router on the proxy's (Serve: a thread each); see README.
     single_event_loop: bool = True
-    # vLLM's --stream-interval: a stream sends a chunk once this many new tokens are there (the first
-    # token and the last at once). 1: every engine step; more: fewer, larger chunks, so less host work
-    # per token on the serving path at high load.
+    # vLLM's --stream-interval: a chunk once this many new tokens are there (the first and last at once).
     stream_interval: int = 1
 
     def _rules(self) -> None:
