@@ -211,7 +211,7 @@ class ServeConfig(_Section):
     # prefix affinity and takes the least-loaded replica (Ray Serve LLM's imbalanced_threshold).
     imbalance_threshold: int = 8
     # Ingress on its replica's event loop, proxy router on the proxy's (Serve: a thread each); see README.
-    single_event_loop: bool = True
+    single_event_loop: bool = False
     # vLLM's --stream-interval: a chunk once this many new tokens are there (the first and last at once).
     stream_interval: int = 1
 

@@ -112,8 +112,8 @@ def test_stream_interval_groups_tokens_first_and_last_at_once(n):
 
 
 def test_single_event_loop_sets_serves_switches_and_leaves_the_environment_as_it_was():
-    on = load_config("configs/local.yaml")
-    off = on.replace(single_event_loop=False)
+    off = load_config("configs/local.yaml")  # the default: Serve's own threads
+    on = off.replace(single_event_loop=True)
     assert deployment_options(on)["ray_actor_options"]["runtime_env"] == {"env_vars": REPLICA_ONE_LOOP}
     assert "runtime_env" not in deployment_options(off)["ray_actor_options"]
     before = dict(os.environ)
