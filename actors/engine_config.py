@@ -210,6 +210,10 @@ class ServeConfig(_Section):
     # Outstanding-request gap between the busiest and the idlest replica past which routing ignores
     # prefix affinity and takes the least-loaded replica (Ray Serve LLM's imbalanced_threshold).
     imbalance_threshold: int = 8
+    # Ingress on its replica's event loop, proxy router on the proxy's (Serve: a thread each); see README.
+    single_event_loop: bool = False
+    # vLLM's --stream-interval: a chunk once this many new tokens are there (the first and last at once).
+    stream_interval: int = 1
 
     def _rules(self) -> None:
         self._check(0 <= self.max_queued_requests <= MAX_TOKENS, "max_queued_requests", f"must be in [0, {MAX_TOKENS}]")
@@ -217,6 +221,7 @@ class ServeConfig(_Section):
         self._check(self.served_model_name is None or self.served_model_name.strip() != "", "served_model_name",
                     "must be a non-empty name, or null (= model.model)")
         self._check(0 <= self.imbalance_threshold <= INT32_MAX, "imbalance_threshold", f"must be in [0, {INT32_MAX}]")
+        self._check(1 <= self.stream_interval <= 1024, "stream_interval", "must be in [1, 1024] tokens")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig,

@@ -116,8 +116,10 @@ def summarize(rate: float, outs: list[Outcome], elapsed: float) -> dict:
     tpot = [t for t in (o.tpot_s for o in ok) if t is not None]
     itl = [x for o in ok for x in o.itl_s]
     tokens = sum(o.num_tokens for o in ok)
+    chunks = sum(len(o.itl_s) + 1 for o in ok)  # SSE chunks that carried tokens
     res = {"rate": rate, "completed": len(ok), "failed": len(outs) - len(ok), "elapsed_s": elapsed,
-           "request_s": len(ok) / elapsed, "output_tok_s": tokens / elapsed}
+           "request_s": len(ok) / elapsed, "output_tok_s": tokens / elapsed,
+           "tokens_per_chunk": tokens / chunks if chunks else None}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         res[f"{name}_p50_ms"], res[f"{name}_p99_ms"] = _pct(xs, 0.5), _pct(xs, 0.99)
     errors = [o.error for o in outs if not o.ok]
@@ -232,6 +234,9 @@ def main() -> None:
     ap.add_argument("--families", action="store_true",
                     help="instead of the sweep: the prefix-cache share with prefix affinity on vs off, two replicas, "
                          "on the stress workload's prefix families")
+    ap.add_argument("--compare", nargs="+", metavar="K=V[,K=V]", default=None,
+                    help="instead of the sweep: saturation only, one fresh server per setting ('default' = the "
+                         "config as it is), each against the offline figure: an A/B of serve settings in one run")
     ap.add_argument("--families-rate", type=float, default=8.0, help="request rate of --families (req/s)")
     args = ap.parse_args()
     from cluster.config import load_config
@@ -263,6 +268,9 @@ def main() -> None:
     offline = None if args.no_offline else offline_tok_s(config, reqs)
     if offline is not None:
         print(f"offline LLM.generate: {offline:.1f} output tok/s", flush=True)
+    if args.compare:
+        compare(config, reqs, offline, args.compare)
+        return
     port = args.port or free_port()
     started = start_server(config, "127.0.0.1", port)
     try:
@@ -279,6 +287,24 @@ def main() -> None:
         raise SystemExit(f"bench_serve: failed requests: {[r.get('first_error') for r in results if r['failed']]}")
     if not args.smoke:
         _record(args.shape, offline, results)
+
+
+def compare(config: Any, reqs: list[tuple[list[int], int]], offline: float | None, settings: list[str]) -> None:
+    from cluster.config import apply_overrides
+    from cluster.serve.app import start_server, stop_server
+
+    for setting in settings:
+        c = config if setting == "default" else apply_overrides(config, setting.split(","))
+        port = free_port()
+        started = start_server(c, "127.0.0.1", port)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(run_rate(url, c.model.model, reqs[:4], float("inf"), 1))  # warm-up
+            res = asyncio.run(run_rate(url, c.model.model, reqs, float("inf"), 0))
+        finally:
+            stop_server(started)
+        ratio = f"  ratio {res['output_tok_s'] / offline:.3f}" if offline else ""
+        print(f"[{setting}] {format_row(res)}  tokens/chunk {res['tokens_per_chunk'] or 0:.1f}{ratio}", flush=True)
 
 
 def _record(shape: str, offline: float | None, results: list[dict]) -> None:

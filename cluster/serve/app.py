@@ -9,10 +9,12 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig, load_config
 
@@ -20,14 +22,20 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "kvray"
 INGRESS_HEADROOM = 64  # /health, /metrics and refusals beyond the engine requests the replicas hold
+# serve.single_event_loop: Ray Serve's switches, read by each Serve process when it imports Serve.
+REPLICA_ONE_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+PROXY_ONE_LOOP = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def deployment_options(config: EngineConfig) -> dict[str, Any]:
     s, p = config.serve, config.parallel
     per_replica = config.scheduler.max_num_seqs + s.max_queued_requests
+    actor: dict[str, Any] = {"num_cpus": 0}
+    if s.single_event_loop:
+        actor["runtime_env"] = {"env_vars": dict(REPLICA_ONE_LOOP)}
     # Serve's own limit must sit above ours, so that back-pressure is a 503 from the ingress (with
     # Retry-After) and never a silent queue in Serve's proxy.
-    return {"name": "OpenAIServer", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0},
+    return {"name": "OpenAIServer", "num_replicas": 1, "ray_actor_options": actor,
             "max_ongoing_requests": p.data_parallel_size * per_replica + INGRESS_HEADROOM,
             "graceful_shutdown_timeout_s": p.step_timeout_s + 30}
 
@@ -59,7 +67,8 @@ def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000
 
     from cluster.placement import connect
 
-    started = connect(config)
+    with _proxy_env(config):
+        started = connect(config)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build(config, worker_cls), name=APP_NAME, route_prefix="/", blocking=False)
@@ -67,6 +76,20 @@ def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000
         stop_server(started)
         raise
     return started
+
+
+@contextlib.contextmanager
+def _proxy_env(config: EngineConfig) -> Iterator[None]:
+    """While Ray starts here: the environment its workers inherit, Serve's proxy among them (a cluster
+    joined through RAY_ADDRESS keeps its own)."""
+    added = {k: v for k, v in PROXY_ONE_LOOP.items() if k not in os.environ} if config.serve.single_event_loop \
+        else {}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def stop_server(started_ray: bool) -> None:

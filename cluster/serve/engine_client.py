@@ -39,6 +39,32 @@ class Unavailable(RuntimeError):
     """Every replica is down."""
 
 
+class Inbox:
+    """One OpenAI request's engine outputs, in arrival order: the poll task appends, the request's
+    handler takes everything at once. (An asyncio.Queue costs a get and a wake-up per output.)"""
+
+    def __init__(self) -> None:
+        self._items: list[EngineCoreOutput] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, o: EngineCoreOutput) -> None:
+        self._items.append(o)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def take_all(self) -> list[EngineCoreOutput]:
+        """Every output so far; waits for the first when there is none."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
 @dataclass
 class ReplicaBooks:
     outstanding: int = 0
@@ -59,7 +85,7 @@ class AsyncEngineClient:
         info = self.group.info
         self.router = PrefixAffinityRouter(n, config.cache.block_size, int(info.get("num_blocks") or 1),
                                            config.serve.imbalance_threshold, config.serve.prefix_affinity)
-        self.queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self.queues: dict[str, Inbox] = {}
         self.owner: dict[str, int] = {}
         self.prompt_len: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -75,7 +101,7 @@ class AsyncEngineClient:
             self._tasks = [asyncio.get_running_loop().create_task(self._poll(r)) for r in range(len(self.books))]
 
     # ---- requests ---------------------------------------------------------------------------
-    async def submit(self, specs: list[RequestSpec], queue: asyncio.Queue[EngineCoreOutput]
+    async def submit(self, specs: list[RequestSpec], queue: Inbox
                      ) -> tuple[int, dict[str, str]]:
         """Send one prompt's engine requests (its n samples) to one replica, chosen by the router; their
         outputs go to `queue`. -> (the replica, {request_id: why it was refused}); raises Overloaded /

@@ -10,7 +10,6 @@ next step.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -18,9 +17,8 @@ from typing import Any, AsyncIterator
 from actors.messages import RequestSpec
 from cluster.output_processor import OutputProcessor, RequestState
 from cluster.outputs import Logprob, RequestOutput
-from cluster.serve.engine_client import AsyncEngineClient
+from cluster.serve.engine_client import AsyncEngineClient, Inbox
 from cluster.serve.errors import APIError, bad_request
-from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams
 
 
@@ -43,13 +41,14 @@ def _hold_back(params: SamplingParams) -> int:
 
 class Generation:
     def __init__(self, client: AsyncEngineClient, tokenizer: Any, request_id: str, prompt: str | None,
-                 prompt_token_ids: list[int], params: SamplingParams) -> None:
+                 prompt_token_ids: list[int], params: SamplingParams, stream_interval: int = 1) -> None:
         self.client = client
+        self.stream_interval = stream_interval
         self.request_id = request_id
         self.processor = OutputProcessor(tokenizer, incremental=True)
         self.parent, subs = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
         self.specs = [RequestSpec(cid, prompt_token_ids, sp) for cid, sp in subs]
-        self.queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        self.queue = Inbox()
         n = len(self.specs)
         self._sent_chars = [0] * n
         self._sent_tokens = [0] * n
@@ -85,26 +84,39 @@ class Generation:
     async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
         """What each choice gained, after every batch of engine outputs, until all choices finished."""
         while not self.parent.finished:
-            batch = [await self.queue.get()]
-            while not self.queue.empty():
-                batch.append(self.queue.get_nowait())
-            aborts = []
-            for o in batch:
-                _, abort = self.processor.process_output(o, None)
-                if abort:
-                    aborts.append(o.request_id)  # a stop string ended it here: free its engine slot
-            if aborts:
-                self.client.abort(aborts)
+            await self._take()
+            if not self._due():
+                continue
             out = self._new()
             if out:
-                if self.first_token_at is None and any(d.token_ids for d in out):
-                    self.first_token_at = time.monotonic()
                 yield out
 
     async def result(self) -> RequestOutput:
-        async for _ in self.deltas():
-            pass
+        """The whole output, once every choice finished (no deltas: nothing is sent before the end)."""
+        while not self.parent.finished:
+            await self._take()
         return self.parent.output()
+
+    async def _take(self) -> None:
+        """Process the engine outputs that arrived (waits for the first)."""
+        batch = await self.queue.take_all()
+        aborts = []
+        for o in batch:
+            _, abort = self.processor.process_output(o, None)
+            if abort:
+                aborts.append(o.request_id)  # a stop string ended it here: free its engine slot
+        if aborts:
+            self.client.abort(aborts)
+        if self.first_token_at is None and any(o.new_token_ids for o in batch):
+            self.first_token_at = time.monotonic()
+
+    def _due(self) -> bool:
+        """Whether to send now (serve.stream_interval): the first token, an end, or a full interval."""
+        if self.stream_interval == 1 or not any(self._sent_tokens):
+            return True
+        return any(state.finished and not self._sent_finish[k]
+                   or len(state.completion.token_ids) - self._sent_tokens[k] >= self.stream_interval
+                   for k, state in enumerate(self.parent.children))
 
     def _new(self) -> list[ChoiceDelta]:
         out = []

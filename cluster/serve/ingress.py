@@ -33,7 +33,9 @@ from cluster.serve.responses import DONE, ChunkWriter, full_response, sse
 
 logger = logging.getLogger(__name__)
 
-app = FastAPI(title="kvray", docs_url=None, redoc_url=None)
+# FastAPI's own OpenTelemetry hooks look their providers up on every request; Serve traces on its own.
+app = FastAPI(title="kvray", docs_url=None, redoc_url=None,
+              telemetry={"tracing": False, "metrics": False, "logs": False})
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -130,7 +132,8 @@ class OpenAIServer:
         if req.chat and not req.max_tokens_given:
             req.params = _with_max_tokens(req.params, self.max_model_len - len(ids))
         prefix = "chatcmpl-" if req.chat else "cmpl-"
-        gen = Generation(self.client, self.tokenizer, prefix + uuid.uuid4().hex, text, ids, req.params)
+        gen = Generation(self.client, self.tokenizer, prefix + uuid.uuid4().hex, text, ids, req.params,
+                         self.config.serve.stream_interval if req.stream else 1)
         try:
             await gen.start()
         except Overloaded as e:

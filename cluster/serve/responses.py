@@ -15,10 +15,29 @@ from cluster.outputs import RequestOutput
 from cluster.serve.generation import ChoiceDelta
 
 DONE = "data: [DONE]\n\n"
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_encode_str = json.encoder.encode_basestring  # what that encoder writes for a str (ensure_ascii=False)
+
+
+def to_json(v: Any) -> str:
+    """_ENCODER.encode(v), with the shapes of a stream chunk (str, int, None, token-id lists, dicts of
+    those) written directly: the encoder's per-call set-up was most of a chunk's cost."""
+    t = type(v)
+    if v is None:
+        return "null"
+    if t is str:
+        return _encode_str(v)
+    if t is int:
+        return str(v)
+    if t is dict:
+        return "{" + ",".join(_encode_str(k) + ":" + to_json(x) for k, x in v.items()) + "}"
+    if t is list and all(type(x) is int for x in v):
+        return "[" + ",".join(map(str, v)) + "]"
+    return _ENCODER.encode(v)
 
 
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {to_json(obj)}\n\n"
 
 
 def usage(num_prompt: int, num_output: int) -> dict[str, int]:
@@ -59,6 +78,10 @@ class ChunkWriter:
         self.return_token_ids = return_token_ids  # then every new token makes a chunk, text or not
         self.created = int(time.time())
         self._role_sent = [False] * n
+        # Every chunk's fields but its choices, encoded once: "data: {...,"choices":[" + choices + "]...}".
+        head = to_json(self._chunk([]))
+        cut = head.index('"choices":[]') + len('"choices":[')
+        self._head, self._tail = "data: " + head[:cut], head[cut:] + "\n\n"
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj: dict[str, Any] = {"id": self.request_id,
@@ -91,7 +114,7 @@ class ChunkWriter:
             if self.return_token_ids:
                 choice["token_ids"] = d.token_ids
             choices.append(choice)
-        return sse(self._chunk(choices)) if choices else None
+        return self._head + ",".join(map(to_json, choices)) + self._tail if choices else None
 
     def _pending(self, d: ChoiceDelta) -> dict[str, Any]:
         return {"role": True} if self.chat and not self._role_sent[d.index] else {}
