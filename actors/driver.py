@@ -95,8 +95,8 @@ class EngineDriver(PoisonIsolation, DriverDebug):
         return self.info
 
     def _build_engine(self) -> None:
-        from actors.engine_config import validate_for_model
         from actors.engine_core import EngineCore
+        from actors.model_rules import validate_for_model
         from actors.ray_executor import RayExecutor
 
         executor = RayExecutor(self.config, self.pg, worker_cls=self.worker_cls)
