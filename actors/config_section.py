@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any
+from typing import Any, ClassVar
 
 from kvcore.request import check_text, short_repr
 
@@ -34,10 +34,12 @@ class _Section:
     """Type checks from the annotations, then the section's own range rules (`_rules`)."""
 
     SECTION = ""
+    # Every section is a dataclass (this base is not): declared so that dataclasses.fields takes self.
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):
             value = _coerce(self.SECTION, f.name, getattr(self, f.name), hints[f.name])
             object.__setattr__(self, f.name, value)
         self._rules()

@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from actors.driver_debug import DriverDebug
+from actors.driver_recovery import DriverRecovery
 from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
 from actors.executor_base import WorkerFailure
 from actors.live_requests import LiveRequests, make_request
@@ -35,8 +36,7 @@ from actors.messages import (  # noqa: F401 - re-exported
     RequestTiming,
     error_output,
 )
-from actors.placement_wait import wait_for_placement
-from actors.poison import PoisonHunt, PoisonIsolation, StepError
+from actors.poison import PoisonHunt, PoisonIsolation
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class EngineDriver(PoisonIsolation, DriverDebug):
+class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
     def __init__(self, config: EngineConfig, placement_group: Any, replica: int = 0,
                  worker_cls: str = DEFAULT_WORKER_CLS) -> None:
         if os.environ.get("KVRAY_VERBOSE") != "1":
@@ -95,8 +95,8 @@ class EngineDriver(PoisonIsolation, DriverDebug):
         return self.info
 
     def _build_engine(self) -> None:
-        from actors.engine_config import validate_for_model
         from actors.engine_core import EngineCore
+        from actors.model_rules import validate_for_model
         from actors.ray_executor import RayExecutor
 
         executor = RayExecutor(self.config, self.pg, worker_cls=self.worker_cls)
@@ -239,76 +239,6 @@ class EngineDriver(PoisonIsolation, DriverDebug):
 
     def _finish_with_error(self, rid: str, message: str) -> None:
         self._end_held(rid, error_output(rid, message))
-
-    # ---- failure and recovery ---------------------------------------------------------------
-    def _recover(self, error: Exception) -> bool:
-        """A step raised with every worker alive: find the poison request (actors/poison.py). A worker
-        died or hung: rebuild the TP group and re-queue in-flight requests, within the restart budget,
-        which only worker deaths spend (also a death during a rebuild)."""
-        if isinstance(error, StepError):
-            try:
-                self._isolate(error)
-                return True
-            except Exception as e:  # noqa: BLE001 - the reset failed: a worker is gone after all
-                logger.warning("engine replica %d: resetting the workers failed: %s", self.replica, e)
-                error = e
-        budget = self.config.parallel.max_worker_restarts
-        # Only a worker failure is cured by new workers; an engine bug (a broken invariant) is fatal.
-        while self._restarts < budget and isinstance(error, WorkerFailure):
-            self._restarts += 1
-            logger.warning("engine replica %d: %s; rebuilding the TP group (restart %d of %d)",
-                           self.replica, error, self._restarts, budget)
-            try:
-                self._rebuild()
-                return True
-            except Exception as e:  # noqa: BLE001 - a death during the rebuild spends the next restart
-                error = e
-        self._fail_all(f"{type(error).__name__}: {error}" if budget == 0 else
-                       f"{type(error).__name__}: {error} (after {self._restarts} of "
-                       f"parallel.max_worker_restarts={budget} restarts)")
-        return False
-
-    def _rebuild(self) -> None:
-        try:
-            self.engine.shutdown()
-        except Exception as e:  # noqa: BLE001 - the old workers may be gone already
-            logger.debug("engine shutdown: %s", e)
-        self._await_resources()
-        self._build_engine()
-        with self._cv:
-            if self._unavailable is not None:
-                logger.warning("engine replica %d: rebuilt; it takes requests again", self.replica)
-            self._unavailable = None
-        self._hunt = PoisonHunt()  # every live request is re-queued on the new group
-        with self._cv:
-            pending = {s.request_id for s in self._inbox}
-            for rid in self._live.ids():
-                if rid not in pending:
-                    self._readd(rid)
-        assert self._metrics is not None  # restarts happen on the loop that start() began
-        self._metrics.record_restart()
-
-    def _await_resources(self) -> None:
-        """Wait for the placement group to be whole (Ray reschedules a lost node's bundles by itself).
-        Past parallel.placement_timeout_s, every live request goes back to the client, which sends it
-        to the other replicas; this replica refuses requests and goes on waiting (a node may join)."""
-        if self.pg is None:  # no reservation to wait for (a driver built without one, as in unit tests)
-            return
-        timeout_s = self.config.parallel.placement_timeout_s
-        if wait_for_placement(self.pg, timeout_s, lambda: self._stop):
-            return
-        if not self._stop:
-            why = (f"its placement group was not whole again within parallel.placement_timeout_s={timeout_s:g}s "
-                   "(a node it used is gone)")
-            logger.warning("engine replica %d: %s; its requests go to the other replicas until it is rebuilt",
-                           self.replica, why)
-            with self._cv:
-                self._unavailable = why
-                self._returned.extend(self._live.clear())
-                self._inbox.clear()
-                self._cv.notify_all()
-        if not wait_for_placement(self.pg, None, lambda: self._stop):
-            raise RuntimeError("the driver was shut down while it waited for resources")
 
     # The PoisonIsolation hooks.
     def _live_ids(self) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, cast
 
 import numpy as np
 import torch
@@ -89,7 +89,8 @@ class InputBatch:
     @property
     def req_ids(self) -> list[str]:
         """req_ids of rows 0..num_reqs-1; only meaningful when the batch is condensed."""
-        return self.index_to_req_id[:self.num_reqs]  # type: ignore[return-value]
+        # Condensed, rows below num_reqs all hold a request: no None among them.
+        return cast(list[str], self.index_to_req_id[:self.num_reqs])
 
     def _take_row(self) -> int:
         if self._holes:

@@ -20,58 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+# The kernel's building blocks (actors/sample_ops.py), under the names its body calls them by.
+from actors.sample_ops import argmax_update as _argmax_update
+from actors.sample_ops import order_key as _order_key
+from actors.sample_ops import philox_uniform as _uniform
+from actors.sample_ops import tile_values as _values
+
 INT32_MIN = tl.constexpr(-(2 ** 31))  # a plain global is refused by the compiler (the interpreter allows it)
 BISECT_STEPS = 33  # an int32 key range (2**32 + 1 wide) halves to adjacent keys in 33 steps
-
-
-@triton.jit
-def _uniform(seed, pos, offs):
-    """Philox uniforms in [0, 1) for (seed [R], pos [R]) x vocabulary offsets [V] -> [R, V]."""
-    counter = (pos[:, None].to(tl.int64) << 32) | offs[None, :].to(tl.int64)
-    return tl.rand(seed[:, None], counter)
-
-
-@triton.jit
-def _order_key(y):
-    """An int64 key with the float32 order: bits for positives, sign-magnitude flipped for negatives."""
-    bits = y.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-
-
-@triton.jit
-def _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-            counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b,
-            num_ban, HAS_PENALTY: tl.constexpr, HAS_BAN: tl.constexpr):
-    """The processed, temperature-scaled logits of a [R, BLOCK_V] tile; -inf outside the vocabulary."""
-    m2 = rmask[:, None] & (offs[None, :] < V)
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + offs[None, :], mask=m2,
-                other=float("-inf")).to(tl.float32)
-    if HAS_PENALTY:
-        # vLLM's apply_penalties: repetition over prompt + output tokens, then frequency and presence
-        # over the output tokens' counts.
-        pm = m2 & (slot[:, None] >= 0)
-        base = slot[:, None].to(tl.int64) * stride_c + offs[None, :]
-        cnt = tl.load(counts_ptr + base, mask=pm, other=0)
-        seen = (tl.load(pmask_ptr + base, mask=pm, other=0) != 0) | (cnt > 0)
-        r = rep[:, None]
-        x = tl.where(seen, x * tl.where(x > 0, 1.0 / r, r), x)
-        x = x - freq[:, None] * cnt.to(tl.float32)
-        x = x - pres[:, None] * (cnt > 0).to(tl.float32)
-    if HAS_BAN:
-        # A runtime loop: stop_token_ids may be long, and unrolling would compile a variant per width.
-        for j in range(num_ban):
-            banned = tl.load(ban_ptr + rows.to(tl.int64) * stride_b + j, mask=rmask, other=-1)
-            x = tl.where(offs[None, :] == banned[:, None], float("-inf"), x)
-    return x / t_eff[:, None]
-
-
-@triton.jit
-def _argmax_update(s, start, best, best_i):
-    """Fold a tile's row maxima into the running ones; the first index wins ties, as torch.argmax."""
-    tile_best = tl.max(s, axis=1)
-    tile_arg = tl.argmax(s, axis=1).to(tl.int64) + start
-    upd = tile_best > best
-    return tl.where(upd, tile_best, best), tl.where(upd, tile_arg, best_i)
 
 
 @triton.jit
@@ -193,24 +149,6 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
             best, best_i = _argmax_update(score, start, best, best_i)
 
     tl.store(out_ptr + rows, tl.where(greedy, g_arg, best_i), mask=rmask)
-
-
-@triton.jit
-def _uniform_kernel(out_ptr, seed_ptr, pos_ptr, V, BLOCK_V: tl.constexpr):
-    """The uniforms the sampler draws for one row, for tests against the torch Philox."""
-    row = tl.program_id(0)
-    seed = tl.load(seed_ptr + row + tl.zeros((1,), tl.int32))
-    pos = tl.load(pos_ptr + row + tl.zeros((1,), tl.int32))
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        u = _uniform(seed, pos, offs)
-        tl.store(out_ptr + row * V + offs[None, :], u, mask=offs[None, :] < V)
-
-
-def philox_uniform_triton(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
-    _uniform_kernel[(seeds.shape[0],)](out, seeds, positions, vocab, BLOCK_V=128)
-    return out
 
 
 def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any, Iterable
 
-from cluster.config import ConfigError, EngineConfig, load_config, resolved_max_model_len
+from cluster.config import ConfigError, EngineConfig, load_config
 
 log = logging.getLogger("kvray")
 
@@ -289,62 +289,13 @@ def cmd_serve(config: EngineConfig, args: Any) -> int:
 
 def cmd_info(config: EngineConfig, args: Any) -> int:
     """Exit 0 when the config fits (or only oversubscribes CPU cores), 1 with a one-line reason when not."""
-    import ray
+    from cluster.info import info_report, table
 
-    from cluster.info import machine_shortfall, plan, table
-    from cluster.placement import bundles_for, connect, describe_cluster, start_local_ray, total_request
-
-    embedded = _embedded(config)
-    short, note = machine_shortfall(config) if embedded else (None, None)
-    if embedded:
-        # Sized to this machine, not to the config: the answer is about what the machine has.
-        start_local_ray(num_cpus=os.cpu_count() or 1, namespace=config.ray.namespace, include_dashboard=False)
-        started = True
-    else:
-        started = connect(config)
-    try:
-        cluster = describe_cluster()
-    finally:
-        if started:
-            ray.shutdown()
-    engines_on, why = plan(config, cluster["nodes"])
-    if embedded and note and why:
-        why = None  # CPU ranks beyond the cores: the run oversubscribes them (the embedded Ray makes room)
-    why = short or why
-    p = config.parallel
-    report = {
-        "config": config.to_dict(),
-        "placement": {
-            "engines": p.data_parallel_size, "workers_per_engine": p.tensor_parallel_size,
-            "bundles_per_engine": bundles_for(config), "strategy": p.placement_strategy,
-            "collective_backend": p.collective_backend, "transport": config.ray.transport,
-            "total_request": total_request(config), "fits": why is None, "engines_on": engines_on,
-            "verdict": f"does not fit: {why}" if why else (note or "fits"),
-        },
-        "cluster": cluster,
-        "kv_cache": _kv_cache_info(config),
-    }
+    report, why = info_report(config, _embedded(config))
     print(json.dumps(report, indent=2) if args.json else table(report))
     if why:
         return _fail(EXIT_FAILED, f"the config does not fit: {why}")
     return EXIT_OK
-
-
-def _kv_cache_info(config: EngineConfig) -> dict:
-    """One rank's KV layout and max concurrency at max_model_len (hybrid groups vs all full attention),
-    from config.json alone; the pool size is known here only when fixed or on the CPU."""
-    from actors.kv_memory import kv_cache_report
-    from actors.loader import read_hf_config, resolve_dtype, resolve_model_dir
-    try:
-        hf_config = read_hf_config(resolve_model_dir(config.model.model))
-        c = config.cache
-        budget = int(c.cpu_kv_cache_gib * 2**30) if config.parallel.device == "cpu" else None
-        return kv_cache_report(hf_config, resolve_dtype(config.model.dtype, hf_config), c.block_size,
-                               config.parallel.tensor_parallel_size, resolved_max_model_len(config, hf_config),
-                               config.scheduler.max_num_batched_tokens, c.num_gpu_blocks,
-                               None if c.num_gpu_blocks else budget)
-    except (OSError, ValueError) as e:
-        return {"error": str(e)}
 
 
 if __name__ == "__main__":

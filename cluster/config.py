@@ -1,7 +1,8 @@
 """Engine configuration as a user writes it: YAML files and `--set section.field=value` strings.
 
-The sections themselves, their rules and `validate_for_model` live in actors/engine_config.py (the
-driver and the workers are built from them); they are re-exported here, where users import them.
+The sections themselves and their rules live in actors/engine_config.py, `validate_for_model` in
+actors/model_rules.py (the driver and the workers are built from them); they are re-exported here,
+where users import them.
 """
 from __future__ import annotations
 
@@ -30,9 +31,8 @@ from actors.engine_config import (  # noqa: F401
     ServeConfig,
     config_from_dict,
     override_fields,
-    resolved_max_model_len,
-    validate_for_model,
 )
+from actors.model_rules import resolved_max_model_len, validate_for_model  # noqa: F401
 from cluster.config_yaml import MAX_BYTES, YamlLimitError, load_yaml
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, resolved_max_model_len
 from cluster.placement import bundles_for, total_request
 
 GIB = float(1 << 30)
@@ -124,3 +124,59 @@ def table(report: dict[str, Any]) -> str:
                  f"asks {p['total_request']} of {report['cluster']['cluster_resources']}")
     lines.append(f"verdict: {p['verdict']}")
     return "\n".join(lines)
+
+
+def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], str | None]:
+    """-> (the report `kvray info` prints, why the config does not fit or None). `embedded`: no Ray
+    address, so a local Ray sized to this machine is started for the look and stopped after."""
+    import ray
+
+    from cluster.placement import connect, describe_cluster, start_local_ray
+
+    short, note = machine_shortfall(config) if embedded else (None, None)
+    if embedded:
+        # Sized to this machine, not to the config: the answer is about what the machine has.
+        start_local_ray(num_cpus=os.cpu_count() or 1, namespace=config.ray.namespace, include_dashboard=False)
+        started = True
+    else:
+        started = connect(config)
+    try:
+        cluster = describe_cluster()
+    finally:
+        if started:
+            ray.shutdown()
+    engines_on, why = plan(config, cluster["nodes"])
+    if embedded and note and why:
+        why = None  # CPU ranks beyond the cores: the run oversubscribes them (the embedded Ray makes room)
+    why = short or why
+    p = config.parallel
+    report = {
+        "config": config.to_dict(),
+        "placement": {
+            "engines": p.data_parallel_size, "workers_per_engine": p.tensor_parallel_size,
+            "bundles_per_engine": bundles_for(config), "strategy": p.placement_strategy,
+            "collective_backend": p.collective_backend, "transport": config.ray.transport,
+            "total_request": total_request(config), "fits": why is None, "engines_on": engines_on,
+            "verdict": f"does not fit: {why}" if why else (note or "fits"),
+        },
+        "cluster": cluster,
+        "kv_cache": kv_cache_info(config),
+    }
+    return report, why
+
+
+def kv_cache_info(config: EngineConfig) -> dict[str, Any]:
+    """One rank's KV layout and max concurrency at max_model_len (hybrid groups vs all full attention),
+    from config.json alone; the pool size is known here only when fixed or on the CPU."""
+    from actors.kv_memory import kv_cache_report
+    from actors.loader import read_hf_config, resolve_dtype, resolve_model_dir
+    try:
+        hf_config = read_hf_config(resolve_model_dir(config.model.model))
+        c = config.cache
+        budget = int(c.cpu_kv_cache_gib * 2**30) if config.parallel.device == "cpu" else None
+        return kv_cache_report(hf_config, resolve_dtype(config.model.dtype, hf_config), c.block_size,
+                               config.parallel.tensor_parallel_size, resolved_max_model_len(config, hf_config),
+                               config.scheduler.max_num_batched_tokens, c.num_gpu_blocks,
+                               None if c.num_gpu_blocks else budget)
+    except (OSError, ValueError) as e:
+        return {"error": str(e)}

@@ -22,8 +22,9 @@ from cluster.job_batch import batch_error, batch_output
 from cluster.job_input import InputReader, Item, JobError, Limits, max_token_chars, read_items
 from cluster.job_output import OutputFile, load_done
 from cluster.job_records import kvray_record
-from cluster.output_processor import OutputProcessor
+from cluster.output_processor import OutputProcessor, ParentRequest
 from cluster.outputs import RequestOutput
+from cluster.stream import ProcessedStream
 from kvcore.request import SamplingParams
 
 __all__ = ["Job", "JobError", "JobStats", "Item", "read_items", "load_done", "synthetic_items", "summarize",
@@ -62,12 +63,13 @@ def synthetic_items(n: int, seed: int, vocab_size: int, max_model_len: int) -> I
 
 
 # ---- the run -------------------------------------------------------------------------------------
-class Job:
+class Job(ProcessedStream):
     def __init__(self, config: EngineConfig, engines: EngineGroup, tokenizer: Any,
                  output_path: str | None, progress: bool = True, total: int | None = None,
                  output: OutputFile | None = None) -> None:
+        # Detokenization, stop strings, n samples and logprobs, exactly as LLM.generate makes them.
+        super().__init__(engines, OutputProcessor(tokenizer))
         self.config = config
-        self.engines = engines
         self.tokenizer = tokenizer
         self.output_path = output_path
         self.out = output
@@ -76,40 +78,25 @@ class Job:
         self.stats = JobStats(output_path=output_path)
         self.window = max(1, 2 * config.scheduler.max_num_seqs * config.parallel.data_parallel_size)
         self.live: dict[str, Item] = {}
-        # Detokenization, stop strings, n samples and logprobs, exactly as LLM.generate makes them.
-        self.processor = OutputProcessor(tokenizer)
         self.bar: Any = None
+        self._items: Iterator[Item] = iter(())
+        self._done: Any = None
+        self._exhausted = False
 
     def run(self, items: Iterable[Item]) -> JobStats:
         """Every item ends as one record (or a skip); raises EngineFailure / JobError (a failed write)
         with everything written so far whole."""
         if self.out is None and self.output_path is not None:
             self.out = OutputFile(self.output_path)
-        done = self.out.done if self.out is not None else None
+        self._done = self.out.done if self.out is not None else None
         self.stats.earlier_errors = self.out.earlier_errors if self.out is not None else 0
         if isinstance(items, InputReader):
-            self._configure(items, done)
+            self._configure(items, self._done)
         self.bar = _Bar(self.progress, self.total)
         t0 = time.monotonic()
         try:
-            pending = iter(items)
-            exhausted = False
-            while not exhausted or self.live:
-                batch: list[Item] = []
-                while not exhausted and len(self.live) + len(batch) < self.window:
-                    item = next(pending, None)
-                    if item is None:
-                        exhausted = True
-                    elif item.skip or (done is not None and item.id is not None and item.id in done):
-                        self.stats.skipped += 1
-                        self.bar.update(self.stats, 1)
-                    elif item.error is not None:
-                        self.stats.requests += 1
-                        self._write_error(item, item.error)
-                    else:
-                        batch.append(item)
-                self._submit(batch)
-                self._drain()
+            self._items, self._exhausted = iter(items), False
+            self.loop()
         finally:
             self.stats.wall_s = time.monotonic() - t0
             self.bar.close()
@@ -130,9 +117,25 @@ class Job:
         if reader.limits.max_model_len is None and mml:
             reader.limits = Limits(int(mml), max_token_chars(self.tokenizer) if self.tokenizer else 64)
 
-    def _submit(self, batch: list[Item]) -> None:
-        if not batch:
-            return
+    # ---- the stream's hooks (cluster/stream.py) ----------------------------------------------------
+    def due(self) -> list[RequestSpec] | None:
+        """The next items up to the window; skips and bad lines are recorded on the way."""
+        batch: list[Item] = []
+        done = self._done
+        while not self._exhausted and len(self.live) + len(batch) < self.window:
+            item = next(self._items, None)
+            if item is None:
+                self._exhausted = True
+            elif item.skip or (done is not None and item.id is not None and item.id in done):
+                self.stats.skipped += 1
+                self.bar.update(self.stats, 1)
+            elif item.error is not None:
+                self.stats.requests += 1
+                self._write_error(item, item.error)
+            else:
+                batch.append(item)
+        if not batch and self._exhausted:
+            return None
         specs: list[RequestSpec] = []
         for item in batch:
             # A batch holds only items ready to submit: id, tokens and sampling set (see Item).
@@ -141,31 +144,22 @@ class Job:
             self.live[item.id] = item
             _, subs = self.processor.add_request(item.id, item.prompt, item.prompt_token_ids, item.sampling)
             specs.extend(RequestSpec(rid, item.prompt_token_ids, sp) for rid, sp in subs)
-        refused = self.engines.submit(specs)
-        if refused and self.engines.fatal is not None:
+        return specs
+
+    def in_flight(self) -> int:
+        return len(self.live)
+
+    def refused(self, errors: dict[str, str]) -> None:
+        if errors and self.engines.fatal is not None:
             # Refused because its replica is down: not these requests' fault, so no record is written
             # and a rerun answers them.
             raise EngineFailure(self.engines.fatal)
-        for rid, err in refused.items():
-            parent = self.processor.fail(rid, err)
-            if parent is not None:
-                self._write_output(self.live.pop(parent.request_id), parent.output(), status=400)
+        super().refused(errors)
 
-    def _drain(self) -> None:
-        if not self.live:
-            return
-        aborts = []
-        for got in self.engines.poll(timeout_s=0.5):
-            o, timing = got.output, got.timing
-            parent, abort = self.processor.process_output(o, timing)
-            if abort:
-                aborts.append(o.request_id)  # a stop string ended it here: free its engine slot
-            if parent is not None and parent.request_id in self.live:
-                self._write_output(self.live.pop(parent.request_id), parent.output(), status=500)
-        if aborts:
-            self.engines.abort(aborts)
-        if self.engines.fatal is not None:
-            raise EngineFailure(self.engines.fatal)
+    def finished(self, parent: ParentRequest, refused: bool) -> None:
+        item = self.live.pop(parent.request_id, None)
+        if item is not None:
+            self._write_output(item, parent.output(), status=400 if refused else 500)
 
     def _write_output(self, item: Item, out: RequestOutput, status: int) -> None:
         if out.error is not None:

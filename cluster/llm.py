@@ -25,9 +25,10 @@ from cluster.config import (
 )
 from cluster.engines import EngineFailure, EngineGroup
 from cluster.logprobs import engine_computes_logprobs
-from cluster.output_processor import OutputProcessor
+from cluster.output_processor import OutputProcessor, ParentRequest
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput, error_output
 from cluster.sampling_defaults import default_sampling_params
+from cluster.stream import ProcessedStream
 from kvcore.request import SamplingParams, check_text, check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -182,11 +183,13 @@ class LLM:
             _, subs = processor.add_request(rid, text, ids, sp)
             index_of[rid] = i
             specs.extend(RequestSpec(child_id, ids, child_sp) for child_id, child_sp in subs)
-        for child_id, err in self.engines.submit(specs).items():
-            parent = processor.fail(child_id, err)
-            if parent is not None:
-                results[index_of[parent.request_id]] = parent.output()
-        self._collect(processor, results, index_of, _progress(len(index_of), use_tqdm))
+        collect = _Collect(self.engines, processor, specs, results, index_of)
+        collect.bar = _progress(len(index_of), use_tqdm)
+        try:
+            collect.loop()
+        finally:
+            if collect.bar is not None:
+                collect.bar.close()
         done = [r for r in results if r is not None]
         assert len(done) == len(results)  # every prompt ends with an output or an error output
         return done
@@ -199,30 +202,6 @@ class LLM:
             return (f"SamplingParams.stop={sp.stop!r}: stop strings need the model's tokenizer.json on this "
                     "machine")
         return None
-
-    def _collect(self, processor: OutputProcessor, results: list[RequestOutput | None], index_of: dict[str, int],
-                 bar: Any) -> None:
-        engines = self.engines
-        assert engines is not None  # _run refused a shut-down LLM
-        try:
-            while processor.has_unfinished():
-                aborts = []
-                for item in engines.poll(timeout_s=1.0):
-                    o, timing = item.output, item.timing
-                    parent, abort = processor.process_output(o, timing)
-                    if abort:
-                        aborts.append(o.request_id)  # a stop string ended it here: free its engine slot
-                    if parent is not None:
-                        results[index_of[parent.request_id]] = parent.output()
-                        if bar is not None:
-                            bar.update(1)
-                if aborts:
-                    engines.abort(aborts)
-                if engines.fatal is not None:
-                    raise EngineFailure(engines.fatal)
-        finally:
-            if bar is not None:
-                bar.close()
 
     # ---- introspection and teardown ---------------------------------------------------------
     def stats(self) -> list[dict[str, Any]]:
@@ -238,6 +217,31 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+class _Collect(ProcessedStream):
+    """LLM.generate's requests, submitted at once; each request's output lands at its prompt's index."""
+
+    poll_s = 1.0
+
+    def __init__(self, engines: EngineGroup, processor: OutputProcessor, specs: list[RequestSpec],
+                 results: list[RequestOutput | None], index_of: dict[str, int]) -> None:
+        super().__init__(engines, processor)
+        self.specs: list[RequestSpec] | None = specs
+        self.results, self.index_of = results, index_of
+        self.bar: Any = None
+
+    def due(self) -> list[RequestSpec] | None:
+        specs, self.specs = self.specs, None
+        return specs or None
+
+    def in_flight(self) -> int:
+        return int(self.processor.has_unfinished())
+
+    def finished(self, parent: ParentRequest, refused: bool) -> None:
+        self.results[self.index_of[parent.request_id]] = parent.output()
+        if not refused and self.bar is not None:
+            self.bar.update(1)
 
 
 @dataclass

@@ -18,7 +18,7 @@ log = logging.getLogger("kvray.stress")
 
 
 def _kill_own_raylet() -> str:
-    import psutil  # type: ignore[import-untyped]  # vendored by ray
+    import psutil  # ray depends on it
 
     proc = psutil.Process(os.getpid()).parent()
     while proc is not None and proc.name() != "raylet":

@@ -29,7 +29,8 @@ import ray
 
 from actors.messages import RequestSpec
 from cluster.config import EngineConfig
-from cluster.engines import EngineFailure, EngineGroup
+from cluster.engines import EngineFailure, EngineGroup, EngineOutput
+from cluster.stream import Stalled, Stream
 from cluster.stress_workload import StressRequest, WorkloadShape, make_workload, max_total_tokens
 
 log = logging.getLogger("kvray.stress")
@@ -103,12 +104,14 @@ class StatsSampler(threading.Thread):
         self.join(timeout=15)
 
 
-class StressDriver:
+class StressDriver(Stream):
     """Submits on schedule, streams outputs, sends aborts and kills, until every request has ended."""
+
+    poll_s = 0.2
 
     def __init__(self, engines: EngineGroup, workload: list[StressRequest], opts: StressOptions,
                  config: EngineConfig) -> None:
-        self.engines = engines
+        super().__init__(engines)
         self.workload = workload
         self.config = config
         self.rng = random.Random(opts.seed + 1)
@@ -119,88 +122,80 @@ class StressDriver:
         self.kills_on: Counter[int] = Counter()
         self.node_kill_at = sorted(int(self.rng.uniform(0.1, 0.7) * n) for _ in range(opts.kill_nodes))
         self.stall_s = max(120.0, 2 * config.parallel.step_timeout_s)
+        self.queue: list[StressRequest] = []
+        self.t0 = 0.0
+        self.submitted = 0
+        self.ended = 0
 
     def run(self) -> Observed:
-        t0 = time.monotonic()
-        sampler = StatsSampler(self.engines.drivers, t0)
+        self.t0 = time.monotonic()
+        self.queue = list(self.workload)
+        sampler = StatsSampler(self.engines.drivers, self.t0)
         sampler.start()
         try:
-            self._loop(t0)
+            self.loop()
+        except Stalled as e:
+            log.error("%s: giving up", e)
+            self.obs.stalled = True
+        except EngineFailure as e:
+            self.obs.failure = str(e)
         finally:
             sampler.stop()
-            self.obs.wall_s = time.monotonic() - t0
+            self.obs.wall_s = time.monotonic() - self.t0
             self.obs.timeline = sampler.samples
         return self.obs
 
-    def _loop(self, t0: float) -> None:
-        queue = list(self.workload)
-        ended = 0
-        last_progress = time.monotonic()
-        while ended < len(self.workload):
-            now = time.monotonic()
-            due = [r for r in queue if r.arrival_s <= now - t0]
-            if due:
-                queue = queue[len(due):]
-                self._submit(due)
-            try:
-                got = self.engines.poll(timeout_s=0.2)
-            except EngineFailure as e:
-                self.obs.failure = str(e)
-                return
-            if got:
-                last_progress = time.monotonic()
-            ended += self._take(got)
-            self._send_aborts()
-            self._maybe_kill(ended, t0)
-            self._maybe_kill_node(ended, t0)
-            if self.engines.fatal is not None:
-                self.obs.failure = self.engines.fatal
-                return
-            if time.monotonic() - last_progress > self.stall_s and not queue:
-                log.error("no output for %.0fs with %d request(s) open: giving up", self.stall_s,
-                          len(self.workload) - ended)
-                self.obs.stalled = True
-                return
-
-    def _submit(self, batch: list[StressRequest]) -> None:
+    # ---- the stream's hooks (cluster/stream.py) ------------------------------------------------------
+    def due(self) -> list[RequestSpec] | None:
+        if not self.queue:
+            return None
         now = time.monotonic()
-        specs = [RequestSpec(r.request_id, list(r.prompt_token_ids), r.sampling) for r in batch]
-        for r in batch:
+        due = [r for r in self.queue if r.arrival_s <= now - self.t0]
+        self.queue = self.queue[len(due):]
+        for r in due:
             self.obs.outcomes[r.request_id].submitted_at = now
-        for rid, err in self.engines.submit(specs).items():
+        self.submitted += len(due)
+        return [RequestSpec(r.request_id, list(r.prompt_token_ids), r.sampling) for r in due]
+
+    def in_flight(self) -> int:
+        return self.submitted - self.ended
+
+    def refused(self, errors: dict[str, str]) -> None:
+        now = time.monotonic()
+        for rid, err in errors.items():
             o = self.obs.outcomes[rid]
             o.num_finished, o.finish_reason, o.error, o.finished_at = 1, "error", err, now
+            self.ended += 1
 
-    def _take(self, got: list[Any]) -> int:
-        ended = 0
-        now = time.monotonic()
-        for item in got:
-            out = item.output
-            o = self.obs.outcomes.get(out.request_id)
-            if o is None:
-                self.obs.unknown_outputs += 1
-                continue
-            if o.num_finished:
-                o.late_outputs += 0 if item.finished else 1
-            else:
-                o.tokens.extend(out.new_token_ids)
-            if item.finished:
-                o.num_finished += 1
-                if o.num_finished == 1:
-                    o.finished_at, o.finish_reason, o.error = now, out.finish_reason, out.error
-                    ended += 1
-        return ended
+    def take(self, item: EngineOutput) -> None:
+        out = item.output
+        o = self.obs.outcomes.get(out.request_id)
+        if o is None:
+            self.obs.unknown_outputs += 1
+            return
+        if o.num_finished:
+            o.late_outputs += 0 if item.finished else 1
+        else:
+            o.tokens.extend(out.new_token_ids)
+        if item.finished:
+            o.num_finished += 1
+            if o.num_finished == 1:
+                o.finished_at, o.finish_reason, o.error = time.monotonic(), out.finish_reason, out.error
+                self.ended += 1
 
-    def _send_aborts(self) -> None:
+    def aborts(self) -> list[str]:
         todo = [r.request_id for r in self.workload if r.abort_after is not None
                 and not self.obs.outcomes[r.request_id].abort_sent
                 and self.obs.outcomes[r.request_id].submitted_at is not None
                 and not self.obs.outcomes[r.request_id].num_finished
                 and len(self.obs.outcomes[r.request_id].tokens) >= r.abort_after]
-        if todo:
-            for rid in todo:
-                self.obs.outcomes[rid].abort_sent = True
-            self.engines.abort(todo)
+        for rid in todo:
+            self.obs.outcomes[rid].abort_sent = True
+        return todo
+
+    def between_polls(self) -> None:
+        self._maybe_kill(self.ended, self.t0)
+        self._maybe_kill_node(self.ended, self.t0)
 
     def _maybe_kill(self, ended: int, t0: float) -> None:
         if not self.kill_at or ended < self.kill_at[0]:
@@ -252,52 +247,6 @@ class StressDriver:
         self.obs.node_kills.append({"t": round(t, 3), "node": node, "replicas": reps})
 
 
-# ---- the reference run --------------------------------------------------------------------------------
-def reference_config(config: EngineConfig, workload: list[StressRequest], block_size: int,
-                     num_groups: int) -> EngineConfig:
-    """One replica, no prefix caching, no preemption: room for every request at once."""
-    blocks = 1 + sum(num_groups * (-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // block_size) + 1)
-                     for r in workload)
-    seqs = min(len(workload), 256)
-    longest = max(len(r.prompt_token_ids) + r.sampling.max_tokens for r in workload)
-    return config.replace(data_parallel_size=1, enable_prefix_caching=False, num_gpu_blocks=blocks,
-                          max_num_seqs=seqs, max_num_batched_tokens=max(seqs, 4096, longest),
-                          debug_invariants=False, max_worker_restarts=0)
-
-
-def run_reference(config: EngineConfig, workload: list[StressRequest]) -> dict[str, list[int]]:
-    engines = EngineGroup(config)
-    try:
-        errors = engines.submit([RequestSpec(r.request_id, list(r.prompt_token_ids), r.sampling)
-                                 for r in workload])
-        if errors:
-            rid, err = next(iter(errors.items()))
-            raise RuntimeError(f"reference run refused {len(errors)} request(s), e.g. {rid}: {err}")
-        tokens: dict[str, list[int]] = {r.request_id: [] for r in workload}
-        open_ids = set(tokens)
-        # The same stall rule as the stressed run: an engine that stops producing without failing must
-        # not hang the check forever.
-        stall_s = max(120.0, 2 * config.parallel.step_timeout_s)
-        last_progress = time.monotonic()
-        while open_ids:
-            if time.monotonic() - last_progress > stall_s:
-                raise EngineFailure(f"reference run: no output for {stall_s:.0f}s with {len(open_ids)} "
-                                    f"request(s) open")
-            for item in engines.poll(timeout_s=1.0):
-                last_progress = time.monotonic()
-                out = item.output
-                tokens[out.request_id].extend(out.new_token_ids)
-                if item.finished:
-                    if out.finish_reason == "error":
-                        raise RuntimeError(f"reference run: request {out.request_id}: {out.error}")
-                    open_ids.discard(out.request_id)
-            if engines.fatal is not None:
-                raise EngineFailure(f"reference run: {engines.fatal}")
-        return tokens
-    finally:
-        engines.shutdown()
-
-
 # ---- the whole command --------------------------------------------------------------------------------
 def check_options(config: EngineConfig, opts: StressOptions) -> None:
     """Raise ValueError naming the option and the rule; runs before Ray is touched."""
@@ -320,6 +269,7 @@ def check_options(config: EngineConfig, opts: StressOptions) -> None:
 
 def run_stress(config: EngineConfig, opts: StressOptions) -> tuple[dict[str, Any], int]:
     """-> (the report, exit code). Ray is connected by the caller."""
+    from cluster.stress_reference import reference_config, run_reference
     from cluster.stress_report import evaluate, pool_accounting, write_png
 
     check_options(config, opts)

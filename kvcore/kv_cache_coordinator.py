@@ -14,7 +14,7 @@ from kvcore.request import Request
 from kvcore.single_type_manager import FullAttentionManager, SingleTypeKVCacheManager, manager_for_spec
 from kvcore.spec import KVCacheConfig
 
-GroupBlocks = tuple[list[KVCacheBlock], ...]  # one list per group
+GroupBlocks = tuple[Sequence[KVCacheBlock], ...]  # one per group; read-only (the shared "none" is tuples)
 
 
 class KVCacheCoordinator:
@@ -32,7 +32,7 @@ class KVCacheCoordinator:
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             manager_for_spec(g.kv_cache_spec, block_pool, gid) for gid, g in enumerate(groups))
         # Shared "nothing new" answer; tuples, so a caller cannot append to it by mistake.
-        self._no_blocks: GroupBlocks = tuple(() for _ in self.managers)  # type: ignore[misc]
+        self._no_blocks: GroupBlocks = tuple(() for _ in self.managers)
         self._sliding = tuple(m for m in self.managers if not isinstance(m, FullAttentionManager))
         # The common layout (one full-attention group) gets a straight-line extend_running.
         self.single_full = self.managers[0] if len(self.managers) == 1 and not self._sliding else None

@@ -10,9 +10,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
-from kvcore.block_pool import BlockPool, KVCacheBlock
+from kvcore.block_pool import BlockPool
 from kvcore.hashing import update_request_block_hashes
-from kvcore.kv_cache_coordinator import KVCacheCoordinator
+from kvcore.kv_cache_coordinator import GroupBlocks, KVCacheCoordinator
 from kvcore.request import Request
 from kvcore.single_type_manager import FullAttentionManager
 from kvcore.spec import KVCacheConfig
@@ -22,7 +22,7 @@ from kvcore.spec import KVCacheConfig
 class KVCacheBlocks:
     """Blocks per KV-cache group. Always truthy: `None`, not an empty value, means "does not fit"."""
 
-    blocks: tuple[list[KVCacheBlock], ...]
+    blocks: GroupBlocks
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         blocks = self.blocks
@@ -164,7 +164,7 @@ class KVCacheManager:
         return KVCacheBlocks(new_blocks)
 
     def _allocate_general(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
-                          new_computed_blocks: KVCacheBlocks | None) -> tuple[list[KVCacheBlock], ...] | None:
+                          new_computed_blocks: KVCacheBlocks | None) -> GroupBlocks | None:
         """A request that (re)starts, possibly with prefix-cache hits; the reference path."""
         rid = request.request_id
         hit_blocks = self._check_allocate_args(request, num_new_tokens, num_new_computed_tokens,
@@ -189,7 +189,7 @@ class KVCacheManager:
         return coord.allocate_new_blocks(rid, num_tokens_need_slot)
 
     def _check_allocate_args(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
-                             new_computed_blocks: KVCacheBlocks | None) -> tuple[list[KVCacheBlock], ...]:
+                             new_computed_blocks: KVCacheBlocks | None) -> GroupBlocks:
         rid = request.request_id
         if num_new_tokens < 1:
             raise ValueError(f"allocate_slots({rid!r}): num_new_tokens={num_new_tokens} must be >= 1")

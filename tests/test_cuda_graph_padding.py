@@ -183,6 +183,7 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
     """The runner's capture hook and replay branch (execute_model), with a recording stand-in for the
     CUDA graph: tokens equal HF, replays happen, including padded ones."""
     import actors.model_runner as mr
+    import actors.runner_graphs as rg
 
     path, prompts, expected = reference("qwen3_hybrid")
     made = []
@@ -193,7 +194,7 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
         return made[-1]
 
     current_runner = [None]
-    monkeypatch.setattr(mr, "StepGraphs", fake_graphs)
+    monkeypatch.setattr(rg, "StepGraphs", fake_graphs)
     monkeypatch.setattr(mr.ModelRunner, "_graphs_unavailable", lambda self: None)
     real_init = mr.ModelRunner.initialize_kv_cache
 

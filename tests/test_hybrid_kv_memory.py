@@ -84,9 +84,9 @@ def test_hybrid_manager_on_and_off_give_identical_outputs(tmp_path):
 
 
 def test_kvray_info_reports_kv_layout_and_concurrency():
-    from cluster.cli import _kv_cache_info
     from cluster.config import load_config
-    info = _kv_cache_info(load_config("configs/local.yaml"))
+    from cluster.info import kv_cache_info
+    info = kv_cache_info(load_config("configs/local.yaml"))
     assert "error" not in info, info
     assert info["hybrid"]["max_concurrency"] > 0 and info["all_full_attention"]["max_concurrency"] > 0
     assert info["max_model_len"] > 0

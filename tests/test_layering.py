@@ -15,7 +15,7 @@ FORBIDDEN = {
     "actors": {"cluster"},
 }
 # The scheduler decides which tokens run; it never touches a tensor.
-TENSOR_FREE = ("kvcore/scheduler.py", "kvcore/async_scheduler.py", "kvcore/request.py")
+TENSOR_FREE = ("kvcore/scheduler.py", "kvcore/request_book.py", "kvcore/async_scheduler.py", "kvcore/request.py")
 TENSOR_LIBS = {"torch", "triton", "numpy"}
 
 
@@ -74,7 +74,8 @@ def loaded_tensor_libs(modules: str) -> str:
 
 def test_the_client_side_never_loads_torch():
     # The LLM API, the job and the CLI only talk to driver actors; torch (seconds to import) stays there.
-    assert loaded_tensor_libs("cluster.cli, cluster.llm, cluster.job, cluster.engines, cluster.stress") == "[]"
+    assert loaded_tensor_libs("cluster.cli, cluster.llm, cluster.job, cluster.engines, cluster.stream, cluster.stress, "
+                              "cluster.stress_reference, cluster.info") == "[]"
 
 
 def test_the_driver_process_never_loads_torch():

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from actors.penalty_state import PenaltyState
-from actors.sample_kernel import launch_sample, philox_uniform_triton
+from actors.sample_kernel import launch_sample
+from actors.sample_ops import philox_uniform_triton
 from actors.sample_reference import philox_uniform, sample_reference, top_k_top_p_mask
 from actors.sampler import Sampler, SamplingMetadata, request_seed
 

@@ -52,7 +52,7 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
-            return layer_ops.rms_norm(x, self.weight, self.eps, backend="triton", gemma=True)  # type: ignore[return-value]
+            return layer_ops.rms_norm(x, self.weight, self.eps, backend="triton", gemma=True)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)

@@ -6,9 +6,12 @@ parallel layer's weight_loader reads just its own rows or columns from disk.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+# (param, the full checkpoint tensor or a lazy slice of it, the shard id of a merged parameter or None)
+WeightLoader = Callable[[torch.Tensor, Any, Any], None]
 
 
 class ShardShapeError(ValueError):
@@ -66,8 +69,16 @@ def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None
     copy_into(param, read_all(loaded))
 
 
-def new_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Any) -> torch.nn.Parameter:
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, loader: WeightLoader) -> torch.nn.Parameter:
     """An uninitialised inference parameter (on the ambient default device) with its weight_loader."""
     p = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    p.weight_loader = loader  # type: ignore[attr-defined]
+    # The loader rides on the parameter, as in vLLM; torch.nn.Parameter declares no such attribute, so
+    # it is set and read through these two functions only.
+    setattr(p, "weight_loader", loader)
     return p
+
+
+def load_weight(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+    """Run the weight_loader new_param gave `param`."""
+    loader: WeightLoader = getattr(param, "weight_loader")
+    loader(param, loaded, shard_id)

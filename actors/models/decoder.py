@@ -19,7 +19,7 @@ from actors.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from actors.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from actors.layers.norm import GemmaRMSNorm, RMSNorm
 from actors.layers.rotary import RotaryEmbedding
-from actors.layers.weight_utils import ShardShapeError
+from actors.layers.weight_utils import ShardShapeError, load_weight
 from actors.models.args import ModelArgs
 from actors.models.checkpoint import Checkpoint, CorruptCheckpointError, TensorShapeError, UnexpectedTensorError
 
@@ -203,7 +203,7 @@ def _load_one(ckpt: Checkpoint, name: str, param: torch.Tensor, shard_id: object
     loaded = ckpt.get_slice(name)
     path = os.path.join(ckpt.model_dir, ckpt.file_of(name))
     try:
-        param.weight_loader(param, loaded, shard_id)  # type: ignore[attr-defined]
+        load_weight(param, loaded, shard_id)
     except ShardShapeError as e:
         raise TensorShapeError(f"tensor {name!r} in {path}: expected shape {e.expected}, got {e.got}") from e
     except SafetensorError as e:

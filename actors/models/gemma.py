@@ -110,9 +110,10 @@ def gemma3_ropes(cfg: dict[str, Any]) -> tuple[RopeParams, RopeParams]:
         missing = [k for k in ("full_attention", "sliding_attention") if not isinstance(params.get(k), dict)]
         if missing:
             raise ValueError(f"config.json: rope_parameters lacks {missing} (needs one entry per layer type)")
-        return tuple(rope_params_from_config({"rope_parameters": params[k], "max_position_embeddings":
-                                              cfg.get("max_position_embeddings")})
-                     for k in ("full_attention", "sliding_attention"))  # type: ignore[return-value]
+        glob, local = (rope_params_from_config({"rope_parameters": params[k], "max_position_embeddings":
+                                                cfg.get("max_position_embeddings")})
+                       for k in ("full_attention", "sliding_attention"))
+        return glob, local
     full = dict(params or cfg.get("rope_scaling") or {})
     full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
     glob = rope_params_from_config({"rope_parameters": full,

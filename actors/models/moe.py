@@ -41,7 +41,9 @@ class MoeForCausalLM(DecoderForCausalLM):
             return super().checkpoint_sources(param_name.replace(".mlp.gate.", f".{self.moe_module}.gate."))
         base = prefix.replace(".mlp", f".{self.moe_module}") + ".experts"
         gate, up, down = self.expert_names
-        n = self.args.moe.num_experts  # type: ignore[union-attr]
+        moe = self.args.moe
+        assert moe is not None  # a MoE family's args always carry it (_moe_args)
+        n = moe.num_experts
         if leaf == "w13_weight":
             return [src for e in range(n) for src in ((f"{base}.{e}.{gate}.weight", (e, "gate")),
                                                        (f"{base}.{e}.{up}.weight", (e, "up")))]

@@ -7,6 +7,8 @@ free of host synchronisation and capturable in CUDA graphs. `positions` must lie
 """
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from actors.layers.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
@@ -27,6 +29,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: None = None, backend: str = "torch", gemma: bool = False) -> torch.Tensor: ...
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor, backend: str = "torch", gemma: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, backend: str = "torch", gemma: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
