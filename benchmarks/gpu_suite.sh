@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, batched into few device calls because device time is scarce.
 # Run from the repo root after `source .gpu/bootstrap.sh`; logs and JSON lines go to $OUT, one log per
-# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | graphs | diag | warm | final | open | divergence | transport | families | logprobs | multigpu | all)
+# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | graphs | diag | warm | final | open | divergence | transport | families | logprobs | round5 | multigpu | all)
 #   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
 #          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
 #          shape; the cost of logprobs=5, n=4 and stop strings (bench_api_features); the control plane on
@@ -160,6 +160,16 @@ phase_logprobs() {  # [api] the logprobs kernels and the end-to-end cost of logp
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
+phase_round5() {  # the fifth session's merge: greedy = HF in every mode, logprobs, control plane, serve stream_interval A/B
+  TAIL=30 step cuda_graphs 120 python3 benchmarks/check_cuda_graphs.py
+  TAIL=20 step api_features 130 python3 benchmarks/bench_api_features.py --shape qwen3-0.6b
+  TAIL=30 step control_plane 70 python3 benchmarks/control_plane.py --device cuda --tp 1 2 --steps 300
+  python3 -c "import os; print('cores', len(os.sched_getaffinity(0)))"
+  python3 .gpu/serve/install.py
+  TAIL=30 step serve_compare 220 python3 benchmarks/bench_serve.py --shape qwen3-0.6b --num-prompts 500 \
+    --compare default serve.stream_interval=4
+}
+
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
   TAIL=30 step check_tp_nccl 300 python3 benchmarks/check_tp.py --gpus-per-worker 1 --tp 2,4
   TAIL=30 step tp_scaling 600 python3 benchmarks/bench_tp_scaling.py
@@ -182,6 +192,7 @@ case "${1:-all}" in
   transport) phase_transport ;;
   families) phase_families ;;
   logprobs) phase_logprobs ;;
+  round5) phase_round5 ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|multigpu|all"; exit 2 ;;
