@@ -4,6 +4,7 @@ A request that waits for a compile is what the start-up warm-up exists to preven
 which variant was missed. It hooks Triton's runtime (knobs.runtime.jit_cache_hook, called before a
 variant is built, and jit_post_compile_hook, after), so it costs nothing between compiles.
 """
+
 from __future__ import annotations
 
 import threading

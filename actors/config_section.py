@@ -1,6 +1,7 @@
 """The rule machinery of the config sections: typed fields coerced from their annotations, generic
 ranges every field is held to, and the one error type that names the field, the value and the rule.
 The sections themselves (and their own range rules) are in actors/engine_config.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,9 +21,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_FLOAT = 1e15
 MAX_STR_CHARS = 4096
-MAX_TIMEOUT_S = 1e6       # about 11 days: longer than any step or placement wait, and within what
-                          # threading and Ray accept as a timeout
-MAX_TOKENS = 2**24        # kvcore.request.MAX_TOKENS_LIMIT: positions and lengths fit int32 with room
+MAX_TIMEOUT_S = 1e6  # about 11 days: longer than any step or placement wait, and within what
+# threading and Ray accept as a timeout
+MAX_TOKENS = 2**24  # kvcore.request.MAX_TOKENS_LIMIT: positions and lengths fit int32 with room
 
 
 def _fail(section: str, name: str, value: Any, rule: str) -> None:

@@ -26,6 +26,7 @@ Any failure while capturing logs a warning naming it and leaves the runner eager
 optimisation, never a reason to stop serving. A step without a graph runs eagerly; its reason is
 counted (see GraphStats).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -114,8 +115,12 @@ class BucketPlan:
             if size is not None:
                 return Bucket(size, size, True), ""
         if not self.token_sizes:
-            return None, "mixed step without mixed-step graphs (model.cudagraph_mode)" if self.decode_sizes \
-                else "cudagraph_mode is none"
+            return (
+                None,
+                "mixed step without mixed-step graphs (model.cudagraph_mode)"
+                if self.decode_sizes
+                else "cudagraph_mode is none",
+            )
         t = bucket_for(num_tokens, self.token_sizes)
         if t is None:
             return None, f"{num_tokens} tokens exceed every bucket (model.cudagraph_max_tokens)"
@@ -170,8 +175,9 @@ class StepGraphs:
     def __contains__(self, bucket: Bucket) -> bool:
         return bucket in self._graphs
 
-    def capture(self, buckets: list[Bucket], prepare: Callable[[Bucket], None],
-                forward: Callable[[Bucket], torch.Tensor]) -> bool:
+    def capture(
+        self, buckets: list[Bucket], prepare: Callable[[Bucket], None], forward: Callable[[Bucket], torch.Tensor]
+    ) -> bool:
         """Capture every bucket, largest first, into one shared pool. True when all were captured; on
         any error nothing is kept."""
         pool = torch.cuda.graph_pool_handle()

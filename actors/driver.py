@@ -15,6 +15,7 @@ Errors: a bad request finishes alone with an error output. A worker failure rebu
 re-queues every in-flight request while `parallel.max_worker_restarts` allows; past it, every live
 request gets an error output, `get_outputs` reports the failure, and new requests are refused.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
-    def __init__(self, config: EngineConfig, placement_group: Any, replica: int = 0,
-                 worker_cls: str = DEFAULT_WORKER_CLS) -> None:
+    def __init__(
+        self, config: EngineConfig, placement_group: Any, replica: int = 0, worker_cls: str = DEFAULT_WORKER_CLS
+    ) -> None:
         if os.environ.get("KVRAY_VERBOSE") != "1":
             # Tearing down a compiled graph whose worker died (kvray stress kills them on purpose) logs
             # "Error cancelling worker task" with two tracebacks; the failure is reported once, below.
@@ -108,12 +110,16 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
             raise
         hf = executor.probe.hf_config
         eos = hf.get("eos_token_id")
-        self.info = {"replica": self.replica, "node_ip": executor.probe.node_ip,
-                     "model_dir": executor.probe.model_dir, "vocab_size": hf.get("vocab_size"),
-                     "eos_token_id": eos[0] if isinstance(eos, list) and eos else eos,
-                     "num_blocks": self.engine.kv_cache_config.num_blocks,
-                     "max_model_len": self.engine.max_model_len,
-                     "transport": self.config.ray.transport}
+        self.info = {
+            "replica": self.replica,
+            "node_ip": executor.probe.node_ip,
+            "model_dir": executor.probe.model_dir,
+            "vocab_size": hf.get("vocab_size"),
+            "eos_token_id": eos[0] if isinstance(eos, list) and eos else eos,
+            "num_blocks": self.engine.kv_cache_config.num_blocks,
+            "max_model_len": self.engine.max_model_len,
+            "transport": self.config.ray.transport,
+        }
 
     # ---- client calls -----------------------------------------------------------------------
     def add_requests(self, specs: list[RequestSpec]) -> list[str | None]:
@@ -166,24 +172,32 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
                 self._cv.wait(timeout_s)
             out, self._outbox = self._outbox, []
             returned, self._returned = self._returned, []
-            timings = {o.request_id: self._timings.pop(o.request_id) for o in out
-                       if o.finished and o.request_id in self._timings}
+            timings = {
+                o.request_id: self._timings.pop(o.request_id)
+                for o in out
+                if o.finished and o.request_id in self._timings
+            }
             return PollResult(out, timings, self._fatal, returned, self._unavailable is None)
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
             base = dict(self.engine.stats()) if self.engine is not None else {}
-            base.update(replica=self.replica, worker_restarts=self._restarts, fatal=self._fatal,
-                        peak_kv_cache_usage=self._peak_kv_usage, num_output_tokens=self._num_output_tokens,
-                        num_live_requests=len(self._live), num_replayed=self._live.num_replayed)
+            base.update(
+                replica=self.replica,
+                worker_restarts=self._restarts,
+                fatal=self._fatal,
+                peak_kv_cache_usage=self._peak_kv_usage,
+                num_output_tokens=self._num_output_tokens,
+                num_live_requests=len(self._live),
+                num_replayed=self._live.num_replayed,
+            )
             return base
 
     # ---- the step loop ----------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._inbox and not self._abort_inbox and \
-                        not self.engine.has_unfinished():
+                while not self._stop and not self._inbox and not self._abort_inbox and not self.engine.has_unfinished():
                     self._cv.wait(0.5)
                 if self._stop:
                     return
@@ -198,8 +212,12 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
                 except Exception as e:  # noqa: BLE001 - a worker failure or an engine bug: never silent
                     # A dead worker (kvray stress kills them on purpose) is reported in one line; any
                     # other failure, or KVRAY_VERBOSE=1 (kvray -v), keeps its traceback.
-                    logger.error("engine replica %d: step failed: %s", self.replica, e,
-                                 exc_info=not _worker_death(e) or os.environ.get("KVRAY_VERBOSE") == "1")
+                    logger.error(
+                        "engine replica %d: step failed: %s",
+                        self.replica,
+                        e,
+                        exc_info=not _worker_death(e) or os.environ.get("KVRAY_VERBOSE") == "1",
+                    )
                     if not self._recover(e):
                         return
 

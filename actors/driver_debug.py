@@ -3,6 +3,7 @@
 None of it is on the step path. It is mixed into EngineDriver so that each stays an actor method
 (`driver.kill_worker.remote(rank)`).
 """
+
 from __future__ import annotations
 
 import threading

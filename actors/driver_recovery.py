@@ -4,6 +4,7 @@ rebuilds the TP group within parallel.max_worker_restarts, after waiting for the
 whole again (past parallel.placement_timeout_s the replica hands its requests back to the client);
 past the budget, every live request fails. Runs on the step loop, under the engine lock.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,16 +59,24 @@ class DriverRecovery:
         # Only a worker failure is cured by new workers; an engine bug (a broken invariant) is fatal.
         while self._restarts < budget and isinstance(error, WorkerFailure):
             self._restarts += 1
-            logger.warning("engine replica %d: %s; rebuilding the TP group (restart %d of %d)",
-                           self.replica, error, self._restarts, budget)
+            logger.warning(
+                "engine replica %d: %s; rebuilding the TP group (restart %d of %d)",
+                self.replica,
+                error,
+                self._restarts,
+                budget,
+            )
             try:
                 self._rebuild()
                 return True
             except Exception as e:  # noqa: BLE001 - a death during the rebuild spends the next restart
                 error = e
-        self._fail_all(f"{type(error).__name__}: {error}" if budget == 0 else
-                       f"{type(error).__name__}: {error} (after {self._restarts} of "
-                       f"parallel.max_worker_restarts={budget} restarts)")
+        self._fail_all(
+            f"{type(error).__name__}: {error}"
+            if budget == 0
+            else f"{type(error).__name__}: {error} (after {self._restarts} of "
+            f"parallel.max_worker_restarts={budget} restarts)"
+        )
         return False
 
     def _rebuild(self) -> None:
@@ -100,10 +109,13 @@ class DriverRecovery:
         if wait_for_placement(self.pg, timeout_s, lambda: self._stop):
             return
         if not self._stop:
-            why = (f"its placement group was not whole again within parallel.placement_timeout_s={timeout_s:g}s "
-                   "(a node it used is gone)")
-            logger.warning("engine replica %d: %s; its requests go to the other replicas until it is rebuilt",
-                           self.replica, why)
+            why = (
+                f"its placement group was not whole again within parallel.placement_timeout_s={timeout_s:g}s "
+                "(a node it used is gone)"
+            )
+            logger.warning(
+                "engine replica %d: %s; its requests go to the other replicas until it is rebuilt", self.replica, why
+            )
             with self._cv:
                 self._unavailable = why
                 self._returned.extend(self._live.clear())

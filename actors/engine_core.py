@@ -10,6 +10,7 @@ schedules step N+2, the GPU runs step N+1, and the workers' own per-step host wo
 kvcore/async_scheduler.py for how the scheduler plans with tokens it has not seen yet). When nothing
 is left to schedule, an empty step collects the last output.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,10 +40,16 @@ class EngineCore:
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(specs, num_blocks=num_blocks)
         t1 = time.perf_counter()
         executor.initialize_kv_cache(self.kv_cache_config)  # also captures the CUDA graphs (warm-up)
-        self.startup_s = {**executor.startup_s, "kv_sizing_s": round(t1 - t0, 2),
-                          "kv_init_capture_s": round(time.perf_counter() - t1, 2)}
-        logger.info("EngineCore start-up: KV sizing (profile run) %.1f s, KV cache + graph capture + "
-                    "warm-up %.1f s", t1 - t0, time.perf_counter() - t1)
+        self.startup_s = {
+            **executor.startup_s,
+            "kv_sizing_s": round(t1 - t0, 2),
+            "kv_init_capture_s": round(time.perf_counter() - t1, 2),
+        }
+        logger.info(
+            "EngineCore start-up: KV sizing (profile run) %.1f s, KV cache + graph capture + warm-up %.1f s",
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
         self.max_model_len = self._resolve_max_model_len()
         t2 = time.perf_counter()
         executor.open_step_path()
@@ -54,24 +61,34 @@ class EngineCore:
         self._num_partial_prefills = 0  # scheduled chunks that ended before the prompt did
         self._num_graph_steps = 0  # steps whose forward replayed a CUDA graph
         self._num_forward_steps = 0  # steps that ran a forward (some tokens scheduled)
-        self.max_concurrency = max_concurrency(self.kv_cache_config, self.max_model_len,
-                                               config.scheduler.max_num_batched_tokens)
-        logger.info("EngineCore: %d KV blocks in %d group(s), max_model_len=%d, max concurrency %.2fx "
-                    "(requests of max_model_len tokens held at once)", num_blocks,
-                    len(self.kv_cache_config.kv_cache_groups), self.max_model_len, self.max_concurrency)
+        self.max_concurrency = max_concurrency(
+            self.kv_cache_config, self.max_model_len, config.scheduler.max_num_batched_tokens
+        )
+        logger.info(
+            "EngineCore: %d KV blocks in %d group(s), max_model_len=%d, max concurrency %.2fx "
+            "(requests of max_model_len tokens held at once)",
+            num_blocks,
+            len(self.kv_cache_config.kv_cache_groups),
+            self.max_model_len,
+            self.max_concurrency,
+        )
 
     def _new_scheduler(self) -> None:
-        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, self.max_model_len,
-                                               enable_caching=self.config.cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            self.kv_cache_config, self.max_model_len, enable_caching=self.config.cache.enable_prefix_caching
+        )
         sc = self.config.scheduler
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(self.kv_cache_manager, max_num_seqs=sc.max_num_seqs,
-                                       max_num_batched_tokens=sc.max_num_batched_tokens,
-                                       max_model_len=self.max_model_len,
-                                       long_prefill_token_threshold=sc.long_prefill_token_threshold,
-                                       admission_min_batch=self.config.admission()[0],
-                                       admission_max_wait_steps=self.config.admission()[1],
-                                       debug_invariants=sc.debug_invariants)
+        self.scheduler = scheduler_cls(
+            self.kv_cache_manager,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            long_prefill_token_threshold=sc.long_prefill_token_threshold,
+            admission_min_batch=self.config.admission()[0],
+            admission_max_wait_steps=self.config.admission()[1],
+            debug_invariants=sc.debug_invariants,
+        )
         self._outstanding: SchedulerOutput | None = None  # async: run by the workers, output not yet back
 
     def reset_requests(self) -> None:
@@ -96,8 +113,9 @@ class EngineCore:
     def abort(self, req_ids: Iterable[str]) -> None:
         self.scheduler.abort(req_ids)
 
-    def finish_requests(self, req_ids: Iterable[str],
-                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def finish_requests(
+        self, req_ids: Iterable[str], finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         """Finish requests from outside before the next step (the client's stop string matched, its
         stream went away): blocks go back to the pool now; with a step in flight its late token for
         them is dropped."""
@@ -134,8 +152,10 @@ class EngineCore:
         if prev is not None:
             if out is None or out.step_id != prev.step_id:
                 got = None if out is None else out.step_id
-                raise RuntimeError(f"workers answered step {so.step_id} with the output of step {got}; "
-                                   f"expected the previous step {prev.step_id}")
+                raise RuntimeError(
+                    f"workers answered step {so.step_id} with the output of step {got}; "
+                    f"expected the previous step {prev.step_id}"
+                )
             outputs = self.scheduler.update_from_output(prev, self._count(prev, out))
         if so.is_empty:
             # Nothing was launched: the workers hold no step now, and this one has no tokens.
@@ -159,14 +179,18 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         stats = dict(self.scheduler.stats())
-        stats.update(num_steps=self._num_steps, num_tokens_scheduled=self._num_tokens_scheduled,
-                     num_partial_prefills=self._num_partial_prefills,
-                     num_graph_steps=self._num_graph_steps, **self.startup_s,
-                     num_forward_steps=self._num_forward_steps,
-                     graph_step_share=self._num_graph_steps / max(self._num_forward_steps, 1),
-                     num_blocks=self.kv_cache_config.num_blocks,
-                     num_kv_cache_groups=len(self.kv_cache_config.kv_cache_groups),
-                     max_concurrency=round(self.max_concurrency, 2))
+        stats.update(
+            num_steps=self._num_steps,
+            num_tokens_scheduled=self._num_tokens_scheduled,
+            num_partial_prefills=self._num_partial_prefills,
+            num_graph_steps=self._num_graph_steps,
+            **self.startup_s,
+            num_forward_steps=self._num_forward_steps,
+            graph_step_share=self._num_graph_steps / max(self._num_forward_steps, 1),
+            num_blocks=self.kv_cache_config.num_blocks,
+            num_kv_cache_groups=len(self.kv_cache_config.kv_cache_groups),
+            max_concurrency=round(self.max_concurrency, 2),
+        )
         return stats
 
     def shutdown(self) -> None:

@@ -2,6 +2,7 @@
 
 Every method fans out to all tensor-parallel ranks; `execute_model` returns rank 0's answer.
 """
+
 from __future__ import annotations
 
 import abc

@@ -3,6 +3,7 @@
 The model runner builds one AttentionMetadata per KV-cache group (all layers of a group share the
 block table and the slot mapping) and installs them with `set_forward_context` around the forward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,19 +15,19 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    num_actual_tokens: int          # tokens of real requests; rows beyond are padding (slot -1)
+    num_actual_tokens: int  # tokens of real requests; rows beyond are padding (slot -1)
     num_reqs: int
-    max_query_len: int              # host ints, so kernels need no device sync to size their grids
+    max_query_len: int  # host ints, so kernels need no device sync to size their grids
     max_seq_len: int
-    query_start_loc: torch.Tensor   # int32 [num_reqs + 1], device
-    seq_lens: torch.Tensor          # int32 [num_reqs], device: context length after this step
-    block_table: torch.Tensor       # int32 [num_reqs, max_blocks_per_req], device
-    slot_mapping: torch.Tensor      # int64 [num_tokens], device; -1 = write nothing
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], device
+    seq_lens: torch.Tensor  # int32 [num_reqs], device: context length after this step
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], device
+    slot_mapping: torch.Tensor  # int64 [num_tokens], device; -1 = write nothing
 
 
 @dataclass
 class ForwardContext:
-    attn_metadata: dict[int, AttentionMetadata] | None   # by KV-cache group id; None in a profile run
+    attn_metadata: dict[int, AttentionMetadata] | None  # by KV-cache group id; None in a profile run
     layer_to_group: dict[str, int]
 
 

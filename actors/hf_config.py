@@ -5,6 +5,7 @@ malformed file gets an error that names the file and the field (never a bare JSO
 TypeError or AttributeError from deep inside a layer), and no value reaches a worker that its dtypes
 cannot hold. Messages show at most a short repr of a value: a file may hold anything.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,18 @@ INT32_MAX = 2**31 - 1
 MAX_JSON_BYTES = 64 * 2**20  # a config.json is a few KB; anything this size is not one
 
 # Integer fields kvray reads: positive and within int32 (they size buffers and index int32 arrays).
-POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-                       "sliding_window", "max_window_layers")
+POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "sliding_window",
+    "max_window_layers",
+)
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
 BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window")
 STRING_FIELDS = ("dtype", "torch_dtype", "hidden_act", "model_type")
@@ -90,8 +100,11 @@ def check_hf_config(path: str, cfg: dict[str, Any]) -> None:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
             if not ok:
                 _fail(path, key, v, "must be a positive finite number")
-    for key, kinds, what in [(k, bool, "true or false") for k in BOOL_FIELDS] + \
-            [(k, str, "a string") for k in STRING_FIELDS] + [(k, dict, "an object or null") for k in DICT_FIELDS]:
+    for key, kinds, what in (
+        [(k, bool, "true or false") for k in BOOL_FIELDS]
+        + [(k, str, "a string") for k in STRING_FIELDS]
+        + [(k, dict, "an object or null") for k in DICT_FIELDS]
+    ):
         v = cfg.get(key)
         if v is not None and not isinstance(v, kinds):
             _fail(path, key, v, f"must be {what}")

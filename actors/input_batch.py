@@ -4,6 +4,7 @@ Rows are reused across steps so that the per-row arrays (token ids, sampling par
 are updated in place from the scheduler's deltas instead of being rebuilt. Rows move (condense, swap);
 the stable identity of a request is its req_id.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -38,11 +39,17 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 device: torch.device, pin_memory: bool, block_sizes: list[int]) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        device: torch.device,
+        pin_memory: bool,
+        block_sizes: list[int],
+    ) -> None:
         if max_num_reqs < 1 or max_model_len < 1:
-            raise ValueError(f"InputBatch: max_num_reqs={max_num_reqs} and max_model_len={max_model_len} "
-                             f"must be >= 1")
+            raise ValueError(f"InputBatch: max_num_reqs={max_num_reqs} and max_model_len={max_model_len} must be >= 1")
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
@@ -73,13 +80,27 @@ class InputBatch:
         self.min_tokens_ban: dict[int, list[int]] = {}  # row -> ids banned until min_tokens (sparse)
         # The per-row scalars that move with a request (condense, swap); token ids and the sparse
         # ban lists are moved by hand.
-        self._row_scalars = (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                             self.temperature, self.top_p, self.top_k, self.greedy, self.seed,
-                             self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
-                             self.penalty_slot, self.min_tokens, self.num_logprobs, self.num_prompt_logprobs)
+        self._row_scalars = (
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.greedy,
+            self.seed,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.penalty_slot,
+            self.min_tokens,
+            self.num_logprobs,
+            self.num_prompt_logprobs,
+        )
 
-        self.block_table = MultiGroupBlockTable(max_num_reqs, max_model_len, max_num_batched_tokens,
-                                                pin_memory, device, block_sizes)
+        self.block_table = MultiGroupBlockTable(
+            max_num_reqs, max_model_len, max_num_batched_tokens, pin_memory, device, block_sizes
+        )
 
     # ---- membership -------------------------------------------------------------------------
     @property
@@ -90,7 +111,7 @@ class InputBatch:
     def req_ids(self) -> list[str]:
         """req_ids of rows 0..num_reqs-1; only meaningful when the batch is condensed."""
         # Condensed, rows below num_reqs all hold a request: no None among them.
-        return cast(list[str], self.index_to_req_id[:self.num_reqs])
+        return cast(list[str], self.index_to_req_id[: self.num_reqs])
 
     def _take_row(self) -> int:
         if self._holes:
@@ -232,10 +253,14 @@ class InputBatch:
         self.num_tokens[rows] = n + 1
 
     # ---- applying a step's scheduler output -------------------------------------------------
-    def apply_scheduler_output(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
-                               new_state: Callable[[NewRequestData], CachedRequestState],
-                               forget: Callable[[str], None],
-                               resumed: Callable[[CachedRequestState], None]) -> None:
+    def apply_scheduler_output(
+        self,
+        so: SchedulerOutput,
+        requests: dict[str, CachedRequestState],
+        new_state: Callable[[NewRequestData], CachedRequestState],
+        forget: Callable[[str], None],
+        resumed: Callable[[CachedRequestState], None],
+    ) -> None:
         """Bring the rows (and the worker's request states) to the step: finished and preempted
         requests go, rows of requests not scheduled go (their state stays cached), new and resumed
         requests get rows, cached ones take their block deltas; then the rows are condensed."""
@@ -258,11 +283,17 @@ class InputBatch:
             self.add_request(state)
         self.condense()
         if self.num_reqs != len(so.num_scheduled_tokens):
-            raise RuntimeError(f"runner batch has {self.num_reqs} requests but the step schedules "
-                               f"{len(so.num_scheduled_tokens)}")
+            raise RuntimeError(
+                f"runner batch has {self.num_reqs} requests but the step schedules {len(so.num_scheduled_tokens)}"
+            )
 
-    def _update_cached(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
-                       to_add: list[CachedRequestState], resumed: Callable[[CachedRequestState], None]) -> None:
+    def _update_cached(
+        self,
+        so: SchedulerOutput,
+        requests: dict[str, CachedRequestState],
+        to_add: list[CachedRequestState],
+        resumed: Callable[[CachedRequestState], None],
+    ) -> None:
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = requests.get(req_id)
@@ -274,7 +305,7 @@ class InputBatch:
                 tokens = cached.resumed_token_ids[i]
                 assert new_ids is not None and tokens is not None, "a resumed request carries blocks and tokens"
                 state.block_ids = tuple(list(b) for b in new_ids)
-                state.output_token_ids = list(tokens[len(state.prompt_token_ids):])
+                state.output_token_ids = list(tokens[len(state.prompt_token_ids) :])
                 resumed(state)
                 self.remove_request(req_id)
                 to_add.append(state)

@@ -12,6 +12,7 @@ Two pinned buffers alternate, each guarded by the event recorded after the copy 
 host never rewrites a record the copy engine may still be reading (async scheduling stages step N+1
 while step N's copy may be queued).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,13 +31,13 @@ class StagedStep:
 
     num_reqs: int
     num_tokens: int
-    num_sched: np.ndarray      # int64 [num_reqs]
-    seq_lens: np.ndarray       # int64 [num_reqs]
-    sample_rows: np.ndarray    # rows that sample, ascending
+    num_sched: np.ndarray  # int64 [num_reqs]
+    seq_lens: np.ndarray  # int64 [num_reqs]
+    sample_rows: np.ndarray  # rows that sample, ascending
     max_query_len: int
     max_seq_len: int
-    sampling: Any = None       # the sampler's metadata of the sampling rows (set by the runner)
-    prompt_plan: Any = None    # prompt positions whose logprobs the step scores (set by the runner)
+    sampling: Any = None  # the sampler's metadata of the sampling rows (set by the runner)
+    prompt_plan: Any = None  # prompt positions whose logprobs the step scores (set by the runner)
 
 
 class InputStager:
@@ -58,10 +59,17 @@ class InputStager:
             seq_lens=torch.zeros(max_num_reqs, dtype=torch.int32, device=device),
             logits_indices=torch.zeros(max_num_reqs, dtype=torch.int64, device=device),
             input_ids=torch.zeros(max_num_tokens, dtype=torch.int64, device=device),
-            positions=torch.zeros(max_num_tokens, dtype=torch.int64, device=device))
+            positions=torch.zeros(max_num_tokens, dtype=torch.int64, device=device),
+        )
 
-    def stage_step(self, num_sched: np.ndarray, computed: np.ndarray, num_tokens_known: np.ndarray,
-                   feed: np.ndarray, token_ids: np.ndarray) -> StagedStep:
+    def stage_step(
+        self,
+        num_sched: np.ndarray,
+        computed: np.ndarray,
+        num_tokens_known: np.ndarray,
+        feed: np.ndarray,
+        token_ids: np.ndarray,
+    ) -> StagedStep:
         """Write the record of a step of rows 0..R-1 and queue its copy to the device.
 
         num_sched/computed/num_tokens_known: per row (int); feed: index into the previous step's
@@ -80,10 +88,10 @@ class InputStager:
         seq_lens = computed + num_sched
         sample_rows = np.flatnonzero(seq_lens >= num_tokens_known)
         buf[0], buf[1] = r, len(sample_rows)
-        buf[lay.sched:lay.sched + r] = num_sched
-        buf[lay.computed:lay.computed + r] = computed
-        buf[lay.feed:lay.feed + r] = feed
-        buf[lay.sample:lay.sample + len(sample_rows)] = sample_rows
+        buf[lay.sched : lay.sched + r] = num_sched
+        buf[lay.computed : lay.computed + r] = computed
+        buf[lay.feed : lay.feed + r] = feed
+        buf[lay.sample : lay.sample + len(sample_rows)] = sample_rows
         # Token ids from the host: every token of an unfed row (prompt chunks), and a fed row's tokens
         # after its first (none without speculative tokens). Only these rows cost a slice copy.
         starts = cu - num_sched
@@ -91,7 +99,7 @@ class InputStager:
         for row in host_rows.tolist():
             skip = 1 if feed[row] >= 0 else 0
             c, n, s = int(computed[row]), int(num_sched[row]), int(starts[row])
-            buf[lay.tokens + s + skip:lay.tokens + s + n] = token_ids[row, c + skip:c + n]
+            buf[lay.tokens + s + skip : lay.tokens + s + n] = token_ids[row, c + skip : c + n]
         used = lay.tokens + total
         self.stage[:used].copy_(self._host[k][:used], non_blocking=True)
         if self.device.type == "cuda":
@@ -99,9 +107,15 @@ class InputStager:
             if event is None:
                 event = self._events[k] = torch.cuda.Event()
             event.record()
-        return StagedStep(num_reqs=r, num_tokens=total, num_sched=num_sched, seq_lens=seq_lens,
-                          sample_rows=sample_rows, max_query_len=int(num_sched.max()) if r else 0,
-                          max_seq_len=int(seq_lens.max()) if r else 0)
+        return StagedStep(
+            num_reqs=r,
+            num_tokens=total,
+            num_sched=num_sched,
+            seq_lens=seq_lens,
+            sample_rows=sample_rows,
+            max_query_len=int(num_sched.max()) if r else 0,
+            max_seq_len=int(seq_lens.max()) if r else 0,
+        )
 
     def build(self, num_seqs: int, num_tokens_pad: int) -> None:
         """Launch the input kernels for a step padded to num_seqs / num_tokens_pad (on the current
@@ -110,4 +124,4 @@ class InputStager:
 
     def keep_sampled(self, tokens: torch.Tensor) -> None:
         """The step's sampled tokens become the next step's feed source."""
-        self.fed[:tokens.shape[0]].copy_(tokens)
+        self.fed[: tokens.shape[0]].copy_(tokens)

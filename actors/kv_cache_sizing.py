@@ -1,5 +1,6 @@
 """KV-cache sizing and allocation for one rank: the layers' specs, the profile run, the block count,
 and the memory tensors bound to the attention layers."""
+
 from __future__ import annotations
 
 import logging
@@ -24,33 +25,48 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def kv_cache_specs(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype,
-                   hybrid: bool = True) -> dict[str, KVCacheSpec]:
+def kv_cache_specs(
+    model: DecoderForCausalLM, block_size: int, dtype: torch.dtype, hybrid: bool = True
+) -> dict[str, KVCacheSpec]:
     """hybrid=False gives sliding-window layers full-attention specs (one group, no window savings)."""
     specs: dict[str, KVCacheSpec] = {}
     for layer in model.attention_layers():
         shape = (block_size, layer.num_kv_heads, layer.head_size, dtype)  # both spec classes start with these
-        specs[layer.layer_name] = (SlidingWindowSpec(*shape, sliding_window=layer.sliding_window)
-                                   if layer.sliding_window and hybrid else FullAttentionSpec(*shape))
+        specs[layer.layer_name] = (
+            SlidingWindowSpec(*shape, sliding_window=layer.sliding_window)
+            if layer.sliding_window and hybrid
+            else FullAttentionSpec(*shape)
+        )
     return specs
 
 
 @torch.inference_mode()
-def profile_run(model: DecoderForCausalLM, num_tokens: int, num_rows: int, max_model_len: int,
-                device: torch.device, sample: Callable[[torch.Tensor], object]) -> None:
+def profile_run(
+    model: DecoderForCausalLM,
+    num_tokens: int,
+    num_rows: int,
+    max_model_len: int,
+    device: torch.device,
+    sample: Callable[[torch.Tensor], object],
+) -> None:
     """A forward of num_tokens tokens and logits for num_rows rows, with no KV cache, so the peak
     activation memory is what a real step can reach; `sample(logits)` runs the sampler's worst case."""
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     pos = torch.arange(num_tokens, dtype=torch.int64, device=device) % max(max_model_len, 1)
     with set_forward_context(ForwardContext(attn_metadata=None, layer_to_group={})):
         hidden = model(ids, pos)
-    logits = model.compute_logits(hidden[:min(num_rows, num_tokens)])
+    logits = model.compute_logits(hidden[: min(num_rows, num_tokens)])
     del hidden
     sample(logits)
 
 
-def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec], device: torch.device,
-                         rank: int, run_profile: Callable[[], None]) -> int:
+def determine_num_blocks(
+    config: EngineConfig,
+    specs: dict[str, KVCacheSpec],
+    device: torch.device,
+    rank: int,
+    run_profile: Callable[[], None],
+) -> int:
     """Blocks this rank can hold: the override, else the memory budget left after a profile run."""
     groups = group_layers_by_spec(specs)
     if config.cache.num_gpu_blocks is not None:
@@ -73,13 +89,15 @@ def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec], de
     # of the 1 - gpu_memory_utilization headroom).
     budget = int(total * config.cache.gpu_memory_utilization * min(share, 1.0)) - used
     torch.cuda.empty_cache()
-    logger.info("rank %d: KV budget %.2f GiB (total %.2f, peak used %.2f)", rank, budget / 2**30,
-                total / 2**30, used / 2**30)
+    logger.info(
+        "rank %d: KV budget %.2f GiB (total %.2f, peak used %.2f)", rank, budget / 2**30, total / 2**30, used / 2**30
+    )
     return num_blocks_for_budget(groups, budget)
 
 
-def allocate_kv_cache(model: DecoderForCausalLM, kv_cache_config: KVCacheConfig,
-                      device: torch.device) -> list[torch.Tensor]:
+def allocate_kv_cache(
+    model: DecoderForCausalLM, kv_cache_config: KVCacheConfig, device: torch.device
+) -> list[torch.Tensor]:
     """One memory tensor per layer slot (shared by the i-th layer of every group); binds each attention
     layer's view of it. Old bindings go first."""
     layers = {layer.layer_name: layer for layer in model.attention_layers()}
@@ -95,8 +113,9 @@ def allocate_kv_cache(model: DecoderForCausalLM, kv_cache_config: KVCacheConfig,
         raise ValueError(f"KV-cache groups must share one page size; got {sorted(page_bytes)}")
     slot_bytes = num_blocks * page_bytes.pop()
     # Zeroed so unwritten pages hold finite values even where a kernel reads and then masks them.
-    kv_caches = [torch.zeros(slot_bytes, dtype=torch.uint8, device=device)
-                 for _ in range(kv_cache_config.num_memory_slots)]
+    kv_caches = [
+        torch.zeros(slot_bytes, dtype=torch.uint8, device=device) for _ in range(kv_cache_config.num_memory_slots)
+    ]
     for group in kv_cache_config.kv_cache_groups:
         s = group.kv_cache_spec
         shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)

@@ -5,6 +5,7 @@ published so far. After a worker restart `restart` turns each back into a Reques
 and `drop_replayed` keeps the client's stream unbroken. Not thread-safe: the driver holds its
 condition lock around every call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -32,8 +33,11 @@ def continued(spec: RequestSpec, done: list[int]) -> RequestSpec:
     """The spec that goes on from `done`, the tokens produced so far: they join the prompt."""
     if not done:
         return spec
-    sp = replace(spec.sampling_params, max_tokens=spec.sampling_params.max_tokens - len(done),
-                 min_tokens=max(0, spec.sampling_params.min_tokens - len(done)))
+    sp = replace(
+        spec.sampling_params,
+        max_tokens=spec.sampling_params.max_tokens - len(done),
+        min_tokens=max(0, spec.sampling_params.min_tokens - len(done)),
+    )
     return RequestSpec(spec.request_id, spec.prompt_token_ids + done, sp)
 
 
@@ -105,8 +109,9 @@ class LiveRequests:
         self.num_replayed += 1 if live.replay else 0
         return live.spec
 
-    def drop_replayed(self, outputs: list[EngineCoreOutput],
-                      abort: Callable[[list[str]], None]) -> list[EngineCoreOutput]:
+    def drop_replayed(
+        self, outputs: list[EngineCoreOutput], abort: Callable[[list[str]], None]
+    ) -> list[EngineCoreOutput]:
         """Strip the tokens of replaying requests that the client already has.
 
         A replay that differs from what was sent cannot be taken back: that request ends with an error,
@@ -124,14 +129,20 @@ class LiveRequests:
                 continue
             start = len(live.output_token_ids) - live.replay
             n = min(live.replay, len(o.new_token_ids))
-            if o.new_token_ids[:n] != live.output_token_ids[start:start + n]:
+            if o.new_token_ids[:n] != live.output_token_ids[start : start + n]:
                 # Not the same stream (a numerical difference): tokens sent cannot be taken back.
                 if not o.finished:
                     self._silenced.add(o.request_id)
                     abort([o.request_id])
-                kept.append(error_output(o.request_id, (
-                    f"request {o.request_id!r}: after a worker restart the replayed tokens differ from "
-                    f"the ones already sent (at output position {start}); it cannot go on consistently")))
+                kept.append(
+                    error_output(
+                        o.request_id,
+                        (
+                            f"request {o.request_id!r}: after a worker restart the replayed tokens differ from "
+                            f"the ones already sent (at output position {start}); it cannot go on consistently"
+                        ),
+                    )
+                )
                 continue
             live.replay -= n
             rest = o.new_token_ids[n:]

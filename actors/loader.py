@@ -3,6 +3,7 @@
 Reads config.json (never executes remote code), builds the model on the target device with the
 target dtype, then fills it from safetensors only, each rank reading just its own slices.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,7 +26,7 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any]) -> torch.dtype:
-    """"auto" takes the checkpoint's dtype from config.json (`dtype`, or the older `torch_dtype`),
+    """ "auto" takes the checkpoint's dtype from config.json (`dtype`, or the older `torch_dtype`),
     float32 when it names none."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -43,8 +44,12 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any]) -> torch.
     return DTYPES[name]
 
 
-def load_model(model_dir_or_name: str, dtype: str | torch.dtype = "auto", attention_backend: str = "torch",
-               device: str | torch.device = "cpu") -> tuple[DecoderForCausalLM, dict[str, Any]]:
+def load_model(
+    model_dir_or_name: str,
+    dtype: str | torch.dtype = "auto",
+    attention_backend: str = "torch",
+    device: str | torch.device = "cpu",
+) -> tuple[DecoderForCausalLM, dict[str, Any]]:
     """-> (model in eval mode with weights loaded on `device`, the config.json dict)."""
     model_dir = resolve_model_dir(model_dir_or_name)
     hf_config = read_hf_config(model_dir)

@@ -4,6 +4,7 @@ The multi-process form is what tests tensor parallelism on one machine (gloo on 
 GPUs). A worker's exception comes back to the caller with its rank and traceback; the executor then
 stops every worker, since the others may be stuck in a collective waiting for the failed one.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -28,10 +29,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn: Connection,
-                 num_threads: int) -> None:
+def _worker_main(
+    config: EngineConfig, rank: int, world_size: int, init_method: str, conn: Connection, num_threads: int
+) -> None:
     """Child process loop: call the requested Worker method, send back ("ok", result) or ("err", tb)."""
     import torch
+
     torch.set_num_threads(num_threads)
     device_index = rank if config.parallel.resolved_device() == "cuda" else None
     worker = Worker(config, rank, world_size, init_method, device_index=device_index)
@@ -78,8 +81,12 @@ class LocalExecutor(Executor):
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_worker_main, name=f"kvray-worker-{rank}", daemon=True,
-                               args=(self.config, rank, self.world_size, init_method, child, threads))
+            proc = ctx.Process(
+                target=_worker_main,
+                name=f"kvray-worker-{rank}",
+                daemon=True,
+                args=(self.config, rank, self.world_size, init_method, child, threads),
+            )
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -118,8 +125,10 @@ class LocalExecutor(Executor):
         while pending:
             if time.monotonic() > deadline:
                 ranks = sorted(pending)
-                self._fail(ranks[0] if len(ranks) == 1 else None,
-                           f"rank(s) {ranks} did not answer {method} within {timeout_s:g}s")
+                self._fail(
+                    ranks[0] if len(ranks) == 1 else None,
+                    f"rank(s) {ranks} did not answer {method} within {timeout_s:g}s",
+                )
             for rank in sorted(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
                 if not conn.poll(self._poll / max(len(pending), 1)):

@@ -5,6 +5,7 @@ before penalties, temperature and top-k/top-p. Each position yields 1 + k entrie
 token first (sampled, or the prompt token), then the top-k by logprob; plus the token's rank, vLLM's
 count of entries whose logprob is >= the token's (1 = the most likely).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,21 +21,26 @@ MAX_LOGPROBS = 20
 @dataclass
 class LogprobsTensors:
     token_ids: torch.Tensor  # int32 [N, 1 + k]
-    logprobs: torch.Tensor   # float32 [N, 1 + k]
-    ranks: torch.Tensor      # int32 [N]
+    logprobs: torch.Tensor  # float32 [N, 1 + k]
+    ranks: torch.Tensor  # int32 [N]
 
     def to_host(self, non_blocking: bool) -> "LogprobsTensors":
         """Copies on the host (pinned when non_blocking: valid once the step's readback event passed)."""
         if not non_blocking:
             return LogprobsTensors(self.token_ids.cpu(), self.logprobs.cpu(), self.ranks.cpu())
-        return LogprobsTensors(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                                 for t in (self.token_ids, self.logprobs, self.ranks)))
+        return LogprobsTensors(
+            *(
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in (self.token_ids, self.logprobs, self.ranks)
+            )
+        )
 
     def to_batch(self, req_ids: list[str] | None = None, ks: np.ndarray | None = None) -> LogprobsBatch:
         """The host copies as one message batch: one numpy copy per field per step, owned by the batch
         (no view of a buffer the runner reuses); req_ids and ks name the rows' requests and their k."""
-        return LogprobsBatch(self.token_ids.numpy().copy(), self.logprobs.numpy().copy(),
-                             self.ranks.numpy().copy(), req_ids, ks)
+        return LogprobsBatch(
+            self.token_ids.numpy().copy(), self.logprobs.numpy().copy(), self.ranks.numpy().copy(), req_ids, ks
+        )
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int) -> LogprobsTensors:
@@ -57,8 +63,11 @@ def concat(parts: list[Logprobs]) -> Logprobs:
     """Chunks of one request's positions (the same k) in order, as one."""
     if len(parts) == 1:
         return parts[0]
-    return Logprobs(np.concatenate([p.token_ids for p in parts]), np.concatenate([p.logprobs for p in parts]),
-                    np.concatenate([p.ranks for p in parts]))
+    return Logprobs(
+        np.concatenate([p.token_ids for p in parts]),
+        np.concatenate([p.logprobs for p in parts]),
+        np.concatenate([p.ranks for p in parts]),
+    )
 
 
 @dataclass

@@ -12,6 +12,7 @@ The rank counts raw logits >= the token's logit, which orders exactly as the ref
 (both subtract one row constant), without the float rounding of that subtraction. Ties in the top-k
 take the lowest token id; torch.topk leaves their order unspecified.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ BLOCK = 4096
 
 
 @triton.jit(do_not_specialize=["K"])
-def _chunk_kernel(logits_ptr, stride_row, tok_ptr, V, K, max_ptr, sum_ptr, cnt_ptr, cand_val_ptr, cand_idx_ptr,
-                  BLOCK: tl.constexpr):
+def _chunk_kernel(
+    logits_ptr, stride_row, tok_ptr, V, K, max_ptr, sum_ptr, cnt_ptr, cand_val_ptr, cand_idx_ptr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     base = row * tl.num_programs(1) + chunk
@@ -46,8 +48,23 @@ def _chunk_kernel(logits_ptr, stride_row, tok_ptr, V, K, max_ptr, sum_ptr, cnt_p
 
 
 @triton.jit(do_not_specialize=["K"])
-def _combine_kernel(logits_ptr, stride_row, tok_ptr, C, K, max_ptr, sum_ptr, cnt_ptr, cand_val_ptr, cand_idx_ptr,
-                    ids_ptr, lps_ptr, ranks_ptr, C_PAD: tl.constexpr, CK_PAD: tl.constexpr):
+def _combine_kernel(
+    logits_ptr,
+    stride_row,
+    tok_ptr,
+    C,
+    K,
+    max_ptr,
+    sum_ptr,
+    cnt_ptr,
+    cand_val_ptr,
+    cand_idx_ptr,
+    ids_ptr,
+    lps_ptr,
+    ranks_ptr,
+    C_PAD: tl.constexpr,
+    CK_PAD: tl.constexpr,
+):
     row = tl.program_id(0)
     c = tl.arange(0, C_PAD)
     m = tl.load(max_ptr + row * C + c, mask=c < C, other=float("-inf"))
@@ -73,8 +90,7 @@ def _combine_kernel(logits_ptr, stride_row, tok_ptr, C, K, max_ptr, sum_ptr, cnt
         v = tl.where((v == best) & (idx == pick), float("-inf"), v)
 
 
-def topk_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int,
-                  block: int = BLOCK) -> LogprobsTensors:
+def topk_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int, block: int = BLOCK) -> LogprobsTensors:
     """logits [N, V] (raw, any float dtype, unit stride along V), token_ids [N] -> as compute_logprobs."""
     n, vocab = logits.shape
     if logits.stride(1) != 1:
@@ -93,9 +109,36 @@ def topk_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int,
     if n == 0:
         return LogprobsTensors(ids, lps, ranks)
     tokens = token_ids.to(torch.int64)
-    _chunk_kernel[(n, chunks)](logits, logits.stride(0), tokens, vocab, k, maxes, sums, counts, cand_val, cand_idx,
-                               BLOCK=block, num_warps=8 if block >= 4096 else 4)
-    _combine_kernel[(n,)](logits, logits.stride(0), tokens, chunks, k, maxes, sums, counts, cand_val, cand_idx,
-                          ids, lps, ranks, C_PAD=triton.next_power_of_2(chunks),
-                          CK_PAD=triton.next_power_of_2(chunks * max(k, 1)), num_warps=4)
+    _chunk_kernel[(n, chunks)](
+        logits,
+        logits.stride(0),
+        tokens,
+        vocab,
+        k,
+        maxes,
+        sums,
+        counts,
+        cand_val,
+        cand_idx,
+        BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
+    )
+    _combine_kernel[(n,)](
+        logits,
+        logits.stride(0),
+        tokens,
+        chunks,
+        k,
+        maxes,
+        sums,
+        counts,
+        cand_val,
+        cand_idx,
+        ids,
+        lps,
+        ranks,
+        C_PAD=triton.next_power_of_2(chunks),
+        CK_PAD=triton.next_power_of_2(chunks * max(k, 1)),
+        num_warps=4,
+    )
     return LogprobsTensors(ids, lps, ranks)

@@ -1,4 +1,5 @@
 """What the client and a driver actor send each other: requests in, outputs and timings back."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -4,6 +4,7 @@ Fed by the driver actor after each step and exported once per FLUSH_S window: ea
 call costs tens of microseconds in the step loop (about a tenth of a 256-request step's host time was
 spent there), so a window's steps are summed first. Names carry the `kvray_` prefix and a `replica` tag.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,14 +24,20 @@ class EngineMetrics:
         self.kv_usage = m.Gauge("kvray_kv_cache_usage", "Share of KV-cache blocks in use (0-1)", tag_keys=tags)
         self.running = m.Gauge("kvray_num_running", "Requests running", tag_keys=tags)
         self.waiting = m.Gauge("kvray_num_waiting", "Requests waiting", tag_keys=tags)
-        self.tokens_per_s = m.Gauge("kvray_output_tokens_per_s", "Output tokens per second (last window)",
-                                    tag_keys=tags)
-        self.step_ms = m.Histogram("kvray_step_time_ms", "Engine step time (ms), one mean per export window",
-                                   boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000], tag_keys=tags)
+        self.tokens_per_s = m.Gauge(
+            "kvray_output_tokens_per_s", "Output tokens per second (last window)", tag_keys=tags
+        )
+        self.step_ms = m.Histogram(
+            "kvray_step_time_ms",
+            "Engine step time (ms), one mean per export window",
+            boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000],
+            tag_keys=tags,
+        )
         self.preemptions = m.Counter("kvray_preemptions_total", "Requests preempted", tag_keys=tags)
         self.output_tokens = m.Counter("kvray_output_tokens_total", "Output tokens generated", tag_keys=tags)
-        self.worker_restarts = m.Counter("kvray_worker_restarts_total", "TP groups rebuilt after a failure",
-                                         tag_keys=tags)
+        self.worker_restarts = m.Counter(
+            "kvray_worker_restarts_total", "TP groups rebuilt after a failure", tag_keys=tags
+        )
         self._last_preemptions = 0
         self._window_start = time.monotonic()
         self._window_tokens = 0

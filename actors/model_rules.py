@@ -1,6 +1,7 @@
 """The config rules that need the model's config.json: heads split evenly over the TP ranks, and the
 one context limit (model.max_model_len resolved against max_position_embeddings).
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -16,11 +17,14 @@ def validate_for_model(config: EngineConfig, hf_config: Mapping[str, Any]) -> No
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     name = config.model.model
     if heads and heads % tp:
-        raise ConfigError(f"config: parallel.tensor_parallel_size={tp}: must divide the model's "
-                          f"num_attention_heads={heads} ({name})")
+        raise ConfigError(
+            f"config: parallel.tensor_parallel_size={tp}: must divide the model's num_attention_heads={heads} ({name})"
+        )
     if kv_heads and kv_heads % tp and tp % kv_heads:
-        raise ConfigError(f"config: parallel.tensor_parallel_size={tp}: must divide the model's "
-                          f"num_key_value_heads={kv_heads}, or be a multiple of it ({name})")
+        raise ConfigError(
+            f"config: parallel.tensor_parallel_size={tp}: must divide the model's "
+            f"num_key_value_heads={kv_heads}, or be a multiple of it ({name})"
+        )
     resolved_max_model_len(config, hf_config)
 
 
@@ -33,10 +37,13 @@ def resolved_max_model_len(config: EngineConfig, hf_config: Mapping[str, Any]) -
     name = config.model.model
     if mml is None:
         if limit is None:
-            raise ConfigError(f"config: model.max_model_len=null: the model's config.json has no "
-                              f"max_position_embeddings; set model.max_model_len ({name})")
+            raise ConfigError(
+                f"config: model.max_model_len=null: the model's config.json has no "
+                f"max_position_embeddings; set model.max_model_len ({name})"
+            )
         return int(limit)
     if limit is not None and mml > int(limit):
-        raise ConfigError(f"config: model.max_model_len={mml}: must be <= the model's "
-                          f"max_position_embeddings={limit} ({name})")
+        raise ConfigError(
+            f"config: model.max_model_len={mml}: must be <= the model's max_position_embeddings={limit} ({name})"
+        )
     return int(mml)

@@ -8,6 +8,7 @@ scheduling it answers each step with the previous step's output: step N+1 is lau
 tokens are read back, so the host work of both steps overlaps the GPU's. No host synchronisation
 happens anywhere before the read-back.
 """
+
 from __future__ import annotations
 
 import logging
@@ -84,14 +85,16 @@ class ModelRunner(RunnerGraphs):
         self.readback = TokenReadback(self.max_num_reqs, device, self.pin_memory)
         self.stager = InputStager(self.max_num_reqs, self.max_num_tokens, device, self.pin_memory)
         self._in_flight: SampledStep | None = None  # lag mode: launched, output not yet returned
-        self._last: SampledStep | None = None       # the last launched step: the next one's feed source
+        self._last: SampledStep | None = None  # the last launched step: the next one's feed source
         self.sampling_inputs = SamplingInputs(self.max_num_reqs, device, self.pin_memory)
 
     # ---- model and KV cache -----------------------------------------------------------------
     def load_model(self) -> None:
         from actors.loader import load_model  # the loader pulls in the model zoo; only workers need it
-        self.model, self.hf_config = load_model(self.config.model.model, dtype=self.config.model.dtype,
-                                                attention_backend=self.backend, device=self.device)
+
+        self.model, self.hf_config = load_model(
+            self.config.model.model, dtype=self.config.model.dtype, attention_backend=self.backend, device=self.device
+        )
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = resolved_max_model_len(self.config, self.hf_config)
@@ -101,20 +104,33 @@ class ModelRunner(RunnerGraphs):
         self.sampler = Sampler(self.penalty_state)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        return kv_cache_sizing.kv_cache_specs(self._model(), self.config.cache.block_size, self.dtype,
-                                              hybrid=not self.config.cache.disable_hybrid_kv_cache_manager)
+        return kv_cache_sizing.kv_cache_specs(
+            self._model(),
+            self.config.cache.block_size,
+            self.dtype,
+            hybrid=not self.config.cache.disable_hybrid_kv_cache_manager,
+        )
 
     def profile_run(self) -> None:
         rows = min(self.max_num_reqs, self.max_num_tokens)
         # The step's logprobs (a vocabulary-wide log_softmax and top-k) are part of its peak; the sampling
         # kernel itself allocates nothing. (The CPU budget is configured, not profiled.)
-        kv_cache_sizing.profile_run(self._model(), self.max_num_tokens, rows, self.max_model_len, self.device,
-                                    lambda logits: self.device.type == "cuda" and self.sampler(
-                                        logits, self.sampling_inputs.dummy(rows, True, MAX_LOGPROBS)))
+        kv_cache_sizing.profile_run(
+            self._model(),
+            self.max_num_tokens,
+            rows,
+            self.max_model_len,
+            self.device,
+            lambda logits: (
+                self.device.type == "cuda"
+                and self.sampler(logits, self.sampling_inputs.dummy(rows, True, MAX_LOGPROBS))
+            ),
+        )
 
     def determine_num_blocks(self) -> int:
-        return kv_cache_sizing.determine_num_blocks(self.config, self.get_kv_cache_specs(), self.device,
-                                                    self.rank, self.profile_run)
+        return kv_cache_sizing.determine_num_blocks(
+            self.config, self.get_kv_cache_specs(), self.device, self.rank, self.profile_run
+        )
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate and bind the KV cache, (re)build the persistent batch, capture the graphs and warm
@@ -126,11 +142,18 @@ class ModelRunner(RunnerGraphs):
         self.layer_to_group = kv_cache_config.layer_to_group()
         self.requests.clear()
         self._in_flight = self._last = None
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
-                                      self.device, self.pin_memory, kv_cache_config.block_sizes)
+        self.input_batch = InputBatch(
+            self.max_num_reqs,
+            self.max_model_len,
+            self.max_num_tokens,
+            self.device,
+            self.pin_memory,
+            kv_cache_config.block_sizes,
+        )
         self.capture_graphs()
-        warm_sampler(self.sampler, int(self._hf("vocab_size")), self.device, self.max_num_reqs,
-                     self.sampling_inputs.dummy)
+        warm_sampler(
+            self.sampler, int(self._hf("vocab_size")), self.device, self.max_num_reqs, self.sampling_inputs.dummy
+        )
 
     def _hf(self, key: str) -> Any:
         return self.hf_config.get(key) if isinstance(self.hf_config, dict) else getattr(self.hf_config, key, None)
@@ -148,10 +171,14 @@ class ModelRunner(RunnerGraphs):
     # ---- per-step state ---------------------------------------------------------------------
     def _new_state(self, nr: NewRequestData) -> CachedRequestState:
         sp = nr.sampling_params
-        state = CachedRequestState(req_id=nr.req_id, prompt_token_ids=list(nr.prompt_token_ids),
-                                   sampling_params=sp, seed=request_seed(sp.seed, self.config.model.seed, nr.req_id),
-                                   block_ids=tuple(list(b) for b in nr.block_ids),
-                                   num_computed_tokens=nr.num_computed_tokens)
+        state = CachedRequestState(
+            req_id=nr.req_id,
+            prompt_token_ids=list(nr.prompt_token_ids),
+            sampling_params=sp,
+            seed=request_seed(sp.seed, self.config.model.seed, nr.req_id),
+            block_ids=tuple(list(b) for b in nr.block_ids),
+            num_computed_tokens=nr.num_computed_tokens,
+        )
         if sp.has_penalties and self.penalty_state is not None:
             state.penalty_slot = self.penalty_state.add(nr.req_id, state.prompt_token_ids, [])
         if sp.min_tokens:
@@ -219,29 +246,34 @@ class ModelRunner(RunnerGraphs):
         num_reqs = batch.num_reqs
         batch.block_table.commit_block_table(num_reqs)  # first: the DMA overlaps the CPU work below
         # map() with the bound __getitem__ looks the rows up in C: no generator frame per request.
-        num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids), dtype=np.int64,
-                                count=num_reqs)
+        num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids), dtype=np.int64, count=num_reqs)
         computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
-        feed = (self._last.feed_index(batch.req_ids, computed) if self._last is not None
-                else np.full(num_reqs, -1, dtype=np.int64))
-        staged = self.stager.stage_step(num_sched, computed, batch.num_tokens[:num_reqs], feed,
-                                        batch.token_ids_cpu)
+        feed = (
+            self._last.feed_index(batch.req_ids, computed)
+            if self._last is not None
+            else np.full(num_reqs, -1, dtype=np.int64)
+        )
+        staged = self.stager.stage_step(num_sched, computed, batch.num_tokens[:num_reqs], feed, batch.token_ids_cpu)
         rows = staged.sample_rows
         # Sampling parameters of the sampling rows (their output position: what Philox is keyed by) and
         # the prompt positions whose logprobs this step scores.
         out_pos = staged.seq_lens[rows] - batch.num_prompt_tokens[rows]
         staged.sampling = self.sampling_inputs.build(batch, rows, out_pos) if len(rows) else None
-        staged.prompt_plan = prompt_plan(batch, num_reqs, computed, num_sched, np.cumsum(num_sched) - num_sched,
-                                         self.logprobs.done)
+        staged.prompt_plan = prompt_plan(
+            batch, num_reqs, computed, num_sched, np.cumsum(num_sched) - num_sched, self.logprobs.done
+        )
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
         if staged.num_tokens != so.total_num_scheduled_tokens:
-            raise RuntimeError(f"step {so.step_id}: num_scheduled_tokens sums to {staged.num_tokens} but "
-                               f"total_num_scheduled_tokens is {so.total_num_scheduled_tokens}")
+            raise RuntimeError(
+                f"step {so.step_id}: num_scheduled_tokens sums to {staged.num_tokens} but "
+                f"total_num_scheduled_tokens is {so.total_num_scheduled_tokens}"
+            )
         if staged.num_tokens > self.max_num_tokens:
-            raise RuntimeError(f"step schedules {staged.num_tokens} tokens > "
-                               f"max_num_batched_tokens={self.max_num_tokens}")
+            raise RuntimeError(
+                f"step schedules {staged.num_tokens} tokens > max_num_batched_tokens={self.max_num_tokens}"
+            )
         return staged
 
     def _launch(self, so: SchedulerOutput, staged: StagedStep) -> SampledStep:
@@ -253,20 +285,26 @@ class ModelRunner(RunnerGraphs):
         tokens = sample_lp = prompt_lp = None
         rows = staged.sample_rows
         if staged.sampling is not None:
-            logits = self._model().compute_logits(hidden[self.stager.out.logits_indices[:len(rows)]])
+            logits = self._model().compute_logits(hidden[self.stager.out.logits_indices[: len(rows)]])
             sampled = self.sampler(logits, staged.sampling)
             tokens, sample_lp = sampled.token_ids, sampled.logprobs
             self.stager.keep_sampled(tokens)
         if staged.prompt_plan is not None:
             prompt_lp = compute_prompt_logprobs(self._model().compute_logits, hidden, staged.prompt_plan)
-        step_lp = launch_copies(sample_lp, None if sample_lp is None else batch.num_logprobs[rows],
-                                prompt_lp, staged.prompt_plan, self.device.type == "cuda")
+        step_lp = launch_copies(
+            sample_lp,
+            None if sample_lp is None else batch.num_logprobs[rows],
+            prompt_lp,
+            staged.prompt_plan,
+            self.device.type == "cuda",
+        )
         if self.step_timer is not None:
             self.step_timer.end()  # also for a step that samples nothing, or its begin stays unpaired
         req_ids = batch.req_ids
         states = list(map(self.requests.__getitem__, req_ids))
-        step = self.readback.start(so.step_id, req_ids, states, rows, tokens,
-                                   sample_positions=staged.seq_lens[rows], graph=graph)
+        step = self.readback.start(
+            so.step_id, req_ids, states, rows, tokens, sample_positions=staged.seq_lens[rows], graph=graph
+        )
         step.logprobs = step_lp
         return step
 
@@ -292,5 +330,11 @@ class ModelRunner(RunnerGraphs):
         if self.rank != 0:
             return None
         logprobs, prompt_logprobs = self.logprobs.collect(step.logprobs, step.req_ids, step.sample_rows)
-        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out_tokens, step_id=step.step_id,
-                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, cudagraph=step.graph)
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            sampled_token_ids=out_tokens,
+            step_id=step.step_id,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cudagraph=step.graph,
+        )

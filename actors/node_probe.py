@@ -4,6 +4,7 @@ there for the TP process group, and the model's config.json as that node sees it
 It runs as a Ray task in bundle 0 of the engine's placement group, so it stays free of torch: a fresh
 worker process importing torch spent ~2 s of every engine start on it.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ class NodeProbe:
 
 
 def resolve_model_dir(name: str) -> str:
-    """"tiny-random" -> the built-in model (written on first use); otherwise an existing local
+    """ "tiny-random" -> the built-in model (written on first use); otherwise an existing local
     directory. Nothing is downloaded."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"model={name!r}: must be a local HF model directory or {TINY_RANDOM!r}")
@@ -36,8 +37,10 @@ def resolve_model_dir(name: str) -> str:
         return ensure_tiny_random()
     path = os.path.abspath(os.path.expanduser(name))
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model={name!r}: no such directory (kvray loads local HF-format directories, "
-                                f"or the built-in {TINY_RANDOM!r}; it downloads nothing)")
+        raise FileNotFoundError(
+            f"model={name!r}: no such directory (kvray loads local HF-format directories, "
+            f"or the built-in {TINY_RANDOM!r}; it downloads nothing)"
+        )
     return path
 
 

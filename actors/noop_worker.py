@@ -2,6 +2,7 @@
 token, so the control plane (schedule + broadcast + reply) can be timed alone, and faults (a hang,
 an exit) can be injected at a chosen step for the failure tests.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,14 @@ FAKE_TOKEN = 7
 
 
 class NoopWorker(ShmLoopMixin):
-    def __init__(self, config: EngineConfig, rank: int, world_size: int, dist_init_method: str | None,
-                 device_index: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        world_size: int,
+        dist_init_method: str | None,
+        device_index: int | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size

@@ -9,6 +9,7 @@ the others do not wait for it for ever (gloo raises at the timeout; NCCL's watch
 A failed collective leaves the group out of step (the ranks no longer agree which operation is which),
 so it raises CollectiveError and every later collective refuses at once: the group must be rebuilt.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,8 +25,14 @@ _GROUP: dist.ProcessGroup | None = None
 _BROKEN: str | None = None  # why the group is out of step, once a collective failed
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, backend: str,
-                         timeout_s: float = 120.0, collective_timeout_s: float | None = None) -> None:
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    init_method: str | None,
+    backend: str,
+    timeout_s: float = 120.0,
+    collective_timeout_s: float | None = None,
+) -> None:
     """Join the TP group: `backend` is "nccl" on GPUs, "gloo" on CPUs (or GPUs sharing one device).
     `timeout_s` bounds the rendezvous, `collective_timeout_s` (default: timeout_s) every collective."""
     global _RANK, _WORLD, _GROUP, _BROKEN
@@ -34,10 +41,16 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, ba
         return
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    _GROUP = dist.new_group(list(range(world_size)), backend=backend,
-                            timeout=datetime.timedelta(seconds=collective_timeout_s or timeout_s))
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    _GROUP = dist.new_group(
+        list(range(world_size)), backend=backend, timeout=datetime.timedelta(seconds=collective_timeout_s or timeout_s)
+    )
 
 
 def destroy_tensor_parallel() -> None:
@@ -55,8 +68,10 @@ def _failed(op: str, e: BaseException) -> CollectiveError:
 
 def _check_group() -> None:
     if _BROKEN is not None:
-        raise CollectiveError(f"the tensor-parallel group is out of step since an earlier collective failed "
-                              f"({_BROKEN}); it must be rebuilt")
+        raise CollectiveError(
+            f"the tensor-parallel group is out of step since an earlier collective failed "
+            f"({_BROKEN}); it must be rebuilt"
+        )
 
 
 def tp_rank() -> int:

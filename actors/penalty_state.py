@@ -7,6 +7,7 @@ themselves: nothing is rebuilt from the host per step, and the in-flight token o
 already counted when the next step samples. The arrays grow by doubling, so memory stays proportional
 to the penalised requests alive at once (int32 counts + uint8 mask: 5 bytes x vocab per slot).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,8 @@ class PenaltyState:
         # The last row is a scratch row: `record` sends the tokens of unpenalised rows there.
         counts = torch.zeros(new_cap + 1, self.vocab_size, dtype=torch.int32, device=self.device)
         mask = torch.zeros(new_cap + 1, self.vocab_size, dtype=torch.uint8, device=self.device)
-        counts[:self._capacity] = self.counts[:self._capacity]
-        mask[:self._capacity] = self.prompt_mask[:self._capacity]
+        counts[: self._capacity] = self.counts[: self._capacity]
+        mask[: self._capacity] = self.prompt_mask[: self._capacity]
         self.counts, self.prompt_mask = counts, mask
         self._free.extend(range(new_cap - 1, self._capacity - 1, -1))
         self._capacity = new_cap
@@ -67,5 +68,6 @@ class PenaltyState:
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count each row's sampled token in its slot (-1: the scratch row). Device only, no sync."""
         rows = torch.where(slots >= 0, slots.to(torch.int64), self._capacity)
-        self.counts.index_put_((rows, tokens.to(torch.int64)), torch.ones_like(rows, dtype=torch.int32),
-                               accumulate=True)
+        self.counts.index_put_(
+            (rows, tokens.to(torch.int64)), torch.ones_like(rows, dtype=torch.int32), accumulate=True
+        )

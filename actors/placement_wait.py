@@ -5,6 +5,7 @@ group is RESCHEDULING. A rebuild must not start workers into it before that (the
 for as long as no node comes), so the driver waits here, with a timeout, and hands its requests to the
 other replicas when the wait runs out (actors/driver.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,10 @@ def bundles_answer(pg: Any) -> bool:
 
     n = len(pg.bundle_specs)
     task = ray.remote(num_cpus=0, max_retries=0)(_here)
-    refs = [task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-            .remote() for i in range(n)]
+    refs = [
+        task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
+        for i in range(n)
+    ]
     deadline = time.monotonic() + PROBE_S
     pending = refs
     while pending and time.monotonic() < deadline:

@@ -16,6 +16,7 @@ no weights are reloaded), and this module decides what runs next:
 Every request recovered this way runs again by recompute (see LiveRequests.restart). Not thread-safe:
 the driver calls it from its step loop only.
 """
+
 from __future__ import annotations
 
 import logging
@@ -162,12 +163,21 @@ class PoisonIsolation:
             pending = {s.request_id for s in self._inbox}
             live = [r for r in self._live_ids() if r not in pending]
         verdict = self._hunt.step_failed(in_step, live)
-        logger.warning("engine replica %d: a step with %d request(s) raised (%s); isolating: %d fail, %d run, "
-                       "%d held back", self.replica, len(in_step), error.reason, len(verdict.culprits),
-                       len(verdict.run), len(verdict.held))
+        logger.warning(
+            "engine replica %d: a step with %d request(s) raised (%s); isolating: %d fail, %d run, %d held back",
+            self.replica,
+            len(in_step),
+            error.reason,
+            len(verdict.culprits),
+            len(verdict.run),
+            len(verdict.held),
+        )
         for rid in verdict.culprits:
-            self._finish_with_error(rid, f"request {rid!r} failed: every step that ran it alone raised "
-                                         f"({error.reason}); it fails alone, the other requests go on")
+            self._finish_with_error(
+                rid,
+                f"request {rid!r} failed: every step that ran it alone raised "
+                f"({error.reason}); it fails alone, the other requests go on",
+            )
         self._requeue_all(verdict.run)
 
     def _hunt_progress(self, outputs: list[EngineCoreOutput]) -> None:

@@ -5,6 +5,7 @@ group, and reads the model's config.json there; then the worker actors start (on
 the group (`init_device`, all ranks at once) and load their shard. Steps go through the transport
 (compiled graph or plain actor calls); set-up calls are plain actor calls.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,15 +25,21 @@ from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+
 def import_class(path: str) -> type[Any]:
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig, placement_group: PlacementGroup,
-                 worker_cls: str | type = DEFAULT_WORKER_CLS, probe_model: bool = True,
-                 setup_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        placement_group: PlacementGroup,
+        worker_cls: str | type = DEFAULT_WORKER_CLS,
+        probe_model: bool = True,
+        setup_timeout_s: float | None = None,
+    ) -> None:
         self.config = config
         self.pg = placement_group
         self.world_size = config.parallel.tensor_parallel_size
@@ -50,8 +57,11 @@ class RayExecutor(Executor):
             t2 = time.perf_counter()
             self.collective_rpc("load_model")
             # Where start-up time goes (the engine stats carry it; benchmarks/bench_startup.py prints it).
-            self.startup_s = {"probe_s": round(t1 - t0, 2), "workers_start_s": round(t2 - t1, 2),
-                              "load_model_s": round(time.perf_counter() - t2, 2)}
+            self.startup_s = {
+                "probe_s": round(t1 - t0, 2),
+                "workers_start_s": round(t2 - t1, 2),
+                "load_model_s": round(time.perf_counter() - t2, 2),
+            }
         except BaseException:
             self.shutdown()
             raise
@@ -61,8 +71,7 @@ class RayExecutor(Executor):
 
     def _run_probe(self, probe_model: bool) -> NodeProbe:
         task = ray.remote(num_cpus=0)(probe_node).options(scheduling_strategy=self._strategy(0))
-        return ray.get(task.remote(self.config.model.model if probe_model else None),
-                       timeout=self.setup_timeout_s)
+        return ray.get(task.remote(self.config.model.model if probe_model else None), timeout=self.setup_timeout_s)
 
     def _start_workers(self, worker_cls: str | type[Any]) -> None:
         cls = import_class(worker_cls) if isinstance(worker_cls, str) else worker_cls
@@ -74,12 +83,13 @@ class RayExecutor(Executor):
         init_method = f"tcp://{self.probe.node_ip}:{self.probe.port}" if self.world_size > 1 else None
         remote_cls = ray.remote(cls)
         for rank in range(self.world_size):
-            actor = remote_cls.options(**opts, scheduling_strategy=self._strategy(rank),
-                                       name=None, max_restarts=0).remote(
-                self.config, rank, self.world_size, init_method)
+            actor = remote_cls.options(
+                **opts, scheduling_strategy=self._strategy(rank), name=None, max_restarts=0
+            ).remote(self.config, rank, self.world_size, init_method)
             self.workers.append(actor)
-        logger.info("RayExecutor: %d worker(s), TP group at %s, backend %s", self.world_size,
-                    init_method, p.collective_backend)
+        logger.info(
+            "RayExecutor: %d worker(s), TP group at %s, backend %s", self.world_size, init_method, p.collective_backend
+        )
 
     # ---- calls ------------------------------------------------------------------------------
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -87,15 +97,22 @@ class RayExecutor(Executor):
             raise RuntimeError("RayExecutor is shut down")
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         timeout_s = self.setup_timeout_s
-        return gather_ranks(refs, method, timeout_s, on_timeout=lambda ranks: WorkerFailure(
-            ranks[0], f"{method} did not finish within {timeout_s:g}s on rank(s) {ranks}"))
+        return gather_ranks(
+            refs,
+            method,
+            timeout_s,
+            on_timeout=lambda ranks: WorkerFailure(
+                ranks[0], f"{method} did not finish within {timeout_s:g}s on rank(s) {ranks}"
+            ),
+        )
 
     def open_step_path(self) -> None:
         # Compiled after the set-up calls (they must not compete with a live graph's channels) and before
         # the first request, which would otherwise wait for Ray to compile the graph.
         if self.transport is None:
-            self.transport = make_transport(self.config.ray.transport, self.workers,
-                                            self.config.parallel.step_timeout_s)
+            self.transport = make_transport(
+                self.config.ray.transport, self.workers, self.config.parallel.step_timeout_s
+            )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.open_step_path()

@@ -2,6 +2,7 @@
 one graph per bucket captured at start-up when every rank can, the step replayed from its bucket's graph
 or run eagerly on the same static buffers, and why a step ran eagerly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,14 @@ class RunnerGraphs:
             graphs.clear()
             return
         self.graphs = graphs
-        logger.info("rank %d: captured %d CUDA graphs (decode batch sizes %s, mixed token counts %s) in %.1f s",
-                    self.rank, len(buckets), self.plan.decode_sizes, self.plan.token_sizes, time.perf_counter() - t0)
+        logger.info(
+            "rank %d: captured %d CUDA graphs (decode batch sizes %s, mixed token counts %s) in %.1f s",
+            self.rank,
+            len(buckets),
+            self.plan.decode_sizes,
+            self.plan.token_sizes,
+            time.perf_counter() - t0,
+        )
 
     def _drop_graphs(self) -> None:
         if self.graphs is not None:
@@ -97,14 +104,22 @@ class RunnerGraphs:
         batch = self._batch()
         self.stager.build(num_seqs, num_tokens)
         out = self.stager.out
-        qsl = out.query_start_loc[:num_seqs + 1]
+        qsl = out.query_start_loc[: num_seqs + 1]
         positions = out.positions[:num_tokens]
         batch.block_table.compute_slot_mapping(num_seqs, qsl, positions)
-        metadata = {gid: AttentionMetadata(
-            num_actual_tokens=num_tokens, num_reqs=num_seqs, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, query_start_loc=qsl, seq_lens=out.seq_lens[:num_seqs],
-            block_table=table.block_table.gpu[:num_seqs], slot_mapping=table.slot_mapping.gpu[:num_tokens])
-            for gid, table in enumerate(batch.block_table.block_tables)}
+        metadata = {
+            gid: AttentionMetadata(
+                num_actual_tokens=num_tokens,
+                num_reqs=num_seqs,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+                query_start_loc=qsl,
+                seq_lens=out.seq_lens[:num_seqs],
+                block_table=table.block_table.gpu[:num_seqs],
+                slot_mapping=table.slot_mapping.gpu[:num_tokens],
+            )
+            for gid, table in enumerate(batch.block_table.block_tables)
+        }
         with set_forward_context(ForwardContext(attn_metadata=metadata, layer_to_group=self.layer_to_group)):
             return self._model()(out.input_ids[:num_tokens], positions)
 

@@ -14,6 +14,7 @@ every token whose strictly-larger tokens hold less than p of the top-k mass. Tie
 kept (vLLM's top-k does the same; its top-p splits ties by sort order). Rows without either filter
 make one pass. The plain-torch reference is actors/sample_reference.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,16 +27,38 @@ from actors.sample_ops import order_key as _order_key
 from actors.sample_ops import philox_uniform as _uniform
 from actors.sample_ops import tile_values as _values
 
-INT32_MIN = tl.constexpr(-(2 ** 31))  # a plain global is refused by the compiler (the interpreter allows it)
+INT32_MIN = tl.constexpr(-(2**31))  # a plain global is refused by the compiler (the interpreter allows it)
 BISECT_STEPS = 33  # an int32 key range (2**32 + 1 wide) halves to adjacent keys in 33 steps
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr,
-                   slot_ptr, pen_ptr, stride_p, counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b,
-                   num_ban, n_rows, V,
-                   BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr,
-                   HAS_BAN: tl.constexpr, HAS_FILTER: tl.constexpr, STEPS: tl.constexpr):
+def _sample_kernel(
+    logits_ptr,
+    stride_l,
+    out_ptr,
+    temp_ptr,
+    topk_ptr,
+    topp_ptr,
+    seed_ptr,
+    pos_ptr,
+    slot_ptr,
+    pen_ptr,
+    stride_p,
+    counts_ptr,
+    pmask_ptr,
+    stride_c,
+    ban_ptr,
+    stride_b,
+    num_ban,
+    n_rows,
+    V,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_PENALTY: tl.constexpr,
+    HAS_BAN: tl.constexpr,
+    HAS_FILTER: tl.constexpr,
+    STEPS: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0)
@@ -61,8 +84,27 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
     best, best_i = neg_inf, zero_i
     for start in range(0, V, BLOCK_V):
         offs = start + base
-        y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                    counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
+        y = _values(
+            logits_ptr,
+            stride_l,
+            rows,
+            rmask,
+            offs,
+            V,
+            t_eff,
+            slot,
+            pres,
+            freq,
+            rep,
+            counts_ptr,
+            pmask_ptr,
+            stride_c,
+            ban_ptr,
+            stride_b,
+            num_ban,
+            HAS_PENALTY,
+            HAS_BAN,
+        )
         m, g_arg = _argmax_update(y, start, m, g_arg)
         if not HAS_FILTER:
             score = y - tl.log(-tl.log(_uniform(seed, pos, offs)))
@@ -81,16 +123,34 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
         if tl.max((top_k < V).to(tl.int32), axis=0) > 0:
             lo, hi = t_k, key_max + 1
             gt_lo = tl.where(top_k < V, V, 0).to(tl.int64)  # count(key > lo); rows without top-k: done
-            ge_hi = zero_i                                   # count(key >= hi)
+            ge_hi = zero_i  # count(key >= hi)
             for _ in range(STEPS):
                 if tl.max(gt_lo - ge_hi, axis=0) > 0:
                     mid = lo + (hi - lo) // 2
                     ge, gt = zero_i, zero_i
                     for start in range(0, V, BLOCK_V):
                         offs = start + base
-                        y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                                    counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY,
-                                    HAS_BAN)
+                        y = _values(
+                            logits_ptr,
+                            stride_l,
+                            rows,
+                            rmask,
+                            offs,
+                            V,
+                            t_eff,
+                            slot,
+                            pres,
+                            freq,
+                            rep,
+                            counts_ptr,
+                            pmask_ptr,
+                            stride_c,
+                            ban_ptr,
+                            stride_b,
+                            num_ban,
+                            HAS_PENALTY,
+                            HAS_BAN,
+                        )
                         key = _order_key(y)
                         valid = offs[None, :] < V
                         ge += tl.sum(((key >= mid[:, None]) & valid).to(tl.int64), axis=1)
@@ -109,8 +169,27 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
             ge_hi = zero_i  # count(kept key >= key_max)
             for start in range(0, V, BLOCK_V):
                 offs = start + base
-                y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                            counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
+                y = _values(
+                    logits_ptr,
+                    stride_l,
+                    rows,
+                    rmask,
+                    offs,
+                    V,
+                    t_eff,
+                    slot,
+                    pres,
+                    freq,
+                    rep,
+                    counts_ptr,
+                    pmask_ptr,
+                    stride_c,
+                    ban_ptr,
+                    stride_b,
+                    num_ban,
+                    HAS_PENALTY,
+                    HAS_BAN,
+                )
                 key = _order_key(y)
                 kept = (key >= t_k[:, None]) & (offs[None, :] < V)
                 total += tl.sum(tl.where(kept, tl.exp(y - m[:, None]), 0.0), axis=1)
@@ -125,9 +204,27 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
                     ge, gt = zero_i, zero_i
                     for start in range(0, V, BLOCK_V):
                         offs = start + base
-                        y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                                    counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY,
-                                    HAS_BAN)
+                        y = _values(
+                            logits_ptr,
+                            stride_l,
+                            rows,
+                            rmask,
+                            offs,
+                            V,
+                            t_eff,
+                            slot,
+                            pres,
+                            freq,
+                            rep,
+                            counts_ptr,
+                            pmask_ptr,
+                            stride_c,
+                            ban_ptr,
+                            stride_b,
+                            num_ban,
+                            HAS_PENALTY,
+                            HAS_BAN,
+                        )
                         key = _order_key(y)
                         kept = (key >= t_k[:, None]) & (offs[None, :] < V)
                         above = kept & (key > mid[:, None])
@@ -142,8 +239,27 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
             thr = tl.where(top_p < 1.0, hi, t_k)
         for start in range(0, V, BLOCK_V):
             offs = start + base
-            y = _values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                        counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b, num_ban, HAS_PENALTY, HAS_BAN)
+            y = _values(
+                logits_ptr,
+                stride_l,
+                rows,
+                rmask,
+                offs,
+                V,
+                t_eff,
+                slot,
+                pres,
+                freq,
+                rep,
+                counts_ptr,
+                pmask_ptr,
+                stride_c,
+                ban_ptr,
+                stride_b,
+                num_ban,
+                HAS_PENALTY,
+                HAS_BAN,
+            )
             score = y - tl.log(-tl.log(_uniform(seed, pos, offs)))
             score = tl.where(_order_key(y) >= thr[:, None], score, float("-inf"))
             best, best_i = _argmax_update(score, start, best, best_i)
@@ -151,12 +267,23 @@ def _sample_kernel(logits_ptr, stride_l, out_ptr, temp_ptr, topk_ptr, topp_ptr, 
     tl.store(out_ptr + rows, tl.where(greedy, g_arg, best_i), mask=rmask)
 
 
-def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  seeds: torch.Tensor, positions: torch.Tensor, *, need_filter: bool,
-                  penalty_slots: torch.Tensor | None = None, penalties: torch.Tensor | None = None,
-                  counts: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None,
-                  ban_ids: torch.Tensor | None = None, rows_per_program: int = 1,
-                  block_v: int | None = None) -> torch.Tensor:
+def launch_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    need_filter: bool,
+    penalty_slots: torch.Tensor | None = None,
+    penalties: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+    ban_ids: torch.Tensor | None = None,
+    rows_per_program: int = 1,
+    block_v: int | None = None,
+) -> torch.Tensor:
     """Sampled token ids int64 [N] for logits [N, V] (any float dtype, unit stride along V).
 
     penalties is float32 [3, >=N] (presence, frequency, repetition); counts int32 and prompt_mask
@@ -171,12 +298,14 @@ def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         logits = logits.contiguous()
     # The kernel reads per-row values at unit stride (a no-op for the runner's buffers).
     temperature, top_k, top_p, seeds, positions = (
-        t.contiguous() for t in (temperature, top_k, top_p, seeds, positions))
+        t.contiguous() for t in (temperature, top_k, top_p, seeds, positions)
+    )
     dummy = temperature
     pen_args: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, int]
     if penalty_slots is not None:
-        assert penalties is not None and counts is not None and prompt_mask is not None, \
+        assert penalties is not None and counts is not None and prompt_mask is not None, (
             "launch_sample: penalty_slots needs penalties, counts and prompt_mask"
+        )
         penalty_slots = penalty_slots.contiguous()
         if penalties.stride(1) != 1:
             penalties = penalties.contiguous()
@@ -194,8 +323,25 @@ def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     rows_per_program = triton.next_power_of_2(rows_per_program)
     grid = (triton.cdiv(n, rows_per_program),)
     _sample_kernel[grid](
-        logits, logits.stride(0), out, temperature, top_k, top_p, seeds, positions,
-        *pen_args, *ban_args, num_ban,
-        n, vocab, BLOCK_R=rows_per_program, BLOCK_V=block_v, HAS_PENALTY=has_pen, HAS_BAN=num_ban > 0,
-        HAS_FILTER=need_filter, STEPS=BISECT_STEPS, num_warps=8 if logits.is_cuda else 4)
+        logits,
+        logits.stride(0),
+        out,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        positions,
+        *pen_args,
+        *ban_args,
+        num_ban,
+        n,
+        vocab,
+        BLOCK_R=rows_per_program,
+        BLOCK_V=block_v,
+        HAS_PENALTY=has_pen,
+        HAS_BAN=num_ban > 0,
+        HAS_FILTER=need_filter,
+        STEPS=BISECT_STEPS,
+        num_warps=8 if logits.is_cuda else 4,
+    )
     return out

@@ -3,6 +3,7 @@ uniforms its draws use, the order-preserving integer key of a float its top-k / 
 on, a logits tile with penalties, min-tokens ban and temperature applied, the running argmax; and the
 uniforms as a tensor, for the tests against the torch Philox.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,13 +26,32 @@ def order_key(y):
 
 
 @triton.jit
-def tile_values(logits_ptr, stride_l, rows, rmask, offs, V, t_eff, slot, pres, freq, rep,
-                counts_ptr, pmask_ptr, stride_c, ban_ptr, stride_b,
-                num_ban, HAS_PENALTY: tl.constexpr, HAS_BAN: tl.constexpr):
+def tile_values(
+    logits_ptr,
+    stride_l,
+    rows,
+    rmask,
+    offs,
+    V,
+    t_eff,
+    slot,
+    pres,
+    freq,
+    rep,
+    counts_ptr,
+    pmask_ptr,
+    stride_c,
+    ban_ptr,
+    stride_b,
+    num_ban,
+    HAS_PENALTY: tl.constexpr,
+    HAS_BAN: tl.constexpr,
+):
     """The processed, temperature-scaled logits of a [R, BLOCK_V] tile; -inf outside the vocabulary."""
     m2 = rmask[:, None] & (offs[None, :] < V)
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + offs[None, :], mask=m2,
-                other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + offs[None, :], mask=m2, other=float("-inf")).to(
+        tl.float32
+    )
     if HAS_PENALTY:
         # vLLM's apply_penalties: repetition over prompt + output tokens, then frequency and presence
         # over the output tokens' counts.

@@ -5,6 +5,7 @@ against. Philox4x32-10 is computed in int64 arithmetic on 32-bit lanes, with Tri
 its uint32 -> [0, 1) conversion, so the uniforms are bit-identical; tokens match except where two
 candidates' scores tie to within the last bit of a `log` (libm and the GPU's may round differently).
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,13 +40,19 @@ def philox_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
         c3 = (_ROUND_A * p0) & _M32
         k0 = (k0 + _KEY_A) & _M32
         k1 = (k1 + _KEY_B) & _M32
-    x = torch.where(c0 >= 2 ** 31, c0 - 2 ** 32, c0)  # the lane as int32
-    x = torch.where(x < 0, -x - 1, x)                  # ~x
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # the lane as int32
+    x = torch.where(x < 0, -x - 1, x)  # ~x
     return x.to(torch.float32) * torch.tensor(_SCALE, dtype=torch.float32, device=dev)
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor,
-                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
     """vLLM's apply_penalties on float32 logits [N, V]; counts [N, V] of output tokens, prompt_mask [N, V]."""
     output_mask = counts > 0
     penalties = torch.where(prompt_mask.bool() | output_mask, repetition.unsqueeze(1), 1.0)
@@ -79,17 +86,27 @@ def top_k_top_p_mask(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return keep
 
 
-def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *,
-                     penalty_slots: torch.Tensor | None = None, penalties: torch.Tensor | None = None,
-                     counts: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None,
-                     ban_ids: torch.Tensor | None = None) -> torch.Tensor:
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    penalty_slots: torch.Tensor | None = None,
+    penalties: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+    ban_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """launch_sample's contract (see actors/sample_kernel.py) in plain torch."""
     n, vocab = logits.shape
     x = logits.float()
     if penalty_slots is not None:
-        assert penalties is not None and counts is not None and prompt_mask is not None, \
+        assert penalties is not None and counts is not None and prompt_mask is not None, (
             "sample_reference: penalty_slots needs penalties, counts and prompt_mask"
+        )
         has = penalty_slots >= 0
         slots = penalty_slots.clamp(min=0).long()
         c = torch.where(has.unsqueeze(1), counts[slots], 0)

@@ -15,6 +15,7 @@ with nothing to apply is a plain argmax. The step's logprobs come from the raw l
 Nothing here reads a device value on the host: the sampler can be captured in a CUDA graph once its
 inputs live in static buffers (the kernel variant depends only on the host flags below).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,16 +35,16 @@ class SamplingMetadata:
     """Per-row parameters of the rows to sample (device tensors) and host-side flags."""
 
     temperature: torch.Tensor | None  # float32 [N]; 0 = greedy. None only when all_greedy
-    top_k: torch.Tensor | None        # int32 [N]; 0 = disabled
-    top_p: torch.Tensor | None        # float32 [N]; 1 = disabled
-    seeds: torch.Tensor | None        # int64 [N]; see request_seed
-    positions: torch.Tensor | None    # int64 [N]; output position of the token being sampled
-    all_greedy: bool                  # no random row (then the five tensors above may be None)
-    need_filter: bool                 # some random row has top-k or top-p
+    top_k: torch.Tensor | None  # int32 [N]; 0 = disabled
+    top_p: torch.Tensor | None  # float32 [N]; 1 = disabled
+    seeds: torch.Tensor | None  # int64 [N]; see request_seed
+    positions: torch.Tensor | None  # int64 [N]; output position of the token being sampled
+    all_greedy: bool  # no random row (then the five tensors above may be None)
+    need_filter: bool  # some random row has top-k or top-p
     penalty_slots: torch.Tensor | None = None  # int64 [N] into PenaltyState; -1 = none. None: no row
-    penalties: torch.Tensor | None = None      # float32 [3, N]: presence, frequency, repetition
-    ban_ids: torch.Tensor | None = None        # int32 [N, B]: ids masked to -inf (min_tokens); -1 pads
-    num_logprobs: int = -1                     # the largest k any row asked for; -1 = no row
+    penalties: torch.Tensor | None = None  # float32 [3, N]: presence, frequency, repetition
+    ban_ids: torch.Tensor | None = None  # int32 [N, B]: ids masked to -inf (min_tokens); -1 pads
+    num_logprobs: int = -1  # the largest k any row asked for; -1 = no row
 
     @property
     def plain_argmax(self) -> bool:
@@ -52,8 +53,8 @@ class SamplingMetadata:
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor              # int64 [N]
-    logprobs: LogprobsTensors | None     # with num_logprobs columns of top-k, when any row asked
+    token_ids: torch.Tensor  # int64 [N]
+    logprobs: LogprobsTensors | None  # with num_logprobs columns of top-k, when any row asked
 
 
 def request_seed(seed: int | None, engine_seed: int, req_id: str) -> int:
@@ -102,12 +103,34 @@ class Sampler:
         if self._triton(dev):
             # The interpreter vectorises one program's rows; a GPU program owns one row.
             rows = 1 if dev.type == "cuda" else 16
-            return launch_sample(logits, temperature, top_k, top_p, seeds, positions,
-                                 need_filter=md.need_filter and not md.all_greedy, ban_ids=md.ban_ids,
-                                 rows_per_program=rows, penalty_slots=slots, penalties=penalties, counts=counts,
-                                 prompt_mask=prompt_mask)
-        return sample_reference(logits, temperature, top_k, top_p, seeds, positions, ban_ids=md.ban_ids,
-                                penalty_slots=slots, penalties=penalties, counts=counts, prompt_mask=prompt_mask)
+            return launch_sample(
+                logits,
+                temperature,
+                top_k,
+                top_p,
+                seeds,
+                positions,
+                need_filter=md.need_filter and not md.all_greedy,
+                ban_ids=md.ban_ids,
+                rows_per_program=rows,
+                penalty_slots=slots,
+                penalties=penalties,
+                counts=counts,
+                prompt_mask=prompt_mask,
+            )
+        return sample_reference(
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            seeds,
+            positions,
+            ban_ids=md.ban_ids,
+            penalty_slots=slots,
+            penalties=penalties,
+            counts=counts,
+            prompt_mask=prompt_mask,
+        )
 
     def _penalty_inputs(self, md: SamplingMetadata) -> tuple[torch.Tensor | None, ...]:
         """(penalty_slots, penalties, counts, prompt_mask), all None when no row has penalties."""

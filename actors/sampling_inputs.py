@@ -6,6 +6,7 @@ give even while an async step's token is still in flight). Everything else comes
 batch's per-row arrays, so the host work is a few numpy gathers, not a Python loop per row; only rows
 still under min_tokens have their ban lists written one by one.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,8 +37,9 @@ class SamplingInputs:
         ban_rows = self._ban_rows(batch, rows, positions)
         if greedy.all() and not has_pen and not ban_rows:
             # Argmax needs no per-row parameters: skip their copies (launches cost on the host).
-            return SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False,
-                                    num_logprobs=num_logprobs)
+            return SamplingMetadata(
+                None, None, None, None, None, all_greedy=True, need_filter=False, num_logprobs=num_logprobs
+            )
         top_k = np.where(greedy, 0, batch.top_k[rows])
         top_p = np.where(greedy, 1.0, batch.top_p[rows])
         f, i = self.f32.np, self.i64.np
@@ -53,9 +55,13 @@ class SamplingInputs:
         fg, ig = self.f32.copy_to_gpu(), self.i64.copy_to_gpu()
         return SamplingMetadata(
             **self._row_views(fg, ig, n),
-            all_greedy=bool(greedy.all()), need_filter=bool(((top_k > 0) | (top_p < 1.0)).any()),
-            penalty_slots=ig[3, :n] if has_pen else None, penalties=fg[2:5, :n] if has_pen else None,
-            ban_ids=self._ban_ids(batch, rows, ban_rows) if ban_rows else None, num_logprobs=num_logprobs)
+            all_greedy=bool(greedy.all()),
+            need_filter=bool(((top_k > 0) | (top_p < 1.0)).any()),
+            penalty_slots=ig[3, :n] if has_pen else None,
+            penalties=fg[2:5, :n] if has_pen else None,
+            ban_ids=self._ban_ids(batch, rows, ban_rows) if ban_rows else None,
+            num_logprobs=num_logprobs,
+        )
 
     def dummy(self, n: int, filters: bool, num_logprobs: int = -1) -> SamplingMetadata:
         """Metadata for n random rows (temperature 1; top-k 8 and top-p 0.9 when `filters`) in the very
@@ -65,8 +71,9 @@ class SamplingInputs:
         f[:, :n] = np.array([1.0, 0.9 if filters else 1.0, 0.0, 0.0, 1.0], dtype=np.float32)[:, None]
         i[:, :n] = np.array([8 if filters else 0, 0, 0, -1], dtype=np.int64)[:, None]
         fg, ig = self.f32.copy_to_gpu(), self.i64.copy_to_gpu()
-        return SamplingMetadata(**self._row_views(fg, ig, n), all_greedy=False, need_filter=filters,
-                                num_logprobs=num_logprobs)
+        return SamplingMetadata(
+            **self._row_views(fg, ig, n), all_greedy=False, need_filter=filters, num_logprobs=num_logprobs
+        )
 
     @staticmethod
     def _row_views(fg: torch.Tensor, ig: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
@@ -85,10 +92,11 @@ class SamplingInputs:
         lists = [batch.min_tokens_ban[int(rows[j])] for j in ban_rows]
         width = max(map(len, lists))
         if self.ban is None or self.ban.np.shape[1] < width:
-            self.ban = CpuGpuBuffer(self.max_num_reqs, width, dtype=torch.int32, device=self.device,
-                                    pin_memory=self.pin_memory)
+            self.ban = CpuGpuBuffer(
+                self.max_num_reqs, width, dtype=torch.int32, device=self.device, pin_memory=self.pin_memory
+            )
         buf = self.ban.np
         buf[:n, :width] = -1
         for j, ids in zip(ban_rows, lists):
-            buf[j, :len(ids)] = ids
+            buf[j, : len(ids)] = ids
         return self.ban.copy_to_gpu(n)[:, :width]

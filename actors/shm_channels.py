@@ -11,6 +11,7 @@ ZMQ: the driver binds (its node's IP is known), workers connect. PUSH/PULL with 
 TCP and ZMQ own their copies, so nothing is overwritten; a reader that stops reading fills the queue
 and the send times out. An empty frame is the close message.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,7 @@ class Receiver(Protocol):
     def recv(self, timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None) -> bytes | None: ...
     def try_recv(self, timeout_s: float) -> bytes | None: ...
     def pollable(self) -> Any: ...  # what zmq.Poller waits on: a file descriptor or a ZMQ socket
-    def drain(self) -> None: ...    # after a wake-up, before looking (try_recv) again
+    def drain(self) -> None: ...  # after a wake-up, before looking (try_recv) again
     def close(self) -> None: ...
 
 
@@ -121,8 +122,9 @@ class ZmqSender:
         try:
             self.sock.send(data, 0, copy=len(data) < 65536)
         except zmq.Again:
-            raise RingTimeout(f"the reader at {self.sock.last_endpoint!r} did not take a message in "
-                              f"{timeout_s:g}s", [0]) from None
+            raise RingTimeout(
+                f"the reader at {self.sock.last_endpoint!r} did not take a message in {timeout_s:g}s", [0]
+            ) from None
 
     def close(self) -> None:
         try:

@@ -22,6 +22,7 @@ milliseconds on a loaded machine; but a wake-up still costs tens of microseconds
 the transport spins long enough to cover the other side's turn (actors/shm_transport.py). The writer,
 waiting for acknowledgements (the ring full: rare), polls.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,12 +37,12 @@ from unittest.mock import patch
 
 _HEAD = struct.Struct("qq")  # a slot's nbytes, last
 _FENCE = threading.Lock()
-SPIN_S = 0.002       # the writer spins (yielding) this long waiting for acknowledgements, then sleeps
-SLEEP_S = 50e-6      # at this interval
+SPIN_S = 0.002  # the writer spins (yielding) this long waiting for acknowledgements, then sleeps
+SLEEP_S = 50e-6  # at this interval
 IDLE_SLEEP_S = 1e-3  # after IDLE_AFTER_S of nothing
 IDLE_AFTER_S = 1.0
 READ_SPIN_S = 20e-6  # by default a reader spins (yielding) this long before it blocks on its doorbell
-BELL_POLL_S = 0.1    # a blocked reader wakes this often to check should_stop and its deadline
+BELL_POLL_S = 0.1  # a blocked reader wakes this often to check should_stop and its deadline
 
 
 def fence() -> None:
@@ -110,7 +111,7 @@ class ShmRing:
         self._payload = handle.slot_bytes - _HEAD.size
         self._broken: str | None = None
         self._bells_out: list[int] | None = None  # the writer's ends, opened on first write
-        self._bells_in: dict[int, int] = {}       # a reader's end of its own doorbell
+        self._bells_in: dict[int, int] = {}  # a reader's end of its own doorbell
 
     @classmethod
     def create(cls, n_readers: int, n_slots: int = 8, slot_bytes: int = 1 << 18) -> ShmRing:
@@ -154,7 +155,7 @@ class ShmRing:
         n, off = len(view), 0
         while True:
             part = min(self._payload, n - off)
-            self._put(view[off: off + part], off + part == n, deadline)
+            self._put(view[off : off + part], off + part == n, deadline)
             off += part
             if off == n:
                 return
@@ -170,13 +171,14 @@ class ShmRing:
             waiter.pause()
             if time.monotonic() > deadline:
                 slow = [i - 2 for i in read if seq - words[i] >= n_slots]
-                self._broken = (f"reader(s) {slow} did not acknowledge chunk {seq - n_slots} of ring "
-                                f"{self.handle.name} in time")
+                self._broken = (
+                    f"reader(s) {slow} did not acknowledge chunk {seq - n_slots} of ring {self.handle.name} in time"
+                )
                 raise RingTimeout(self._broken, slow)
         at = self._slots_at + (seq % n_slots) * self.handle.slot_bytes
         buf = self._buf
         _HEAD.pack_into(buf, at, len(chunk), int(last))
-        buf[at + _HEAD.size: at + _HEAD.size + len(chunk)] = chunk
+        buf[at + _HEAD.size : at + _HEAD.size + len(chunk)] = chunk
         fence()  # the payload is visible before the counter that publishes it
         words[1] = seq + 1
         self._ring_bells()
@@ -185,8 +187,9 @@ class ShmRing:
         if self._bells_out is None:
             # O_RDWR: opening a FIFO so never blocks, whether or not its reader has it open yet.
             try:
-                self._bells_out = [os.open(self.handle.doorbell(r), os.O_RDWR | os.O_NONBLOCK)
-                                   for r in range(self.handle.n_readers)]
+                self._bells_out = [
+                    os.open(self.handle.doorbell(r), os.O_RDWR | os.O_NONBLOCK) for r in range(self.handle.n_readers)
+                ]
             except FileNotFoundError:
                 raise RingClosed(f"ring {self.handle.name} was removed by its owner") from None
         for fd in self._bells_out:
@@ -196,8 +199,13 @@ class ShmRing:
                 pass  # the pipe is full of rings the reader has not drained: it will wake anyway
 
     # ---- readers ----------------------------------------------------------------------------
-    def read(self, reader: int, timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None,
-             spin_s: float = READ_SPIN_S) -> bytes | None:
+    def read(
+        self,
+        reader: int,
+        timeout_s: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        spin_s: float = READ_SPIN_S,
+    ) -> bytes | None:
         """The next message for `reader`, acknowledged; None if should_stop() turned true first.
 
         Raises RingTimeout after timeout_s (None: wait for ever) and RingClosed once the owner closed.
@@ -234,8 +242,9 @@ class ShmRing:
         except BlockingIOError:
             pass
 
-    def _wait_chunk(self, reader: int, deadline: float | None, should_stop: Callable[[], bool] | None,
-                    spin_s: float) -> bool:
+    def _wait_chunk(
+        self, reader: int, deadline: float | None, should_stop: Callable[[], bool] | None, spin_s: float
+    ) -> bool:
         words, mine = self._words, 2 + reader
         spin_until = time.monotonic() + spin_s
         while words[1] <= words[mine]:
@@ -262,7 +271,7 @@ class ShmRing:
         fence()  # read the payload only after seeing the counter that published it
         at = self._slots_at + (seq % self.handle.n_slots) * self.handle.slot_bytes
         nbytes, last = _HEAD.unpack_from(self._buf, at)
-        chunk = bytes(self._buf[at + _HEAD.size: at + _HEAD.size + nbytes])
+        chunk = bytes(self._buf[at + _HEAD.size : at + _HEAD.size + nbytes])
         fence()  # the copy is complete before the acknowledgement frees the slot
         words[mine] = seq + 1
         return chunk, bool(last)

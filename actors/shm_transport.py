@@ -15,6 +15,7 @@ rank whose step raised gives StepError once every rank has answered (WorkerFailu
 actors.transport.step_failure). After a failure the transport stays
 broken, as the others do. SchedulerOutput is pickled with protocol 5, as (class, fields) (kvcore.messages).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,7 @@ from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-LIVENESS_S = 0.5        # while a step waits longer than this, check the ranks are alive this often
+LIVENESS_S = 0.5  # while a step waits longer than this, check the ranks are alive this often
 SETUP_TIMEOUT_S = 60.0  # attaching the workers to their channels
 BROADCAST_SLOTS, BROADCAST_SLOT_BYTES = 8, 1 << 18
 REPLY_SLOTS, REPLY_SLOT_BYTES = 4, 1 << 16
@@ -57,12 +58,13 @@ def default_spin_s(n_workers: int) -> float:
 class ShmTransport(_Transport):
     name = "shm"
 
-    def __init__(self, workers: Sequence[Any], step_timeout_s: float, force_zmq: bool = False,
-                 spin_s: float | None = None) -> None:
+    def __init__(
+        self, workers: Sequence[Any], step_timeout_s: float, force_zmq: bool = False, spin_s: float | None = None
+    ) -> None:
         super().__init__(workers, step_timeout_s)
         self.spin_s = default_spin_s(len(workers)) if spin_s is None else spin_s
         self._ring: ShmRing | None = None
-        self._senders: list[Sender] = []             # the broadcast: the ring (if any) + one per remote rank
+        self._senders: list[Sender] = []  # the broadcast: the ring (if any) + one per remote rank
         self._replies: list[Receiver | None] = [None] * len(self.workers)  # per rank
         self._owned_rings: list[ShmRing] = []
         try:
@@ -97,8 +99,7 @@ class ShmTransport(_Transport):
                 self._replies[rank] = ZmqReceiver(pull)
                 steps, replies = ChannelSpec(zmq_addr=push_addr, spin_s=self.spin_s), ChannelSpec(zmq_addr=pull_addr)
             specs[rank] = ShmLoopSpec(rank, steps, replies, self.step_timeout_s)
-        self._setup_call([w.start_shm_loop.remote(specs[r]) for r, w in enumerate(self.workers)],
-                         "start_shm_loop")
+        self._setup_call([w.start_shm_loop.remote(specs[r]) for r, w in enumerate(self.workers)], "start_shm_loop")
         self._remote_ranks = [r for r in range(len(self.workers)) if r not in local]
         self._poller = zmq.Poller()
         for chan in self._replies:
@@ -111,8 +112,9 @@ class ShmTransport(_Transport):
             return ray.get(refs, timeout=SETUP_TIMEOUT_S)
         except (RayActorError, ray.exceptions.GetTimeoutError) as e:
             rank, why = diagnose(self.workers)
-            raise WorkerFailure(rank, f"{why} (while attaching the shm transport: {method}: "
-                                      f"{_first_line(e)})") from None
+            raise WorkerFailure(
+                rank, f"{why} (while attaching the shm transport: {method}: {_first_line(e)})"
+            ) from None
 
     # ---- the step ---------------------------------------------------------------------------
     def _submit(self, so: SchedulerOutput) -> Any:
@@ -134,9 +136,11 @@ class ShmTransport(_Transport):
         rank, why = diagnose(self.workers)
         if rank is not None and "did not answer" not in why:
             return WorkerFailure(rank, f"{why} (while sending step {step_id})")
-        return WorkerFailure(slow[0] if slow else rank,
-                             f"rank(s) {slow} did not read step {step_id} within parallel.step_timeout_s="
-                             f"{self.step_timeout_s:g}s (a stalled reader; {why})")
+        return WorkerFailure(
+            slow[0] if slow else rank,
+            f"rank(s) {slow} did not read step {step_id} within parallel.step_timeout_s="
+            f"{self.step_timeout_s:g}s (a stalled reader; {why})",
+        )
 
     def _collect(self, so: SchedulerOutput, deadline: float) -> ModelRunnerOutput:
         answers: dict[int, tuple[bool, Any]] = {}
@@ -176,8 +180,11 @@ class ShmTransport(_Transport):
         rank, why = diagnose(self.workers)
         if rank is not None and "did not answer" not in why:
             return WorkerFailure(rank, f"{why} (while running step {step_id})")
-        return WorkerFailure(pending[0], f"step {step_id} did not finish within parallel.step_timeout_s="
-                                         f"{self.step_timeout_s:g}s: no answer from rank(s) {pending} ({why})")
+        return WorkerFailure(
+            pending[0],
+            f"step {step_id} did not finish within parallel.step_timeout_s="
+            f"{self.step_timeout_s:g}s: no answer from rank(s) {pending} ({why})",
+        )
 
     def _poll(self, answers: dict[int, tuple[bool, Any]], deadline: float, step_id: int) -> bool:
         got = False
@@ -202,8 +209,9 @@ class ShmTransport(_Transport):
                 try:
                     ray.get(ref)
                 except RayActorError as e:
-                    raise WorkerFailure(rank, f"its actor died ({_first_line(e)}) (while running step "
-                                              f"{step_id})") from None
+                    raise WorkerFailure(
+                        rank, f"its actor died ({_first_line(e)}) (while running step {step_id})"
+                    ) from None
         return [w.ping.remote() for w in self.workers]
 
     # ---- teardown ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Every rank answers every step: rank 0 with its ModelRunnerOutput, the others wit
 whose step raised with (the error's repr, whether it is a CollectiveError). Answers are pickled
 (protocol 5) tuples (ok, payload).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,7 +32,7 @@ MAX_ERROR_CHARS = 300
 @dataclass(frozen=True)
 class ShmLoopSpec:
     rank: int
-    steps: ChannelSpec    # the driver's broadcast, for this rank
+    steps: ChannelSpec  # the driver's broadcast, for this rank
     replies: ChannelSpec  # this rank's answers, to the driver
     reply_timeout_s: float
 

@@ -8,6 +8,7 @@ of a long chunk never exist at once), and the chunks of one request are handed o
 first sampled token. A request asking for them is not served from the prefix cache (as in vLLM), so
 every position is computed once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,13 +26,14 @@ PROMPT_SLICE = 1024  # prompt positions whose logits exist at once
 @dataclass
 class PromptPlan:
     token_index: np.ndarray  # int64 [M]: rows of the step's hidden states
-    targets: np.ndarray      # int64 [M]: the prompt token each row scores
+    targets: np.ndarray  # int64 [M]: the prompt token each row scores
     segments: list[tuple[str, int, int]]  # (req_id, rows, k), in order
     max_k: int
 
 
-def prompt_plan(batch: InputBatch, num_reqs: int, computed: np.ndarray, num_sched: np.ndarray,
-                starts: np.ndarray, done: set[str]) -> PromptPlan | None:
+def prompt_plan(
+    batch: InputBatch, num_reqs: int, computed: np.ndarray, num_sched: np.ndarray, starts: np.ndarray, done: set[str]
+) -> PromptPlan | None:
     rows = np.flatnonzero(batch.num_prompt_logprobs[:num_reqs] >= 0)
     if not len(rows):
         return None
@@ -46,7 +48,7 @@ def prompt_plan(batch: InputBatch, num_reqs: int, computed: np.ndarray, num_sche
         if last <= s:
             continue
         index.append(int(starts[row]) + np.arange(last - s, dtype=np.int64))
-        targets.append(batch.token_ids_cpu[row, s + 1:last + 1].astype(np.int64))
+        targets.append(batch.token_ids_cpu[row, s + 1 : last + 1].astype(np.int64))
         segments.append((rid, last - s, int(batch.num_prompt_logprobs[row])))
     if not segments:
         return None
@@ -59,22 +61,33 @@ def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor, plan: PromptPl
     targets = torch.from_numpy(plan.targets).to(dev)
     parts = []
     for a in range(0, len(plan.token_index), PROMPT_SLICE):
-        logits = compute_logits(hidden[index[a:a + PROMPT_SLICE]])
-        parts.append(compute_logprobs(logits, targets[a:a + PROMPT_SLICE], plan.max_k))
+        logits = compute_logits(hidden[index[a : a + PROMPT_SLICE]])
+        parts.append(compute_logprobs(logits, targets[a : a + PROMPT_SLICE], plan.max_k))
     if len(parts) == 1:
         return parts[0]
-    return LogprobsTensors(torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]),
-                           torch.cat([p.ranks for p in parts]))
+    return LogprobsTensors(
+        torch.cat([p.token_ids for p in parts]),
+        torch.cat([p.logprobs for p in parts]),
+        torch.cat([p.ranks for p in parts]),
+    )
 
 
-def launch_copies(sample: LogprobsTensors | None, sample_k: np.ndarray | None,
-                  prompt: LogprobsTensors | None, plan: PromptPlan | None, cuda: bool) -> StepLogprobs | None:
+def launch_copies(
+    sample: LogprobsTensors | None,
+    sample_k: np.ndarray | None,
+    prompt: LogprobsTensors | None,
+    plan: PromptPlan | None,
+    cuda: bool,
+) -> StepLogprobs | None:
     """Queue the host copies (before the step's readback event, which then covers them)."""
     if sample is None and prompt is None:
         return None
-    return StepLogprobs(sample.to_host(cuda) if sample is not None else None, sample_k,
-                        prompt.to_host(cuda) if prompt is not None else None,
-                        plan.segments if plan is not None else None)
+    return StepLogprobs(
+        sample.to_host(cuda) if sample is not None else None,
+        sample_k,
+        prompt.to_host(cuda) if prompt is not None else None,
+        plan.segments if plan is not None else None,
+    )
 
 
 class LogprobsCollector:
@@ -92,8 +105,9 @@ class LogprobsCollector:
         """A resumed request recomputes its prompt: chunks of the earlier attempt are dropped."""
         self.parts.pop(req_id, None)
 
-    def collect(self, lp: StepLogprobs | None, req_ids: list[str], sample_rows: np.ndarray,
-                live: set[str] | None = None) -> tuple[LogprobsBatch | None, dict[str, Logprobs] | None]:
+    def collect(
+        self, lp: StepLogprobs | None, req_ids: list[str], sample_rows: np.ndarray, live: set[str] | None = None
+    ) -> tuple[LogprobsBatch | None, dict[str, Logprobs] | None]:
         """-> (the step's sampled rows as one batch, the prompt logprobs of requests complete this step).
 
         The batch is the step's arrays with the rows' request ids: nothing here is per request but the

@@ -4,6 +4,7 @@ Requests arrive on a control thread (`request`, `stop`), but the profiler is sta
 thread that runs execute_model (with the compiled-graph transport that is Ray's execution thread, not
 the one serving plain actor calls), so the trace shows the step's own CPU ops and its CUDA kernels.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +25,7 @@ class StepProfiler:
         self._prof: torch.profiler.profile | None = None
         self._dir = ""
         self._skip = 0
-        self._left = 0            # steps still to record; 0 = until stop()
+        self._left = 0  # steps still to record; 0 = until stop()
         self._in_step = False
         self._written: list[str] = []
 
@@ -87,8 +88,9 @@ class StepProfiler:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         prof.stop()
-        path = os.path.join(self._dir, f"kvray-worker-rank{self.rank}-pid{os.getpid()}-"
-                                       f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+        path = os.path.join(
+            self._dir, f"kvray-worker-rank{self.rank}-pid{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        )
         prof.export_chrome_trace(path)
         logger.info("rank %d: profiler trace written to %s", self.rank, path)
         self._written.append(path)
@@ -125,10 +127,14 @@ class StepTimer:
         calls = [c for c in self._calls if all(k in c for k in self.HOST_MARKS)]
         out = []
         for prev, c in zip(calls, calls[1:]):
-            out.append({"prepare_ms": (c["launched"] - c["enter"]) * 1e3,
-                        "wait_ms": (c["tokens"] - c["launched"]) * 1e3,
-                        "complete_ms": (c["exit"] - c["tokens"]) * 1e3,
-                        "outside_ms": (c["enter"] - prev["exit"]) * 1e3})
+            out.append(
+                {
+                    "prepare_ms": (c["launched"] - c["enter"]) * 1e3,
+                    "wait_ms": (c["tokens"] - c["launched"]) * 1e3,
+                    "complete_ms": (c["exit"] - c["tokens"]) * 1e3,
+                    "outside_ms": (c["enter"] - prev["exit"]) * 1e3,
+                }
+            )
         return out
 
     def begin(self, num_reqs: int, num_tokens: int) -> None:
@@ -152,7 +158,13 @@ class StepTimer:
         out: list[dict[str, float | None]] = []
         prev_end: torch.cuda.Event | None = None
         for n, t, begin, end in steps:
-            out.append({"num_reqs": n, "num_tokens": t, "busy_ms": begin.elapsed_time(end),
-                        "gap_ms": None if prev_end is None else prev_end.elapsed_time(begin)})
+            out.append(
+                {
+                    "num_reqs": n,
+                    "num_tokens": t,
+                    "busy_ms": begin.elapsed_time(end),
+                    "gap_ms": None if prev_end is None else prev_end.elapsed_time(begin),
+                }
+            )
             prev_end = end
         return out

@@ -7,6 +7,7 @@ Step N+1 still needs step N's tokens as inputs; `feed_index` tells which rows ta
 the device (the runner keeps the sampler's output in a fixed buffer; the host copy may not be there
 yet). Sync or async, a decoding row's input token never travels through the host.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,17 +25,17 @@ class SampledStep:
     """A step whose sampled tokens are on their way to the host."""
 
     step_id: int
-    req_ids: list[str]                      # the step's rows, in its order
-    states: list[CachedRequestState]        # the same requests' states (a reused id is a new state)
-    sample_rows: np.ndarray                 # rows that sampled, ascending
-    device_tokens: torch.Tensor | None      # [len(sample_rows)] int64, the sampler's output
-    host_tokens: torch.Tensor | None        # its pinned host copy, valid once `done` has passed
+    req_ids: list[str]  # the step's rows, in its order
+    states: list[CachedRequestState]  # the same requests' states (a reused id is a new state)
+    sample_rows: np.ndarray  # rows that sampled, ascending
+    device_tokens: torch.Tensor | None  # [len(sample_rows)] int64, the sampler's output
+    host_tokens: torch.Tensor | None  # its pinned host copy, valid once `done` has passed
     done: torch.cuda.Event | None
     # req_id -> index into device_tokens, and the position each sampled token takes.
     index_of: dict[str, int] = field(default_factory=dict)
     logprobs: StepLogprobs | None = None  # set by the runner when the step computed any
     sample_positions: np.ndarray | None = None
-    graph: bool = False                     # the step replayed a CUDA graph
+    graph: bool = False  # the step replayed a CUDA graph
 
     def tokens(self) -> list[int]:
         if self.host_tokens is None:
@@ -63,12 +64,19 @@ class TokenReadback:
         self._bufs = [torch.empty(max_num_reqs, dtype=torch.int64, pin_memory=pin_memory) for _ in range(2)]
         self._next = 0
 
-    def start(self, step_id: int, req_ids: list[str], states: list[CachedRequestState],
-              sample_rows: np.ndarray, tokens: torch.Tensor | None, sample_positions: np.ndarray | None = None,
-              graph: bool = False) -> SampledStep:
+    def start(
+        self,
+        step_id: int,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        sample_rows: np.ndarray,
+        tokens: torch.Tensor | None,
+        sample_positions: np.ndarray | None = None,
+        graph: bool = False,
+    ) -> SampledStep:
         if tokens is None:
             return SampledStep(step_id, req_ids, states, sample_rows, None, None, None, graph=graph)
-        host = self._bufs[self._next][:tokens.shape[0]]
+        host = self._bufs[self._next][: tokens.shape[0]]
         self._next ^= 1
         done = None
         if self.device.type == "cuda":
@@ -77,7 +85,8 @@ class TokenReadback:
             done.record()
         else:
             host.copy_(tokens)
-        step = SampledStep(step_id, req_ids, states, sample_rows, tokens, host, done,
-                           sample_positions=sample_positions, graph=graph)
+        step = SampledStep(
+            step_id, req_ids, states, sample_rows, tokens, host, done, sample_positions=sample_positions, graph=graph
+        )
         step.index_of = dict(zip(map(req_ids.__getitem__, sample_rows.tolist()), range(len(sample_rows))))
         return step

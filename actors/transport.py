@@ -10,6 +10,7 @@ A dead worker or a step longer than `step_timeout_s` raises WorkerFailure naming
 seconds; after a failure the transport stays broken (every later call raises the same error), since the
 surviving ranks may be stuck in a collective waiting for the lost one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,8 +56,9 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def gather_ranks(refs: Sequence[Any], method: str, timeout_s: float,
-                 on_timeout: Callable[[list[int]], WorkerFailure]) -> list[Any]:
+def gather_ranks(
+    refs: Sequence[Any], method: str, timeout_s: float, on_timeout: Callable[[list[int]], WorkerFailure]
+) -> list[Any]:
     """Every rank's answer to `method`, in rank order, waiting at most timeout_s in all.
 
     Answers are taken one at a time so that a dead rank is reported at once, even while the others are
@@ -96,11 +98,16 @@ def step_failure(errors: list[tuple[int, str, bool]], method: str = "execute_mod
         return StepError(errors[0][0], f"{method} raised {errors[0][1]}")
     alone = [(r, text) for r, text, collective in errors if not collective]
     if alone:
-        return WorkerFailure(alone[0][0], f"its {method} raised {alone[0][1]} while rank(s) {stuck} waited for "
-                                          f"it in a collective until parallel.collective_timeout_s; the "
-                                          f"tensor-parallel group is out of step and is rebuilt")
-    return WorkerFailure(stuck[0], f"a tensor-parallel collective failed in {method} ({errors[0][1]}); the "
-                                   f"group is out of step and is rebuilt")
+        return WorkerFailure(
+            alone[0][0],
+            f"its {method} raised {alone[0][1]} while rank(s) {stuck} waited for "
+            f"it in a collective until parallel.collective_timeout_s; the "
+            f"tensor-parallel group is out of step and is rebuilt",
+        )
+    return WorkerFailure(
+        stuck[0],
+        f"a tensor-parallel collective failed in {method} ({errors[0][1]}); the group is out of step and is rebuilt",
+    )
 
 
 def _cause(e: RayTaskError) -> str:
@@ -148,8 +155,9 @@ class _Transport:
         rank, why = diagnose(self.workers)
         if rank is not None and "did not answer" not in why:
             return WorkerFailure(rank, f"{why} (while running step {step_id})")
-        return WorkerFailure(rank, f"step {step_id} did not finish within parallel.step_timeout_s="
-                                   f"{self.step_timeout_s:g}s ({why})")
+        return WorkerFailure(
+            rank, f"step {step_id} did not finish within parallel.step_timeout_s={self.step_timeout_s:g}s ({why})"
+        )
 
     def close(self) -> None:
         pass
@@ -163,8 +171,9 @@ class ActorCallTransport(_Transport):
         return [w.execute_model.remote(so) for w in self.workers]
 
     def _collect(self, so: SchedulerOutput, refs: Any) -> ModelRunnerOutput:
-        return gather_ranks(refs, "execute_model", self.step_timeout_s,
-                            on_timeout=lambda _ranks: self._fail_hang(so.step_id))[0]
+        return gather_ranks(
+            refs, "execute_model", self.step_timeout_s, on_timeout=lambda _ranks: self._fail_hang(so.step_id)
+        )[0]
 
 
 class CompiledGraphTransport(_Transport):

@@ -1,5 +1,6 @@
 """Start-up warm-up outside the CUDA graphs: the sampler's and the logprobs kernel variants compile before
 the first request (graph capture already compiles everything the forward launches; see actors/cuda_graphs.py)."""
+
 from __future__ import annotations
 
 from typing import Callable

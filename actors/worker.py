@@ -3,6 +3,7 @@
 Usable in-process (tests, LocalExecutor) and as a Ray actor (the Ray executor wraps it with ray.remote);
 ray is therefore only imported when the process already runs under Ray.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,14 @@ def select_backend(config: EngineConfig) -> str:
 
 
 class Worker(ShmLoopMixin):
-    def __init__(self, config: EngineConfig, rank: int, world_size: int, dist_init_method: str | None,
-                 device_index: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        world_size: int,
+        dist_init_method: str | None,
+        device_index: int | None = None,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"Worker: rank={rank} must be in [0, world_size={world_size})")
         if world_size > 1 and not dist_init_method:
@@ -83,10 +90,14 @@ class Worker(ShmLoopMixin):
             self.device = torch.device("cuda", index)
         else:  # resolved_device() is cpu or cuda; the config rejected any other name
             self.device = torch.device("cpu")
-        parallel_state.init_tensor_parallel(self.rank, self.world_size, self.dist_init_method,
-                                            select_backend(self.config),
-                                            timeout_s=self.config.parallel.step_timeout_s,
-                                            collective_timeout_s=self.config.parallel.resolved_collective_timeout_s)
+        parallel_state.init_tensor_parallel(
+            self.rank,
+            self.world_size,
+            self.dist_init_method,
+            select_backend(self.config),
+            timeout_s=self.config.parallel.step_timeout_s,
+            collective_timeout_s=self.config.parallel.resolved_collective_timeout_s,
+        )
         torch.manual_seed(self.config.model.seed)
         self.model_runner = ModelRunner(self.config, self.device, self.rank)
 
@@ -115,9 +126,11 @@ class Worker(ShmLoopMixin):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if self._fail_before and not self._fail_for.isdisjoint(scheduler_output.num_scheduled_tokens):
             # Before the forward: the other ranks enter its collectives and wait for this one.
-            raise ValueError(f"injected fault: rank {self.rank} fails a step with request(s) "
-                             f"{sorted(self._fail_for.intersection(scheduler_output.num_scheduled_tokens))} "
-                             "before its forward")
+            raise ValueError(
+                f"injected fault: rank {self.rank} fails a step with request(s) "
+                f"{sorted(self._fail_for.intersection(scheduler_output.num_scheduled_tokens))} "
+                "before its forward"
+            )
         self.profiler.before_step()
         try:
             # A named range per step, so a trace's steps can be told apart.
@@ -125,8 +138,11 @@ class Worker(ShmLoopMixin):
                 out = self._runner().execute_model(scheduler_output)
         finally:
             self.profiler.after_step()
-        if self._fail_for and not self._fail_before and \
-                not self._fail_for.isdisjoint(scheduler_output.num_scheduled_tokens):
+        if (
+            self._fail_for
+            and not self._fail_before
+            and not self._fail_for.isdisjoint(scheduler_output.num_scheduled_tokens)
+        ):
             # After the runner ran, as a real fault would leave it: its state has moved on.
             bad = sorted(self._fail_for.intersection(scheduler_output.num_scheduled_tokens))
             raise ValueError(f"injected fault: a step with request(s) {bad} raises")

@@ -12,6 +12,7 @@ tokenizer of its full vocabulary (random 2-6 byte tokens), so detokenization doe
   python benchmarks/bench_api_features.py --shape qwen3-0.6b            # GPU
   python benchmarks/bench_api_features.py --smoke                       # CPU, tiny-random, seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,11 +53,13 @@ def variants(n: int, out_len: int) -> dict:
     from cluster import SamplingParams
 
     common = dict(temperature=0.8, top_p=0.95, max_tokens=out_len, ignore_eos=True, seed=0)
-    return {"base": (n, SamplingParams(**common)),
-            "logprobs": (n, SamplingParams(**common, logprobs=5)),
-            "n4": (n // 4, SamplingParams(**common, n=4)),
-            "stop": (n, SamplingParams(**common, stop=STOPS)),
-            "base_again": (n, SamplingParams(**common))}
+    return {
+        "base": (n, SamplingParams(**common)),
+        "logprobs": (n, SamplingParams(**common, logprobs=5)),
+        "n4": (n // 4, SamplingParams(**common, n=4)),
+        "stop": (n, SamplingParams(**common, stop=STOPS)),
+        "base_again": (n, SamplingParams(**common)),
+    }
 
 
 def run_variant(llm, prompts: list[list[int]], sp) -> tuple[float, int]:
@@ -85,27 +88,45 @@ def main() -> None:
     if args.smoke:
         model, vocab, tag = "tiny-random", 256, "smoke"
         n, in_len, out_len = 8, 24, 6
-        llm = LLM(model=model, device="cpu", dtype="float32", block_size=8, max_num_seqs=16,
-                  max_num_batched_tokens=256, cpu_kv_cache_gib=0.02)
+        llm = LLM(
+            model=model,
+            device="cpu",
+            dtype="float32",
+            block_size=8,
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            cpu_kv_cache_gib=0.02,
+        )
     else:
         model = make_random_model(args.shape, args.model_dir)
         vocab = SHAPES[args.shape]["vocab_size"]
         add_byte_tokenizer(model, vocab)
         n, in_len, out_len = args.num_prompts, args.prompt_len, args.output_len
         tag = {"qwen3-0.6b": "qwen3_0p6b", "llama-3.1-8b": "llama8b"}[args.shape]
-        llm = LLM(model=model, device="cuda", dtype="bfloat16", max_model_len=in_len + out_len + 16,
-                  max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
+        llm = LLM(
+            model=model,
+            device="cuda",
+            dtype="bfloat16",
+            max_model_len=in_len + out_len + 16,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            gpu_memory_utilization=0.85,
+        )
     rng = random.Random(0)
     try:
-        run_variant(llm, [[rng.randrange(vocab) for _ in range(in_len)] for _ in range(8)],
-                    variants(8, 8)["logprobs"][1])  # warm-up, logprobs path included
+        run_variant(
+            llm, [[rng.randrange(vocab) for _ in range(in_len)] for _ in range(8)], variants(8, 8)["logprobs"][1]
+        )  # warm-up, logprobs path included
         tok_s = {}
         for name, (count, sp) in variants(n, out_len).items():
             prompts = [[rng.randrange(vocab) for _ in range(in_len)] for _ in range(count)]
             elapsed, n_out = run_variant(llm, prompts, sp)
             tok_s[name] = n_out / elapsed
-            print(f"{name:10s} {count:4d} prompts x n={sp.n}: {n_out} tokens in {elapsed:.2f} s -> "
-                  f"{tok_s[name]:.0f} output tok/s", flush=True)
+            print(
+                f"{name:10s} {count:4d} prompts x n={sp.n}: {n_out} tokens in {elapsed:.2f} s -> "
+                f"{tok_s[name]:.0f} output tok/s",
+                flush=True,
+            )
     finally:
         llm.shutdown()
     base = (tok_s["base"] + tok_s["base_again"]) / 2

@@ -16,6 +16,7 @@ Every figure is checked against the torch reference / the CPU table before it is
   python benchmarks/bench_block_table.py            # GPU; appends to results/bench_block_table.jsonl
   python benchmarks/bench_block_table.py --smoke    # CPU, tiny sizes, Triton interpreter
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,7 @@ SLOT_CASES = [(1, 1), (256, 1), (16, 512), (4, 2048), (1, 8192)]
 
 def sizes(smoke: bool) -> dict:
     if smoke:
-        return dict(reqs=16, model_len=4096, tokens=512, steps=3,
-                    cases=[(1, 1), (16, 1), (4, 64), (1, 256)])
+        return dict(reqs=16, model_len=4096, tokens=512, steps=3, cases=[(1, 1), (16, 1), (4, 64), (1, 256)])
     return dict(reqs=256, model_len=200_000, tokens=8192, steps=200, cases=SLOT_CASES)
 
 
@@ -52,6 +52,7 @@ def time_us(fn, device: torch.device) -> float:
     """Median microseconds per call."""
     if device.type == "cuda":
         import triton.testing
+
         return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
     fn()
     samples = []
@@ -101,8 +102,9 @@ def bench_slot_mapping(device: torch.device, sz: dict) -> dict[str, float]:
     return results
 
 
-def commit_step_us(bt: BlockTable, rng: np.random.Generator, steps: int, moves: int,
-                   device: torch.device, busy: bool = False) -> tuple[float, float]:
+def commit_step_us(
+    bt: BlockTable, rng: np.random.Generator, steps: int, moves: int, device: torch.device, busy: bool = False
+) -> tuple[float, float]:
     """Median time per step of commit_block_table after one appended block per row (and
     `moves` row swaps), and the median host time of the call alone; every row must have room
     for `steps` more blocks."""
@@ -139,8 +141,7 @@ def bench_commit(device: torch.device, sz: dict) -> dict[str, float]:
     results = {}
     for moves in (0, 4):
         for mode in ("full", "delta"):
-            bt = BlockTable(16, sz["reqs"], -(-sz["model_len"] // 16), sz["tokens"], True,
-                            device, commit_mode=mode)
+            bt = BlockTable(16, sz["reqs"], -(-sz["model_len"] // 16), sz["tokens"], True, device, commit_mode=mode)
             rng = np.random.default_rng(1)
             for r in range(sz["reqs"]):
                 n = int(rng.integers(1, bt.max_num_blocks_per_req - 2 * sz["steps"]))
@@ -151,8 +152,11 @@ def bench_commit(device: torch.device, sz: dict) -> dict[str, float]:
             results[f"{mode}_moves{moves}"] = stream_us
             results[f"{mode}_moves{moves}_wall"] = us
             results[f"{mode}_moves{moves}_host"] = host_us
-            print(f"commit {mode:>5}, {sz['reqs']} appends + {moves} swaps: stream {stream_us:8.2f} us, "
-                  f"wall {us:8.2f} us, host {host_us:.2f} us", flush=True)
+            print(
+                f"commit {mode:>5}, {sz['reqs']} appends + {moves} swaps: stream {stream_us:8.2f} us, "
+                f"wall {us:8.2f} us, host {host_us:.2f} us",
+                flush=True,
+            )
     return results
 
 
@@ -178,8 +182,7 @@ def main() -> None:
         record(SCRIPT, f"commit_{mode}_host_us_256req", commit[f"{mode}_moves0_host"], "us")
     record(SCRIPT, "commit_delta_us_256req_4swaps", commit["delta_moves4"], "us")
     record(SCRIPT, "commit_full_us_256req_4swaps", commit["full_moves4"], "us")
-    record(SCRIPT, "commit_full_over_delta_ratio", commit["full_moves0"] / commit["delta_moves0"],
-           "x")
+    record(SCRIPT, "commit_full_over_delta_ratio", commit["full_moves0"] / commit["delta_moves0"], "x")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ and recorded with suffixes, side by side from one run.
   python benchmarks/bench_decode_idle.py                     # H200: Qwen3-0.6B shape, batch 256
   python benchmarks/bench_decode_idle.py --smoke             # CPU plumbing check (tiny model, no timing)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +48,13 @@ def idle_stats(steps: list[dict], batch: int) -> dict:
     if not gaps:
         raise RuntimeError(f"no consecutive decode steps at batch {batch} were timed ({len(steps)} steps)")
     total = sum(gaps) + sum(busy)
-    return {"idle_frac": sum(gaps) / total, "decode_steps": len(gaps),
-            "gap_ms_p50": statistics.median(gaps), "busy_ms_p50": statistics.median(busy),
-            "decode_tok_s": batch * len(gaps) / (total / 1e3)}
+    return {
+        "idle_frac": sum(gaps) / total,
+        "decode_steps": len(gaps),
+        "gap_ms_p50": statistics.median(gaps),
+        "busy_ms_p50": statistics.median(busy),
+        "decode_tok_s": batch * len(gaps) / (total / 1e3),
+    }
 
 
 def random_prompts(n: int, length: int, smoke: bool) -> list[dict]:
@@ -85,14 +90,26 @@ def run_config(model_dir: str, name: str, args) -> dict:
 
     graphs, async_on = CONFIGS[name]
     device = "cpu" if args.smoke else "cuda"
-    extra = {"dtype": "float32", "cpu_kv_cache_gib": 0.05} if args.smoke else {
-        "dtype": "bfloat16", "gpu_memory_utilization": args.gpu_memory_utilization}
-    llm = LLM(model=model_dir, device=device, max_model_len=args.prompt_len + args.output_len + 16,
-              max_num_seqs=args.batch, max_num_batched_tokens=max(args.max_num_batched_tokens, args.batch),
-              enable_prefix_caching=False, enforce_eager=not graphs, async_scheduling=async_on,
-              transport="compiled_graph", **extra)
-    outs, elapsed, steps, phases = timed_decode(llm, random_prompts(args.batch, args.prompt_len, args.smoke),
-                                                args.batch, args.output_len)
+    extra = (
+        {"dtype": "float32", "cpu_kv_cache_gib": 0.05}
+        if args.smoke
+        else {"dtype": "bfloat16", "gpu_memory_utilization": args.gpu_memory_utilization}
+    )
+    llm = LLM(
+        model=model_dir,
+        device=device,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.batch),
+        enable_prefix_caching=False,
+        enforce_eager=not graphs,
+        async_scheduling=async_on,
+        transport="compiled_graph",
+        **extra,
+    )
+    outs, elapsed, steps, phases = timed_decode(
+        llm, random_prompts(args.batch, args.prompt_len, args.smoke), args.batch, args.output_len
+    )
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == args.batch * args.output_len, f"{name}: {n_out} tokens"
     res = {"config": name, "output_tok_s": n_out / elapsed}
@@ -125,16 +142,22 @@ def main() -> None:
     print(f"{'config':<14}{'idle':>8}{'gap p50 ms':>12}{'busy p50 ms':>13}{'decode tok/s':>14}{'e2e tok/s':>11}")
     for r in results:
         if "idle_frac" in r:
-            print(f"{r['config']:<14}{r['idle_frac']:>8.3f}{r['gap_ms_p50']:>12.3f}{r['busy_ms_p50']:>13.3f}"
-                  f"{r['decode_tok_s']:>14.0f}{r['output_tok_s']:>11.0f}")
+            print(
+                f"{r['config']:<14}{r['idle_frac']:>8.3f}{r['gap_ms_p50']:>12.3f}{r['busy_ms_p50']:>13.3f}"
+                f"{r['decode_tok_s']:>14.0f}{r['output_tok_s']:>11.0f}"
+            )
         else:
             print(f"{r['config']:<14}{'-':>8}{'-':>12}{'-':>13}{'-':>14}{r['output_tok_s']:>11.0f}")
-    print("worker host phases per execute_model call, median ms: prepare (entry -> GPU work queued), wait "
-          "(-> tokens read back), complete (-> return), outside (return -> next call: transport + driver)")
+    print(
+        "worker host phases per execute_model call, median ms: prepare (entry -> GPU work queued), wait "
+        "(-> tokens read back), complete (-> return), outside (return -> next call: transport + driver)"
+    )
     for r in results:
         if "prepare_ms" in r:
-            print(f"  {r['config']:<14} prepare {r['prepare_ms']:.3f}  wait {r['wait_ms']:.3f}  "
-                  f"complete {r['complete_ms']:.3f}  outside {r['outside_ms']:.3f}")
+            print(
+                f"  {r['config']:<14} prepare {r['prepare_ms']:.3f}  wait {r['wait_ms']:.3f}  "
+                f"complete {r['complete_ms']:.3f}  outside {r['outside_ms']:.3f}"
+            )
     if args.smoke:
         return
     for r in results:

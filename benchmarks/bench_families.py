@@ -11,6 +11,7 @@ records the figures under their names (the start-up log shows the max concurrenc
   python benchmarks/bench_families.py --shape gemma-3-12b --num-layers 24
   python benchmarks/bench_families.py --smoke       # CPU: tiny models of both families, 6 short requests
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,15 @@ def run_smoke(shape: str, model_dir: str) -> None:
 
     prompts, out_lens = make_workload("sharegpt", 256)
     prompts = [p[:24] for p in prompts[:6]]
-    llm = LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=64,
-              max_num_seqs=8, enable_prefix_caching=False)
+    llm = LLM(
+        model=model_dir,
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
     try:
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -63,11 +71,15 @@ def main() -> int:
             run_smoke(shape, make_random_model(shape, args.model_dir, dtype="float32", tiny=True))
         return 0
     from bench_offline import make_workload, run_kvray
+
     # run_kvray reads these of bench_offline's flags; the families run with the engine's defaults otherwise.
     args.idle, args.profile, args.steps_json = False, None, None
-    overrides = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                     max_num_batched_tokens=args.max_num_batched_tokens,
-                     gpu_memory_utilization=args.gpu_memory_utilization)
+    overrides = dict(
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
     if args.eager:
         overrides["cudagraph_mode"] = "none"
     for shape in args.shape:
@@ -76,11 +88,18 @@ def main() -> int:
         n_in, n_out = sum(map(len, prompts)), sum(p["max_tokens"] for p in params)
         ours = run_kvray(model_dir, prompts, params, overrides, args)
         layers = f"{args.num_layers or SHAPES[shape]['num_hidden_layers']} layers"
-        print(f"{shape} ({layers}): " + ", ".join(f"{k}={v:.4g}" for k, v in ours.items())
-              + f" -> {ours['tok_s']:.0f} output tok/s, {(n_in + n_out) / ours['elapsed_s']:.0f} total tok/s",
-              flush=True)
-        record("bench_families", f"offline_{shape.replace('-', '_')}_{args.num_layers or 'all'}l_output_tok_s",
-               ours["tok_s"], "tok/s")
+        print(
+            f"{shape} ({layers}): "
+            + ", ".join(f"{k}={v:.4g}" for k, v in ours.items())
+            + f" -> {ours['tok_s']:.0f} output tok/s, {(n_in + n_out) / ours['elapsed_s']:.0f} total tok/s",
+            flush=True,
+        )
+        record(
+            "bench_families",
+            f"offline_{shape.replace('-', '_')}_{args.num_layers or 'all'}l_output_tok_s",
+            ours["tok_s"],
+            "tok/s",
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ device state), with the same flags.
   python benchmarks/bench_kernels.py            # GPU
   python benchmarks/bench_kernels.py --smoke    # CPU, tiny sizes, Triton interpreter
 """
+
 from __future__ import annotations
 
 import subprocess

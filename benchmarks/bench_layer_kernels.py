@@ -10,6 +10,7 @@ op also reports how many bf16 outputs are bit-identical to the torch path's.
   python benchmarks/bench_layer_kernels.py            # GPU, appends to results/bench_layer_kernels.jsonl
   python benchmarks/bench_layer_kernels.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,12 +35,24 @@ from actors.models.decoder import DecoderLayer, attention_layer_name  # noqa: E4
 
 SCRIPT = "bench_layer_kernels"
 TINY = {  # smoke-mode stand-ins of the two shapes
-    "qwen3-0.6b": dict(SHAPES["qwen3-0.6b"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
-    "llama-3.1-8b": dict(SHAPES["llama-3.1-8b"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256,
-                         rope_scaling=dict(SHAPES["llama-3.1-8b"]["rope_scaling"],
-                                           original_max_position_embeddings=64)),
+    "qwen3-0.6b": dict(
+        SHAPES["qwen3-0.6b"],
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    ),
+    "llama-3.1-8b": dict(
+        SHAPES["llama-3.1-8b"],
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_scaling=dict(SHAPES["llama-3.1-8b"]["rope_scaling"], original_max_position_embeddings=64),
+    ),
 }
 BLOCK_SIZE = 16
 
@@ -51,6 +64,7 @@ def bench(fn, smoke: bool) -> float:
         fn()
         return (time.perf_counter() - t) * 1e6
     import triton.testing
+
     fn()
     torch.cuda.synchronize()
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
@@ -66,8 +80,14 @@ def exact_rate(a, b) -> float:
 def build_layer(cfg: dict, device: str, dtype: torch.dtype) -> DecoderLayer:
     """Layer 0 of the shape with random weights; built "triton", switched per run by set_backend."""
     qk_norm = cfg["model_type"] == "qwen3"
-    args = parse_args(cfg, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=qk_norm,
-                      layer_windows=[None] * cfg["num_hidden_layers"])
+    args = parse_args(
+        cfg,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=qk_norm,
+        layer_windows=[None] * cfg["num_hidden_layers"],
+    )
     gen = torch.Generator(device="cpu").manual_seed(0)
     with torch.device(device):
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope, "triton")
@@ -87,8 +107,9 @@ def set_backend(layer: torch.nn.Module, backend: str) -> None:
             module.backend = backend
 
 
-def run_ops(shape: str, cfg: dict, layer: DecoderLayer, tokens: int, smoke: bool, device: str,
-            dtype: torch.dtype) -> None:
+def run_ops(
+    shape: str, cfg: dict, layer: DecoderLayer, tokens: int, smoke: bool, device: str, dtype: torch.dtype
+) -> None:
     attn = layer.self_attn
     hq, hkv, d = attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads, attn.head_dim
     x, res = (torch.randn(tokens, cfg["hidden_size"], device=device, dtype=dtype) for _ in range(2))
@@ -107,9 +128,11 @@ def run_ops(shape: str, cfg: dict, layer: DecoderLayer, tokens: int, smoke: bool
             k = attn.k_norm(k.reshape(tokens, -1, d)).view(tokens, -1)
         return (*attn.rotary_emb(positions, q.contiguous(), k.contiguous()), v.contiguous())
 
-    ops = {"rmsnorm+residual": lambda: layer.post_attention_layernorm(x, res),
-           "qk-norm+rope" if attn.q_norm is not None else "rope": qk_norm_rope,
-           "silu-mul": lambda: layer.mlp.act_fn(gate_up)}
+    ops = {
+        "rmsnorm+residual": lambda: layer.post_attention_layernorm(x, res),
+        "qk-norm+rope" if attn.q_norm is not None else "rope": qk_norm_rope,
+        "silu-mul": lambda: layer.mlp.act_fn(gate_up),
+    }
     for name, fn in ops.items():
         results, times = {}, {}
         for backend in ("torch", "triton"):
@@ -119,9 +142,12 @@ def run_ops(shape: str, cfg: dict, layer: DecoderLayer, tokens: int, smoke: bool
                 results[backend] = tuple(out[:2]) if isinstance(out, tuple) else out
                 times[backend] = bench(fn, smoke)
         rate = exact_rate(results["triton"], results["torch"])
-        print(f"{shape:13s} {name:17s} T={tokens}: torch {times['torch']:8.1f} us  triton "
-              f"{times['triton']:8.1f} us  x{times['torch'] / times['triton']:5.2f}  "
-              f"bit-exact {100 * rate:.4f}%", flush=True)
+        print(
+            f"{shape:13s} {name:17s} T={tokens}: torch {times['torch']:8.1f} us  triton "
+            f"{times['triton']:8.1f} us  x{times['torch'] / times['triton']:5.2f}  "
+            f"bit-exact {100 * rate:.4f}%",
+            flush=True,
+        )
         if not smoke:
             key = f"{shape}_{name.replace('+', '_').replace('-', '_')}_t{tokens}"
             record(SCRIPT, f"{key}_speedup", times["torch"] / times["triton"], "ratio")
@@ -136,19 +162,27 @@ def decode_metadata(batch: int, context: int, device: str) -> tuple[AttentionMet
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(batch, pages).to(torch.int32)
     last = context - 1
     slots = table[:, last // BLOCK_SIZE].to(torch.int64) * BLOCK_SIZE + last % BLOCK_SIZE
-    md = AttentionMetadata(num_actual_tokens=batch, num_reqs=batch, max_query_len=1, max_seq_len=context,
-                           query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-                           seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-                           block_table=table.to(device), slot_mapping=slots.to(device))
+    md = AttentionMetadata(
+        num_actual_tokens=batch,
+        num_reqs=batch,
+        max_query_len=1,
+        max_seq_len=context,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        block_table=table.to(device),
+        slot_mapping=slots.to(device),
+    )
     return md, num_blocks
 
 
-def run_layer(shape: str, layer: DecoderLayer, batch: int, context: int, smoke: bool, device: str,
-              dtype: torch.dtype) -> None:
+def run_layer(
+    shape: str, layer: DecoderLayer, batch: int, context: int, smoke: bool, device: str, dtype: torch.dtype
+) -> None:
     attn = layer.self_attn.attn
     md, num_blocks = decode_metadata(batch, context, device)
-    attn.kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, attn.num_kv_heads, attn.head_size,
-                                device=device, dtype=dtype)
+    attn.kv_cache = torch.randn(
+        2, num_blocks, BLOCK_SIZE, attn.num_kv_heads, attn.head_size, device=device, dtype=dtype
+    )
     ctx = ForwardContext({0: md}, {attention_layer_name(0): 0})
     hidden_size = layer.input_layernorm.weight.shape[0]
     hidden, residual = (torch.randn(batch, hidden_size, device=device, dtype=dtype) for _ in range(2))
@@ -157,15 +191,19 @@ def run_layer(shape: str, layer: DecoderLayer, batch: int, context: int, smoke: 
     def step():
         with torch.no_grad(), set_forward_context(ctx):
             return layer(positions, hidden, residual)
+
     times, outs = {}, {}
     for backend in ("torch", "triton"):
         set_backend(layer, backend)
         outs[backend] = step()
         times[backend] = bench(step, smoke)
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs["triton"], outs["torch"]))
-    print(f"{shape:13s} decoder layer  B={batch} ctx={context}: torch {times['torch']:8.1f} us  "
-          f"triton {times['triton']:8.1f} us  x{times['torch'] / times['triton']:5.2f}  "
-          f"max |diff| {diff:.3g}", flush=True)
+    print(
+        f"{shape:13s} decoder layer  B={batch} ctx={context}: torch {times['torch']:8.1f} us  "
+        f"triton {times['triton']:8.1f} us  x{times['torch'] / times['triton']:5.2f}  "
+        f"max |diff| {diff:.3g}",
+        flush=True,
+    )
     if not smoke:
         record(SCRIPT, f"{shape}_layer_decode_b{batch}_torch_us", times["torch"], "us")
         record(SCRIPT, f"{shape}_layer_decode_b{batch}_triton_us", times["triton"], "us")

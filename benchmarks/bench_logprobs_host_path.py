@@ -9,6 +9,7 @@ decode step of bench_api_features.py.
 
   python benchmarks/bench_logprobs_host_path.py [--num-prompts 256] [--output-len 64] [--vocab 151936]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,9 +59,11 @@ class LogprobsNoopWorker(NoopWorker):
             return out
         width = 1 + int(ks.max())
         n = len(rows)
-        tensors = LogprobsTensors(torch.randint(0, self.vocab, (n, width), generator=self.rng, dtype=torch.int32),
-                                  -torch.rand(n, width, generator=self.rng) * 10,
-                                  torch.randint(1, 100, (n,), generator=self.rng, dtype=torch.int32))
+        tensors = LogprobsTensors(
+            torch.randint(0, self.vocab, (n, width), generator=self.rng, dtype=torch.int32),
+            -torch.rand(n, width, generator=self.rng) * 10,
+            torch.randint(1, 100, (n,), generator=self.rng, dtype=torch.int32),
+        )
         step = launch_copies(tensors, ks, None, None, cuda=False)
         out.logprobs, _ = self.collector.collect(step, out.req_ids, rows)
         return out
@@ -86,24 +89,38 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     args = ap.parse_args()
     os.environ["KVRAY_BENCH_VOCAB"] = str(args.vocab)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent),
-                                                os.environ.get("PYTHONPATH", "")])  # the actors import WORKER
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+    )  # the actors import WORKER
 
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=model_dir(args.vocab), worker_cls=WORKER, device="cpu", dtype="float32",
-              max_num_seqs=args.num_prompts, max_num_batched_tokens=8192, num_gpu_blocks=8192,
-              max_model_len=args.prompt_len + args.output_len + 16)
+    llm = LLM(
+        model=model_dir(args.vocab),
+        worker_cls=WORKER,
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=args.num_prompts,
+        max_num_batched_tokens=8192,
+        num_gpu_blocks=8192,
+        max_model_len=args.prompt_len + args.output_len + 16,
+    )
     rng = random.Random(0)
     common = dict(temperature=0.8, top_p=0.95, max_tokens=args.output_len, ignore_eos=True, seed=0)
-    variants = {"base": SamplingParams(**common), "logprobs": SamplingParams(**common, logprobs=5),
-                "base_again": SamplingParams(**common), "logprobs_again": SamplingParams(**common, logprobs=5)}
+    variants = {
+        "base": SamplingParams(**common),
+        "logprobs": SamplingParams(**common, logprobs=5),
+        "base_again": SamplingParams(**common),
+        "logprobs_again": SamplingParams(**common, logprobs=5),
+    }
     tok_s = {}
     try:
         llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 8, variants["logprobs"], use_tqdm=False)  # warm-up
         for name, sp in variants.items():
-            prompts = [{"prompt_token_ids": [rng.randrange(256) for _ in range(args.prompt_len)]}
-                       for _ in range(args.num_prompts)]
+            prompts = [
+                {"prompt_token_ids": [rng.randrange(256) for _ in range(args.prompt_len)]}
+                for _ in range(args.num_prompts)
+            ]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp, use_tqdm=False)
             elapsed = time.perf_counter() - t0
@@ -112,8 +129,11 @@ def main() -> None:
             if sp.logprobs is not None:
                 assert all(len(c.logprobs or []) == args.output_len for o in outs for c in o.outputs)
             tok_s[name] = n_out / elapsed
-            print(f"{name:15s} {n_out} tokens in {elapsed:.2f} s -> {tok_s[name]:.0f} output tok/s "
-                  f"({elapsed / args.output_len * 1e3:.2f} ms a step of {args.num_prompts} rows)", flush=True)
+            print(
+                f"{name:15s} {n_out} tokens in {elapsed:.2f} s -> {tok_s[name]:.0f} output tok/s "
+                f"({elapsed / args.output_len * 1e3:.2f} ms a step of {args.num_prompts} rows)",
+                flush=True,
+            )
     finally:
         llm.shutdown()
     base = (tok_s["base"] + tok_s["base_again"]) / 2

@@ -10,6 +10,7 @@ kernel's output is checked against the loop's on every shape.
   python benchmarks/bench_moe_kernel.py            # H200, about a minute
   python benchmarks/bench_moe_kernel.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes, checks only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,12 @@ def make_inputs(num_tokens: int, shape: tuple[int, int, int, int], dtype, device
     import torch
 
     from actors.layers.fused_moe import route_topk
+
     experts, top_k, hidden, inter = shape
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=g, device=device).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device=device) / hidden ** 0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=g, device=device) / inter ** 0.5).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device=device) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g, device=device) / inter**0.5).to(dtype)
     logits = torch.randn(num_tokens, experts, generator=g, device=device)
     weights, ids = route_topk(logits, top_k, normalize=True, weight_dtype=dtype)
     return x, w13, w2, weights, ids
@@ -43,6 +45,7 @@ def make_inputs(num_tokens: int, shape: tuple[int, int, int, int], dtype, device
 
 def time_ms(fn, iters: int, warmup: int = 3) -> float:
     import torch
+
     for _ in range(warmup):
         fn()
     times = []
@@ -102,8 +105,11 @@ def main() -> int:
             fused_ms = time_ms(lambda: fused_moe_triton(x, w13, w2, weights, ids), args.iters)
             flops, bytes_ = traffic(x, ids, shape)
             tflops, gbs = flops / fused_ms / 1e9, bytes_ / fused_ms / 1e6
-            print(f"{name:<15}{n:>7}{loop_ms:>10.3f}{fused_ms:>10.3f}{loop_ms / fused_ms:>8.2f}x"
-                  f"{tflops:>9.1f}{gbs:>8.0f}", flush=True)
+            print(
+                f"{name:<15}{n:>7}{loop_ms:>10.3f}{fused_ms:>10.3f}{loop_ms / fused_ms:>8.2f}x"
+                f"{tflops:>9.1f}{gbs:>8.0f}",
+                flush=True,
+            )
             tag = f"{name.replace('-', '_')}_t{n}"
             record("bench_moe_kernel", f"{tag}_fused_ms", fused_ms, "ms")
             record("bench_moe_kernel", f"{tag}_speedup_vs_loop", loop_ms / fused_ms, "x")

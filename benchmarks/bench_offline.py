@@ -24,6 +24,7 @@ gpu_idle_frac_all_steps (defaults; CUDA events around every step's GPU work), de
   python benchmarks/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults tuned
   python benchmarks/bench_offline.py --shape llama-3.1-8b --workload sharegpt --configs defaults tuned
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,13 @@ from common import SHAPES, make_random_model, record  # noqa: E402
 TAGS = {"qwen3-0.6b": "qwen3_0p6b", "llama-3.1-8b": "llama8b"}
 CONFIGS = {
     "defaults": {},
-    "tuned": dict(async_scheduling=True, admission_min_batch=32, admission_max_wait_steps=32,
-                  enable_prefix_caching=False, max_model_len=4096),
+    "tuned": dict(
+        async_scheduling=True,
+        admission_min_batch=32,
+        admission_max_wait_steps=32,
+        enable_prefix_caching=False,
+        max_model_len=4096,
+    ),
     "admit1": dict(admission_min_batch=1, admission_max_wait_steps=16),
     "no_admission": dict(async_scheduling=True, enable_prefix_caching=False, max_model_len=4096),
     "decode": dict(cudagraph_mode="decode"),
@@ -116,11 +122,16 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
     steps = after["num_steps"] - before["num_steps"]
     forward_steps = after.get("num_forward_steps", steps) - before.get("num_forward_steps", 0)
     graph_steps = after.get("num_graph_steps", 0) - before.get("num_graph_steps", 0)
-    res = {"init_s": init_s, "elapsed_s": elapsed, "tok_s": want / elapsed, "steps": steps,
-           "graph_share": graph_steps / max(forward_steps, 1),
-           "ms_per_step": elapsed / max(steps, 1) * 1e3,
-           "preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
-           **{k: after[k] for k in ("kv_sizing_s", "kv_init_capture_s") if k in after}}
+    res = {
+        "init_s": init_s,
+        "elapsed_s": elapsed,
+        "tok_s": want / elapsed,
+        "steps": steps,
+        "graph_share": graph_steps / max(forward_steps, 1),
+        "ms_per_step": elapsed / max(steps, 1) * 1e3,
+        "preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
+        **{k: after[k] for k in ("kv_sizing_s", "kv_init_capture_s") if k in after},
+    }
     if steps_timed:
         gaps = [s["gap_ms"] for s in steps_timed if s["gap_ms"] is not None]
         busy = [s["busy_ms"] for s in steps_timed[1:]]
@@ -131,8 +142,9 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
     timed = [o.metrics for o in outs if o.metrics is not None and o.metrics.ttft_s is not None]
     if timed:
         res["ttft_p50_ms"] = statistics.median(m.ttft_s for m in timed) * 1e3
-        res["tpot_p50_ms"] = statistics.median((m.e2e_s - m.ttft_s) / max(1, m.num_output_tokens - 1)
-                                               for m in timed) * 1e3
+        res["tpot_p50_ms"] = (
+            statistics.median((m.e2e_s - m.ttft_s) / max(1, m.num_output_tokens - 1) for m in timed) * 1e3
+        )
     return res
 
 
@@ -148,22 +160,28 @@ def print_late_compiles(events: list[dict], mark: int) -> None:
 
 def print_step_breakdown(steps: list[dict]) -> None:
     """GPU busy time by step kind: decode steps by batch size, mixed steps by token count."""
+
     def row(label: str, sel: list[dict]) -> str:
         ms = sum(s["busy_ms"] for s in sel)
         toks = sum(s["num_tokens"] for s in sel)
         each = [s["busy_ms"] for s in sel] or [0.0]
-        return (f"  {label:<22} steps {len(sel):>5}  busy {ms / 1e3:7.2f} s  mean {ms / max(len(sel), 1):7.2f} ms"
-                f"  median {statistics.median(each):7.2f}  max {max(each):7.2f}"
-                f"  tokens {toks:>8}  {ms / max(toks, 1) * 1e3:7.1f} us/token")
+        return (
+            f"  {label:<22} steps {len(sel):>5}  busy {ms / 1e3:7.2f} s  mean {ms / max(len(sel), 1):7.2f} ms"
+            f"  median {statistics.median(each):7.2f}  max {max(each):7.2f}"
+            f"  tokens {toks:>8}  {ms / max(toks, 1) * 1e3:7.1f} us/token"
+        )
+
     decode = [s for s in steps if s["num_tokens"] == s["num_reqs"]]
     mixed = [s for s in steps if s["num_tokens"] != s["num_reqs"]]
     lines = ["GPU busy time by step kind:"]
     for lo, hi in ((0, 16), (16, 64), (64, 128), (128, 256), (256, 1 << 30)):
-        lines.append(row(f"decode {lo + 1}-{hi if hi < 1 << 30 else 'up'} rows",
-                         [s for s in decode if lo < s["num_reqs"] <= hi]))
+        lines.append(
+            row(f"decode {lo + 1}-{hi if hi < 1 << 30 else 'up'} rows", [s for s in decode if lo < s["num_reqs"] <= hi])
+        )
     for lo, hi in ((0, 512), (512, 2048), (2048, 8192), (8192, 1 << 30)):
-        lines.append(row(f"mixed {lo + 1}-{hi if hi < 1 << 30 else 'up'} tok",
-                         [s for s in mixed if lo < s["num_tokens"] <= hi]))
+        lines.append(
+            row(f"mixed {lo + 1}-{hi if hi < 1 << 30 else 'up'} tok", [s for s in mixed if lo < s["num_tokens"] <= hi])
+        )
     print("\n".join(lines), flush=True)
 
 
@@ -175,9 +193,23 @@ def run_job(model_dir: str, prompts, params, out_dir: Path) -> float:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": p, **sp}) + "\n")
     outp.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "cluster.cli", "run", "--config", "configs/gpu.yaml", "--set",
-           f"model.model={model_dir}", "--input", str(inp), "--output", str(outp), "--summary-json",
-           str(summary), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "run",
+        "--config",
+        "configs/gpu.yaml",
+        "--set",
+        f"model.model={model_dir}",
+        "--input",
+        str(inp),
+        "--output",
+        str(outp),
+        "--summary-json",
+        str(summary),
+        "--no-progress",
+    ]
     print("kvray run:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     s = json.loads(summary.read_text())
@@ -191,13 +223,20 @@ def main() -> None:
     ap.add_argument("--workload", choices=["nano", "small", "sharegpt"], default="nano")
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
     ap.add_argument("--configs", nargs="+", default=["defaults", "tuned"], choices=sorted(CONFIGS))
-    ap.add_argument("--idle", action="store_true",
-                    help="CUDA events around every step (gpu_idle_frac_all_steps, the busy-time breakdown)")
+    ap.add_argument(
+        "--idle",
+        action="store_true",
+        help="CUDA events around every step (gpu_idle_frac_all_steps, the busy-time breakdown)",
+    )
     ap.add_argument("--steps-json", metavar="PATH", help="with --idle: every timed step's record, as JSON")
     ap.add_argument("--kvray-run", action="store_true", help="also `kvray run` on the workload")
     ap.add_argument("--temperature", type=float, help="override the workload's temperature (nano: 0.6, else 0)")
-    ap.add_argument("--logprobs", type=int, metavar="K",
-                    help="also run the defaults with SamplingParams(logprobs=K), side by side: the throughput cost")
+    ap.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        help="also run the defaults with SamplingParams(logprobs=K), side by side: the throughput cost",
+    )
     ap.add_argument("--profile", metavar="DIR", help="torch profiler traces of a few worker steps (defaults run)")
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--profile-skip", type=int, default=40, help="steps of the timed run before the trace")
@@ -208,13 +247,17 @@ def main() -> None:
     prompts, params = make_workload(args.workload, SHAPES[args.shape]["vocab_size"])
     if args.temperature is not None:
         params = [{**p, "temperature": args.temperature} for p in params]
-    print(f"workload {args.workload}: {len(prompts)} seqs, {sum(map(len, prompts))} prompt tokens, "
-          f"{sum(p['max_tokens'] for p in params)} output tokens", flush=True)
+    print(
+        f"workload {args.workload}: {len(prompts)} seqs, {sum(map(len, prompts))} prompt tokens, "
+        f"{sum(p['max_tokens'] for p in params)} output tokens",
+        flush=True,
+    )
     tag = TAGS[args.shape]
     results = {}
     for name in args.configs:
-        a = argparse.Namespace(**{**vars(args), "profile": args.profile if name == "defaults" else None,
-                                  "idle": args.idle})
+        a = argparse.Namespace(
+            **{**vars(args), "profile": args.profile if name == "defaults" else None, "idle": args.idle}
+        )
         res = run_kvray(model_dir, prompts, params, CONFIGS[name], a)
         results[name] = res
         print(f"kvray [{name}] {CONFIGS[name]}: " + ", ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
@@ -233,11 +276,15 @@ def main() -> None:
         if args.logprobs is not None:
             a = argparse.Namespace(**{**vars(args), "profile": None, "idle": False})
             lp = run_kvray(model_dir, prompts, [{**p, "logprobs": args.logprobs} for p in params], {}, a)
-            print(f"kvray [defaults, logprobs={args.logprobs}]: {lp['tok_s']:.0f} tok/s "
-                  f"({lp['tok_s'] / d['tok_s']:.3f} of without)", flush=True)
+            print(
+                f"kvray [defaults, logprobs={args.logprobs}]: {lp['tok_s']:.0f} tok/s "
+                f"({lp['tok_s'] / d['tok_s']:.3f} of without)",
+                flush=True,
+            )
             record("bench_offline", f"offline_{tag}_logprobs{args.logprobs}_output_tok_s", lp["tok_s"], "tok/s")
-            record("bench_offline", f"offline_{tag}_logprobs{args.logprobs}_vs_none_ratio", lp["tok_s"] / d["tok_s"],
-                   "x")
+            record(
+                "bench_offline", f"offline_{tag}_logprobs{args.logprobs}_vs_none_ratio", lp["tok_s"] / d["tok_s"], "x"
+            )
         if args.kvray_run:
             job = run_job(model_dir, prompts, params, Path("/tmp/kvray-bench-run"))
             record("bench_offline", "kvray_run_vs_api_ratio", job / d["tok_s"], "x")

@@ -13,6 +13,7 @@ the slot-mapping computation, the input-preparation kernels and the scatter of t
 
     PYTHONPATH=. python benchmarks/bench_runner_host.py [--steps 200] [--profile] [--no-record]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ SCRIPT = "bench_runner_host"
 NUM_REQS = 256
 BLOCK_SIZE = 16
 NUM_LAYERS = 28  # Qwen3-0.6B: the runner builds a per-layer slot-mapping dict every step
-VOCAB = 64       # the stub's logits: the sampler's argmax stays negligible
+VOCAB = 64  # the stub's logits: the sampler's argmax stays negligible
 
 
 class StubModel(torch.nn.Module):
@@ -77,6 +78,7 @@ class Timer:
                 return fn(*args, **kwargs)
             finally:
                 self.us[name] += (time.perf_counter_ns() - t) / 1000
+
         return timed
 
     def reset(self) -> None:
@@ -85,15 +87,18 @@ class Timer:
 
 
 def build(max_model_len: int) -> tuple[Scheduler, ModelRunner]:
-    cfg = EngineConfig(model=ModelConfig(model="stub", dtype="float32", max_model_len=max_model_len),
-                       cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=1 << 20),
-                       scheduler=SchedulerConfig(max_num_seqs=NUM_REQS, max_num_batched_tokens=8192))
+    cfg = EngineConfig(
+        model=ModelConfig(model="stub", dtype="float32", max_model_len=max_model_len),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=1 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=NUM_REQS, max_num_batched_tokens=8192),
+    )
     runner = ModelRunner(cfg, torch.device("cpu"), rank=0)
     runner.model = StubModel(runner.max_num_tokens)
     runner.max_model_len = max_model_len
     runner.layer_to_group = {f"model.layers.{i}.self_attn.attn": 0 for i in range(NUM_LAYERS)}
-    runner.input_batch = InputBatch(NUM_REQS, max_model_len, runner.max_num_tokens, runner.device,
-                                    runner.pin_memory, [BLOCK_SIZE])
+    runner.input_batch = InputBatch(
+        NUM_REQS, max_model_len, runner.max_num_tokens, runner.device, runner.pin_memory, [BLOCK_SIZE]
+    )
     runner.input_batch.block_table.commit_mode = "delta"
     runner.pad_to_buckets = True  # the bucket selection a GPU with graphs makes
     # Device work on a GPU, torch reference kernels here: not the host work this measures.
@@ -104,8 +109,7 @@ def build(max_model_len: int) -> tuple[Scheduler, ModelRunner]:
     spec = FullAttentionSpec(BLOCK_SIZE, 8, 128, torch.bfloat16)
     blocks = NUM_REQS * (max_model_len // BLOCK_SIZE + 2) + 1
     manager = KVCacheManager(KVCacheConfig(blocks, [KVCacheGroupSpec(["l0"], spec)]), max_model_len)
-    sched = Scheduler(manager, max_num_seqs=NUM_REQS, max_num_batched_tokens=8192,
-                      max_model_len=max_model_len)
+    sched = Scheduler(manager, max_num_seqs=NUM_REQS, max_num_batched_tokens=8192, max_model_len=max_model_len)
     return sched, runner
 
 
@@ -135,8 +139,7 @@ def main() -> None:
     rng = random.Random(0)
     for i in range(NUM_REQS):
         ids = [rng.randrange(32000) for _ in range(rng.randint(200, 800))]
-        sched.add_request(Request(f"d{i}", ids, SamplingParams(max_tokens=max_model_len - 800,
-                                                               ignore_eos=True)))
+        sched.add_request(Request(f"d{i}", ids, SamplingParams(max_tokens=max_model_len - 800, ignore_eos=True)))
     while sched.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         step(sched, runner)  # prefill, not measured
     for _ in range(warmup):
@@ -151,11 +154,21 @@ def main() -> None:
         total, n = step(sched, runner)
         assert n == NUM_REQS, "every step must run all 256 decodes"
         us = timer.us
-        rows.append((total, us["update_states"], us["_prepare"],
-                     total - us["update_states"] - us["_prepare"], us["_sampling_metadata"], us["_complete"]))
+        rows.append(
+            (
+                total,
+                us["update_states"],
+                us["_prepare"],
+                total - us["update_states"] - us["_prepare"],
+                us["_sampling_metadata"],
+                us["_complete"],
+            )
+        )
     med = [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
-    print(f"256 decodes, median of {args.steps} steps (us): execute_model {med[0]:.1f} = "
-          f"update_states {med[1]:.1f} + _prepare {med[2]:.1f} + rest {med[3]:.1f}")
+    print(
+        f"256 decodes, median of {args.steps} steps (us): execute_model {med[0]:.1f} = "
+        f"update_states {med[1]:.1f} + _prepare {med[2]:.1f} + rest {med[3]:.1f}"
+    )
     print(f"  inside the rest: _sampling_metadata {med[4]:.1f}, _complete {med[5]:.1f}")
 
     if args.profile:

@@ -11,6 +11,7 @@ GPU's bandwidth (~32 us for 256 x 151,936 on an H200), which the figures report 
   python benchmarks/bench_sampler.py            # GPU, appends to results/bench_sampler.jsonl
   python benchmarks/bench_sampler.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,6 +64,7 @@ def bench(fn, smoke: bool, graph: bool = False) -> float:
         fn()
         return (time.perf_counter() - t) * 1e6
     import triton.testing
+
     fn()
     torch.cuda.synchronize()
     if graph:
@@ -73,10 +75,15 @@ def bench(fn, smoke: bool, graph: bool = False) -> float:
 def make_case(name: str, rows: int, vocab: int, dev: torch.device):
     ones = torch.ones(rows, device=dev)
     zeros_i = torch.zeros(rows, dtype=torch.int32, device=dev)
-    md = dict(temperature=ones * 0.6, top_k=zeros_i, top_p=ones.clone(),
-              seeds=torch.arange(rows, dtype=torch.int64, device=dev) * 7919,
-              positions=torch.full((rows,), 100, dtype=torch.int64, device=dev),
-              all_greedy=False, need_filter=False)
+    md = dict(
+        temperature=ones * 0.6,
+        top_k=zeros_i,
+        top_p=ones.clone(),
+        seeds=torch.arange(rows, dtype=torch.int64, device=dev) * 7919,
+        positions=torch.full((rows,), 100, dtype=torch.int64, device=dev),
+        all_greedy=False,
+        need_filter=False,
+    )
     state = None
     if name == "greedy":
         md.update(all_greedy=True)
@@ -85,10 +92,18 @@ def make_case(name: str, rows: int, vocab: int, dev: torch.device):
     elif name == "penalties":
         state = PenaltyState(vocab, dev, initial_slots=rows)
         g = torch.Generator().manual_seed(0)
-        slots = [state.add(f"r{i}", torch.randint(0, vocab, (200,), generator=g).tolist(),
-                           torch.randint(0, vocab, (100,), generator=g).tolist()) for i in range(rows)]
-        md.update(penalty_slots=torch.tensor(slots, device=dev),
-                  penalties=torch.tensor([[0.5], [0.3], [1.2]], device=dev).expand(3, rows).contiguous())
+        slots = [
+            state.add(
+                f"r{i}",
+                torch.randint(0, vocab, (200,), generator=g).tolist(),
+                torch.randint(0, vocab, (100,), generator=g).tolist(),
+            )
+            for i in range(rows)
+        ]
+        md.update(
+            penalty_slots=torch.tensor(slots, device=dev),
+            penalties=torch.tensor([[0.5], [0.3], [1.2]], device=dev).expand(3, rows).contiguous(),
+        )
     elif name == "logprobs5":
         md.update(num_logprobs=5)
     return SamplingMetadata(**md), state
@@ -117,21 +132,35 @@ def main() -> None:
         tk = md.top_k if md.need_filter else None
         tp = md.top_p if md.need_filter else None
         if name == "greedy":
+
             def old_fn() -> torch.Tensor:
                 return logits.argmax(dim=-1)
         else:
+
             def old_fn() -> torch.Tensor:
                 return old_sampler(logits, md.temperature, tk, tp, gens)
+
         old_us = bench(old_fn, smoke)
         if not md.plain_argmax:
-            pen = {} if state is None else dict(penalty_slots=md.penalty_slots, penalties=md.penalties,
-                                                counts=state.counts, prompt_mask=state.prompt_mask)
+            pen = (
+                {}
+                if state is None
+                else dict(
+                    penalty_slots=md.penalty_slots,
+                    penalties=md.penalties,
+                    counts=state.counts,
+                    prompt_mask=state.prompt_mask,
+                )
+            )
             ref = sample_reference(logits, md.temperature, md.top_k, md.top_p, md.seeds, md.positions, **pen)
             same = float((sampler(logits, md).token_ids == ref).float().mean())
         else:
             same = 1.0
-        print(f"{name:12s} new {new_us:9.1f} us  (graph {graph_us:8.1f})  old {old_us:10.1f} us  "
-              f"old/new {old_us / new_us:6.1f}x  tokens == torch reference: {same:.3f}", flush=True)
+        print(
+            f"{name:12s} new {new_us:9.1f} us  (graph {graph_us:8.1f})  old {old_us:10.1f} us  "
+            f"old/new {old_us / new_us:6.1f}x  tokens == torch reference: {same:.3f}",
+            flush=True,
+        )
         if not smoke:
             record(SCRIPT, f"sampler_{name}_us_{rows}x{vocab}", graph_us, "us")
             record(SCRIPT, f"sampler_{name}_old_us_{rows}x{vocab}", old_us, "us")

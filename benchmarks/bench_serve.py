@@ -14,6 +14,7 @@ serve_ttft_p99_ms_qwen3_rate_half (TTFT p99 at half the saturation request rate)
   python benchmarks/bench_serve.py --shape llama-3.1-8b --num-prompts 500
   python benchmarks/bench_serve.py --smoke                                # CPU, tiny-random, seconds of load
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,15 @@ def sharegpt_like(n: int, vocab: int, seed: int, smoke: bool) -> list[tuple[list
 
 
 async def one_request(session: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     t0 = time.perf_counter()
     stamps: list[float] = []
     n = 0
@@ -117,9 +125,15 @@ def summarize(rate: float, outs: list[Outcome], elapsed: float) -> dict:
     itl = [x for o in ok for x in o.itl_s]
     tokens = sum(o.num_tokens for o in ok)
     chunks = sum(len(o.itl_s) + 1 for o in ok)  # SSE chunks that carried tokens
-    res = {"rate": rate, "completed": len(ok), "failed": len(outs) - len(ok), "elapsed_s": elapsed,
-           "request_s": len(ok) / elapsed, "output_tok_s": tokens / elapsed,
-           "tokens_per_chunk": tokens / chunks if chunks else None}
+    res = {
+        "rate": rate,
+        "completed": len(ok),
+        "failed": len(outs) - len(ok),
+        "elapsed_s": elapsed,
+        "request_s": len(ok) / elapsed,
+        "output_tok_s": tokens / elapsed,
+        "tokens_per_chunk": tokens / chunks if chunks else None,
+    }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         res[f"{name}_p50_ms"], res[f"{name}_p99_ms"] = _pct(xs, 0.5), _pct(xs, 0.99)
     errors = [o.error for o in outs if not o.ok]
@@ -132,8 +146,9 @@ RATE_WINDOW_S = 30.0  # a finite rate sends at most this many seconds of arrival
 MIN_PER_RATE = 20
 
 
-async def sweep(url: str, model: str, reqs: list[tuple[list[int], int]], rates: list[float],
-                seed: int = 0) -> list[dict]:
+async def sweep(
+    url: str, model: str, reqs: list[tuple[list[int], int]], rates: list[float], seed: int = 0
+) -> list[dict]:
     """Saturation first (rate inf), then each rate, then half the saturation request rate."""
     out = [await run_rate(url, model, reqs, float("inf"), seed)]
     half = out[0]["request_s"] / 2
@@ -183,8 +198,11 @@ def families(config: Any, n: int, vocab: int, rate: float) -> dict[str, float]:
             out["on" if affinity else "off"] = cached_share(f"http://127.0.0.1:{port}")
         finally:
             stop_server(started)
-        print(f"prefix affinity {'on' if affinity else 'off'}: cached share of prompt tokens "
-              f"{out['on' if affinity else 'off']:.3f} ({format_row(res)})", flush=True)
+        print(
+            f"prefix affinity {'on' if affinity else 'off'}: cached share of prompt tokens "
+            f"{out['on' if affinity else 'off']:.3f} ({format_row(res)})",
+            flush=True,
+        )
     return out
 
 
@@ -214,9 +232,11 @@ def free_port() -> int:
 def format_row(r: dict) -> str:
     f = lambda v: "-" if v is None else f"{v:8.1f}"  # noqa: E731
     rate = "inf" if r["rate"] == float("inf") else f"{r['rate']:.2f}"
-    return (f"rate {rate:>7} req/s: {r['completed']:5d} ok {r['failed']:3d} failed  {r['request_s']:7.2f} req/s "
-            f"{r['output_tok_s']:9.1f} tok/s  TTFT p50/p99 {f(r['ttft_p50_ms'])}/{f(r['ttft_p99_ms'])} ms  "
-            f"TPOT {f(r['tpot_p50_ms'])}/{f(r['tpot_p99_ms'])} ms  ITL {f(r['itl_p50_ms'])}/{f(r['itl_p99_ms'])} ms")
+    return (
+        f"rate {rate:>7} req/s: {r['completed']:5d} ok {r['failed']:3d} failed  {r['request_s']:7.2f} req/s "
+        f"{r['output_tok_s']:9.1f} tok/s  TTFT p50/p99 {f(r['ttft_p50_ms'])}/{f(r['ttft_p99_ms'])} ms  "
+        f"TPOT {f(r['tpot_p50_ms'])}/{f(r['tpot_p99_ms'])} ms  ITL {f(r['itl_p50_ms'])}/{f(r['itl_p99_ms'])} ms"
+    )
 
 
 def main() -> None:
@@ -225,18 +245,29 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
     ap.add_argument("--config", default="configs/gpu.yaml")
     ap.add_argument("--num-prompts", type=int, default=500)
-    ap.add_argument("--rates", default="2,8,32",
-                    help="request rates (req/s) besides inf and half saturation; a finite rate sends at most "
-                         f"{RATE_WINDOW_S:g} s of arrivals")
+    ap.add_argument(
+        "--rates",
+        default="2,8,32",
+        help="request rates (req/s) besides inf and half saturation; a finite rate sends at most "
+        f"{RATE_WINDOW_S:g} s of arrivals",
+    )
     ap.add_argument("--port", type=int, default=0, help="0: a free port")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate run")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny-random, a few short requests; records nothing")
-    ap.add_argument("--families", action="store_true",
-                    help="instead of the sweep: the prefix-cache share with prefix affinity on vs off, two replicas, "
-                         "on the stress workload's prefix families")
-    ap.add_argument("--compare", nargs="+", metavar="K=V[,K=V]", default=None,
-                    help="instead of the sweep: saturation only, one fresh server per setting ('default' = the "
-                         "config as it is), each against the offline figure: an A/B of serve settings in one run")
+    ap.add_argument(
+        "--families",
+        action="store_true",
+        help="instead of the sweep: the prefix-cache share with prefix affinity on vs off, two replicas, "
+        "on the stress workload's prefix families",
+    )
+    ap.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="K=V[,K=V]",
+        default=None,
+        help="instead of the sweep: saturation only, one fresh server per setting ('default' = the "
+        "config as it is), each against the offline figure: an A/B of serve settings in one run",
+    )
     ap.add_argument("--families-rate", type=float, default=8.0, help="request rate of --families (req/s)")
     args = ap.parse_args()
     from cluster.config import load_config
@@ -254,8 +285,9 @@ def main() -> None:
     # Saturation queues every request: the bound per replica must not refuse the benchmark's own burst.
     config = config.replace(max_queued_requests=max(config.serve.max_queued_requests, n))
     if args.families:
-        shares = families(config, args.num_prompts if not args.smoke else min(args.num_prompts, 160), vocab,
-                          args.families_rate)
+        shares = families(
+            config, args.num_prompts if not args.smoke else min(args.num_prompts, 160), vocab, args.families_rate
+        )
         print(json.dumps({"families_cached_share": shares}), flush=True)
         if not args.smoke:
             from common import record
@@ -314,8 +346,12 @@ def _record(shape: str, offline: float | None, results: list[dict]) -> None:
     sat, half = results[0], next(r for r in results if r.get("half_saturation"))
     record("bench_serve", f"serve_{tag}_saturation_output_tok_s", sat["output_tok_s"], "tok/s")
     if offline:
-        record("bench_serve", "serve_vs_offline_ratio" + ("" if tag == "qwen3" else f"_{tag}"),
-               sat["output_tok_s"] / offline, "x")
+        record(
+            "bench_serve",
+            "serve_vs_offline_ratio" + ("" if tag == "qwen3" else f"_{tag}"),
+            sat["output_tok_s"] / offline,
+            "x",
+        )
     record("bench_serve", f"serve_ttft_p99_ms_{tag}_rate_half", half["ttft_p99_ms"], "ms")
     for r in results[1:]:
         name = "half" if r.get("half_saturation") else f"{r['rate']:g}"

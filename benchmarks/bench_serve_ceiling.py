@@ -14,6 +14,7 @@ Unpaced, the serving path is the bottleneck and coalesces tokens into few large 
 costs dominate. --step-ms paces the engine (every step takes that long, as on a GPU): when the path
 keeps up, one chunk a step per request, and its CPU us per token is the per-chunk cost to cut.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -110,10 +111,29 @@ def cpu_s(pid: int) -> float:
 def py_spy(out_dir: str, seconds: int, pids: dict[str, int]) -> list[subprocess.Popen]:
     """py-spy record (GIL holders only: the Python work) of each server process, for `seconds`."""
     os.makedirs(out_dir, exist_ok=True)
-    return [subprocess.Popen(["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-f", "raw", "-r", "50",
-                              "--gil", "-o", f"{out_dir}/{tag}-{pid}.txt"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for tag, pid in pids.items() if tag != "client"]
+    return [
+        subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "-p",
+                str(pid),
+                "-d",
+                str(seconds),
+                "-f",
+                "raw",
+                "-r",
+                "50",
+                "--gil",
+                "-o",
+                f"{out_dir}/{tag}-{pid}.txt",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for tag, pid in pids.items()
+        if tag != "client"
+    ]
 
 
 def main() -> None:
@@ -135,13 +155,22 @@ def main() -> None:
     if args.step_ms:
         # The worker processes inherit this environment: they find this module, and the pace.
         os.environ[STEP_ENV] = str(args.step_ms / 1e3)
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent),
-                                                    os.environ.get("PYTHONPATH", "")])
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+        )
         worker = PACED
-    config = load_config("configs/local.yaml", {
-        "model.model": client_model_dir(args.detokenize), "model.max_model_len": 1024,
-        "scheduler.max_num_seqs": 256, "scheduler.max_num_batched_tokens": 8192,
-        "ray.include_dashboard": False, "serve.max_queued_requests": n, **dict(parse_override(kv) for kv in args.set)})
+    config = load_config(
+        "configs/local.yaml",
+        {
+            "model.model": client_model_dir(args.detokenize),
+            "model.max_model_len": 1024,
+            "scheduler.max_num_seqs": 256,
+            "scheduler.max_num_batched_tokens": 8192,
+            "ray.include_dashboard": False,
+            "serve.max_queued_requests": n,
+            **dict(parse_override(kv) for kv in args.set),
+        },
+    )
     rng = random.Random(0)
     reqs = [([rng.randrange(256) for _ in range(rng.randint(8, 32))], args.max_tokens) for _ in range(n)]
     off = None if args.no_offline else offline(config, reqs, worker)
@@ -160,16 +189,23 @@ def main() -> None:
             for p in spies:
                 p.wait()
             print(format_row(res), flush=True)
-            print(f"  tokens per chunk {res['tokens_per_chunk']:.1f}; CPU us per output token: "
-                  + ", ".join(f"{t} {c:.0f}" for t, c in cost.items()), flush=True)
+            print(
+                f"  tokens per chunk {res['tokens_per_chunk']:.1f}; CPU us per output token: "
+                + ", ".join(f"{t} {c:.0f}" for t, c in cost.items()),
+                flush=True,
+            )
             if res["failed"]:
                 raise SystemExit(f"bench_serve_ceiling: {res['failed']} failed: {res.get('first_error')}")
             sat.append(res["output_tok_s"])
     finally:
         stop_server(started)
     serve_tok_s = statistics.median(sat)
-    print(json.dumps({"offline_tok_s": off, "serve_tok_s": serve_tok_s, "runs": sat,
-                      "ratio": serve_tok_s / off if off else None}), flush=True)
+    print(
+        json.dumps(
+            {"offline_tok_s": off, "serve_tok_s": serve_tok_s, "runs": sat, "ratio": serve_tok_s / off if off else None}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the first requests).
 
   python benchmarks/bench_startup.py --shape qwen3-0.6b
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ def child(model_dir: str, runs: int) -> dict:
     import ray
 
     from cluster import LLM, SamplingParams
+
     import_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -47,8 +49,11 @@ def child(model_dir: str, runs: int) -> dict:
     compiles = ray.get(driver.worker_call.remote(0, "compile_events", 0))
     out["compiles_at_start"] = len(compiles)
     out["compile_s_at_start"] = round(sum(e["took_s"] for e in compiles), 2)
-    print("slowest start-up compiles:", json.dumps(sorted(compiles, key=lambda e: -e["took_s"])[:15], indent=1),
-          file=sys.stderr)
+    print(
+        "slowest start-up compiles:",
+        json.dumps(sorted(compiles, key=lambda e: -e["took_s"])[:15], indent=1),
+        file=sys.stderr,
+    )
     lens = np.random.default_rng(1).integers(128, 513, 128)
     sp = SamplingParams(max_tokens=64, ignore_eos=True)
     try:
@@ -87,8 +92,12 @@ def main() -> None:
     results = {}
     for name, runs in (("cold", 1), ("warm", 2)):
         env = {**os.environ, "TRITON_CACHE_DIR": cache, "KVRAY_LOG_COMPILES": "1"}
-        p = subprocess.run([sys.executable, __file__, "--child", model_dir, "--runs", str(runs)], env=env,
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            [sys.executable, __file__, "--child", model_dir, "--runs", str(runs)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         sys.stderr.write(p.stderr[-4000:])
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("CHILD ")), None)
         if p.returncode != 0 or line is None:
@@ -98,8 +107,12 @@ def main() -> None:
     record("bench_startup", f"init_s_{tag}", results["warm"]["init_s"], "s")
     record("bench_startup", f"init_s_{tag}_cold", results["cold"]["init_s"], "s")
     w = results["warm"]
-    record("bench_startup", f"first_run_ttft_ratio_{tag}" if tag != "qwen3_0p6b" else "first_run_ttft_ratio",
-           w["run0_ttft_p50_ms"] / w["run1_ttft_p50_ms"], "x")
+    record(
+        "bench_startup",
+        f"first_run_ttft_ratio_{tag}" if tag != "qwen3_0p6b" else "first_run_ttft_ratio",
+        w["run0_ttft_p50_ms"] / w["run1_ttft_p50_ms"],
+        "x",
+    )
 
 
 if __name__ == "__main__":

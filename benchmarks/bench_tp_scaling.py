@@ -9,6 +9,7 @@ their busy time and the gaps between them); DP rows report the whole group's out
   python benchmarks/bench_tp_scaling.py                   # GPU host; records under results/multigpu.jsonl
   python benchmarks/bench_tp_scaling.py --smoke           # CPU, tiny-random, TP 1 and 2 over gloo
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,13 +27,25 @@ def run_layout(model_dir: str, tp: int, dp: int, args) -> dict:
     from cluster import LLM
 
     device = "cpu" if args.smoke else "cuda"
-    extra = ({"dtype": "float32", "cpu_kv_cache_gib": 0.05} if args.smoke else
-             {"dtype": "bfloat16", "gpu_memory_utilization": 0.85, "async_scheduling": True})
-    llm = LLM(model=model_dir, device=device, tensor_parallel_size=tp, data_parallel_size=dp,
-              max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.batch,
-              max_num_batched_tokens=max(8192, args.batch), enable_prefix_caching=False, **extra)
-    outs, elapsed, steps, _ = timed_decode(llm, random_prompts(args.batch * dp, args.prompt_len, args.smoke),
-                                           args.batch, args.output_len)
+    extra = (
+        {"dtype": "float32", "cpu_kv_cache_gib": 0.05}
+        if args.smoke
+        else {"dtype": "bfloat16", "gpu_memory_utilization": 0.85, "async_scheduling": True}
+    )
+    llm = LLM(
+        model=model_dir,
+        device=device,
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(8192, args.batch),
+        enable_prefix_caching=False,
+        **extra,
+    )
+    outs, elapsed, steps, _ = timed_decode(
+        llm, random_prompts(args.batch * dp, args.prompt_len, args.smoke), args.batch, args.output_len
+    )
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"tp": tp, "dp": dp, "output_tok_s": n_out / elapsed}
     if steps:
@@ -54,6 +67,7 @@ def main() -> None:
         model_dir, num_gpus = "tiny-random", 2
     else:
         import torch
+
         model_dir, num_gpus = make_random_model(args.shape, args.model_dir), torch.cuda.device_count()
     layouts = [(tp, dp) for tp, dp in LAYOUTS if tp * dp <= num_gpus and not (args.smoke and dp > 1)]
     results = [run_layout(model_dir, tp, dp, args) for tp, dp in layouts]
@@ -63,8 +77,10 @@ def main() -> None:
         name = f"TP{r['tp']}" + (f"xDP{r['dp']}" if r["dp"] > 1 else "")
         dec = r.get("decode_tok_s")
         speed = f"{dec / base:.2f}" if dec and base else "-"
-        print(f"{name:<10}{dec or 0:>14.0f}{speed:>9}{r.get('busy_ms_p50', 0):>13.3f}"
-              f"{r.get('idle_frac', 0):>7.3f}{r['output_tok_s']:>11.0f}")
+        print(
+            f"{name:<10}{dec or 0:>14.0f}{speed:>9}{r.get('busy_ms_p50', 0):>13.3f}"
+            f"{r.get('idle_frac', 0):>7.3f}{r['output_tok_s']:>11.0f}"
+        )
     if args.smoke:
         return
     for r in results:

@@ -21,6 +21,7 @@ before the first divergence; and HF fp32's top-1/top-2 logit margin where the di
   python benchmarks/bf16_divergence.py --shape gemma-3-12b --num-layers 12   # the new families likewise
   python benchmarks/bf16_divergence.py --smoke --shape qwen3-30b-a3b         # CPU, a tiny Qwen3-MoE
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,9 @@ def make_prompts(n: int, groups: int, lo: int, hi: int, vocab: int, seed: int = 
 
 
 # ---- HF transformers ---------------------------------------------------------------------------
-def run_hf(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, device: str,
-           want_margins: bool) -> tuple[list[list[int]], list[list[float]], float]:
+def run_hf(
+    model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, device: str, want_margins: bool
+) -> tuple[list[list[int]], list[list[float]], float]:
     """Greedy continuations, one batch per group of equal-length prompts (no padding); with
     want_margins also every step's top-1 minus top-2 logit."""
     import torch
@@ -67,11 +69,21 @@ def run_hf(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str
             j += 1
         ids = torch.tensor(prompts[i:j], device=device)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, output_logits=want_margins, return_dict_in_generate=True,
-                                 temperature=None, top_p=None, top_k=None)
-        seqs = out.sequences[:, ids.shape[1]:].tolist()
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=want_margins,
+                return_dict_in_generate=True,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
+        seqs = out.sequences[:, ids.shape[1] :].tolist()
         for k in range(j - i):
             tokens[i + k] = seqs[k]
         if want_margins:
@@ -86,21 +98,32 @@ def run_hf(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str
     del model, out
     if device == "cuda":
         import gc
+
         gc.collect()
         torch.cuda.empty_cache()
     return tokens, margins, elapsed
 
 
 # ---- kvray -------------------------------------------------------------------------------------
-def run_kvray(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str,
-              args) -> tuple[list[list[int]], float]:
+def run_kvray(
+    model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, args
+) -> tuple[list[list[int]], float]:
     from cluster import LLM
 
-    extra = ({"cpu_kv_cache_gib": 0.05} if args.device == "cpu" else
-             {"gpu_memory_utilization": args.gpu_memory_utilization})
-    llm = LLM(model=model_dir, device=args.device, dtype=dtype, tensor_parallel_size=1,
-              max_model_len=max(map(len, prompts)) + new_tokens + 16, max_num_seqs=max(len(prompts), 1),
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, **extra)
+    extra = (
+        {"cpu_kv_cache_gib": 0.05} if args.device == "cpu" else {"gpu_memory_utilization": args.gpu_memory_utilization}
+    )
+    llm = LLM(
+        model=model_dir,
+        device=args.device,
+        dtype=dtype,
+        tensor_parallel_size=1,
+        max_model_len=max(map(len, prompts)) + new_tokens + 16,
+        max_num_seqs=max(len(prompts), 1),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        **extra,
+    )
     return generate_greedy(llm, prompts, new_tokens, f"kvray {dtype}")
 
 
@@ -109,22 +132,23 @@ def run_kvray(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: 
 class Divergence:
     name: str
     identical_frac: float
-    first_div: np.ndarray      # per sequence; new_tokens where it never diverges
+    first_div: np.ndarray  # per sequence; new_tokens where it never diverges
     prefix_frac_mean: float
     margins_at_div: list[float]  # reference margin at each diverging sequence's first divergence
 
     def row(self) -> str:
         fd = self.first_div
         m = f"{np.median(self.margins_at_div):.2e}" if self.margins_at_div else "-"
-        return (f"{self.name:<24}{self.identical_frac:>10.3f}{np.median(fd):>9.1f}{fd.min():>6d}"
-                f"{np.percentile(fd, 10):>7.1f}{self.prefix_frac_mean:>10.3f}{m:>13}")
+        return (
+            f"{self.name:<24}{self.identical_frac:>10.3f}{np.median(fd):>9.1f}{fd.min():>6d}"
+            f"{np.percentile(fd, 10):>7.1f}{self.prefix_frac_mean:>10.3f}{m:>13}"
+        )
 
 
 HEADER = f"{'run vs reference':<24}{'identical':>10}{'median':>9}{'min':>6}{'p10':>7}{'prefix':>10}{'margin@div':>13}"
 
 
-def diverge(name: str, ref: list[list[int]], got: list[list[int]], margins: list[list[float]],
-            n: int) -> Divergence:
+def diverge(name: str, ref: list[list[int]], got: list[list[int]], margins: list[list[float]], n: int) -> Divergence:
     first = []
     at_div = []
     for i, (a, b) in enumerate(zip(ref, got)):
@@ -151,12 +175,16 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--num-layers", type=int, default=None, help="fewer layers than the shape has")
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU, 4 prompts, 8 new tokens: tiny-random, or a tiny model of --shape's family if given")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, 4 prompts, 8 new tokens: tiny-random, or a tiny model of --shape's family if given",
+    )
     args = p.parse_args()
     t_start = time.perf_counter()
     if args.smoke:
         from actors.loader import resolve_model_dir
+
         args.device, args.num_prompts, args.length_groups = "cpu", 4, 2
         args.min_len, args.max_len, args.new_tokens, args.max_num_batched_tokens = 16, 40, 8, 256
         model_dir, vocab = resolve_model_dir("tiny-random"), 256
@@ -167,16 +195,23 @@ def main() -> int:
         vocab = SHAPES[args.shape]["vocab_size"]
     n = args.new_tokens
     prompts = make_prompts(args.num_prompts, args.length_groups, args.min_len, args.max_len, vocab)
-    print(f"model {model_dir}, device {args.device}, {len(prompts)} prompts of lengths "
-          f"{sorted(set(map(len, prompts)))}, {n} greedy new tokens", flush=True)
+    print(
+        f"model {model_dir}, device {args.device}, {len(prompts)} prompts of lengths "
+        f"{sorted(set(map(len, prompts)))}, {n} greedy new tokens",
+        flush=True,
+    )
 
     hf32, margins, t_hf32 = run_hf(model_dir, prompts, n, "float32", args.device, want_margins=True)
-    print(f"hf_fp32: {t_hf32:.1f}s; HF fp32 top-2 margins: median {np.median(sum(margins, [])):.3f}, "
-          f"min {min(sum(margins, [])):.2e}", flush=True)
+    print(
+        f"hf_fp32: {t_hf32:.1f}s; HF fp32 top-2 margins: median {np.median(sum(margins, [])):.3f}, "
+        f"min {min(sum(margins, [])):.2e}",
+        flush=True,
+    )
     hf16, _, t_hf16 = run_hf(model_dir, prompts, n, "bfloat16", args.device, want_margins=False)
     print(f"hf_bf16: {t_hf16:.1f}s", flush=True)
     if not os.environ.get("RAY_ADDRESS"):
         from cluster.placement import start_local_ray  # one local Ray for both kvray runs
+
         start_local_ray(num_cpus=max(os.cpu_count() or 1, 3), namespace="kvray")
     baseline = gpu_used_mib() if args.device == "cuda" else None
     kv32, t_kv32 = run_kvray(model_dir, prompts, n, "float32", args)
@@ -186,12 +221,16 @@ def main() -> int:
     kv16, t_kv16 = run_kvray(model_dir, prompts, n, "bfloat16", args)
     print(f"kvray_bf16: {t_kv16:.1f}s", flush=True)
 
-    rows = [diverge("hf_bf16 vs hf_fp32", hf32, hf16, margins, n),
-            diverge("kvray_fp32 vs hf_fp32", hf32, kv32, margins, n),
-            diverge("kvray_bf16 vs hf_fp32", hf32, kv16, margins, n)]
+    rows = [
+        diverge("hf_bf16 vs hf_fp32", hf32, hf16, margins, n),
+        diverge("kvray_fp32 vs hf_fp32", hf32, kv32, margins, n),
+        diverge("kvray_bf16 vs hf_fp32", hf32, kv16, margins, n),
+    ]
     extra = diverge("kvray_bf16 vs hf_bf16", hf16, kv16, [], n)
-    print(f"\nfirst-divergence positions over {len(prompts)} sequences of {n} tokens (never = {n}); "
-          f"prefix = mean share of tokens before it; margin@div = median HF fp32 top-2 margin there")
+    print(
+        f"\nfirst-divergence positions over {len(prompts)} sequences of {n} tokens (never = {n}); "
+        f"prefix = mean share of tokens before it; margin@div = median HF fp32 top-2 margin there"
+    )
     print(HEADER)
     for r in rows + [extra]:
         print(r.row())
@@ -202,12 +241,16 @@ def main() -> int:
     if not bad:
         print("\nkvray fp32 == HF fp32: every sequence identical, token for token")
     else:
-        print(f"\n!!! kvray fp32 DIFFERS from HF fp32 in {len(bad)}/{len(prompts)} sequences "
-              f"(request, position, HF fp32 margin there): "
-              f"{[(i, pos, float(f'{margins[i][pos]:.3g}')) for i, pos in bad[:8]]}")
+        print(
+            f"\n!!! kvray fp32 DIFFERS from HF fp32 in {len(bad)}/{len(prompts)} sequences "
+            f"(request, position, HF fp32 margin there): "
+            f"{[(i, pos, float(f'{margins[i][pos]:.3g}')) for i, pos in bad[:8]]}"
+        )
         if real:
-            print(f"!!! {len(real)} of them where HF's top-2 margin is >= {TIE_MARGIN:g}: NOT a float32 near-tie, "
-                  f"likely a kvray bug !!!")
+            print(
+                f"!!! {len(real)} of them where HF's top-2 margin is >= {TIE_MARGIN:g}: NOT a float32 near-tie, "
+                f"likely a kvray bug !!!"
+            )
         else:
             print(f"    (all at HF top-2 margins below {TIE_MARGIN:g}: float32 near-ties, not a bug)")
     print(f"total {time.perf_counter() - t_start:.1f}s")

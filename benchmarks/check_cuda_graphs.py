@@ -10,6 +10,7 @@ mixed steps too, at a share of 100%), and every request's tokens equal HF's. Exi
 
   python benchmarks/check_cuda_graphs.py
 """
+
 from __future__ import annotations
 
 import sys
@@ -38,8 +39,13 @@ from kvcore.request import Request, SamplingParams  # noqa: E402
 NEW_TOKENS = 24
 COPIES = 5  # 8 prompts x 5 = 40 requests: batches of 40 and below, between the 32 and 48 buckets
 # (name, cudagraph_mode, async)
-MODES = [("eager", "none", False), ("decode-graphs sync", "decode", False), ("decode-graphs async", "decode", True),
-         ("all-graphs sync", "all", False), ("all-graphs async", "all", True)]
+MODES = [
+    ("eager", "none", False),
+    ("decode-graphs sync", "decode", False),
+    ("decode-graphs async", "decode", True),
+    ("all-graphs sync", "all", False),
+    ("all-graphs async", "all", True),
+]
 
 
 def expected_len(rid: str) -> int:
@@ -48,11 +54,14 @@ def expected_len(rid: str) -> int:
 
 
 def run(path: str, prompts, mode: str, async_on: bool) -> tuple[dict[str, list[int]], Counter, dict]:
-    config = EngineConfig(model=ModelConfig(model=path, dtype="float32", cudagraph_mode=mode),
-                          parallel=ParallelConfig(device="cuda"),
-                          cache=CacheConfig(block_size=16, num_gpu_blocks=1024),
-                          scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048,
-                                                    async_scheduling=async_on, debug_invariants=True))
+    config = EngineConfig(
+        model=ModelConfig(model=path, dtype="float32", cudagraph_mode=mode),
+        parallel=ParallelConfig(device="cuda"),
+        cache=CacheConfig(block_size=16, num_gpu_blocks=1024),
+        scheduler=SchedulerConfig(
+            max_num_seqs=64, max_num_batched_tokens=2048, async_scheduling=async_on, debug_invariants=True
+        ),
+    )
     replays: Counter = Counter()
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
@@ -75,7 +84,7 @@ def run(path: str, prompts, mode: str, async_on: bool) -> tuple[dict[str, list[i
                 for i, p in enumerate(prompts):
                     rid = f"g{i}-{c}"
                     engine.add_request(Request(rid, p, SamplingParams(max_tokens=expected_len(rid), ignore_eos=True)))
-            for _ in range(4 if wave.start == 0 else 10 ** 6):
+            for _ in range(4 if wave.start == 0 else 10**6):
                 if not engine.has_unfinished():
                     break
                 for out in engine.step():
@@ -96,10 +105,14 @@ def main() -> int:
             for name, mode, async_on in MODES:
                 t0 = time.perf_counter()
                 tokens, replays, stats = run(path, prompts, mode, async_on)
-                bad = [rid for rid, toks in tokens.items()
-                       if toks != expected[int(rid[1:].split("-")[0])][:len(toks)] or len(toks) != expected_len(rid)]
-                bad += [f"missing {i}-{c}" for i in range(len(prompts)) for c in range(COPIES)
-                        if f"g{i}-{c}" not in tokens]
+                bad = [
+                    rid
+                    for rid, toks in tokens.items()
+                    if toks != expected[int(rid[1:].split("-")[0])][: len(toks)] or len(toks) != expected_len(rid)
+                ]
+                bad += [
+                    f"missing {i}-{c}" for i in range(len(prompts)) for c in range(COPIES) if f"g{i}-{c}" not in tokens
+                ]
                 padded = sum(n for (real, b), n in replays.items() if b.decode and b.num_seqs > real)
                 mixed = sum(n for (_, b), n in replays.items() if not b.decode)
                 share = stats["graph_step_share"]
@@ -109,10 +122,13 @@ def main() -> int:
                 if mode == "all":
                     ok = ok and mixed > 0 and share == 1.0
                 failures += not ok
-                print(f"{'PASS' if ok else 'FAIL'} {family:<13} {name:<20} requests={len(tokens)} "
-                      f"mismatched={bad[:4]} steps={stats['num_steps']} graph_share={share:.3f} "
-                      f"replays={sum(replays.values())} padded_decode={padded} mixed={mixed} "
-                      f"eager={stats['eager_reasons']} ({time.perf_counter() - t0:.1f}s)", flush=True)
+                print(
+                    f"{'PASS' if ok else 'FAIL'} {family:<13} {name:<20} requests={len(tokens)} "
+                    f"mismatched={bad[:4]} steps={stats['num_steps']} graph_share={share:.3f} "
+                    f"replays={sum(replays.values())} padded_decode={padded} mixed={mixed} "
+                    f"eager={stats['eager_reasons']} ({time.perf_counter() - t0:.1f}s)",
+                    flush=True,
+                )
     print("CUDA graph check:", "PASS" if failures == 0 else f"FAIL ({failures} runs)")
     return 1 if failures else 0
 

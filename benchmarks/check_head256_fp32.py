@@ -4,6 +4,7 @@ happens (kernel, seconds, tiles) and the result against the torch reference, for
 
   python benchmarks/check_head256_fp32.py --timeout 60
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,9 @@ def child(kind: str, block_m: int, block_n: int) -> None:
             after(**kw)
             e = log.events[-1]
             print(f"  compiled {e.kernel} in {e.took_s:.1f} s", flush=True)
+
         from triton import knobs
+
         knobs.runtime.jit_post_compile_hook = loud
     b = t.make_batch(*t.SHAPES[kind], 16, 8, 256, 16, torch.float32, seed=1)
     b = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in b.items()}
@@ -42,8 +45,11 @@ def child(kind: str, block_m: int, block_n: int) -> None:
     out = t.run_attention(b, 0.0625, None, "triton", **kw)
     torch.cuda.synchronize()
     err = (out - ref).abs().nan_to_num(0).max().item()
-    print(f"RESULT {kind} tiles={kw or 'default'}: {time.perf_counter() - t0:.1f} s, max err {err:.2e}, "
-          f"fitted {pa._FITTED}", flush=True)
+    print(
+        f"RESULT {kind} tiles={kw or 'default'}: {time.perf_counter() - t0:.1f} s, max err {err:.2e}, "
+        f"fitted {pa._FITTED}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -57,8 +63,11 @@ def main() -> None:
     for kind, bm, bn in (("mixed", 0, 0), ("mixed", 16, 32), ("mixed", 32, 16)):
         print(f"== {kind} block_m={bm or 'default'} block_n={bn or 'default'}", flush=True)
         try:
-            subprocess.run([sys.executable, __file__, "--child", kind, str(bm), str(bn)], timeout=args.timeout,
-                           env={**os.environ, "TRITON_INTERPRET": "0"})
+            subprocess.run(
+                [sys.executable, __file__, "--child", kind, str(bm), str(bn)],
+                timeout=args.timeout,
+                env={**os.environ, "TRITON_INTERPRET": "0"},
+            )
         except subprocess.TimeoutExpired:
             print(f"TIMEOUT after {args.timeout:g} s", flush=True)
 

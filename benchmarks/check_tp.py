@@ -21,6 +21,7 @@ determine_num_blocks).
   python benchmarks/check_tp.py --gpus-per-worker 1 --tp 2,4      # a multi-GPU host (NCCL)
   python benchmarks/check_tp.py --smoke                           # CPU, tiny-random, TP=1 vs TP=2 (gloo)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def gpu_used_mib() -> int | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.check_output(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                      text=True, timeout=20)
+        out = subprocess.check_output(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], text=True, timeout=20
+        )
         return sum(int(x) for x in out.split())
     except Exception:  # noqa: BLE001 - best effort
         return None
@@ -65,8 +67,11 @@ def wait_gpu_released(baseline_mib: int | None, timeout_s: float = 90.0) -> None
     while used is not None and used > baseline_mib + 2048 and time.perf_counter() - t0 < timeout_s:
         time.sleep(1.0)
         used = gpu_used_mib()
-    print(f"  GPU memory in use after shutdown: {used} MiB (baseline {baseline_mib} MiB, waited "
-          f"{time.perf_counter() - t0:.1f}s)", flush=True)
+    print(
+        f"  GPU memory in use after shutdown: {used} MiB (baseline {baseline_mib} MiB, waited "
+        f"{time.perf_counter() - t0:.1f}s)",
+        flush=True,
+    )
 
 
 # ---- workload and runs ---------------------------------------------------------------------------
@@ -78,13 +83,23 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
 def run_engine(model_dir: str, tp: int, prompts: list[list[int]], args) -> tuple[list[list[int]], float]:
     from cluster import LLM
 
-    extra = ({"cpu_kv_cache_gib": 0.05} if args.device == "cpu" else
-             {"gpu_memory_utilization": args.gpu_memory_utilization})
+    extra = (
+        {"cpu_kv_cache_gib": 0.05} if args.device == "cpu" else {"gpu_memory_utilization": args.gpu_memory_utilization}
+    )
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, device=args.device, dtype=args.dtype, tensor_parallel_size=tp,
-              gpus_per_worker=args.gpus_per_worker, max_model_len=max(map(len, prompts)) + args.new_tokens + 16,
-              max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, enforce_eager=args.eager, **extra)
+    llm = LLM(
+        model=model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=tp,
+        gpus_per_worker=args.gpus_per_worker,
+        max_model_len=max(map(len, prompts)) + args.new_tokens + 16,
+        max_num_seqs=max(len(prompts), 1),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        enforce_eager=args.eager,
+        **extra,
+    )
     info = llm.engines.info if llm.engines is not None else {}
     t1 = time.perf_counter()
     tokens, gen_s = generate_greedy(llm, prompts, args.new_tokens, f"TP={tp}")
@@ -97,7 +112,7 @@ class Comparison:
     tp: int
     identical: int = 0
     total: int = 0
-    first_div: list[int] = field(default_factory=list)       # per diverging request: its first position
+    first_div: list[int] = field(default_factory=list)  # per diverging request: its first position
     prefix_fracs: list[float] = field(default_factory=list)  # per request: share of tokens before divergence
     mismatches: list[tuple[int, int, int, int]] = field(default_factory=list)  # (request, pos, ref, got)
 
@@ -146,13 +161,15 @@ def logit_gaps(model_dir: str, prompts, ref, mismatches, device: str, limit: int
 
 def report(c: Comparison, strict: bool) -> None:
     n_tok = len(c.prefix_fracs)
-    line = (f"TP={c.tp} vs TP=1: {c.identical}/{c.total} sequences identical, mean share of tokens before "
-            f"the first divergence {sum(c.prefix_fracs) / max(n_tok, 1):.3f}")
+    line = (
+        f"TP={c.tp} vs TP=1: {c.identical}/{c.total} sequences identical, mean share of tokens before "
+        f"the first divergence {sum(c.prefix_fracs) / max(n_tok, 1):.3f}"
+    )
     if c.first_div:
         fd = sorted(c.first_div)
         line += f", first-divergence positions (sorted) {fd}"
     print(line)
-    for req, pos, want, got in c.mismatches[:4 if strict else 2]:
+    for req, pos, want, got in c.mismatches[: 4 if strict else 2]:
         print(f"  first mismatch of request {req}: position {pos}, TP=1 token {want}, TP={c.tp} token {got}")
 
 
@@ -161,13 +178,22 @@ def main() -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("--num-layers", type=int, default=4, help="cut the shape to this many layers")
     p.add_argument("--model-dir", default="/tmp/kvray-models")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the dtype kvray runs in (the checkpoint is written in float32)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the dtype kvray runs in (the checkpoint is written in float32)",
+    )
     p.add_argument("--tp", default="2", help="comma-separated TP sizes compared against TP=1")
-    p.add_argument("--gpus-per-worker", type=float, default=0.5,
-                   help="< 1: ranks share one GPU (gloo); 1: a GPU per rank (NCCL)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
-                   help="of each GPU; ranks sharing one split it by gpus_per_worker")
+    p.add_argument(
+        "--gpus-per-worker", type=float, default=0.5, help="< 1: ranks share one GPU (gloo); 1: a GPU per rank (NCCL)"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.85,
+        help="of each GPU; ranks sharing one split it by gpus_per_worker",
+    )
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--min-len", type=int, default=20)
     p.add_argument("--max-len", type=int, default=200)
@@ -184,6 +210,7 @@ def main() -> int:
         args.device, args.num_prompts, args.min_len, args.max_len, args.new_tokens = "cpu", 6, 10, 60, 8
         args.max_num_batched_tokens = 256
         from actors.loader import resolve_model_dir
+
         model_dir, vocab = resolve_model_dir("tiny-random"), 256  # written on first use
     else:
         model_dir = make_random_model(args.shape, args.model_dir, dtype="float32", num_layers=args.num_layers)
@@ -192,18 +219,23 @@ def main() -> int:
         import gc
 
         import torch
+
         gc.collect()
         torch.cuda.empty_cache()  # make_random_model built the weights on this process's GPU
     if not os.environ.get("RAY_ADDRESS"):
         # One local Ray for every run (LLM would start and stop one per run); workers take a CPU each
         # on the CPU, none on the GPU.
         from cluster.placement import start_local_ray
+
         start_local_ray(num_cpus=max(os.cpu_count() or 1, max(tps + [1]) + 2), namespace="kvray")
     strict = args.dtype == "float32"
     backend = "gloo" if args.device == "cpu" or args.gpus_per_worker < 1 else "nccl"
-    print(f"model {model_dir} ({args.dtype}), device {args.device}, TP 1 vs {tps}, gpus_per_worker "
-          f"{args.gpus_per_worker:g} ({backend}), {args.num_prompts} prompts of {args.min_len}-{args.max_len} "
-          f"tokens, {args.new_tokens} greedy new tokens", flush=True)
+    print(
+        f"model {model_dir} ({args.dtype}), device {args.device}, TP 1 vs {tps}, gpus_per_worker "
+        f"{args.gpus_per_worker:g} ({backend}), {args.num_prompts} prompts of {args.min_len}-{args.max_len} "
+        f"tokens, {args.new_tokens} greedy new tokens",
+        flush=True,
+    )
 
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, vocab)
     baseline = gpu_used_mib() if args.device == "cuda" else None
@@ -228,8 +260,11 @@ def main() -> int:
             if c.mismatches:
                 gaps = logit_gaps(model_dir, prompts, ref, c.mismatches, args.device)
                 for (req, pos, want, got), g in zip(c.mismatches, gaps):
-                    kind = ("a near-tie (numerical)" if g is not None and abs(g) < TIE_GAP
-                            else "NOT a near-tie: a likely TP bug")
+                    kind = (
+                        "a near-tie (numerical)"
+                        if g is not None and abs(g) < TIE_GAP
+                        else "NOT a near-tie: a likely TP bug"
+                    )
                     print(f"  TP={c.tp} request {req} pos {pos}: HF fp32 logit gap ref-other = {g}: {kind}")
                     if g is not None:
                         gaps_all.append(abs(g))
@@ -237,17 +272,20 @@ def main() -> int:
     if strict:
         print(f"TP greedy check ({args.dtype}): {'PASS' if ok else 'FAIL'} ({elapsed:.1f}s)")
     else:
-        print(f"TP greedy comparison ({args.dtype}, divergence allowed): "
-              f"{sum(c.identical for c in results)}/{sum(c.total for c in results)} sequences identical "
-              f"({elapsed:.1f}s)")
+        print(
+            f"TP greedy comparison ({args.dtype}, divergence allowed): "
+            f"{sum(c.identical for c in results)}/{sum(c.total for c in results)} sequences identical "
+            f"({elapsed:.1f}s)"
+        )
     if not args.smoke:
         script = "multigpu" if args.gpus_per_worker >= 1 else "check_tp"
         sfx = "" if strict else "_bf16"
         record(script, "tp_greedy_match" + sfx, 1.0 if ok else 0.0, "bool")
         for c in results:
             record(script, f"tp{c.tp}_seq_match_frac{sfx}", c.identical / max(c.total, 1), "fraction")
-            record(script, f"tp{c.tp}_mean_prefix_frac{sfx}", sum(c.prefix_fracs) / max(len(c.prefix_fracs), 1),
-                   "fraction")
+            record(
+                script, f"tp{c.tp}_mean_prefix_frac{sfx}", sum(c.prefix_fracs) / max(len(c.prefix_fracs), 1), "fraction"
+            )
             record(script, f"tp{c.tp}_generate_s{sfx}", timings[c.tp], "s")
         if gaps_all:
             record(script, "tp_mismatch_max_abs_logit_gap", max(gaps_all), "logit")

@@ -1,4 +1,5 @@
 """Shared helpers for the benchmark scripts: result records and random-weight model directories."""
+
 from __future__ import annotations
 
 import datetime
@@ -13,50 +14,146 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # HF config fields of the model shapes the benchmarks use (random weights, real sizes).
 SHAPES = {
     "qwen3-0.6b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
-        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, hidden_act="silu"),
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+    ),
     "llama-3.1-8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        hidden_act="silu", rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+    ),
     # Hybrid attention: 40 local (window 1024, base 1e4) and 8 global layers (base 1e6, linear x8).
     "gemma-3-12b": dict(
-        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=3840, intermediate_size=15360,
-        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262208,
-        max_position_embeddings=131072, sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=256,
-        rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
-        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=262208,
+        max_position_embeddings=131072,
+        sliding_window=1024,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=256,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
     # Soft-capped attention and logits, every second layer local (window 4096).
     "gemma-2-2b": dict(
-        architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=2304, intermediate_size=9216,
-        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
-        max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
-        tie_word_embeddings=True),
+        architectures=["Gemma2ForCausalLM"],
+        model_type="gemma2",
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        sliding_window=4096,
+        query_pre_attn_scalar=256,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
     # Mixture of experts: 128 experts of 768, top 8, renormalised.
     "qwen3-30b-a3b": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
-        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
-        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        hidden_act="silu"),
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+    ),
     # Mixtral's layout (8 experts, top 2, float32 routing weights) at a small size.
     "mixtral-small": dict(
-        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=1024, intermediate_size=3584,
-        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
-        num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu"),
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+    ),
 }
 
 # --smoke: every shape shrunk to a CPU-sized model of the same family (same layer kinds and routing).
-TINY_FIELDS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
-TINY_OPTIONAL = dict(moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
-                     sliding_window=16, query_pre_attn_scalar=16, sliding_window_pattern=2)
+TINY_FIELDS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+TINY_OPTIONAL = dict(
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    query_pre_attn_scalar=16,
+    sliding_window_pattern=2,
+)
 
 
 def tiny_shape(shape: str) -> dict:
@@ -71,22 +168,30 @@ def git_commit() -> str:
     if os.environ.get("KVRAY_COMMIT"):
         return os.environ["KVRAY_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
     except Exception:
         return os.environ.get("KVRAY_COMMIT", "unknown")
 
 
 def device_name() -> str:
     import torch
+
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def record(script: str, metric: str, value: float, unit: str) -> dict:
     """Append one headline figure to benchmarks/results/<script>.jsonl (and $OUT when set)."""
-    rec = {"metric": metric, "value": round(float(value), 4), "unit": unit, "device": device_name(),
-           "commit": git_commit(), "date": datetime.date.today().isoformat(),
-           "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}
+    rec = {
+        "metric": metric,
+        "value": round(float(value), 4),
+        "unit": unit,
+        "device": device_name(),
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+    }
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     for d in [RESULTS_DIR] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
         with open(d / f"{script}.jsonl", "a") as f:
@@ -95,15 +200,15 @@ def record(script: str, metric: str, value: float, unit: str) -> dict:
     return rec
 
 
-def make_random_model(shape: str, out_dir: str, dtype: str = "bfloat16", num_layers: int | None = None,
-                      tiny: bool = False) -> str:
+def make_random_model(
+    shape: str, out_dir: str, dtype: str = "bfloat16", num_layers: int | None = None, tiny: bool = False
+) -> str:
     """Write an HF-format directory with random weights of a named shape (transformers does the init);
     `tiny`: the shape's family at TINY_FIELDS' size."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(out_dir) / (shape + ("-tiny" if tiny else "") + (f"-{num_layers}l" if num_layers else "")
-                            + f"-{dtype}")
+    path = Path(out_dir) / (shape + ("-tiny" if tiny else "") + (f"-{num_layers}l" if num_layers else "") + f"-{dtype}")
     if (path / "config.json").exists():
         return str(path)
     fields = tiny_shape(shape) if tiny else dict(SHAPES[shape])
@@ -130,8 +235,10 @@ def generate_greedy(llm, prompts: list[list[int]], new_tokens: int, label: str) 
 
     try:
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
+        )
         elapsed = time.perf_counter() - t0
     finally:
         llm.shutdown()

@@ -10,6 +10,7 @@ the default transport (ray.transport's default in actors/engine_config.py).
 
   python benchmarks/control_plane.py [--tp 1 2 4] [--steps 300] [--num-reqs 32] [--device cpu]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,20 @@ from cluster.placement import create_placement_group, remove, start_local_ray  #
 from kvcore.request import Request, SamplingParams  # noqa: E402
 
 
-def measure(tp: int, transport: str, steps: int, num_reqs: int, device: str,
-            gpus_per_worker: float) -> dict[str, float]:
-    config = EngineConfig().replace(tensor_parallel_size=tp, transport=transport, device=device,
-                                    gpus_per_worker=gpus_per_worker,
-                                    num_gpu_blocks=8192, max_num_seqs=max(num_reqs, 1), max_model_len=4096,
-                                    max_num_batched_tokens=4096, step_timeout_s=60)
+def measure(
+    tp: int, transport: str, steps: int, num_reqs: int, device: str, gpus_per_worker: float
+) -> dict[str, float]:
+    config = EngineConfig().replace(
+        tensor_parallel_size=tp,
+        transport=transport,
+        device=device,
+        gpus_per_worker=gpus_per_worker,
+        num_gpu_blocks=8192,
+        max_num_seqs=max(num_reqs, 1),
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        step_timeout_s=60,
+    )
     pg = create_placement_group(config, name=f"bench-tp{tp}-{transport}")
     engine = None
     try:
@@ -56,8 +65,11 @@ def measure(tp: int, transport: str, steps: int, num_reqs: int, device: str,
             t2 = time.perf_counter()
             times.append(t2 - t0)
             sched.append(t1 - t0)
-        return {"step_us": statistics.median(times) * 1e6, "schedule_us": statistics.median(sched) * 1e6,
-                "p90_step_us": sorted(times)[int(0.9 * len(times))] * 1e6}
+        return {
+            "step_us": statistics.median(times) * 1e6,
+            "schedule_us": statistics.median(sched) * 1e6,
+            "p90_step_us": sorted(times)[int(0.9 * len(times))] * 1e6,
+        }
     finally:
         if engine is not None:
             engine.shutdown()
@@ -86,8 +98,11 @@ def main() -> None:
             gpus_per_worker = 1.0 if args.device == "cpu" or tp <= num_gpus else max(num_gpus, 1) / tp
             for transport in args.transports:
                 r = measure(tp, transport, args.steps, args.num_reqs, args.device, gpus_per_worker)
-                print(f"tp={tp} transport={transport:15s} step median {r['step_us']:9.1f} us  "
-                      f"p90 {r['p90_step_us']:9.1f} us  (schedule alone {r['schedule_us']:.1f} us)", flush=True)
+                print(
+                    f"tp={tp} transport={transport:15s} step median {r['step_us']:9.1f} us  "
+                    f"p90 {r['p90_step_us']:9.1f} us  (schedule alone {r['schedule_us']:.1f} us)",
+                    flush=True,
+                )
                 results.append((tp, transport, r["step_us"]))
     finally:
         ray.shutdown()

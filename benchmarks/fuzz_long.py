@@ -6,6 +6,7 @@ built-in tiny-random model and an embedded Ray.
 
     PYTHONPATH=$PWD python benchmarks/fuzz_long.py --lines 10000 [--seed 0] [--keep DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,46 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import record  # noqa: E402
 
 BAD_TEXT = ["\ud800", "a\udc80b", "\udfff\ud800", "\x00", "\u2028", "\ufeff", "\U0010ffff", "\x1b[2J"]
-EDGE = [0, 1, -1, 2**31 - 1, 2**31, 2**63, 2**64, 10**30, 1e-50, 1e300, float("inf"), float("nan"), 0.5, 2.0,
-        True, None, "x", [], {}, [1, "a"]]
-FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "stop_token_ids", "min_tokens",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "n",
-          "stop", "no_such_field"]
+EDGE = [
+    0,
+    1,
+    -1,
+    2**31 - 1,
+    2**31,
+    2**63,
+    2**64,
+    10**30,
+    1e-50,
+    1e300,
+    float("inf"),
+    float("nan"),
+    0.5,
+    2.0,
+    True,
+    None,
+    "x",
+    [],
+    {},
+    [1, "a"],
+]
+FIELDS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "ignore_eos",
+    "stop_token_ids",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
+    "n",
+    "stop",
+    "no_such_field",
+]
 
 
 def _value(rng: random.Random, depth: int = 0):
@@ -69,15 +105,21 @@ def _line(rng: random.Random) -> bytes:
         for name in rng.sample(FIELDS, rng.randint(0, 4)):
             rec[name] = _value(rng)
         line = _dump(rec, rng)
-        return line[:rng.randint(1, len(line))] if rng.random() < 0.1 else line  # some cut short
+        return line[: rng.randint(1, len(line))] if rng.random() < 0.1 else line  # some cut short
     if r < 0.85:
         return _dump(_value(rng), rng)  # not an object
     if r < 0.95:
         return b"x" + bytes(rng.randrange(256) for _ in range(rng.randint(0, 40))).replace(b"\n", b" ").replace(
-            b"\r", b" ")
+            b"\r", b" "
+        )
     n = rng.choice([10, 1000, 100_000]) if rng.random() < 0.9 else 100_000
-    return rng.choice([b"[" * n + b"]" * n, b'{"prompt_token_ids": [' + b"9" * min(n, 20_000) + b"]}",
-                       b'{"prompt_token_ids": [1], "seed": ' + b"9" * min(n, 5000) + b"}"])
+    return rng.choice(
+        [
+            b"[" * n + b"]" * n,
+            b'{"prompt_token_ids": [' + b"9" * min(n, 20_000) + b"]}",
+            b'{"prompt_token_ids": [1], "seed": ' + b"9" * min(n, 5000) + b"}",
+        ]
+    )
 
 
 def generate(n: int, seed: int) -> list[bytes]:
@@ -95,8 +137,16 @@ def check(lines: list[bytes], out_path: Path) -> dict:
     twice = [i for i, c in per_line.items() if c > 1]
     errors = sum(1 for r in recs if r["error"] is not None)
     good = sum(1 for r in recs if r["error"] is None and r["output_token_ids"])
-    return {"lines": len(lines), "expected_answers": len(expected), "records": len(recs), "missing": missing[:20],
-            "num_missing": len(missing), "answered_twice": twice[:20], "errors": errors, "served": good}
+    return {
+        "lines": len(lines),
+        "expected_answers": len(expected),
+        "records": len(recs),
+        "missing": missing[:20],
+        "num_missing": len(missing),
+        "answered_twice": twice[:20],
+        "errors": errors,
+        "served": good,
+    }
 
 
 def main() -> int:
@@ -114,9 +164,24 @@ def main() -> int:
     out = work / "out.jsonl"
     if out.exists():
         out.unlink()
-    cmd = [sys.executable, "-m", "cluster.cli", "run", "--config", str(ROOT / "configs/local.yaml"),
-           "--input", str(work / "in.jsonl"), "--output", str(out), "--max-tokens", "4",
-           "--set", "model.max_model_len=128", "--set", "cache.num_gpu_blocks=256"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs/local.yaml"),
+        "--input",
+        str(work / "in.jsonl"),
+        "--output",
+        str(out),
+        "--max-tokens",
+        "4",
+        "--set",
+        "model.max_model_len=128",
+        "--set",
+        "cache.num_gpu_blocks=256",
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     t1 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

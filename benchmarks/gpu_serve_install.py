@@ -2,6 +2,7 @@
 ray/serve (cut from the slim Ray) and each wheel of .gpu/serve/ whose import name the image cannot import.
 Copied to .gpu/serve/install.py by benchmarks/gpu_bundle_extras.sh; run there as `python3 .gpu/serve/install.py`.
 """
+
 import importlib.util
 import os
 import subprocess
@@ -38,8 +39,23 @@ def import_names(whl: Path) -> set[str]:
 
 
 def pip_install(wheels: list[str], *extra: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    *extra, "--target", SITE, *wheels], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            *extra,
+            "--target",
+            SITE,
+            *wheels,
+        ],
+        check=True,
+    )
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ engine double of the tests (tests/job_helpers.py, which answers at once); then a
 
   python benchmarks/job_client_memory.py 1000000      # prints one JSON line
 """
+
 import json
 import os
 import resource
@@ -39,12 +40,23 @@ def main(n: int, shards: int = 8) -> None:
         for _ in range(2):
             t0 = time.monotonic()
             st = Job(EngineConfig(), FakeEngines(), None, f"{d}/out.jsonl", progress=False).run(
-                InputReader(resolve_shards(f"{d}/in"), SamplingParams(max_tokens=1)))
+                InputReader(resolve_shards(f"{d}/in"), SamplingParams(max_tokens=1))
+            )
             runs.append((st, time.monotonic() - t0, rss_mib()))
-        print(json.dumps({"lines": n, "completed": runs[0][0].completed, "run_s": round(runs[0][1], 1),
-                          "resume_skipped": runs[1][0].skipped, "resume_s": round(runs[1][1], 1),
-                          "rss_before_mib": round(base), "peak_rss_run_mib": round(runs[0][2]),
-                          "peak_rss_after_resume_mib": round(runs[1][2])}))
+        print(
+            json.dumps(
+                {
+                    "lines": n,
+                    "completed": runs[0][0].completed,
+                    "run_s": round(runs[0][1], 1),
+                    "resume_skipped": runs[1][0].skipped,
+                    "resume_s": round(runs[1][1], 1),
+                    "rss_before_mib": round(base),
+                    "peak_rss_run_mib": round(runs[0][2]),
+                    "peak_rss_after_resume_mib": round(runs[1][2]),
+                }
+            )
+        )
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

@@ -9,6 +9,7 @@ the finished output (every line skipped: the resume pass over N ids) and reports
 
 Prints one JSON line. Engine memory (the driver and worker actors) is Ray's and not counted here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,15 +43,17 @@ def run(args: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": REPO}
     env.pop("TRITON_INTERPRET", None)
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=REPO, env=env, capture_output=True,
-                       text=True)
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.monotonic() - t0
     # RUSAGE_CHILDREN: the largest RSS of any waited-for child so far; runs go in increasing order here.
     rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     if r.returncode != 0:
         raise SystemExit(f"kvray run failed ({r.returncode}): {r.stderr[-3000:]}")
-    return {"wall_s": round(wall, 1), "peak_rss_mib_so_far": round(rss_mib, 1),
-            "summary": json.loads(r.stdout.strip().splitlines()[-1])}
+    return {
+        "wall_s": round(wall, 1),
+        "peak_rss_mib_so_far": round(rss_mib, 1),
+        "summary": json.loads(r.stdout.strip().splitlines()[-1]),
+    }
 
 
 def main() -> None:
@@ -76,15 +79,27 @@ def main() -> None:
         out_bytes = os.path.getsize(out)
         again = run(common)
     s1, s2 = first["summary"], again["summary"]
-    print(json.dumps({
-        "lines": a.lines, "shards": a.shards, "input_mib": round(in_bytes / 2**20, 1), "generate_s": round(gen_s, 1),
-        "run_wall_s": first["wall_s"], "run_peak_rss_mib": first["peak_rss_mib_so_far"],
-        "completed": s1["completed"], "errors": s1["errors"],
-        "requests_per_s": round(s1["completed"] / s1["wall_s"], 1),
-        "output_lines": out_lines, "output_mib": round(out_bytes / 2**20, 1),
-        "resume_wall_s": again["wall_s"], "resume_skipped": s2["skipped_already_done"],
-        "peak_rss_mib_both_runs": again["peak_rss_mib_so_far"], "overrides": a.overrides,
-    }))
+    print(
+        json.dumps(
+            {
+                "lines": a.lines,
+                "shards": a.shards,
+                "input_mib": round(in_bytes / 2**20, 1),
+                "generate_s": round(gen_s, 1),
+                "run_wall_s": first["wall_s"],
+                "run_peak_rss_mib": first["peak_rss_mib_so_far"],
+                "completed": s1["completed"],
+                "errors": s1["errors"],
+                "requests_per_s": round(s1["completed"] / s1["wall_s"], 1),
+                "output_lines": out_lines,
+                "output_mib": round(out_bytes / 2**20, 1),
+                "resume_wall_s": again["wall_s"],
+                "resume_skipped": s2["skipped_already_done"],
+                "peak_rss_mib_both_runs": again["peak_rss_mib_so_far"],
+                "overrides": a.overrides,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

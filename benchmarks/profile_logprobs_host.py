@@ -19,6 +19,7 @@ Each stage also runs with logprobs off (the base), so the table shows what logpr
   python benchmarks/profile_logprobs_host.py --profile client_process   # cProfile of one stage
   python benchmarks/profile_logprobs_host.py --device-breakdown cuda      # the device stage's kernels, GPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,9 @@ class Step:
         self.collector = LogprobsCollector()
         self.processor = OutputProcessor(tokenizer)
         for rid in self.req_ids:
-            self.processor.add_request(rid, None, [1, 2, 3], SamplingParams(temperature=0.8, top_p=0.95,
-                                                                            max_tokens=10**6, logprobs=k))
+            self.processor.add_request(
+                rid, None, [1, 2, 3], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10**6, logprobs=k)
+            )
         self.lp = compute_logprobs(self.logits, self.tokens, k) if k is not None else None
         self.mro: ModelRunnerOutput | None = None
         self.outputs: list[EngineCoreOutput] = []
@@ -86,8 +88,9 @@ class Step:
         sample_k = np.full(len(self.req_ids), -1 if self.k is None else self.k, dtype=np.int32)
         step_lp = launch_copies(self.lp, sample_k if self.lp is not None else None, None, None, cuda=False)
         logprobs, prompt = self.collector.collect(step_lp, self.req_ids, self.sample_rows)
-        self.mro = ModelRunnerOutput(self.req_ids, [[int(t)] for t in self.tokens.tolist()], 1,
-                                     logprobs=logprobs, prompt_logprobs=prompt)
+        self.mro = ModelRunnerOutput(
+            self.req_ids, [[int(t)] for t in self.tokens.tolist()], 1, logprobs=logprobs, prompt_logprobs=prompt
+        )
 
     def worker_dumps(self) -> None:
         self.msg = dumps(self.mro)
@@ -119,8 +122,17 @@ class Step:
                 rows[-1]  # builds the positions appended since the last read
 
 
-STAGES = ("device", "worker_collect", "worker_dumps", "driver_loads", "driver_attach", "driver_dumps",
-          "client_loads", "client_process", "client_read")
+STAGES = (
+    "device",
+    "worker_collect",
+    "worker_dumps",
+    "driver_loads",
+    "driver_attach",
+    "driver_dumps",
+    "client_loads",
+    "client_process",
+    "client_read",
+)
 PROCESS = {"worker": STAGES[1:3], "driver": STAGES[3:6], "client": STAGES[6:8]}
 ON_PATH = STAGES[1:8]  # client_read is the user's, after the outputs are made
 
@@ -203,8 +215,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device-steps", type=int, default=3, help="runs of the (slow on a CPU) device stage")
     ap.add_argument("--profile", choices=STAGES[1:], help="cProfile this stage instead of timing")
-    ap.add_argument("--device-breakdown", metavar="DEVICE", help="time the device stage's parts on DEVICE "
-                    "(cuda on the GPU) instead of the host stages")
+    ap.add_argument(
+        "--device-breakdown",
+        metavar="DEVICE",
+        help="time the device stage's parts on DEVICE (cuda on the GPU) instead of the host stages",
+    )
     args = ap.parse_args()
     if args.device_breakdown:
         device_breakdown(args.rows, args.vocab, args.k, args.device_breakdown, args.steps)

@@ -8,6 +8,7 @@ The fake model runner's time (building ModelRunnerOutput) is not counted.
 
     PYTHONPATH=. python benchmarks/scheduler_step.py [--steps 2000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ BLOCK_SIZE = 16
 
 def make_scheduler(num_blocks: int, max_model_len: int) -> Scheduler:
     import torch  # only to name a dtype in the spec; the scheduler itself never sees a tensor
+
     spec = FullAttentionSpec(BLOCK_SIZE, 8, 128, torch.bfloat16)
     manager = KVCacheManager(KVCacheConfig(num_blocks, [KVCacheGroupSpec(["l0"], spec)]), max_model_len)
     return Scheduler(manager, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=max_model_len)
@@ -79,6 +81,7 @@ class ManagerTimer:
                 return fn(*args, **kwargs)
             finally:
                 self.ns += time.perf_counter_ns() - t
+
         return timed
 
 
@@ -107,8 +110,10 @@ def bench_decodes(steps: int, breakdown: bool = False) -> tuple[list[float], flo
             shares.append((timer.ns / 1000, ns / 1000))
         in_mgr = statistics.median(s[0] for s in shares)
         total = statistics.median(s[1] for s in shares)
-        print(f"breakdown (instrumented, 256 decodes): median step {total:.1f} us, of which "
-              f"{in_mgr:.1f} us inside KVCacheManager calls, {total - in_mgr:.1f} us in the scheduler")
+        print(
+            f"breakdown (instrumented, 256 decodes): median step {total:.1f} us, of which "
+            f"{in_mgr:.1f} us inside KVCacheManager calls, {total - in_mgr:.1f} us in the scheduler"
+        )
     return times, statistics.mean(batch)
 
 
@@ -123,10 +128,14 @@ def bench_prefill_mix(steps: int) -> tuple[list[float], float]:
         nonlocal next_id
         while sched.num_waiting < 16:
             n = rng.randint(200, 2000)
-            ids = (shared + [rng.randrange(32000) for _ in range(n - 512)] if n > 512 and rng.random() < 0.5
-                   else [rng.randrange(32000) for _ in range(n)])
-            sched.add_request(Request(f"p{next_id}", ids,
-                                      SamplingParams(max_tokens=rng.randint(32, 128), ignore_eos=True)))
+            ids = (
+                shared + [rng.randrange(32000) for _ in range(n - 512)]
+                if n > 512 and rng.random() < 0.5
+                else [rng.randrange(32000) for _ in range(n)]
+            )
+            sched.add_request(
+                Request(f"p{next_id}", ids, SamplingParams(max_tokens=rng.randint(32, 128), ignore_eos=True))
+            )
             next_id += 1
 
     for _ in range(200):  # reach a steady state first
@@ -153,8 +162,9 @@ def cpu_name() -> str:
 
 def git_commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
     except Exception:
         return "unknown"
 
@@ -166,8 +176,10 @@ def main() -> None:
     args = ap.parse_args()
 
     rows = []
-    for metric, fn in [("scheduler_step_us_256_decodes", lambda n: bench_decodes(n, breakdown=True)),
-                       ("scheduler_step_us_prefill_mix", bench_prefill_mix)]:
+    for metric, fn in [
+        ("scheduler_step_us_256_decodes", lambda n: bench_decodes(n, breakdown=True)),
+        ("scheduler_step_us_prefill_mix", bench_prefill_mix),
+    ]:
         times, mean_batch = fn(args.steps)
         times.sort()
         rows.append((metric, statistics.median(times), times[int(0.9 * len(times))], mean_batch))
@@ -182,8 +194,20 @@ def main() -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with open(RESULTS, "a") as f:
         for metric, med, _, _ in rows:
-            f.write(json.dumps({"metric": metric, "value": round(med, 2), "unit": "us", "device": cpu_name(),
-                                "commit": git_commit(), "date": stamp, "command": command}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "metric": metric,
+                        "value": round(med, 2),
+                        "unit": "us",
+                        "device": cpu_name(),
+                        "commit": git_commit(),
+                        "date": stamp,
+                        "command": command,
+                    }
+                )
+                + "\n"
+            )
 
 
 if __name__ == "__main__":

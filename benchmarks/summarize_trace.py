@@ -21,6 +21,7 @@ correlation id). A CPU-only trace has no GPU sections, which is said, not failed
   python benchmarks/summarize_trace.py /tmp/trace/                    # every *.json(.gz) in the folder
   python benchmarks/summarize_trace.py trace.json --top 40 --steps 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,7 @@ def trunc(name: str, width: int) -> str:
     if len(name) <= width:
         return name
     head = (width - 3) * 2 // 3
-    return name[:head] + "..." + name[len(name) - (width - 3 - head):]
+    return name[:head] + "..." + name[len(name) - (width - 3 - head) :]
 
 
 def union_length(intervals: list[tuple[float, float]], lo: float | None = None, hi: float | None = None) -> float:
@@ -128,8 +129,14 @@ class Steps:
 
 def find_steps(events: list[dict[str, Any]], marker: str, n_steps: int | None) -> Steps:
     pat = re.compile(marker)
-    marks = sorted((e for e in events if e.get("cat") in ("user_annotation", "cpu_instant_event", "cpu_op")
-                    and pat.match(str(e.get("name", "")))), key=lambda e: e["ts"])
+    marks = sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") in ("user_annotation", "cpu_instant_event", "cpu_op") and pat.match(str(e.get("name", "")))
+        ),
+        key=lambda e: e["ts"],
+    )
     if marks:
         names = sorted({m["name"].split("#")[0] for m in marks})
         return Steps([(m["ts"], m["ts"] + m["dur"]) for m in top_level(marks)], f"annotations {names}")
@@ -141,14 +148,16 @@ def find_steps(events: list[dict[str, Any]], marker: str, n_steps: int | None) -
     # execution thread under compiled graphs); failing that, the one with the most CPU ops.
     anchors_by_tid: dict[str, list[float]] = defaultdict(list)
     for e in events:
-        if (e.get("cat") == "cpu_op" and e.get("name") == ANCHOR_OP) or \
-                (e.get("cat") in RUNTIME_CATS and e.get("name") == ANCHOR_RUNTIME):
+        if (e.get("cat") == "cpu_op" and e.get("name") == ANCHOR_OP) or (
+            e.get("cat") in RUNTIME_CATS and e.get("name") == ANCHOR_RUNTIME
+        ):
             anchors_by_tid[str(e.get("tid"))].append(e["ts"])
     per_tid: dict[str, int] = defaultdict(int)
     for e in ops:
         per_tid[str(e.get("tid"))] += 1
-    main_tid = (max(anchors_by_tid, key=lambda t: len(anchors_by_tid[t])) if anchors_by_tid
-                else max(per_tid, key=per_tid.get))
+    main_tid = (
+        max(anchors_by_tid, key=lambda t: len(anchors_by_tid[t])) if anchors_by_tid else max(per_tid, key=per_tid.get)
+    )
     top = top_level([e for e in ops if str(e.get("tid")) == main_tid])
     gap_at = [(top[i + 1]["ts"] - (top[i]["ts"] + top[i]["dur"]), i) for i in range(len(top) - 1)]
     gaps = sorted(gap_at, reverse=True)
@@ -159,12 +168,14 @@ def find_steps(events: list[dict[str, Any]], marker: str, n_steps: int | None) -
         starts = [e["ts"] for e in top]
         for a, b in zip(anchors, anchors[1:]):
             lo_i, hi_i = bisect.bisect_right(starts, a) - 1, bisect.bisect_left(starts, b) - 1
-            inside = [g for g in gap_at[max(lo_i, 0): max(hi_i, 0)]]
+            inside = [g for g in gap_at[max(lo_i, 0) : max(hi_i, 0)]]
             if inside:
                 cuts.append(max(inside)[1])
         cuts = sorted(set(cuts))
-        how = (f"inferred: {len(anchors)} forwards ({ANCHOR_OP} or {ANCHOR_RUNTIME}), cut at the largest "
-               f"host gap between consecutive ones")
+        how = (
+            f"inferred: {len(anchors)} forwards ({ANCHOR_OP} or {ANCHOR_RUNTIME}), cut at the largest "
+            f"host gap between consecutive ones"
+        )
         if n_steps is not None and n_steps != len(anchors):
             how += f"; NOTE --steps {n_steps} differs, the forwards were used"
     elif n_steps is not None and n_steps > 1:
@@ -176,15 +187,17 @@ def find_steps(events: list[dict[str, Any]], marker: str, n_steps: int | None) -
         k = max(range(len(ratios)), key=ratios.__getitem__)
         if ratios[k] >= 3.0:
             cuts = sorted(i for _, i in gaps[: k + 1])
-            how = (f"inferred: host gaps >= {head[k] / 1e3:.3f} ms between top-level CPU ops (next largest "
-                   f"{head[k + 1] / 1e3:.3f} ms; pass --steps N if the profiled step count is known)")
+            how = (
+                f"inferred: host gaps >= {head[k] / 1e3:.3f} ms between top-level CPU ops (next largest "
+                f"{head[k + 1] / 1e3:.3f} ms; pass --steps N if the profiled step count is known)"
+            )
         else:
             how = "inferred: no clear idle gap between steps, the whole trace taken as one step"
     else:
         how = "inferred: one step"
     bounds, start = [], 0
     for i in cuts + [len(top) - 1]:
-        bounds.append((top[start]["ts"], max(e["ts"] + e["dur"] for e in top[start: i + 1])))
+        bounds.append((top[start]["ts"], max(e["ts"] + e["dur"] for e in top[start : i + 1])))
         start = i + 1
     return Steps(bounds, how + f", thread {main_tid}")
 
@@ -203,8 +216,10 @@ def summarize(path: Path, args) -> dict[str, Any]:
         agg = by_name(kernels)
         total = sum(a[1] for a in agg.values())
         rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
-        print(f"\nGPU kernels: {len(kernels)} launches of {len(agg)} kernels, {total / 1e3:.3f} ms in total; "
-              f"top {min(args.top, len(rows))} by total time")
+        print(
+            f"\nGPU kernels: {len(kernels)} launches of {len(agg)} kernels, {total / 1e3:.3f} ms in total; "
+            f"top {min(args.top, len(rows))} by total time"
+        )
         print(f"{'kernel':<{args.width}} {'count':>7} {'total ms':>10} {'mean us':>10} {'share':>7}")
         seen: dict[str, int] = {}
         for name, (cnt, dur) in rows[: args.top]:
@@ -212,8 +227,7 @@ def summarize(path: Path, args) -> dict[str, Any]:
             seen[short] = seen.get(short, 0) + 1
             if seen[short] > 1:  # two long names that differ only in the middle
                 short = trunc(name, args.width - 5) + f" [{seen[short]}]"
-            print(f"{short:<{args.width}} {cnt:>7d} {dur / 1e3:>10.3f} {dur / cnt:>10.1f} "
-                  f"{dur / total:>7.1%}")
+            print(f"{short:<{args.width}} {cnt:>7d} {dur / 1e3:>10.3f} {dur / cnt:>10.1f} {dur / total:>7.1%}")
         out["top_kernels"] = [{"name": n, "count": c, "total_ms": d / 1e3} for n, (c, d) in rows[: args.top]]
     else:
         print("\nGPU kernels: none in this trace (a CPU-only run, or the profiler had no CUDA activity)")
@@ -252,15 +266,21 @@ def summarize(path: Path, args) -> dict[str, Any]:
             print(f"{i:>5d} {(e - s) / 1e3:>9.3f} {per_step_kernels[i]:>8d} {busy / 1e3:>12.3f}")
         step_wall = sum(e - s for s, e in steps.intervals)
         window = hi - lo
-        print(f"steps' wall time {step_wall / 1e3:.3f} ms (sum), {window / 1e3:.3f} ms from the first step's "
-              f"start to the last one's end" + (" (its GPU work included)" if gpu else ""))
+        print(
+            f"steps' wall time {step_wall / 1e3:.3f} ms (sum), {window / 1e3:.3f} ms from the first step's "
+            f"start to the last one's end" + (" (its GPU work included)" if gpu else "")
+        )
         out.update(steps=step_rows, steps_how=steps.how, steps_wall_ms=step_wall / 1e3, window_ms=window / 1e3)
         if gpu:
             busy = union_length(gpu_iv, lo, hi)
-            print(f"GPU busy (kernels, memcpy, memset; union over streams) {busy / 1e3:.3f} ms = "
-                  f"{busy / max(window, 1e-9):.1%} of that window; GPU idle {1 - busy / max(window, 1e-9):.1%}")
-            print(f"GPU kernels per step: mean {sum(per_step_kernels) / len(per_step_kernels):.1f}"
-                  + (f"; {outside} kernels launched outside the steps" if outside else ""))
+            print(
+                f"GPU busy (kernels, memcpy, memset; union over streams) {busy / 1e3:.3f} ms = "
+                f"{busy / max(window, 1e-9):.1%} of that window; GPU idle {1 - busy / max(window, 1e-9):.1%}"
+            )
+            print(
+                f"GPU kernels per step: mean {sum(per_step_kernels) / len(per_step_kernels):.1f}"
+                + (f"; {outside} kernels launched outside the steps" if outside else "")
+            )
             out.update(gpu_busy_ms=busy / 1e3, gpu_busy_frac=busy / max(window, 1e-9))
         else:
             print("GPU busy time: n/a (no GPU activity in this trace)")
@@ -276,14 +296,19 @@ def summarize(path: Path, args) -> dict[str, Any]:
             a[2] += e["dur"]
         rows2 = sorted(agg2.items(), key=lambda kv: -kv[1][1])
         total_self = sum(a[1] for a in agg2.values())
-        print(f"\nCPU ops: {len(cpu_ops)} calls of {len(agg2)} ops, {total_self / 1e3:.3f} ms self time in total; "
-              f"top {min(args.top_cpu, len(rows2))} by self time")
+        print(
+            f"\nCPU ops: {len(cpu_ops)} calls of {len(agg2)} ops, {total_self / 1e3:.3f} ms self time in total; "
+            f"top {min(args.top_cpu, len(rows2))} by self time"
+        )
         print(f"{'op':<{args.width}} {'count':>7} {'self ms':>10} {'incl ms':>10} {'mean us':>10}")
         for name, (cnt, s, incl) in rows2[: args.top_cpu]:
-            print(f"{trunc(name, args.width):<{args.width}} {cnt:>7d} {s / 1e3:>10.3f} {incl / 1e3:>10.3f} "
-                  f"{incl / cnt:>10.1f}")
-        out["top_cpu_ops"] = [{"name": n, "count": c, "self_ms": s / 1e3, "incl_ms": i / 1e3}
-                              for n, (c, s, i) in rows2[: args.top_cpu]]
+            print(
+                f"{trunc(name, args.width):<{args.width}} {cnt:>7d} {s / 1e3:>10.3f} {incl / 1e3:>10.3f} "
+                f"{incl / cnt:>10.1f}"
+            )
+        out["top_cpu_ops"] = [
+            {"name": n, "count": c, "self_ms": s / 1e3, "incl_ms": i / 1e3} for n, (c, s, i) in rows2[: args.top_cpu]
+        ]
     else:
         print("\nCPU ops: none in this trace")
     if runtime:
@@ -301,8 +326,13 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25, help="GPU kernels to list")
     p.add_argument("--top-cpu", type=int, default=25, help="CPU ops to list")
     p.add_argument("--width", type=int, default=70, help="name column width")
-    p.add_argument("--steps", type=int, default=None, help="the number of profiled steps (kvray run "
-                   "--profile-steps), to split a marker-less trace at the N-1 largest host gaps")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="the number of profiled steps (kvray run "
+        "--profile-steps), to split a marker-less trace at the N-1 largest host gaps",
+    )
     p.add_argument("--step-marker", default=DEFAULT_MARKER, help="regex of the annotations marking steps")
     p.add_argument("--json", help="also write the summaries as JSON to this path")
     args = p.parse_args()

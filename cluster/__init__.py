@@ -4,6 +4,7 @@ the batch job.
 Exports are resolved lazily, so that importing one module of cluster/ never pulls in Ray or the
 driver through this package.
 """
+
 from typing import Any
 
 from kvcore.request import SamplingParams

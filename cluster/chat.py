@@ -6,6 +6,7 @@ filter without HTML escaping, `raise_exception`, `strftime_now`), and sees the t
 tokens (bos_token, eos_token, ...) as variables. The rendered text is tokenized without adding special
 tokens: the template already placed them.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,10 @@ def resolve_chat_template(model_dir: str | None, chat_template: str | None) -> s
         return chat_template
     template = load_chat_template(model_dir) if model_dir is not None else None
     if template is None:
-        raise ChatTemplateError(f"{model_dir}: the model has no chat template ({TOKENIZER_CONFIG} has no "
-                                f"'chat_template' and there is no {TEMPLATE_FILE}); pass chat_template=...")
+        raise ChatTemplateError(
+            f"{model_dir}: the model has no chat template ({TOKENIZER_CONFIG} has no "
+            f"'chat_template' and there is no {TEMPLATE_FILE}); pass chat_template=..."
+        )
     return template
 
 
@@ -97,8 +100,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # jinja's own tojson escapes HTML characters, which would change the prompt.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -109,8 +113,9 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=16)
 def compile_template(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -133,13 +138,14 @@ def _message(index: str, m: Any) -> dict[str, Any]:
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatTemplateError(f"messages{index}.content[{j}]={part!r}: only text parts "
-                                        "({'type': 'text', 'text': ...}) are supported")
+                raise ChatTemplateError(
+                    f"messages{index}.content[{j}]={part!r}: only text parts "
+                    "({'type': 'text', 'text': ...}) are supported"
+                )
             texts.append(part["text"])
         content = "\n".join(texts)
     elif content is not None and not isinstance(content, str):
-        raise ChatTemplateError(f"messages{index}.content={content!r}: must be a string, a list of text parts, "
-                                "or None")
+        raise ChatTemplateError(f"messages{index}.content={content!r}: must be a string, a list of text parts, or None")
     return {**m, "content": content}
 
 
@@ -158,13 +164,20 @@ def as_conversations(messages: Any) -> tuple[list[list[dict[str, Any]]], bool]:
     return out, batched
 
 
-def render_chat(conversation: list[dict[str, Any]], template: str, *, add_generation_prompt: bool = True,
-                tokens: dict[str, str] | None = None, tools: list[dict[str, Any]] | None = None,
-                **template_kwargs: Any) -> str:
+def render_chat(
+    conversation: list[dict[str, Any]],
+    template: str,
+    *,
+    add_generation_prompt: bool = True,
+    tokens: dict[str, str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
+) -> str:
     """One conversation -> the prompt text, as HF's apply_chat_template(..., tokenize=False)."""
     variables = {**(tokens or {}), **template_kwargs}  # caller's kwargs override special tokens, as in HF
     try:
-        return compile_template(template).render(messages=conversation, tools=tools, documents=None,
-                                                 add_generation_prompt=add_generation_prompt, **variables)
+        return compile_template(template).render(
+            messages=conversation, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
+        )
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template: {e}") from None

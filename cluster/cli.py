@@ -10,6 +10,7 @@
 
 All of them work unchanged under `ray job submit --working-dir . -- kvray ...` (RAY_ADDRESS is set there).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,11 @@ from cluster.config import ConfigError, EngineConfig, load_config
 
 log = logging.getLogger("kvray")
 
-EXIT_OK = 0              # every line answered
-EXIT_FAILED = 1          # the engine or the cluster failed (or the output could not be written): rerun to resume
-EXIT_USAGE = 2           # a bad config, argument, input or output path, or a model path that does not exist
-EXIT_LINE_ERRORS = 3     # the job finished, but some lines got error records (the count is on the last line)
-EXIT_INTERRUPTED = 130   # Ctrl-C
+EXIT_OK = 0  # every line answered
+EXIT_FAILED = 1  # the engine or the cluster failed (or the output could not be written): rerun to resume
+EXIT_USAGE = 2  # a bad config, argument, input or output path, or a model path that does not exist
+EXIT_LINE_ERRORS = 3  # the job finished, but some lines got error records (the count is on the last line)
+EXIT_INTERRUPTED = 130  # Ctrl-C
 
 EXIT_CODES = f"""exit codes: {EXIT_OK} every line answered; {EXIT_FAILED} the engine or cluster failed \
 (rerun to resume);
@@ -45,42 +46,71 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvray", description="Ray-distributed, tensor-parallel LLM inference",
-                                epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvray",
+        description="Ray-distributed, tensor-parallel LLM inference",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--version", action="version", version=f"kvray {_version()}")
     p.add_argument("-v", "--verbose", action="store_true", help="Ray's and kvray's detail logs, tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a batch of prompts (JSON lines) through the engines")
     _common(run)
-    run.add_argument("--input", help="JSON lines (kvray's {id?, prompt | prompt_token_ids, sampling fields?} or "
-                                     "OpenAI Batch API lines): a file, a directory of *.jsonl shards, a glob, "
-                                     "or - for stdin; without it, a built-in synthetic workload")
-    run.add_argument("--output", help="JSON lines, appended as requests finish; a rerun skips ids answered "
-                                      "there and retries failed ones (default: kvray-<timestamp>.out.jsonl)")
+    run.add_argument(
+        "--input",
+        help="JSON lines (kvray's {id?, prompt | prompt_token_ids, sampling fields?} or "
+        "OpenAI Batch API lines): a file, a directory of *.jsonl shards, a glob, "
+        "or - for stdin; without it, a built-in synthetic workload",
+    )
+    run.add_argument(
+        "--output",
+        help="JSON lines, appended as requests finish; a rerun skips ids answered "
+        "there and retries failed ones (default: kvray-<timestamp>.out.jsonl)",
+    )
     run.add_argument("--summary-json", help="also write the summary as JSON to this path")
     run.add_argument("--num-requests", type=int, default=32, help="size of the synthetic workload")
     run.add_argument("--max-tokens", type=int, default=16, help="default max_tokens for input lines without one")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument("--profile", metavar="DIR",
-                     help="write a torch profiler trace (Chrome trace JSON) of a few steps of every worker "
-                          "into DIR (on each worker's node)")
+    run.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a torch profiler trace (Chrome trace JSON) of a few steps of every worker "
+        "into DIR (on each worker's node)",
+    )
     run.add_argument("--profile-steps", type=int, default=5, help="steps to trace with --profile")
-    run.add_argument("--profile-skip", type=int, default=8,
-                     help="steps to let pass before tracing with --profile (past the first prefills)")
+    run.add_argument(
+        "--profile-skip",
+        type=int,
+        default=8,
+        help="steps to let pass before tracing with --profile (past the first prefills)",
+    )
     info = sub.add_parser("info", help="what the cluster has, and where the config would place each engine")
     _common(info)
     info.add_argument("--json", action="store_true", help="the whole report as JSON instead of a table")
-    st = sub.add_parser("stress", help="drive every replica with a hostile workload, kill workers, check "
-                                       "nothing is lost, duplicated or corrupted")
+    st = sub.add_parser(
+        "stress",
+        help="drive every replica with a hostile workload, kill workers, check "
+        "nothing is lost, duplicated or corrupted",
+    )
     _common(st)
     st.add_argument("--requests", type=int, default=200, help="number of requests")
-    st.add_argument("--duration", type=float, default=0.0,
-                    help="spread the arrivals over this many seconds (0: all at once)")
-    st.add_argument("--kill-workers", type=int, default=0,
-                    help="kill this many random worker actors at random times (within max_worker_restarts)")
-    st.add_argument("--kill-nodes", type=int, default=0,
-                    help="kill this many whole nodes (their raylets) under the engines at random times; needs a "
-                         "multi-node cluster (ray.address), never the client's node")
+    st.add_argument(
+        "--duration", type=float, default=0.0, help="spread the arrivals over this many seconds (0: all at once)"
+    )
+    st.add_argument(
+        "--kill-workers",
+        type=int,
+        default=0,
+        help="kill this many random worker actors at random times (within max_worker_restarts)",
+    )
+    st.add_argument(
+        "--kill-nodes",
+        type=int,
+        default=0,
+        help="kill this many whole nodes (their raylets) under the engines at random times; needs a "
+        "multi-node cluster (ray.address), never the client's node",
+    )
     st.add_argument("--abort-rate", type=float, default=0.1, help="share of requests aborted mid-flight")
     st.add_argument("--seed", type=int, default=0, help="seed of the workload, aborts and kills")
     st.add_argument("--report", help="also write DIR/stress.png: latency CDF, KV usage, running requests")
@@ -92,10 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config (default: the built-in defaults of actors/engine_config.py: "
-                                    "CPU, tiny-random, TP=1)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override a config field, e.g. --set cache.block_size=32 (repeatable)")
+    p.add_argument(
+        "--config",
+        help="YAML config (default: the built-in defaults of actors/engine_config.py: CPU, tiny-random, TP=1)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override a config field, e.g. --set cache.block_size=32 (repeatable)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,8 +200,11 @@ def cmd_run(config: EngineConfig, args: Any) -> int:
         total = count_lines(shards) if shards else args.num_requests
         return _run_engines(config, args, shards, out, total)
     except KeyboardInterrupt:
-        print(f"\nkvray: interrupted; the records so far are in {output_path}; run the same command with "
-              f"--output {output_path} to resume", file=sys.stderr)
+        print(
+            f"\nkvray: interrupted; the records so far are in {output_path}; run the same command with "
+            f"--output {output_path} to resume",
+            file=sys.stderr,
+        )
         return EXIT_INTERRUPTED
     except JobError as e:
         return _fail(EXIT_FAILED, str(e))
@@ -178,11 +219,16 @@ def _warn_oversubscribed(config: EngineConfig) -> None:
     if _embedded(config):
         _, note = machine_shortfall(config)
         if note:
-            log.warning("%s (parallel.tensor_parallel_size=%d x data_parallel_size=%d): expect it to be slow",
-                        note, p.tensor_parallel_size, p.data_parallel_size)
+            log.warning(
+                "%s (parallel.tensor_parallel_size=%d x data_parallel_size=%d): expect it to be slow",
+                note,
+                p.tensor_parallel_size,
+                p.data_parallel_size,
+            )
     if p.device == "cuda" and p.gpus_per_worker < 1.0:
-        log.warning("parallel.gpus_per_worker=%g: %d ranks share each GPU", p.gpus_per_worker,
-                    round(1 / p.gpus_per_worker))
+        log.warning(
+            "parallel.gpus_per_worker=%g: %d ranks share each GPU", p.gpus_per_worker, round(1 / p.gpus_per_worker)
+        )
 
 
 def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total: int | None) -> int:
@@ -200,15 +246,19 @@ def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total:
         if shards:
             items = InputReader(shards, SamplingParams(max_tokens=args.max_tokens))
         else:
-            items = synthetic_items(args.num_requests, config.model.seed, int(info["vocab_size"]),
-                                    int(info["max_model_len"]))
+            items = synthetic_items(
+                args.num_requests, config.model.seed, int(info["vocab_size"]), int(info["max_model_len"])
+            )
         job = Job(config, engines, tokenizer, out.path, progress=not args.no_progress, total=total, output=out)
         traces = _start_profile(engines, args)
         try:
             stats = job.run(items)
         except EngineFailure as e:
-            return _fail(EXIT_FAILED, f"EngineFailure: {e}; {job.stats.completed + job.stats.errors} record(s) "
-                                      f"are in {out.path}: rerun with --output {out.path} to resume")
+            return _fail(
+                EXIT_FAILED,
+                f"EngineFailure: {e}; {job.stats.completed + job.stats.errors} record(s) "
+                f"are in {out.path}: rerun with --output {out.path} to resume",
+            )
         summary = summarize(stats, engines.stats())
         if traces is not None:
             summary["profile_traces"] = _stop_profile(engines)
@@ -223,8 +273,11 @@ def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total:
             json.dump(summary, f, indent=2)
     print(json.dumps(summary), flush=True)
     if stats.errors:
-        print(f"kvray: {stats.errors} of {stats.completed + stats.errors} line(s) got error records "
-              f"(exit {EXIT_LINE_ERRORS}); see {out.path}", file=sys.stderr)
+        print(
+            f"kvray: {stats.errors} of {stats.completed + stats.errors} line(s) got error records "
+            f"(exit {EXIT_LINE_ERRORS}); see {out.path}",
+            file=sys.stderr,
+        )
         return EXIT_LINE_ERRORS
     return EXIT_OK
 
@@ -236,8 +289,9 @@ def _start_profile(engines: Any, args: Any) -> str | None:
     import ray
 
     if args.profile_steps < 1 or args.profile_skip < 0:
-        raise ConfigError(f"--profile-steps={args.profile_steps} must be >= 1 and --profile-skip="
-                          f"{args.profile_skip} >= 0")
+        raise ConfigError(
+            f"--profile-steps={args.profile_steps} must be >= 1 and --profile-skip={args.profile_skip} >= 0"
+        )
     trace_dir = os.path.abspath(args.profile)
     ray.get([d.start_profile.remote(trace_dir, args.profile_steps, args.profile_skip) for d in engines.drivers])
     return trace_dir
@@ -258,8 +312,15 @@ def cmd_stress(config: EngineConfig, args: Any) -> int:
     from cluster.placement import connect
     from cluster.stress import StressOptions, check_options, run_stress
 
-    opts = StressOptions(requests=args.requests, duration_s=args.duration, kill_workers=args.kill_workers,
-                         kill_nodes=args.kill_nodes, abort_rate=args.abort_rate, seed=args.seed, report_dir=args.report)
+    opts = StressOptions(
+        requests=args.requests,
+        duration_s=args.duration,
+        kill_workers=args.kill_workers,
+        kill_nodes=args.kill_nodes,
+        abort_rate=args.abort_rate,
+        seed=args.seed,
+        report_dir=args.report,
+    )
     try:
         check_options(config, opts)
     except ValueError as e:

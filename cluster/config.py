@@ -4,6 +4,7 @@ The sections themselves and their rules live in actors/engine_config.py, `valida
 actors/model_rules.py (the driver and the workers are built from them); they are re-exported here,
 where users import them.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,9 @@ def apply_overrides(config: EngineConfig, overrides: Mapping[str, Any] | Iterabl
     return override_fields(config, overrides)
 
 
-def load_config(path: str | os.PathLike | None = None,
-                overrides: Mapping[str, Any] | Iterable[str] = ()) -> EngineConfig:
+def load_config(
+    path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | Iterable[str] = ()
+) -> EngineConfig:
     """Read a YAML config (None = all defaults) and apply overrides."""
     data: Any = {}
     if path is not None:

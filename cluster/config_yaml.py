@@ -8,6 +8,7 @@ becomes, and a document past MAX_NODES is refused before a Python object is buil
 YAML 1.1 (PyYAML) reads `1e3` as the string "1e3" (its floats need a dot: `1.0e+3`); a user writing
 `step_timeout_s: 1e3` means a number, so floats are resolved as YAML 1.2 core does.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,8 @@ from typing import Any
 
 import yaml
 
-MAX_BYTES = 1 << 20      # a config is a few KB
-MAX_NODES = 100_000      # scalars + collections after expanding every alias
+MAX_BYTES = 1 << 20  # a config is a few KB
+MAX_NODES = 100_000  # scalars + collections after expanding every alias
 MAX_DEPTH = 64
 
 
@@ -24,12 +25,15 @@ class YamlLimitError(ValueError):
     """The document breaks a size rule; the message names the rule, never the document's content."""
 
 
-_FLOAT = re.compile(r"""^(?:
+_FLOAT = re.compile(
+    r"""^(?:
     [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
   | [-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
   | [-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
   | [-+]?\.(?:inf|Inf|INF)
-  | \.(?:nan|NaN|NAN))$""", re.X)
+  | \.(?:nan|NaN|NAN))$""",
+    re.X,
+)
 
 
 class ConfigLoader(yaml.SafeLoader):
@@ -38,7 +42,8 @@ class ConfigLoader(yaml.SafeLoader):
 
 ConfigLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 

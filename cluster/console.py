@@ -5,21 +5,27 @@ banners (the token-auth notice of an embedded Ray, "Started a local Ray instance
 chatter Ray's actors log (the compiled graph's teardown on every run), not the tracebacks of worker
 actors that `kvray stress` kills on purpose. -v restores all of it.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 
 # Ray loggers of the client process that only announce routine things.
-_ROUTINE_RAY_LOGGERS = ("ray._private.authentication.authentication_token_setup", "ray._private.worker",
-                        "ray._private.services", "ray.dag.compiled_dag_node")
+_ROUTINE_RAY_LOGGERS = (
+    "ray._private.authentication.authentication_token_setup",
+    "ray._private.worker",
+    "ray._private.services",
+    "ray.dag.compiled_dag_node",
+)
 _QUIETED = "KVRAY_QUIETED_RAY"
 
 
 def configure(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if verbose
-                        else "kvray: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if verbose else "kvray: %(message)s",
+    )
     logging.getLogger("kvray").setLevel(logging.INFO if verbose else logging.WARNING)
     for name in _ROUTINE_RAY_LOGGERS:
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.ERROR)

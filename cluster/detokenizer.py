@@ -9,6 +9,7 @@ prompt's last few tokens so that the first output token decodes as it would in t
 
 Stop strings are checked on the text built here (vLLM's rule, `check_stop_strings`).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,11 +34,11 @@ class IncrementalDetokenizer:
     def decode_next(self, token_id: int) -> str:
         """Append one token; returns the text it completes (maybe "", when a character is unfinished)."""
         self.tokens.append(token_id)
-        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.tokens[self.prefix_offset:])
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.tokens[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         self.output_text += delta
         return delta
@@ -52,16 +53,17 @@ class IncrementalDetokenizer:
         as a full decode of the same tokens would show it)."""
         if self.read_offset == len(self.tokens):
             return ""
-        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.tokens[self.prefix_offset:])
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.tokens[self.prefix_offset :])
         self.read_offset = len(self.tokens)
-        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self.output_text += delta
         return delta
 
 
-def check_stop_strings(output_text: str, new_char_count: int, stop: list[str],
-                       include_in_output: bool) -> tuple[str, int] | None:
+def check_stop_strings(
+    output_text: str, new_char_count: int, stop: list[str], include_in_output: bool
+) -> tuple[str, int] | None:
     """vLLM's stop-string check: the first stop string found in the text that the newest characters could
     have completed -> (stop string, where to cut the text; -1 = keep it whole), else None.
 

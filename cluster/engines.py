@@ -4,6 +4,7 @@ by load (least outstanding), stream outputs back, shut everything down.
 Used by the LLM API and the batch job. A replica whose TP group failed for good (or whose driver actor
 died) sets `fatal`; outputs already finished elsewhere still come back first.
 """
+
 from __future__ import annotations
 
 import logging
@@ -102,8 +103,9 @@ class EngineGroup(ReplicaFailover):
             t1 = time.perf_counter()
             self.drivers = [self._new_driver(i) for i in range(n)]
             self.infos = self._await_start([d.start.remote() for d in self.drivers])
-            self.startup_s.update(placement_s=round(t1 - t_connected, 2),
-                                  drivers_start_s=round(time.perf_counter() - t1, 2))
+            self.startup_s.update(
+                placement_s=round(t1 - t_connected, 2), drivers_start_s=round(time.perf_counter() - t1, 2)
+            )
         except Exception as e:
             self.shutdown()
             cause = unwrap(e)
@@ -117,16 +119,23 @@ class EngineGroup(ReplicaFailover):
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if pending:
             late = [i for i, ref in enumerate(refs) if ref in pending]
-            raise EngineFailure(f"engine replica(s) {late} did not start within {timeout_s:g}s (starting the "
-                                "workers in the placement group, joining the TP group, loading the model)")
+            raise EngineFailure(
+                f"engine replica(s) {late} did not start within {timeout_s:g}s (starting the "
+                "workers in the placement group, joining the TP group, loading the model)"
+            )
         return ray.get(refs)
 
     def _new_driver(self, replica: int) -> Any:
         gen = self.driver_restarts[replica]
-        return driver_actor_class().options(
-            namespace=self.config.ray.namespace, scheduling_strategy=driver_placement(),
-            name=f"{DRIVER_NAME_PREFIX}{self.tag}-r{replica}" + (f"-{gen}" if gen else ""),
-        ).remote(self.config, self.pgs[replica], replica, self.worker_cls)
+        return (
+            driver_actor_class()
+            .options(
+                namespace=self.config.ray.namespace,
+                scheduling_strategy=driver_placement(),
+                name=f"{DRIVER_NAME_PREFIX}{self.tag}-r{replica}" + (f"-{gen}" if gen else ""),
+            )
+            .remote(self.config, self.pgs[replica], replica, self.worker_cls)
+        )
 
     @property
     def info(self) -> dict[str, Any]:
@@ -144,8 +153,9 @@ class EngineGroup(ReplicaFailover):
             if self.fatal is not None:
                 errors[spec.request_id] = f"every engine replica {DOWN}: {self.fatal}"
             elif spec.request_id in self.live:
-                errors[spec.request_id] = (f"request {spec.request_id!r}: request_id is already in use by an "
-                                           "unfinished request")
+                errors[spec.request_id] = (
+                    f"request {spec.request_id!r}: request_id is already in use by an unfinished request"
+                )
             else:
                 self.live.add(spec, now)
                 rids.append(spec.request_id)
@@ -192,9 +202,10 @@ class EngineGroup(ReplicaFailover):
             return []
         items: list[EngineOutput] = []
         # Outputs of requests moved away from r since are stale; unknown ids (aborted) pass through.
-        kept = self.live.drop_replayed([o for o in res.outputs if self.owner.get(o.request_id) == r or
-                                        o.request_id not in self.live],
-                                       lambda ids: self.drivers[r].abort.remote(ids))
+        kept = self.live.drop_replayed(
+            [o for o in res.outputs if self.owner.get(o.request_id) == r or o.request_id not in self.live],
+            lambda ids: self.drivers[r].abort.remote(ids),
+        )
         for o in kept:
             if res.fatal is not None and o.finish_reason == "error" and o.error == res.fatal:
                 continue  # in-flight casualties of the replica's failure: they move, below
@@ -220,8 +231,9 @@ class EngineGroup(ReplicaFailover):
                 s = self._get(d.stats.remote(), r) if self.state[r] != STARTING else {"replica": r}
             except ReplicaLost as e:
                 s = {"replica": r, "fatal": str(e)}
-            s.update(driver_restarts=self.driver_restarts[r], requests_moved_away=self.moved_away[r],
-                     state=self.state[r])
+            s.update(
+                driver_restarts=self.driver_restarts[r], requests_moved_away=self.moved_away[r], state=self.state[r]
+            )
             out.append(s)
         return out
 

@@ -11,6 +11,7 @@ the same books the driver keeps across a worker restart): a greedy request goes 
 engine, a sampled one starts over and the tokens already streamed are checked and dropped. So the
 stream a caller sees is unbroken, and every request ends exactly once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -128,14 +129,21 @@ class ReplicaFailover:
         budget = self.config.parallel.max_driver_restarts
         if self.driver_restarts[r] < budget:
             self.driver_restarts[r] += 1
-            logger.warning("%s; starting a new driver (restart %d of parallel.max_driver_restarts=%d)",
-                           why, self.driver_restarts[r], budget)
+            logger.warning(
+                "%s; starting a new driver (restart %d of parallel.max_driver_restarts=%d)",
+                why,
+                self.driver_restarts[r],
+                budget,
+            )
             self.drivers[r] = self._new_driver(r)
             self._starting[self.drivers[r].start.remote()] = r
             self._set_state(r, STARTING, why)
         else:
-            self._set_state(r, DOWN_STATE, why if budget == 0 else
-                            f"{why} (after {budget} of parallel.max_driver_restarts={budget} restarts)")
+            self._set_state(
+                r,
+                DOWN_STATE,
+                why if budget == 0 else f"{why} (after {budget} of parallel.max_driver_restarts={budget} restarts)",
+            )
         return self._orphans(r)
 
     def _set_state(self, r: int, state: str, why: str | None) -> None:
@@ -174,9 +182,11 @@ class ReplicaFailover:
         self._stranded_since = self._stranded_since or now
         limit = self.config.parallel.placement_timeout_s
         if now - self._stranded_since > limit:
-            self.fatal = (f"no engine replica could take {len(self.pending)} request(s) within "
-                          f"parallel.placement_timeout_s={limit:g}s: " +
-                          "; ".join(f"replica {r} {s}: {w}" for r, (s, w) in enumerate(zip(self.state, self.why))))
+            self.fatal = (
+                f"no engine replica could take {len(self.pending)} request(s) within "
+                f"parallel.placement_timeout_s={limit:g}s: "
+                + "; ".join(f"replica {r} {s}: {w}" for r, (s, w) in enumerate(zip(self.state, self.why)))
+            )
 
     def _get(self, ref: Any, replica: int) -> Any:
         # The driver answers these calls between steps (its step loop never holds their lock long): a
@@ -185,11 +195,11 @@ class ReplicaFailover:
         try:
             return ray.get(ref, timeout=timeout_s)
         except RayActorError as e:
-            raise ReplicaLost(f"the driver actor of engine replica {replica} died: "
-                              f"{str(e).splitlines()[0]}") from None
+            raise ReplicaLost(f"the driver actor of engine replica {replica} died: {str(e).splitlines()[0]}") from None
         except GetTimeoutError:
-            raise ReplicaLost(f"the driver actor of engine replica {replica} did not answer within "
-                              f"{timeout_s:g}s") from None
+            raise ReplicaLost(
+                f"the driver actor of engine replica {replica} did not answer within {timeout_s:g}s"
+            ) from None
 
 
 def _replica_state(err: str, r: int) -> str | None:

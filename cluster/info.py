@@ -5,6 +5,7 @@ not what other jobs hold right now). An embedded Ray is sized to this machine (i
 so a config the machine cannot hold is never reported as fitting; CPU ranks that outnumber the cores
 are "oversubscribed": `kvray run` still runs them, sharing cores, and says so.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,10 @@ def plan(config: EngineConfig, nodes: list[dict[str, Any]]) -> tuple[list[list[s
     for e in range(p.data_parallel_size):
         got = _place(bundles_for(config), free, p.placement_strategy)
         if got is None:
-            why = why or (f"engine {e} of {p.data_parallel_size}: {p.tensor_parallel_size} bundle(s) of "
-                          f"{bundles_for(config)[0]} with {p.placement_strategy} do not fit what is left")
+            why = why or (
+                f"engine {e} of {p.data_parallel_size}: {p.tensor_parallel_size} bundle(s) of "
+                f"{bundles_for(config)[0]} with {p.placement_strategy} do not fit what is left"
+            )
             out.append([None] * p.tensor_parallel_size)
         else:
             out.append(list(got))
@@ -83,8 +86,10 @@ def machine_shortfall(config: EngineConfig) -> tuple[str | None, str | None]:
     if need.get("GPU", 0.0) > 0:
         gpus = _local_gpus()
         if gpus + 1e-9 < need["GPU"]:
-            return (f"the config asks for {need['GPU']:g} GPU(s) and this machine has {gpus}; "
-                    f"set RAY_ADDRESS to use a cluster, or --set parallel.device=cpu"), None
+            return (
+                f"the config asks for {need['GPU']:g} GPU(s) and this machine has {gpus}; "
+                f"set RAY_ADDRESS to use a cluster, or --set parallel.device=cpu"
+            ), None
     cpu_ranks = int(need.get("CPU", 0.0))
     if cpu_ranks > cores:
         return None, f"oversubscribed: {cpu_ranks} CPU rank(s) would share this machine's {cores} core(s)"
@@ -111,17 +116,27 @@ def table(report: dict[str, Any]) -> str:
                 where.setdefault(node, []).append(f"e{e}r{rank}")
     for n in nodes:
         r = n["resources"]
-        rows.append((n["node_id"][:12], str(n["node_ip"]), "yes" if n["alive"] else "no", f"{r.get('CPU', 0):g}",
-                     f"{r.get('GPU', 0):g}", f"{r.get('memory', 0) / GIB:.1f}",
-                     ",".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items())) or "-",
-                     " ".join(where.get(n["node_id"], [])) or "-"))
+        rows.append(
+            (
+                n["node_id"][:12],
+                str(n["node_ip"]),
+                "yes" if n["alive"] else "no",
+                f"{r.get('CPU', 0):g}",
+                f"{r.get('GPU', 0):g}",
+                f"{r.get('memory', 0) / GIB:.1f}",
+                ",".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items())) or "-",
+                " ".join(where.get(n["node_id"], [])) or "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     p = report["placement"]
     lines.append("")
-    lines.append(f"config: {p['engines']} engine(s) x {p['workers_per_engine']} rank(s), bundle "
-                 f"{p['bundles_per_engine'][0]}, {p['strategy']}, transport {p['transport']}; "
-                 f"asks {p['total_request']} of {report['cluster']['cluster_resources']}")
+    lines.append(
+        f"config: {p['engines']} engine(s) x {p['workers_per_engine']} rank(s), bundle "
+        f"{p['bundles_per_engine'][0]}, {p['strategy']}, transport {p['transport']}; "
+        f"asks {p['total_request']} of {report['cluster']['cluster_resources']}"
+    )
     lines.append(f"verdict: {p['verdict']}")
     return "\n".join(lines)
 
@@ -153,10 +168,15 @@ def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], s
     report = {
         "config": config.to_dict(),
         "placement": {
-            "engines": p.data_parallel_size, "workers_per_engine": p.tensor_parallel_size,
-            "bundles_per_engine": bundles_for(config), "strategy": p.placement_strategy,
-            "collective_backend": p.collective_backend, "transport": config.ray.transport,
-            "total_request": total_request(config), "fits": why is None, "engines_on": engines_on,
+            "engines": p.data_parallel_size,
+            "workers_per_engine": p.tensor_parallel_size,
+            "bundles_per_engine": bundles_for(config),
+            "strategy": p.placement_strategy,
+            "collective_backend": p.collective_backend,
+            "transport": config.ray.transport,
+            "total_request": total_request(config),
+            "fits": why is None,
+            "engines_on": engines_on,
             "verdict": f"does not fit: {why}" if why else (note or "fits"),
         },
         "cluster": cluster,
@@ -170,13 +190,20 @@ def kv_cache_info(config: EngineConfig) -> dict[str, Any]:
     from config.json alone; the pool size is known here only when fixed or on the CPU."""
     from actors.kv_memory import kv_cache_report
     from actors.loader import read_hf_config, resolve_dtype, resolve_model_dir
+
     try:
         hf_config = read_hf_config(resolve_model_dir(config.model.model))
         c = config.cache
         budget = int(c.cpu_kv_cache_gib * 2**30) if config.parallel.device == "cpu" else None
-        return kv_cache_report(hf_config, resolve_dtype(config.model.dtype, hf_config), c.block_size,
-                               config.parallel.tensor_parallel_size, resolved_max_model_len(config, hf_config),
-                               config.scheduler.max_num_batched_tokens, c.num_gpu_blocks,
-                               None if c.num_gpu_blocks else budget)
+        return kv_cache_report(
+            hf_config,
+            resolve_dtype(config.model.dtype, hf_config),
+            c.block_size,
+            config.parallel.tensor_parallel_size,
+            resolved_max_model_len(config, hf_config),
+            config.scheduler.max_num_batched_tokens,
+            c.num_gpu_blocks,
+            None if c.num_gpu_blocks else budget,
+        )
     except (OSError, ValueError) as e:
         return {"error": str(e)}

@@ -8,6 +8,7 @@ answers the rest, earlier failures included. Requests lost to an engine failure 
 rerun answers them. Nothing grows with the input: the job holds the window's requests, and one
 8-byte digest per id for resume and duplicate checks.
 """
+
 from __future__ import annotations
 
 import random
@@ -27,8 +28,17 @@ from cluster.outputs import RequestOutput
 from cluster.stream import ProcessedStream
 from kvcore.request import SamplingParams
 
-__all__ = ["Job", "JobError", "JobStats", "Item", "read_items", "load_done", "synthetic_items", "summarize",
-           "format_summary"]
+__all__ = [
+    "Job",
+    "JobError",
+    "JobStats",
+    "Item",
+    "read_items",
+    "load_done",
+    "synthetic_items",
+    "summarize",
+    "format_summary",
+]
 
 NUM_SAMPLES = 3
 
@@ -57,16 +67,26 @@ def synthetic_items(n: int, seed: int, vocab_size: int, max_model_len: int) -> I
         prefix = families[i % len(families)]
         prompt = prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(4, 48))]
         max_tokens = max(1, min(rng.randint(8, 48), max_model_len - len(prompt)))
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True) if i % 2 == 0 else \
-            SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        sp = (
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            if i % 2 == 0
+            else SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        )
         yield Item(i + 1, f"synthetic-{i}", prompt_token_ids=prompt, sampling=sp)
 
 
 # ---- the run -------------------------------------------------------------------------------------
 class Job(ProcessedStream):
-    def __init__(self, config: EngineConfig, engines: EngineGroup, tokenizer: Any,
-                 output_path: str | None, progress: bool = True, total: int | None = None,
-                 output: OutputFile | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        engines: EngineGroup,
+        tokenizer: Any,
+        output_path: str | None,
+        progress: bool = True,
+        total: int | None = None,
+        output: OutputFile | None = None,
+    ) -> None:
         # Detokenization, stop strings, n samples and logprobs, exactly as LLM.generate makes them.
         super().__init__(engines, OutputProcessor(tokenizer))
         self.config = config
@@ -196,8 +216,14 @@ class Job(ProcessedStream):
         if item.fmt == "openai":
             rec = batch_error(item, message, status)
         else:
-            rec = {"id": rid, "line": item.line, "output_token_ids": [], "text": None, "finish_reason": "error",
-                   "error": message}
+            rec = {
+                "id": rid,
+                "line": item.line,
+                "output_token_ids": [],
+                "text": None,
+                "finish_reason": "error",
+                "error": message,
+            }
             if item.file is not None:
                 rec["file"] = item.file.encode("utf-8", "backslashreplace").decode("utf-8")
         if self.out is not None:
@@ -224,8 +250,9 @@ class _Bar:
         now = time.monotonic()
         if now - self.last >= 0.5:
             self.last = now
-            self.bar.set_postfix_str(f"{stats.output_tokens / max(now - self.t0, 1e-9):.0f} tok/s, "
-                                     f"{stats.errors} errors", refresh=False)
+            self.bar.set_postfix_str(
+                f"{stats.output_tokens / max(now - self.t0, 1e-9):.0f} tok/s, {stats.errors} errors", refresh=False
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -247,17 +274,24 @@ def summarize(stats: JobStats, engine_stats: list[dict[str, Any]]) -> dict[str, 
     hits = sum(int(s.get("prefix_cache_hits", 0)) for s in engine_stats)
     return {
         "output": stats.output_path,
-        "requests": stats.requests, "completed": stats.completed, "errors": stats.errors,
-        "skipped_already_done": stats.skipped, "earlier_error_records": stats.earlier_errors,
-        "input_tokens": stats.input_tokens, "output_tokens": stats.output_tokens,
+        "requests": stats.requests,
+        "completed": stats.completed,
+        "errors": stats.errors,
+        "skipped_already_done": stats.skipped,
+        "earlier_error_records": stats.earlier_errors,
+        "input_tokens": stats.input_tokens,
+        "output_tokens": stats.output_tokens,
         "wall_s": round(wall, 3),
         "output_tok_per_s": round(stats.output_tokens / wall, 2) if wall > 0 else None,
-        "ttft_p50_ms": _ms(percentile(stats.ttft_s, 50)), "ttft_p99_ms": _ms(percentile(stats.ttft_s, 99)),
-        "tpot_p50_ms": _ms(percentile(stats.tpot_s, 50)), "tpot_p99_ms": _ms(percentile(stats.tpot_s, 99)),
+        "ttft_p50_ms": _ms(percentile(stats.ttft_s, 50)),
+        "ttft_p99_ms": _ms(percentile(stats.ttft_s, 99)),
+        "tpot_p50_ms": _ms(percentile(stats.tpot_s, 50)),
+        "tpot_p99_ms": _ms(percentile(stats.tpot_s, 99)),
         "preemptions": sum(int(s.get("num_preemptions", 0)) for s in engine_stats),
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,
-        "peak_kv_cache_usage": round(max((float(s.get("peak_kv_cache_usage", 0.0)) for s in engine_stats),
-                                         default=0.0), 4),
+        "peak_kv_cache_usage": round(
+            max((float(s.get("peak_kv_cache_usage", 0.0)) for s in engine_stats), default=0.0), 4
+        ),
         "worker_restarts": sum(int(s.get("worker_restarts", 0)) for s in engine_stats),
         "driver_restarts": sum(int(s.get("driver_restarts", 0)) for s in engine_stats),
         "requests_moved": sum(int(s.get("requests_moved_away", 0)) for s in engine_stats),

@@ -11,6 +11,7 @@ an OpenAI error body, and the same `error`. A line without a usable custom_id ge
 Body fields map to SamplingParams by vLLM's names; `model` is recorded, not checked (one engine
 serves the whole file); fields kvray cannot honour are refused by name.
 """
+
 from __future__ import annotations
 
 import time
@@ -22,16 +23,29 @@ from kvcore.request import SamplingParams
 URLS = ("/v1/completions", "/v1/chat/completions")
 _RENAMED = {"max_completion_tokens": "max_tokens"}
 _IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier"}
-_REFUSED = {"stream", "echo", "suffix", "best_of", "logit_bias", "tools", "tool_choice", "functions",
-            "function_call", "response_format", "audio", "modalities", "prediction", "parallel_tool_calls"}
+_REFUSED = {
+    "stream",
+    "echo",
+    "suffix",
+    "best_of",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "audio",
+    "modalities",
+    "prediction",
+    "parallel_tool_calls",
+}
 
 
 class BatchLineError(ValueError):
     """A rule an OpenAI batch line breaks; the message is the line's error."""
 
 
-def parse_batch_record(where: str, rec: Any, render_chat: Callable[[list[Any]], str] | None
-                       ) -> dict[str, Any]:
+def parse_batch_record(where: str, rec: Any, render_chat: Callable[[list[Any]], str] | None) -> dict[str, Any]:
     """-> {"custom_id", "url", "model", "prompt" | "prompt_token_ids", "sampling": {...}}."""
     from cluster.job_input import check_text
 
@@ -39,8 +53,9 @@ def parse_batch_record(where: str, rec: Any, render_chat: Callable[[list[Any]], 
         raise BatchLineError(f"{where}: must be a JSON object, got {type(rec).__name__}")
     unknown = sorted(set(rec) - {"custom_id", "method", "url", "body"})
     if unknown:
-        raise BatchLineError(f"{where}: unknown field(s) {unknown}; an OpenAI batch line has custom_id, "
-                             f"method, url, body")
+        raise BatchLineError(
+            f"{where}: unknown field(s) {unknown}; an OpenAI batch line has custom_id, method, url, body"
+        )
     cid = rec.get("custom_id")
     if not isinstance(cid, str) or not cid:
         raise BatchLineError(f"{where}: custom_id must be a non-empty string")
@@ -82,8 +97,10 @@ def _chat_prompt(where: str, body: dict[str, Any], render_chat: Callable[[list[A
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
         raise BatchLineError(f"{where}: body.messages must be a non-empty list of message objects")
     if render_chat is None:
-        raise BatchLineError(f"{where}: /v1/chat/completions needs the model's chat template, and this "
-                             f"model has none (tokenizer_config.json chat_template)")
+        raise BatchLineError(
+            f"{where}: /v1/chat/completions needs the model's chat template, and this "
+            f"model has none (tokenizer_config.json chat_template)"
+        )
     return render_chat(msgs)
 
 
@@ -108,8 +125,7 @@ def _sampling(where: str, body: dict[str, Any], url: str) -> dict[str, Any]:
             continue
         name = _RENAMED.get(k, k)
         if name not in fields:
-            raise BatchLineError(f"{where}: body.{k} is not a field kvray knows; sampling fields: "
-                                 f"{sorted(fields)}")
+            raise BatchLineError(f"{where}: body.{k} is not a field kvray knows; sampling fields: {sorted(fields)}")
         if name == "stop" and isinstance(v, str):
             v = [v]
         sp[name] = v
@@ -141,11 +157,20 @@ def make_chat_renderer(tokenizer: Any) -> Callable[[list[Any]], str] | None:
 def batch_error(item: Any, message: str, status: int = 400) -> dict[str, Any]:
     """The OpenAI batch output line of a line that failed (400: the request; 500: the engine)."""
     code = "server_error" if status >= 500 else "invalid_request"
-    body = {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-                      "param": None, "code": code}}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.batch.get("custom_id"),
-            "response": {"status_code": status, "request_id": f"kvray-{uuid.uuid4().hex}", "body": body},
-            "error": {"code": code, "message": message}}
+    body = {
+        "error": {
+            "message": message,
+            "type": "server_error" if status >= 500 else "invalid_request_error",
+            "param": None,
+            "code": code,
+        }
+    }
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": item.batch.get("custom_id"),
+        "response": {"status_code": status, "request_id": f"kvray-{uuid.uuid4().hex}", "body": body},
+        "error": {"code": code, "message": message},
+    }
 
 
 def batch_output(item: Any, out: Any) -> dict[str, Any]:
@@ -156,19 +181,31 @@ def batch_output(item: Any, out: Any) -> dict[str, Any]:
     rid = uuid.uuid4().hex
     choices = []
     for c in out.outputs:
-        choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
-                                  "logprobs": _logprobs(c, chat) if c.logprobs is not None else None}
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "finish_reason": c.finish_reason,
+            "logprobs": _logprobs(c, chat) if c.logprobs is not None else None,
+        }
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text
         choices.append(choice)
     n_prompt, n_out = len(item.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-    body = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": b.get("model"), "choices": choices,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": b.get("custom_id"),
-            "response": {"status_code": 200, "request_id": f"kvray-{rid}", "body": body}, "error": None}
+    body = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": b.get("model"),
+        "choices": choices,
+        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+    }
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": b.get("custom_id"),
+        "response": {"status_code": 200, "request_id": f"kvray-{rid}", "body": body},
+        "error": None,
+    }
 
 
 def _logprobs(c: Any, chat: bool) -> dict[str, Any]:
@@ -177,14 +214,26 @@ def _logprobs(c: Any, chat: bool) -> dict[str, Any]:
     for tid, d in zip(c.token_ids, c.logprobs, strict=False):
         own = d.get(tid)
         tops = sorted(d.items(), key=lambda kv: kv[1].rank or 0)
-        steps.append((own.decoded_token if own else None, own.logprob if own else None,
-                      [(lp.decoded_token, lp.logprob) for t, lp in tops if t != tid or lp.rank is not None]))
+        steps.append(
+            (
+                own.decoded_token if own else None,
+                own.logprob if own else None,
+                [(lp.decoded_token, lp.logprob) for t, lp in tops if t != tid or lp.rank is not None],
+            )
+        )
     if chat:
-        return {"content": [{"token": tok, "logprob": lp, "top_logprobs": [{"token": t, "logprob": v}
-                                                                            for t, v in tops]}
-                            for tok, lp, tops in steps]}
-    return {"tokens": [s[0] for s in steps], "token_logprobs": [s[1] for s in steps],
-            "top_logprobs": [{t: v for t, v in s[2]} for s in steps], "text_offset": None}
+        return {
+            "content": [
+                {"token": tok, "logprob": lp, "top_logprobs": [{"token": t, "logprob": v} for t, v in tops]}
+                for tok, lp, tops in steps
+            ]
+        }
+    return {
+        "tokens": [s[0] for s in steps],
+        "token_logprobs": [s[1] for s in steps],
+        "top_logprobs": [{t: v for t, v in s[2]} for s in steps],
+        "text_offset": None,
+    }
 
 
 def is_success(rec: dict[str, Any]) -> bool:

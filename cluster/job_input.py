@@ -10,6 +10,7 @@ tokens could span is refused before it is tokenized.
 Each file's format is detected from its first non-blank line: OpenAI Batch API lines (`custom_id`,
 see cluster/job_batch.py) or kvray's own `{"id"?, "prompt" | "prompt_token_ids", sampling fields?}`.
 """
+
 from __future__ import annotations
 
 import glob
@@ -42,16 +43,16 @@ class Item:
     prompt_token_ids: list[int] | None = None
     sampling: SamplingParams | None = None
     error: str | None = None
-    file: str | None = None          # the shard's name when the input has several
-    fmt: str = "kvray"               # "kvray" | "openai"
-    skip: bool = False               # already answered in the output file
+    file: str | None = None  # the shard's name when the input has several
+    fmt: str = "kvray"  # "kvray" | "openai"
+    skip: bool = False  # already answered in the output file
     batch: dict[str, Any] = field(default_factory=dict)  # OpenAI lines: custom_id, url, model
 
 
 @dataclass(frozen=True)
 class Shard:
-    path: str                        # "-" for stdin
-    label: str | None                # None for a single-file input: ids and records stay as before
+    path: str  # "-" for stdin
+    label: str | None  # None for a single-file input: ids and records stay as before
 
     @property
     def is_stdin(self) -> bool:
@@ -61,7 +62,7 @@ class Shard:
 @dataclass
 class Limits:
     max_model_len: int | None = None
-    max_token_chars: int = 64        # the longest token's text: a bound on characters per token
+    max_token_chars: int = 64  # the longest token's text: a bound on characters per token
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -92,8 +93,7 @@ def resolve_shards(spec: str) -> list[Shard]:
     if spec in STDIN_NAMES:
         return [Shard(spec, None)]
     if os.path.isdir(spec):
-        paths = sorted(p for p in glob.glob(os.path.join(spec, "**", "*.jsonl"), recursive=True)
-                       if os.path.isfile(p))
+        paths = sorted(p for p in glob.glob(os.path.join(spec, "**", "*.jsonl"), recursive=True) if os.path.isfile(p))
         if not paths:
             raise JobError(f"--input {spec!r}: a directory without any *.jsonl file")
         return [Shard(p, os.path.relpath(p, spec)) for p in paths]
@@ -163,9 +163,15 @@ def detect_format(raw: bytes) -> str:
 class InputReader:
     """Streams Items from the shards: parsed, validated, tokenized, or failed alone."""
 
-    def __init__(self, shards: list[Shard], default_sp: SamplingParams, tokenizer: Any = None,
-                 limits: Limits | None = None, done: KeySet | None = None,
-                 render_chat: Callable[[list[Any]], str] | None = None) -> None:
+    def __init__(
+        self,
+        shards: list[Shard],
+        default_sp: SamplingParams,
+        tokenizer: Any = None,
+        limits: Limits | None = None,
+        done: KeySet | None = None,
+        render_chat: Callable[[list[Any]], str] | None = None,
+    ) -> None:
         self.shards = shards
         self.default_sp = default_sp
         self.tokenizer = tokenizer
@@ -194,8 +200,10 @@ class InputReader:
         item = Item(n, None, file=shard.label, fmt=fmt)
         try:
             if raw is None:
-                item.error = (f"{where}: {size:,} bytes, longer than any prompt the model can take "
-                              f"({self.limits.max_line_bytes:,} bytes at max_model_len={self.limits.max_model_len})")
+                item.error = (
+                    f"{where}: {size:,} bytes, longer than any prompt the model can take "
+                    f"({self.limits.max_line_bytes:,} bytes at max_model_len={self.limits.max_model_len})"
+                )
                 return item
             rec = _decode(where, raw)
             if fmt == "openai":
@@ -205,8 +213,7 @@ class InputReader:
                 item.id = item.batch["custom_id"]  # checked: a valid, printable string
             else:
                 fields = _kvray_fields(where, rec)
-                rid = fields.pop("id") if "id" in fields else (str(n) if shard.label is None
-                                                               else f"{shard.label}:{n}")
+                rid = fields.pop("id") if "id" in fields else (str(n) if shard.label is None else f"{shard.label}:{n}")
                 _check_id(where, rid)
                 item.id = rid
             if item.id in self.seen:
@@ -227,8 +234,9 @@ class InputReader:
     def _prepare(self, where: str, item: Item, fields: dict[str, Any]) -> None:
         overrides = fields.pop("sampling")
         try:
-            item.sampling = (SamplingParams(**{**self.default_sp.__dict__, **overrides}) if overrides
-                             else self.default_sp)
+            item.sampling = (
+                SamplingParams(**{**self.default_sp.__dict__, **overrides}) if overrides else self.default_sp
+            )
         except (RequestValidationError, TypeError, ValueError) as e:
             raise _LineError(f"{where}: {e}") from None
         item.prompt, ids = fields.get("prompt"), fields.get("prompt_token_ids")
@@ -240,11 +248,16 @@ class InputReader:
         assert item.prompt is not None  # the line parser demands exactly one of prompt, prompt_token_ids
         cap = self.limits.max_prompt_chars
         if cap is not None and len(item.prompt) > cap:
-            raise _LineError(f"{where}: prompt has {len(item.prompt):,} characters, more than "
-                             f"max_model_len={self.limits.max_model_len} tokens can hold (a token spans at most "
-                             f"{self.limits.max_token_chars} characters here); refused before tokenizing")
-        item.prompt_token_ids = (encode_rendered_chat(self.tokenizer, item.prompt) if fields.get("chat")
-                                 else self.tokenizer.encode(item.prompt))
+            raise _LineError(
+                f"{where}: prompt has {len(item.prompt):,} characters, more than "
+                f"max_model_len={self.limits.max_model_len} tokens can hold (a token spans at most "
+                f"{self.limits.max_token_chars} characters here); refused before tokenizing"
+            )
+        item.prompt_token_ids = (
+            encode_rendered_chat(self.tokenizer, item.prompt)
+            if fields.get("chat")
+            else self.tokenizer.encode(item.prompt)
+        )
 
 
 def encode_rendered_chat(tokenizer: Any, text: str) -> list[int]:
@@ -289,8 +302,10 @@ def _kvray_fields(where: str, rec: Any) -> dict[str, Any]:
     unknown = sorted(set(rec) - {"id", *PROMPT_KEYS, *sampling_keys})
     present = [k for k in PROMPT_KEYS if k in rec]
     if unknown:
-        raise _LineError(f"{where}: unknown field(s) {_short(unknown)}; allowed: id, prompt | prompt_token_ids, "
-                         f"and sampling fields {list(sampling_keys)}")
+        raise _LineError(
+            f"{where}: unknown field(s) {_short(unknown)}; allowed: id, prompt | prompt_token_ids, "
+            f"and sampling fields {list(sampling_keys)}"
+        )
     if len(present) != 1:
         raise _LineError(f"{where}: needs exactly one of 'prompt' or 'prompt_token_ids', got {present}")
     if "prompt" in rec:
@@ -310,8 +325,10 @@ def check_text(where: str, name: str, value: Any) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise _LineError(f"{where}: {name} is not valid Unicode (a lone surrogate U+{ord(value[e.start]):04X} "
-                         f"at character {e.start})") from None
+        raise _LineError(
+            f"{where}: {name} is not valid Unicode (a lone surrogate U+{ord(value[e.start]):04X} "
+            f"at character {e.start})"
+        ) from None
     return value
 
 
@@ -337,7 +354,8 @@ def _short(v: Any, limit: int = 80) -> str:
     return r if len(r) <= limit else r[:limit] + "..."
 
 
-def read_items(path: str, default_sp: SamplingParams, tokenizer: Any = None,
-               limits: Limits | None = None) -> InputReader:
+def read_items(
+    path: str, default_sp: SamplingParams, tokenizer: Any = None, limits: Limits | None = None
+) -> InputReader:
     """The items of one --input (file, directory, glob or stdin)."""
     return InputReader(resolve_shards(path), default_sp, tokenizer, limits)

@@ -3,6 +3,7 @@ input (duplicates). A million-line input must not cost a million Python strings,
 as a 64-bit BLAKE2 digest: a sorted numpy array plus a small set of recent additions merged into it.
 About 8 bytes a key; two distinct keys collide with probability ~n^2 / 2^65 (3e-8 at 1e6 keys).
 """
+
 from __future__ import annotations
 
 import hashlib

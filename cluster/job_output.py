@@ -11,6 +11,7 @@ read back for resume, and appended one whole JSON line at a time.
 - A failed write (a full disk) truncates the partial line away and stops the job with a JobError:
   every record already written is whole, and a rerun resumes.
 """
+
 from __future__ import annotations
 
 import errno
@@ -34,8 +35,13 @@ def default_output_path() -> str:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+    for test, name in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a pipe"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -51,15 +57,25 @@ def check_not_an_input(path: str, spec: str | None, shards: list[Shard]) -> None
         else:
             same = os.path.realpath(s.path) == out
         if same:
-            raise JobError(f"--output {path!r}: is also the input ({s.path!r}); the job would read its own "
-                           f"records back. Write to another file")
+            raise JobError(
+                f"--output {path!r}: is also the input ({s.path!r}); the job would read its own "
+                f"records back. Write to another file"
+            )
     if spec and os.path.isdir(spec) and out.startswith(os.path.realpath(spec) + os.sep) and out.endswith(".jsonl"):
-        raise JobError(f"--output {path!r}: lies inside the --input directory {spec!r}, so a rerun would read "
-                       f"it as an input shard. Write outside it")
-    if spec and not os.path.isdir(spec) and any(ch in spec for ch in "*?[") and \
-            fnmatch.fnmatch(out, os.path.realpath(spec)):
-        raise JobError(f"--output {path!r}: matches the --input pattern {spec!r}, so a rerun would read it as "
-                       f"an input shard. Write elsewhere")
+        raise JobError(
+            f"--output {path!r}: lies inside the --input directory {spec!r}, so a rerun would read "
+            f"it as an input shard. Write outside it"
+        )
+    if (
+        spec
+        and not os.path.isdir(spec)
+        and any(ch in spec for ch in "*?[")
+        and fnmatch.fnmatch(out, os.path.realpath(spec))
+    ):
+        raise JobError(
+            f"--output {path!r}: matches the --input pattern {spec!r}, so a rerun would read it as "
+            f"an input shard. Write elsewhere"
+        )
 
 
 def _same(a: os.stat_result, b: os.stat_result) -> bool:
@@ -85,8 +101,10 @@ class OutputFile:
         if os.path.exists(path):
             st = os.stat(path)
             if not stat.S_ISREG(st.st_mode):
-                raise JobError(f"--output {path!r}: {_kind(st.st_mode)}, not a regular file; kvray appends to and "
-                               f"resumes from a regular file")
+                raise JobError(
+                    f"--output {path!r}: {_kind(st.st_mode)}, not a regular file; kvray appends to and "
+                    f"resumes from a regular file"
+                )
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -103,8 +121,10 @@ class OutputFile:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise JobError(f"--output {self.path!r}: another kvray run is writing it (the file is locked); "
-                               f"wait for it to finish, or write to another file") from None
+                raise JobError(
+                    f"--output {self.path!r}: another kvray run is writing it (the file is locked); "
+                    f"wait for it to finish, or write to another file"
+                ) from None
             raise JobError(f"--output {self.path!r}: cannot be locked ({e.strerror or e})") from None
 
     def _cut_partial_line(self) -> int:
@@ -140,8 +160,10 @@ class OutputFile:
                 os.ftruncate(self.fd, self.size)  # no half line left behind
             except OSError:
                 pass
-            raise JobError(f"--output {self.path!r}: write failed ({e.strerror or e}) after {self.written} record(s) "
-                           f"this run; every record written is whole: free space and rerun to resume") from None
+            raise JobError(
+                f"--output {self.path!r}: write failed ({e.strerror or e}) after {self.written} record(s) "
+                f"this run; every record written is whole: free space and rerun to resume"
+            ) from None
         self.size += len(data)
         self.written += 1
 

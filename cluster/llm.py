@@ -6,6 +6,7 @@ engines see token ids only. Outputs come back in input order. A bad prompt gets 
 finish_reason is "error" (with the message in `.error`) while the others proceed; a replica that fails
 for good raises EngineFailure.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -70,8 +71,14 @@ def check_client_model(config: EngineConfig, hf_config: dict[str, Any]) -> None:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
-                 worker_cls: str = DEFAULT_WORKER_CLS, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        worker_cls: str = DEFAULT_WORKER_CLS,
+        **kwargs: Any,
+    ) -> None:
         if config is None:
             config = EngineConfig()
         if model is not None:
@@ -104,16 +111,20 @@ class LLM:
             if keys == {"prompt"}:
                 prompt = prompt["prompt"]
             else:
-                raise PromptError(f"prompts[{index}]: a dict prompt holds exactly one of 'prompt' or "
-                                  f"'prompt_token_ids', got keys {sorted(keys)}")
+                raise PromptError(
+                    f"prompts[{index}]: a dict prompt holds exactly one of 'prompt' or "
+                    f"'prompt_token_ids', got keys {sorted(keys)}"
+                )
         if not isinstance(prompt, str):
             raise PromptError(f"prompts[{index}]={prompt!r}: must be a str or a dict with 'prompt_token_ids'")
         err = check_text(f"prompts[{index}]", prompt)
         if err is not None:
             raise PromptError(err)
         if self.tokenizer is None:
-            raise PromptError(f"prompts[{index}]: text prompt, but the model has no tokenizer.json here; "
-                              f"pass {{'prompt_token_ids': [...]}} instead")
+            raise PromptError(
+                f"prompts[{index}]: text prompt, but the model has no tokenizer.json here; "
+                f"pass {{'prompt_token_ids': [...]}} instead"
+            )
         return prompt, self.tokenizer.encode(prompt)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -127,8 +138,12 @@ class LLM:
         """What generate/chat use without sampling_params: the model's generation_config.json, else vLLM's."""
         return self._default_params
 
-    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded: list[Encoded] = []
@@ -139,10 +154,16 @@ class LLM:
                 encoded.append(EncodeError(prompt if isinstance(prompt, str) else None, str(e)))
         return self._run(encoded, sampling_params, use_tqdm)
 
-    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, rendered with the model's chat
         template (or `chat_template`), then generated as LLM.generate does; one output per conversation."""
         if self.tokenizer is None:
@@ -153,8 +174,14 @@ class LLM:
         encoded: list[Encoded] = []
         for conv in conversations:
             try:
-                text = render_chat(conv, template, add_generation_prompt=add_generation_prompt, tokens=tokens,
-                                   tools=tools, **(chat_template_kwargs or {}))
+                text = render_chat(
+                    conv,
+                    template,
+                    add_generation_prompt=add_generation_prompt,
+                    tokens=tokens,
+                    tools=tools,
+                    **(chat_template_kwargs or {}),
+                )
             except ChatTemplateError as e:
                 encoded.append(EncodeError(None, str(e)))
                 continue
@@ -199,8 +226,7 @@ class LLM:
         if (sp.logprobs is not None or sp.prompt_logprobs is not None) and not engine_computes_logprobs():
             return "SamplingParams.logprobs/prompt_logprobs: this engine does not compute logprobs yet"
         if sp.stop and self.tokenizer is None:
-            return (f"SamplingParams.stop={sp.stop!r}: stop strings need the model's tokenizer.json on this "
-                    "machine")
+            return f"SamplingParams.stop={sp.stop!r}: stop strings need the model's tokenizer.json on this machine"
         return None
 
     # ---- introspection and teardown ---------------------------------------------------------
@@ -224,8 +250,14 @@ class _Collect(ProcessedStream):
 
     poll_s = 1.0
 
-    def __init__(self, engines: EngineGroup, processor: OutputProcessor, specs: list[RequestSpec],
-                 results: list[RequestOutput | None], index_of: dict[str, int]) -> None:
+    def __init__(
+        self,
+        engines: EngineGroup,
+        processor: OutputProcessor,
+        specs: list[RequestSpec],
+        results: list[RequestOutput | None],
+        index_of: dict[str, int],
+    ) -> None:
         super().__init__(engines, processor)
         self.specs: list[RequestSpec] | None = specs
         self.results, self.index_of = results, index_of
@@ -275,5 +307,13 @@ def _progress(total: int, enabled: bool) -> Any:
     return tqdm(total=total, desc="generate", unit="req")
 
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "PromptError", "ChatTemplateError", "ConfigError",
-           "EngineFailure"]
+__all__ = [
+    "LLM",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "PromptError",
+    "ChatTemplateError",
+    "ConfigError",
+    "EngineFailure",
+]

@@ -14,6 +14,7 @@ reference to each step's rows (one tuple a step) and `PositionLogprobs` builds t
 the list is read, in bulk (one numpy gather and one .tolist() per request), so a step of 256 requests
 with logprobs=5 costs the client a lookup and an append per request, not 1,536 Logprob objects.
 """
+
 from __future__ import annotations
 
 import gc
@@ -78,7 +79,7 @@ class PositionLogprobs(Sequence[P]):
                 rows.append((b, a, z - drop))
             drop -= min(drop, z - a)
         if drop > 0:
-            del self._built[len(self._built) - drop:]
+            del self._built[len(self._built) - drop :]
         self._len = min(self._len, n)
 
     def own_sum(self) -> float:
@@ -147,16 +148,23 @@ class PositionLogprobs(Sequence[P]):
 
 
 class LogprobsProcessor:
-    def __init__(self, tokenizer: Any, num_logprobs: int | None, num_prompt_logprobs: int | None,
-                 decoder: TokenDecoder | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_logprobs: int | None,
+        num_prompt_logprobs: int | None,
+        decoder: TokenDecoder | None = None,
+    ) -> None:
         # No tokenizer (detokenize=False, or none): no decoded_token.
         decode = None if tokenizer is None else decoder or TokenDecoder(tokenizer)
         self.num_logprobs = num_logprobs
         self.num_prompt_logprobs = num_prompt_logprobs
-        self.logprobs: PositionLogprobs[Position] | None = \
+        self.logprobs: PositionLogprobs[Position] | None = (
             PositionLogprobs(num_logprobs, decode) if num_logprobs is not None else None
-        self.prompt_logprobs: PositionLogprobs[Position | None] | None = \
+        )
+        self.prompt_logprobs: PositionLogprobs[Position | None] | None = (
             PositionLogprobs(num_prompt_logprobs, decode, [None]) if num_prompt_logprobs is not None else None
+        )
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -171,8 +179,9 @@ class LogprobsProcessor:
             span = batch.span(o.request_id)
             start, stop = span if span is not None else (0, 0)
             if stop - start < num_new_tokens:
-                raise ValueError(f"request {o.request_id!r}: {stop - start} logprob rows for {num_new_tokens} new "
-                                 "tokens")
+                raise ValueError(
+                    f"request {o.request_id!r}: {stop - start} logprob rows for {num_new_tokens} new tokens"
+                )
             self.logprobs.append(batch, start, start + num_new_tokens)
         if self.prompt_logprobs is not None:
             rows: Logprobs | None = o.prompt_logprobs

@@ -4,6 +4,7 @@ A task pinned to the node SIGKILLs the node's raylet (its parent process chain l
 worker on the node exits with it, and the GCS declares the node dead once its health checks fail. The
 client's own node (the head under `ray job submit`, where the driver actors live) is never a target.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,8 @@ def kill_node(node_id: str) -> None:
     if node_id == ray.get_runtime_context().get_node_id():
         raise ValueError(f"node {node_id}: the client's own node is never killed")
     task = ray.remote(num_cpus=0, max_retries=0)(_kill_own_raylet).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False))
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    )
     try:
         log.info("kill node %s: %s", node_id[:12], ray.get(task.remote(), timeout=30))
     except Exception as e:  # noqa: BLE001 - the task dies with its raylet, as it should

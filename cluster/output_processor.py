@@ -8,6 +8,7 @@ vLLM's ParentRequest) with ids "<k>_<request_id>"; they share the prompt's KV th
 and a seeded request's children get seeds seed + k. Used by LLM.generate/chat; it knows nothing of
 Ray, so the server and the batch job can drive it with the same engine outputs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -23,17 +24,27 @@ from kvcore.request import SamplingParams
 class RequestState:
     """One engine request (a child of a ParentRequest): its text, tokens, logprobs and stop state."""
 
-    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Any, decoder: TokenDecoder | None = None, incremental: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        decoder: TokenDecoder | None = None,
+        incremental: bool = False,
+    ) -> None:
         self.request_id = request_id
         self.params = params
         self.incremental = incremental  # text as tokens arrive (a stream), not only at the end
         self.completion = CompletionOutput(index, "", [])
         detok = params.detokenize and tokenizer is not None
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens) \
-            if detok else None
-        self.logprobs = LogprobsProcessor(tokenizer if detok else None, params.logprobs, params.prompt_logprobs,
-                                          decoder)
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens) if detok else None
+        )
+        self.logprobs = LogprobsProcessor(
+            tokenizer if detok else None, params.logprobs, params.prompt_logprobs, decoder
+        )
         self.error: str | None = None
         self.timing: Any = None
         self.num_cached_tokens = 0
@@ -109,9 +120,17 @@ class ParentRequest:
             c.completion.logprobs, c.completion.cumulative_logprob = c.logprobs.logprobs, c.logprobs.cumulative_logprob
         first = self.children[0]
         errors = [c.error for c in self.children if c.error is not None]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, first.logprobs.prompt_logprobs,
-                             [c.completion for c in self.children], self.finished, first.timing,
-                             first.num_cached_tokens, errors[0] if errors else None)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            first.logprobs.prompt_logprobs,
+            [c.completion for c in self.children],
+            self.finished,
+            first.timing,
+            first.num_cached_tokens,
+            errors[0] if errors else None,
+        )
 
 
 def child_params(params: SamplingParams, k: int) -> SamplingParams:
@@ -126,12 +145,16 @@ class OutputProcessor:
         self.incremental = incremental  # the server's streams: decode every token as it arrives
         self.states: dict[str, tuple[RequestState, ParentRequest]] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> tuple[ParentRequest, list[tuple[str, SamplingParams]]]:
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[ParentRequest, list[tuple[str, SamplingParams]]]:
         """Register a request; -> (its parent record, the (engine request id, params) to submit)."""
         parent = ParentRequest(request_id, prompt, prompt_token_ids)
-        subs = [(request_id, params)] if params.n == 1 else \
-            [(f"{k}_{request_id}", child_params(params, k)) for k in range(params.n)]
+        subs = (
+            [(request_id, params)]
+            if params.n == 1
+            else [(f"{k}_{request_id}", child_params(params, k)) for k in range(params.n)]
+        )
         for k, (rid, sp) in enumerate(subs):
             state = RequestState(rid, k, prompt_token_ids, sp, self.tokenizer, self.decoder, self.incremental)
             parent.children.append(state)

@@ -4,6 +4,7 @@ Logprobs are shaped as vLLM shapes them: one dict per position, {token_id: Logpr
 sampled (or, for the prompt, the actual) token and the top `logprobs` tokens; a prompt's first
 position has no logprobs (None).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -51,5 +52,12 @@ class RequestOutput:
 
 
 def error_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], message: str) -> RequestOutput:
-    return RequestOutput(request_id, prompt, prompt_token_ids, None,
-                         [CompletionOutput(0, "", [], finish_reason="error")], True, error=message)
+    return RequestOutput(
+        request_id,
+        prompt,
+        prompt_token_ids,
+        None,
+        [CompletionOutput(0, "", [], finish_reason="error")],
+        True,
+        error=message,
+    )

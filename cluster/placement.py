@@ -4,6 +4,7 @@ No address -> an embedded local Ray sized for the config; an address (config.ray
 RAY_ADDRESS, as under `ray job submit`) -> connect to that cluster. A placement group that the cluster
 cannot satisfy within `parallel.placement_timeout_s` fails with what was asked and what the cluster has.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,10 +58,17 @@ def connect(config: EngineConfig) -> bool:
     existing = running_local_cluster()
     if existing:
         # Joining it would need it to have kvray's resources, and would disturb its other users.
-        logger.warning("a Ray cluster is already running on this machine (%s): starting a private local Ray "
-                       "for this job (RAY_ADDRESS=%s would use that cluster instead)", existing, existing)
-    start_local_ray(num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, need + 1),
-                    namespace=config.ray.namespace, include_dashboard=config.ray.include_dashboard)
+        logger.warning(
+            "a Ray cluster is already running on this machine (%s): starting a private local Ray "
+            "for this job (RAY_ADDRESS=%s would use that cluster instead)",
+            existing,
+            existing,
+        )
+    start_local_ray(
+        num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, need + 1),
+        namespace=config.ray.namespace,
+        include_dashboard=config.ray.include_dashboard,
+    )
     return True
 
 
@@ -72,8 +80,9 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     return config.replace(device="cuda" if gpus > 0 else "cpu")
 
 
-def start_local_ray(num_cpus: int, namespace: str | None = None, include_dashboard: bool = False,
-                    **kwargs: Any) -> None:
+def start_local_ray(
+    num_cpus: int, namespace: str | None = None, include_dashboard: bool = False, **kwargs: Any
+) -> None:
     """An embedded Ray on this machine whose worker processes can import kvray, reachable from it only.
 
     Every Ray process it starts listens on the loopback address (GCS, raylet, object manager, core
@@ -89,8 +98,15 @@ def start_local_ray(num_cpus: int, namespace: str | None = None, include_dashboa
     # address="local": a new private instance even when `ray start` left a cluster on this machine
     # (plain ray.init() would join that one, and then refuse num_cpus).
     with _loopback_node_ip():
-        ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=include_dashboard,
-                 _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            namespace=namespace,
+            include_dashboard=include_dashboard,
+            _node_ip_address=LOOPBACK,
+            dashboard_host=LOOPBACK,
+            **kwargs,
+        )
 
 
 LOOPBACK = "127.0.0.1"
@@ -144,13 +160,22 @@ def running_local_cluster() -> str | None:
 
 def describe_cluster() -> dict[str, Any]:
     """What the cluster has: totals, what is free now, and the nodes."""
-    nodes = [{"node_id": n.get("NodeID", ""), "node_ip": n.get("NodeManagerAddress"), "alive": n.get("Alive"),
-              "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")},
-              # The labels an operator gave the node (`ray start --labels`), not Ray's own ray.io/ ones.
-              "labels": {k: v for k, v in (n.get("Labels") or {}).items() if not k.startswith("ray.io/")}}
-             for n in ray.nodes()]
-    return {"cluster_resources": _plain(ray.cluster_resources()),
-            "available_resources": _plain(ray.available_resources()), "nodes": nodes}
+    nodes = [
+        {
+            "node_id": n.get("NodeID", ""),
+            "node_ip": n.get("NodeManagerAddress"),
+            "alive": n.get("Alive"),
+            "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")},
+            # The labels an operator gave the node (`ray start --labels`), not Ray's own ray.io/ ones.
+            "labels": {k: v for k, v in (n.get("Labels") or {}).items() if not k.startswith("ray.io/")},
+        }
+        for n in ray.nodes()
+    ]
+    return {
+        "cluster_resources": _plain(ray.cluster_resources()),
+        "available_resources": _plain(ray.available_resources()),
+        "nodes": nodes,
+    }
 
 
 def _plain(res: dict[str, float]) -> dict[str, float]:
@@ -171,9 +196,11 @@ def create_placement_group(config: EngineConfig, name: str) -> PlacementGroup:
     ready, _ = ray.wait([pg.ready()], timeout=p.placement_timeout_s)
     if not ready:
         remove_placement_group(pg)
-        raise PlacementError(_message(config, name, bundles,
-                                      f"not satisfied within parallel.placement_timeout_s="
-                                      f"{p.placement_timeout_s:g}s"))
+        raise PlacementError(
+            _message(
+                config, name, bundles, f"not satisfied within parallel.placement_timeout_s={p.placement_timeout_s:g}s"
+            )
+        )
     return pg
 
 
@@ -188,12 +215,14 @@ def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
 def _message(config: EngineConfig, name: str, bundles: list[dict[str, float]], why: str) -> str:
     p = config.parallel
     info = describe_cluster()
-    return (f"placement group {name!r}: asked for {len(bundles)} bundle(s) {bundles[0]} "
-            f"(parallel.tensor_parallel_size={p.tensor_parallel_size}, device={p.device}, "
-            f"gpus_per_worker={p.gpus_per_worker:g}, strategy={p.placement_strategy}) for each of "
-            f"{p.data_parallel_size} data-parallel engine(s): {why}. The cluster has "
-            f"{info['cluster_resources']} in total, {info['available_resources']} free now, on "
-            f"{sum(1 for n in info['nodes'] if n['alive'])} node(s).")
+    return (
+        f"placement group {name!r}: asked for {len(bundles)} bundle(s) {bundles[0]} "
+        f"(parallel.tensor_parallel_size={p.tensor_parallel_size}, device={p.device}, "
+        f"gpus_per_worker={p.gpus_per_worker:g}, strategy={p.placement_strategy}) for each of "
+        f"{p.data_parallel_size} data-parallel engine(s): {why}. The cluster has "
+        f"{info['cluster_resources']} in total, {info['available_resources']} free now, on "
+        f"{sum(1 for n in info['nodes'] if n['alive'])} node(s)."
+    )
 
 
 def remove(pg: PlacementGroup | None) -> None:
@@ -203,4 +232,3 @@ def remove(pg: PlacementGroup | None) -> None:
         remove_placement_group(pg)
     except Exception as e:  # already removed, or Ray is going down: nothing left to release
         logger.debug("remove_placement_group: %s", e)
-

@@ -3,6 +3,7 @@ temperature, top_p, top_k, repetition_penalty or max_new_tokens, else vLLM's Sam
 (temperature 1.0: sampling, not greedy). They apply when generate/chat get no sampling_params; a
 SamplingParams the caller builds keeps its own values.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,10 +14,20 @@ from kvcore.request import RequestValidationError, SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
 # generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
-GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-VLLM_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
-                                 "max_tokens": 16}
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+VLLM_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "repetition_penalty": 1.0,
+    "max_tokens": 16,
+}
 
 
 def generation_config_overrides(model_dir: str | None) -> dict[str, Any]:

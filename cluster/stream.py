@@ -3,6 +3,7 @@
 what to make of an output; `Stream.loop` submits what is due, polls, hands every output over and sends
 the aborts asked for, until nothing is left to submit or in flight. A fix to streaming is made here once.
 """
+
 from __future__ import annotations
 
 import time

@@ -15,6 +15,7 @@ Checks at the end (any failure -> exit code 1):
   3. every replica's block pool is whole: free + cached-free = usable, no reference count left;
   4. no replica went down (a broken per-step invariant does that), and every kill was recovered.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,8 +59,8 @@ class Outcome:
     finished_at: float | None = None
     finish_reason: str | None = None
     error: str | None = None
-    num_finished: int = 0            # > 1 is a duplicate
-    late_outputs: int = 0            # outputs after its end: a duplicate too
+    num_finished: int = 0  # > 1 is a duplicate
+    late_outputs: int = 0  # outputs after its end: a duplicate too
     abort_sent: bool = False
 
 
@@ -96,8 +97,15 @@ class StatsSampler(threading.Thread):
                 continue
             t = time.monotonic() - self.t0
             for s in stats:
-                self.samples.append({"t": t, "replica": s.get("replica"), "kv_usage": s.get("kv_cache_usage", 0.0),
-                                     "running": s.get("running", 0), "waiting": s.get("waiting", 0)})
+                self.samples.append(
+                    {
+                        "t": t,
+                        "replica": s.get("replica"),
+                        "kv_usage": s.get("kv_cache_usage", 0.0),
+                        "running": s.get("running", 0),
+                        "waiting": s.get("waiting", 0),
+                    }
+                )
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -109,8 +117,9 @@ class StressDriver(Stream):
 
     poll_s = 0.2
 
-    def __init__(self, engines: EngineGroup, workload: list[StressRequest], opts: StressOptions,
-                 config: EngineConfig) -> None:
+    def __init__(
+        self, engines: EngineGroup, workload: list[StressRequest], opts: StressOptions, config: EngineConfig
+    ) -> None:
         super().__init__(engines)
         self.workload = workload
         self.config = config
@@ -151,7 +160,7 @@ class StressDriver(Stream):
             return None
         now = time.monotonic()
         due = [r for r in self.queue if r.arrival_s <= now - self.t0]
-        self.queue = self.queue[len(due):]
+        self.queue = self.queue[len(due) :]
         for r in due:
             self.obs.outcomes[r.request_id].submitted_at = now
         self.submitted += len(due)
@@ -184,11 +193,15 @@ class StressDriver(Stream):
                 self.ended += 1
 
     def aborts(self) -> list[str]:
-        todo = [r.request_id for r in self.workload if r.abort_after is not None
-                and not self.obs.outcomes[r.request_id].abort_sent
-                and self.obs.outcomes[r.request_id].submitted_at is not None
-                and not self.obs.outcomes[r.request_id].num_finished
-                and len(self.obs.outcomes[r.request_id].tokens) >= r.abort_after]
+        todo = [
+            r.request_id
+            for r in self.workload
+            if r.abort_after is not None
+            and not self.obs.outcomes[r.request_id].abort_sent
+            and self.obs.outcomes[r.request_id].submitted_at is not None
+            and not self.obs.outcomes[r.request_id].num_finished
+            and len(self.obs.outcomes[r.request_id].tokens) >= r.abort_after
+        ]
         for rid in todo:
             self.obs.outcomes[rid].abort_sent = True
         return todo
@@ -204,8 +217,14 @@ class StressDriver(Stream):
         stats = self.engines.stats()
         # A replica with work in flight (so the death is noticed at its next step), budget left, and
         # its previous restart done (a kill during a rebuild would hit the old, already dead group).
-        ok = [r for r, s in enumerate(stats) if self.engines.outstanding[r] > 2 and self.kills_on[r] < budget
-              and int(s.get("worker_restarts", 0)) == self.kills_on[r] and s.get("fatal") is None]
+        ok = [
+            r
+            for r, s in enumerate(stats)
+            if self.engines.outstanding[r] > 2
+            and self.kills_on[r] < budget
+            and int(s.get("worker_restarts", 0)) == self.kills_on[r]
+            and s.get("fatal") is None
+        ]
         if not ok:
             return
         replica = self.rng.choice(ok)
@@ -216,13 +235,13 @@ class StressDriver(Stream):
             log.info("kill of replica %d rank %d deferred: %s", replica, rank, str(e).splitlines()[0])
             return
         t = time.monotonic() - t0
-        log.warning("stress: killed worker rank %d of replica %d at t=%.1fs (%d requests ended)",
-                    rank, replica, t, ended)
+        log.warning(
+            "stress: killed worker rank %d of replica %d at t=%.1fs (%d requests ended)", rank, replica, t, ended
+        )
         self.kill_at.pop(0)
         self.kills_on[replica] += 1
         self.obs.kill_times.append(t)
         self.obs.kills.append({"t": round(t, 3), "replica": replica, "rank": rank})
-
 
     def _maybe_kill_node(self, ended: int, t0: float) -> None:
         if not self.node_kill_at or ended < self.node_kill_at[0]:
@@ -233,9 +252,17 @@ class StressDriver(Stream):
         stats = self.engines.stats()
         me = ray.get_runtime_context().get_node_id()
         # A node whose replicas are all up with work in flight and restart budget left.
-        ok = [(node, reps) for node, reps in sorted(engine_nodes(self.engines.pgs).items()) if node != me and all(
-            self.engines.state[r] == "up" and self.engines.outstanding[r] > 0
-            and int(stats[r].get("worker_restarts", 0)) < budget for r in reps)]
+        ok = [
+            (node, reps)
+            for node, reps in sorted(engine_nodes(self.engines.pgs).items())
+            if node != me
+            and all(
+                self.engines.state[r] == "up"
+                and self.engines.outstanding[r] > 0
+                and int(stats[r].get("worker_restarts", 0)) < budget
+                for r in reps
+            )
+        ]
         if not ok:
             return
         node, reps = self.rng.choice(ok)
@@ -251,17 +278,26 @@ class StressDriver(Stream):
 def check_options(config: EngineConfig, opts: StressOptions) -> None:
     """Raise ValueError naming the option and the rule; runs before Ray is touched."""
     p = config.parallel
-    rules = [("--requests", opts.requests, opts.requests >= 1, "must be >= 1"),
-             ("--duration", opts.duration_s, opts.duration_s >= 0, "must be >= 0 seconds"),
-             ("--abort-rate", opts.abort_rate, 0.0 <= opts.abort_rate <= 1.0, "must be in [0, 1]"),
-             ("--kill-workers", opts.kill_workers, opts.kill_workers >= 0, "must be >= 0"),
-             ("--kill-workers", opts.kill_workers,
-              opts.kill_workers <= p.max_worker_restarts * p.data_parallel_size,
-              f"exceeds the restart budget, parallel.max_worker_restarts={p.max_worker_restarts} per replica x "
-              f"{p.data_parallel_size} replica(s); raise it with --set parallel.max_worker_restarts=N"),
-             ("--kill-nodes", opts.kill_nodes, opts.kill_nodes >= 0, "must be >= 0"),
-             ("--kill-nodes", opts.kill_nodes, opts.kill_nodes == 0 or p.max_worker_restarts >= 1,
-              "needs parallel.max_worker_restarts >= 1: a replica rebuilds after its node is lost")]
+    rules = [
+        ("--requests", opts.requests, opts.requests >= 1, "must be >= 1"),
+        ("--duration", opts.duration_s, opts.duration_s >= 0, "must be >= 0 seconds"),
+        ("--abort-rate", opts.abort_rate, 0.0 <= opts.abort_rate <= 1.0, "must be in [0, 1]"),
+        ("--kill-workers", opts.kill_workers, opts.kill_workers >= 0, "must be >= 0"),
+        (
+            "--kill-workers",
+            opts.kill_workers,
+            opts.kill_workers <= p.max_worker_restarts * p.data_parallel_size,
+            f"exceeds the restart budget, parallel.max_worker_restarts={p.max_worker_restarts} per replica x "
+            f"{p.data_parallel_size} replica(s); raise it with --set parallel.max_worker_restarts=N",
+        ),
+        ("--kill-nodes", opts.kill_nodes, opts.kill_nodes >= 0, "must be >= 0"),
+        (
+            "--kill-nodes",
+            opts.kill_nodes,
+            opts.kill_nodes == 0 or p.max_worker_restarts >= 1,
+            "needs parallel.max_worker_restarts >= 1: a replica rebuilds after its node is lost",
+        ),
+    ]
     for name, value, ok, rule in rules:
         if not ok:
             raise ValueError(f"{name}={value}: {rule}")
@@ -278,21 +314,34 @@ def run_stress(config: EngineConfig, opts: StressOptions) -> tuple[dict[str, Any
     engines = EngineGroup(config)
     try:
         info, stats0 = engines.info, engines.stats()[0]
-        shape = WorkloadShape(int(info["vocab_size"]), max_total_tokens(
-            int(info["max_model_len"]), int(info["num_blocks"]) - 1, config.cache.block_size,
-            int(stats0.get("num_kv_cache_groups", 1))), info.get("eos_token_id"))
+        shape = WorkloadShape(
+            int(info["vocab_size"]),
+            max_total_tokens(
+                int(info["max_model_len"]),
+                int(info["num_blocks"]) - 1,
+                config.cache.block_size,
+                int(stats0.get("num_kv_cache_groups", 1)),
+            ),
+            info.get("eos_token_id"),
+        )
         workload = make_workload(opts.requests, opts.seed, shape, opts.abort_rate, opts.duration_s)
-        log.info("stress: %d requests over %d replica(s), %d kill(s), pool of %d blocks, longest request %d tokens",
-                 len(workload), p.data_parallel_size, opts.kill_workers, info["num_blocks"],
-                 shape.max_total_tokens)
+        log.info(
+            "stress: %d requests over %d replica(s), %d kill(s), pool of %d blocks, longest request %d tokens",
+            len(workload),
+            p.data_parallel_size,
+            opts.kill_workers,
+            info["num_blocks"],
+            shape.max_total_tokens,
+        )
         obs = StressDriver(engines, workload, opts, config).run()
         pools = pool_accounting(engines)
         engine_stats = engines.stats()
     finally:
         engines.shutdown()
     t_ref = time.monotonic()
-    reference = run_reference(reference_config(config, workload, config.cache.block_size,
-                                               int(stats0.get("num_kv_cache_groups", 1))), workload)
+    reference = run_reference(
+        reference_config(config, workload, config.cache.block_size, int(stats0.get("num_kv_cache_groups", 1))), workload
+    )
     report = evaluate(workload, obs, reference, pools, engine_stats, opts.kill_workers, opts.kill_nodes)
     report["reference_wall_s"] = round(time.monotonic() - t_ref, 2)
     if opts.report_dir:

@@ -3,6 +3,7 @@ once, on one roomy replica without prefix caching or preemption; its tokens are 
 must have produced. A request's tokens never depend on its neighbours (the sampler draws per request),
 so one batch is as good as one run each.
 """
+
 from __future__ import annotations
 
 from actors.messages import RequestSpec
@@ -12,16 +13,24 @@ from cluster.stream import Stream
 from cluster.stress_workload import StressRequest
 
 
-def reference_config(config: EngineConfig, workload: list[StressRequest], block_size: int,
-                     num_groups: int) -> EngineConfig:
+def reference_config(
+    config: EngineConfig, workload: list[StressRequest], block_size: int, num_groups: int
+) -> EngineConfig:
     """One replica, no prefix caching, no preemption: room for every request at once."""
-    blocks = 1 + sum(num_groups * (-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // block_size) + 1)
-                     for r in workload)
+    blocks = 1 + sum(
+        num_groups * (-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // block_size) + 1) for r in workload
+    )
     seqs = min(len(workload), 256)
     longest = max(len(r.prompt_token_ids) + r.sampling.max_tokens for r in workload)
-    return config.replace(data_parallel_size=1, enable_prefix_caching=False, num_gpu_blocks=blocks,
-                          max_num_seqs=seqs, max_num_batched_tokens=max(seqs, 4096, longest),
-                          debug_invariants=False, max_worker_restarts=0)
+    return config.replace(
+        data_parallel_size=1,
+        enable_prefix_caching=False,
+        num_gpu_blocks=blocks,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(seqs, 4096, longest),
+        debug_invariants=False,
+        max_worker_restarts=0,
+    )
 
 
 class ReferenceRun(Stream):
@@ -40,8 +49,11 @@ class ReferenceRun(Stream):
 
     def due(self) -> list[RequestSpec] | None:
         workload, self.workload = self.workload, None
-        return None if workload is None else [RequestSpec(r.request_id, list(r.prompt_token_ids), r.sampling)
-                                              for r in workload]
+        return (
+            None
+            if workload is None
+            else [RequestSpec(r.request_id, list(r.prompt_token_ids), r.sampling) for r in workload]
+        )
 
     def in_flight(self) -> int:
         return len(self.open_ids)

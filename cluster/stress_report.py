@@ -1,5 +1,6 @@
 """The stress run's verdict: the end checks turned into one JSON report, and the optional PNG
 (latency CDF; KV usage and running requests over time, kill times marked)."""
+
 from __future__ import annotations
 
 import logging
@@ -43,11 +44,23 @@ def leaked_blocks(book: dict[str, Any]) -> int:
     return book["held"] + abs(unaccounted)
 
 
-def evaluate(workload: list[StressRequest], obs: Any, reference: dict[str, list[int]],
-             pools: list[dict[str, Any]], engine_stats: list[dict[str, Any]], kills_asked: int,
-             nodes_asked: int = 0) -> dict[str, Any]:
-    c = {"completed": 0, "aborted": 0, "lost": 0, "duplicated": obs.unknown_outputs, "mismatched": 0,
-         "wrong_token_count": 0}
+def evaluate(
+    workload: list[StressRequest],
+    obs: Any,
+    reference: dict[str, list[int]],
+    pools: list[dict[str, Any]],
+    engine_stats: list[dict[str, Any]],
+    kills_asked: int,
+    nodes_asked: int = 0,
+) -> dict[str, Any]:
+    c = {
+        "completed": 0,
+        "aborted": 0,
+        "lost": 0,
+        "duplicated": obs.unknown_outputs,
+        "mismatched": 0,
+        "wrong_token_count": 0,
+    }
     latencies: list[float] = []
     errors: list[str] = []
     output_tokens = 0
@@ -62,7 +75,7 @@ def evaluate(workload: list[StressRequest], obs: Any, reference: dict[str, list[
                 errors.append(f"{r.request_id}: {o.error}")
         elif o.finish_reason == "abort":
             c["aborted"] += 1
-            c["mismatched"] += o.tokens != ref[:len(o.tokens)]
+            c["mismatched"] += o.tokens != ref[: len(o.tokens)]
         else:
             c["completed"] += 1
             latencies.append(o.finished_at - o.submitted_at)
@@ -74,25 +87,30 @@ def evaluate(workload: list[StressRequest], obs: Any, reference: dict[str, list[
     restarts = sum(int(s.get("worker_restarts", 0)) for s in engine_stats)
     fatal = [s["fatal"] for s in engine_stats if s.get("fatal")] + ([obs.failure] if obs.failure else [])
     report = {
-        "requests": len(workload), **{k: c[k] for k in ("completed", "aborted", "lost", "duplicated",
-                                                        "mismatched")},
+        "requests": len(workload),
+        **{k: c[k] for k in ("completed", "aborted", "lost", "duplicated", "mismatched")},
         "leaked_blocks": sum(leaked_blocks(b) for b in pools),
         "worker_restarts": restarts,
         "preemptions": sum(int(s.get("num_preemptions", 0)) for s in engine_stats),
-        "latency_p50_s": _round(percentile(latencies, 50)), "latency_p99_s": _round(percentile(latencies, 99)),
+        "latency_p50_s": _round(percentile(latencies, 50)),
+        "latency_p99_s": _round(percentile(latencies, 99)),
         "output_tok_per_s": round(output_tokens / obs.wall_s, 2) if obs.wall_s > 0 else None,
         "wrong_token_count": c["wrong_token_count"],
         "replayed_after_restart": sum(int(s.get("num_replayed", 0)) for s in engine_stats),
-        "kills": len(obs.kills), "kill_times_s": [k["t"] for k in obs.kills],
+        "kills": len(obs.kills),
+        "kill_times_s": [k["t"] for k in obs.kills],
         # A lost node costs each replica with a bundle on it one TP-group rebuild.
-        "node_losses": len(obs.node_kills), "node_loss_times_s": [k["t"] for k in obs.node_kills],
+        "node_losses": len(obs.node_kills),
+        "node_loss_times_s": [k["t"] for k in obs.node_kills],
         "replicas_hit_by_node_losses": sum(len(k["replicas"]) for k in obs.node_kills),
         "requests_moved": sum(int(s.get("requests_moved_away", 0)) for s in engine_stats),
         "driver_restarts": sum(int(s.get("driver_restarts", 0)) for s in engine_stats),
         "wall_s": round(obs.wall_s, 2),
-        "pool_errors": [b.get("error") or b.get("invariant_error") for b in pools
-                        if b.get("error") or b.get("invariant_error")],
-        "errors": errors, "fatal": fatal,
+        "pool_errors": [
+            b.get("error") or b.get("invariant_error") for b in pools if b.get("error") or b.get("invariant_error")
+        ],
+        "errors": errors,
+        "fatal": fatal,
     }
     report["checks_failed"] = failed_checks(report, kills_asked, obs.stalled, nodes_asked)
     report["_latencies"] = latencies
@@ -101,12 +119,17 @@ def evaluate(workload: list[StressRequest], obs: Any, reference: dict[str, list[
 
 def failed_checks(rep: dict[str, Any], kills_asked: int, stalled: bool, nodes_asked: int = 0) -> list[str]:
     rules = [
-        ("lost", rep["lost"] == 0), ("duplicated", rep["duplicated"] == 0),
-        ("mismatched", rep["mismatched"] == 0), ("wrong_token_count", rep["wrong_token_count"] == 0),
+        ("lost", rep["lost"] == 0),
+        ("duplicated", rep["duplicated"] == 0),
+        ("mismatched", rep["mismatched"] == 0),
+        ("wrong_token_count", rep["wrong_token_count"] == 0),
         ("completed+aborted==requests", rep["completed"] + rep["aborted"] == rep["requests"]),
-        ("leaked_blocks", rep["leaked_blocks"] == 0), ("pool_invariants", not rep["pool_errors"]),
-        ("replica_down", not rep["fatal"]), ("stalled", not stalled),
-        ("kills_done", rep["kills"] == kills_asked), ("node_losses_done", rep.get("node_losses", 0) == nodes_asked),
+        ("leaked_blocks", rep["leaked_blocks"] == 0),
+        ("pool_invariants", not rep["pool_errors"]),
+        ("replica_down", not rep["fatal"]),
+        ("stalled", not stalled),
+        ("kills_done", rep["kills"] == kills_asked),
+        ("node_losses_done", rep.get("node_losses", 0) == nodes_asked),
         ("worker_restarts==kills", rep["worker_restarts"] == rep["kills"] + rep.get("replicas_hit_by_node_losses", 0)),
     ]
     return [name for name, ok in rules if not ok]
@@ -129,8 +152,11 @@ def write_png(report_dir: str, obs: Any, report: dict[str, Any]) -> str:
     fig, (ax_cdf, ax_kv, ax_run) = plt.subplots(3, 1, figsize=(9, 11))
     lat = sorted(report["_latencies"])
     ax_cdf.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))] if lat else [], drawstyle="steps-post")
-    ax_cdf.set(title=f"latency CDF ({len(lat)} completed requests)", xlabel="seconds from submit to finish",
-               ylabel="share of requests")
+    ax_cdf.set(
+        title=f"latency CDF ({len(lat)} completed requests)",
+        xlabel="seconds from submit to finish",
+        ylabel="share of requests",
+    )
     replicas = sorted({s["replica"] for s in obs.timeline})
     for rep in replicas:
         pts = [s for s in obs.timeline if s["replica"] == rep]
@@ -143,8 +169,10 @@ def write_png(report_dir: str, obs: Any, report: dict[str, Any]) -> str:
             ax.axvline(t, color="red", linestyle="--", label="worker killed" if i == 0 else None)
         if replicas or obs.kill_times:
             ax.legend(loc="upper right")
-    fig.suptitle(f"kvray stress: {report['requests']} requests, {report['kills']} kills, "
-                 f"{report['preemptions']} preemptions, checks failed: {report['checks_failed'] or 'none'}")
+    fig.suptitle(
+        f"kvray stress: {report['requests']} requests, {report['kills']} kills, "
+        f"{report['preemptions']} preemptions, checks failed: {report['checks_failed'] or 'none'}"
+    )
     fig.tight_layout()
     path = os.path.join(report_dir, "stress.png")
     fig.savefig(path, dpi=90)

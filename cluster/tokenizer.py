@@ -5,6 +5,7 @@
 callers that accept token-id prompts without a tokenizer use `load_tokenizer_if_present`, which
 returns None then.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,9 @@ class Tokenizer:
     def from_dir(cls, model_dir: str) -> "Tokenizer":
         path = os.path.join(model_dir, TOKENIZER_FILE)
         if not os.path.isfile(path):
-            raise TokenizerNotFoundError(f"{model_dir}: no {TOKENIZER_FILE}; text prompts need one "
-                                         "(token-id prompts work without it)")
+            raise TokenizerNotFoundError(
+                f"{model_dir}: no {TOKENIZER_FILE}; text prompts need one (token-id prompts work without it)"
+            )
         try:
             tok = _HFTokenizer.from_file(path)
         except Exception as e:  # the Rust library raises a bare Exception subclass

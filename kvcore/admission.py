@@ -4,6 +4,7 @@
 scheduled (no prompt, a prompt longer than max_model_len, more blocks than the pool holds). `AdmissionGate`
 decides whether a step keeps the waiting requests out to admit them later, together.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -53,17 +54,21 @@ class RequestFit:
         if num_prompt == 0:
             return f"request {rid!r}: prompt_token_ids is empty; a request needs at least one prompt token"
         if num_prompt > self.max_model_len:
-            return (f"request {rid!r}: prompt ({num_prompt} tokens) exceeds max_model_len={self.max_model_len}; "
-                    f"a prompt must fit the model's context")
+            return (
+                f"request {rid!r}: prompt ({num_prompt} tokens) exceeds max_model_len={self.max_model_len}; "
+                f"a prompt must fit the model's context"
+            )
         # max_tokens past max_model_len is capped there (finish_reason "length"), as in vLLM.
         total = min(num_prompt + request.max_tokens, self.max_model_len)
         need = self.max_blocks_needed(total)
         usable = self.num_pool_blocks - 1
         if need > usable:
-            return (f"request {rid!r}: prompt + max_tokens = {total} tokens (capped by max_model_len="
-                    f"{self.max_model_len}) needs {need} KV-cache blocks "
-                    f"(block sizes {self.block_sizes}) but the pool holds only {usable} usable blocks "
-                    f"(num_blocks={self.num_pool_blocks}, block 0 is the null block)")
+            return (
+                f"request {rid!r}: prompt + max_tokens = {total} tokens (capped by max_model_len="
+                f"{self.max_model_len}) needs {need} KV-cache blocks "
+                f"(block sizes {self.block_sizes}) but the pool holds only {usable} usable blocks "
+                f"(num_blocks={self.num_pool_blocks}, block 0 is the null block)"
+            )
         return None
 
 
@@ -87,8 +92,7 @@ class AdmissionGate:
         free = self.max_num_seqs - num_running
         if free <= 0:
             return True  # no row to admit into: not a deferral
-        if (not num_running or free >= min(self.min_batch, num_waiting)
-                or self._deferrals >= self.max_wait_steps):
+        if not num_running or free >= min(self.min_batch, num_waiting) or self._deferrals >= self.max_wait_steps:
             self._deferrals = 0
             return False
         self._deferrals += 1

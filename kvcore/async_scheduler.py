@@ -30,6 +30,7 @@ its running loop plans with known + pending tokens and skips a request whose pen
 limit, its admission waits for a preempted request's token, and its stop check frees a request that
 stopped from the waiting queue. This class only counts placeholders, through two hooks.
 """
+
 from __future__ import annotations
 
 from typing import Any

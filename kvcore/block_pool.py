@@ -11,6 +11,7 @@ Free-queue order decides what is reused first:
 A freed unhashed block is put at the head, a freed hashed block at the tail, so holding no
 prefix-cache content is always reused before evicting any.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Iterator, Sequence
@@ -168,8 +169,9 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` from the head of the free queue, evicting their cached hashes."""
         if num_blocks > self.num_free_blocks:
-            raise ValueError(f"BlockPool.get_new_blocks: asked for {num_blocks} blocks, "
-                             f"only {self.num_free_blocks} free")
+            raise ValueError(
+                f"BlockPool.get_new_blocks: asked for {num_blocks} blocks, only {self.num_free_blocks} free"
+            )
         new_blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in new_blocks:
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
@@ -217,15 +219,23 @@ class BlockPool:
                     self.free_block_queue.append(block)
 
     # ---- prefix cache ----------------------------------------------------------------------------
-    def cache_full_blocks(self, request: Request, blocks: Sequence[KVCacheBlock], num_cached_blocks: int,
-                          num_full_blocks: int, group_id: int) -> None:
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        group_id: int,
+    ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under the request's chained hashes."""
         if num_cached_blocks >= num_full_blocks:
             return
         hashes = request.block_hashes
         if len(hashes) < num_full_blocks:
-            raise ValueError(f"cache_full_blocks: request {request.request_id!r} has "
-                             f"{len(hashes)} block hashes, needs {num_full_blocks}")
+            raise ValueError(
+                f"cache_full_blocks: request {request.request_id!r} has "
+                f"{len(hashes)} block hashes, needs {num_full_blocks}"
+            )
         cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]

@@ -8,6 +8,7 @@ kernels/block_table_delta.py), whose cost follows the number of changes, not `ma
 Invariant kept by every operation: cells at or beyond a row's count are 0, so a row reused by
 another request never shows the previous request's block ids.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,41 +33,60 @@ def default_commit_mode(device: torch.device) -> str:
     return "delta" if device.type == "cuda" else "full"
 
 
-def check_slot_mapping_inputs(owner: str, num_reqs: int, max_num_reqs: int, device: torch.device,
-                              query_start_loc: torch.Tensor, positions: torch.Tensor) -> None:
+def check_slot_mapping_inputs(
+    owner: str,
+    num_reqs: int,
+    max_num_reqs: int,
+    device: torch.device,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
     if not 0 <= num_reqs <= max_num_reqs:
-        raise ValueError(f"{owner}: num_reqs must be in [0, max_num_reqs={max_num_reqs}], "
-                         f"got {num_reqs}")
+        raise ValueError(f"{owner}: num_reqs must be in [0, max_num_reqs={max_num_reqs}], got {num_reqs}")
     if query_start_loc.dim() != 1 or query_start_loc.numel() < num_reqs + 1:
-        raise ValueError(f"{owner}: query_start_loc must be 1-D with at least num_reqs + 1 = "
-                         f"{num_reqs + 1} entries, got shape {tuple(query_start_loc.shape)}")
+        raise ValueError(
+            f"{owner}: query_start_loc must be 1-D with at least num_reqs + 1 = "
+            f"{num_reqs + 1} entries, got shape {tuple(query_start_loc.shape)}"
+        )
     for name, t in (("query_start_loc", query_start_loc), ("positions", positions)):
         if t.device != device:
             raise ValueError(f"{owner}: {name} must be on {device}, got {t.device}")
         if t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
-            raise ValueError(f"{owner}: {name} must be a contiguous int32/int64 tensor, "
-                             f"got {t.dtype}")
+            raise ValueError(f"{owner}: {name} must be a contiguous int32/int64 tensor, got {t.dtype}")
 
 
 class BlockTable:
     """Block ids of one KV-cache group for every row of the persistent batch."""
 
-    def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int,
-                 max_num_batched_tokens: int, pin_memory: bool, device: torch.device,
-                 commit_mode: str | None = None) -> None:
-        _check_positive("BlockTable", block_size=block_size, max_num_reqs=max_num_reqs,
-                        max_num_blocks_per_req=max_num_blocks_per_req,
-                        max_num_batched_tokens=max_num_batched_tokens)
+    def __init__(
+        self,
+        block_size: int,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        max_num_batched_tokens: int,
+        pin_memory: bool,
+        device: torch.device,
+        commit_mode: str | None = None,
+    ) -> None:
+        _check_positive(
+            "BlockTable",
+            block_size=block_size,
+            max_num_reqs=max_num_reqs,
+            max_num_blocks_per_req=max_num_blocks_per_req,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         self.device = torch.device(device)
         self.block_size = int(block_size)
         self.max_num_reqs = int(max_num_reqs)
         self.max_num_blocks_per_req = int(max_num_blocks_per_req)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
-        self.block_table = CpuGpuBuffer(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32,
-                                        device=self.device, pin_memory=pin_memory)
+        self.block_table = CpuGpuBuffer(
+            max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=self.device, pin_memory=pin_memory
+        )
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
-        self.slot_mapping = CpuGpuBuffer(max_num_batched_tokens, dtype=torch.int64,
-                                         device=self.device, pin_memory=pin_memory)
+        self.slot_mapping = CpuGpuBuffer(
+            max_num_batched_tokens, dtype=torch.int64, device=self.device, pin_memory=pin_memory
+        )
         self.device = self.block_table.gpu.device  # resolved: "cuda" becomes "cuda:<index>"
         self.slot_mapping.cpu.fill_(-1)
         self.slot_mapping.gpu.fill_(-1)
@@ -78,10 +98,10 @@ class BlockTable:
         # between commits.
         self._dirty = DirtyCells(self.max_num_blocks_per_req)
         self.use_triton = triton_runs_on(self.device)
-        self._delta = BlockTableDeltaUploader(self.block_table.np, self.block_table.gpu,
-                                              pin_memory, self.use_triton)
-        self._launch = SlotMappingLaunch([self.block_table.gpu], [self.slot_mapping.gpu],
-                                         [self.block_size], self.max_num_reqs)
+        self._delta = BlockTableDeltaUploader(self.block_table.np, self.block_table.gpu, pin_memory, self.use_triton)
+        self._launch = SlotMappingLaunch(
+            [self.block_table.gpu], [self.slot_mapping.gpu], [self.block_size], self.max_num_reqs
+        )
 
     @property
     def commit_mode(self) -> str:
@@ -143,26 +163,29 @@ class BlockTable:
         """Brings device rows [0, num_reqs) up to date without blocking the host. In delta mode
         every touched row is brought up to date, so the whole device table equals the CPU table."""
         if not 0 <= num_reqs <= self.max_num_reqs:
-            raise ValueError(f"BlockTable.commit_block_table: num_reqs must be in "
-                             f"[0, max_num_reqs={self.max_num_reqs}], got {num_reqs}")
+            raise ValueError(
+                f"BlockTable.commit_block_table: num_reqs must be in "
+                f"[0, max_num_reqs={self.max_num_reqs}], got {num_reqs}"
+            )
         if self._commit_mode == "delta":
             self._commit_delta(num_reqs)
         else:
             self._commit_full(num_reqs)
 
-    def compute_slot_mapping(self, num_reqs: int, query_start_loc: torch.Tensor,
-                             positions: torch.Tensor) -> None:
+    def compute_slot_mapping(self, num_reqs: int, query_start_loc: torch.Tensor, positions: torch.Tensor) -> None:
         """Fills slot_mapping.gpu[:len(positions)] on the current stream (the step's entries; the rest
         is left as it was); tokens from query_start_loc[num_reqs] on get -1. Reads the device table,
         so commit first."""
-        check_slot_mapping_inputs("BlockTable.compute_slot_mapping", num_reqs, self.max_num_reqs,
-                                  self.device, query_start_loc, positions)
+        check_slot_mapping_inputs(
+            "BlockTable.compute_slot_mapping", num_reqs, self.max_num_reqs, self.device, query_start_loc, positions
+        )
         if self.use_triton:
             self._launch(num_reqs, query_start_loc, positions)
             return
         n = min(positions.numel(), self.max_num_batched_tokens)
-        self.slot_mapping.gpu[:n].copy_(slot_mapping_ref(
-            self.block_table.gpu, self.block_size, query_start_loc, positions, num_reqs, n))
+        self.slot_mapping.gpu[:n].copy_(
+            slot_mapping_ref(self.block_table.gpu, self.block_size, query_start_loc, positions, num_reqs, n)
+        )
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -174,8 +197,7 @@ class BlockTable:
         last_row = max(int(p.max()) for p in parts) // self.max_num_blocks_per_req
         full_rows = max(num_reqs, last_row + 1)
         # Two words (index, value) per delta cell against one word per cell of a full copy.
-        delta_too_big = (self.full_copy_fallback and
-                         2 * n > full_rows * self.max_num_blocks_per_req)
+        delta_too_big = self.full_copy_fallback and 2 * n > full_rows * self.max_num_blocks_per_req
         if delta_too_big or not self._delta.upload(parts):
             self._commit_full(full_rows)
             return
@@ -222,13 +244,14 @@ class BlockTable:
 
     def _check_row(self, op: str, name: str, row: int) -> None:
         if not 0 <= row < self.max_num_reqs:
-            raise ValueError(f"BlockTable.{op}: {name} must be in [0, max_num_reqs="
-                             f"{self.max_num_reqs}), got {row}")
+            raise ValueError(f"BlockTable.{op}: {name} must be in [0, max_num_reqs={self.max_num_reqs}), got {row}")
 
     def _check_ids(self, op: str, block_ids: list[int], row: int, end: int) -> None:
         if end > self.max_num_blocks_per_req:
-            raise ValueError(f"BlockTable.{op}: row {row} would hold {end} blocks, more than "
-                             f"max_num_blocks_per_req={self.max_num_blocks_per_req}")
+            raise ValueError(
+                f"BlockTable.{op}: row {row} would hold {end} blocks, more than "
+                f"max_num_blocks_per_req={self.max_num_blocks_per_req}"
+            )
         if len(block_ids) and min(block_ids) < 0:
             raise ValueError(f"BlockTable.{op}: block_ids must be >= 0, got {min(block_ids)}")
 
@@ -237,9 +260,16 @@ class MultiGroupBlockTable:
     """One BlockTable per KV-cache group; block ids travel as tuple[list[int], ...] (one list per
     group). The slot mappings of all groups come from one kernel launch."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 pin_memory: bool, device: torch.device, block_sizes: list[int],
-                 commit_mode: str | None = None) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        pin_memory: bool,
+        device: torch.device,
+        block_sizes: list[int],
+        commit_mode: str | None = None,
+    ) -> None:
         _check_positive("MultiGroupBlockTable", max_model_len=max_model_len)
         if len(block_sizes) == 0:
             raise ValueError("MultiGroupBlockTable: block_sizes must name at least one group")
@@ -248,15 +278,19 @@ class MultiGroupBlockTable:
         self.device = torch.device(device)
         self.max_num_reqs = int(max_num_reqs)
         self.block_tables = [
-            BlockTable(bs, max_num_reqs, -(-max_model_len // bs), max_num_batched_tokens,
-                       pin_memory, self.device, commit_mode)
-            for bs in block_sizes]
+            BlockTable(
+                bs, max_num_reqs, -(-max_model_len // bs), max_num_batched_tokens, pin_memory, self.device, commit_mode
+            )
+            for bs in block_sizes
+        ]
         self.device = self.block_tables[0].device
         self.use_triton = self.block_tables[0].use_triton
         self._launch = SlotMappingLaunch(
             [bt.block_table.gpu for bt in self.block_tables],
             [bt.slot_mapping.gpu for bt in self.block_tables],
-            [bt.block_size for bt in self.block_tables], self.max_num_reqs)
+            [bt.block_size for bt in self.block_tables],
+            self.max_num_reqs,
+        )
 
     def __getitem__(self, group_id: int) -> BlockTable:
         return self.block_tables[group_id]
@@ -302,11 +336,16 @@ class MultiGroupBlockTable:
         for bt in self.block_tables:
             bt.commit_block_table(num_reqs)
 
-    def compute_slot_mapping(self, num_reqs: int, query_start_loc: torch.Tensor,
-                             positions: torch.Tensor) -> None:
+    def compute_slot_mapping(self, num_reqs: int, query_start_loc: torch.Tensor, positions: torch.Tensor) -> None:
         """One launch fills every group's slot_mapping.gpu[:len(positions)]."""
-        check_slot_mapping_inputs("MultiGroupBlockTable.compute_slot_mapping", num_reqs,
-                                  self.max_num_reqs, self.device, query_start_loc, positions)
+        check_slot_mapping_inputs(
+            "MultiGroupBlockTable.compute_slot_mapping",
+            num_reqs,
+            self.max_num_reqs,
+            self.device,
+            query_start_loc,
+            positions,
+        )
         if self.use_triton:
             self._launch(num_reqs, query_start_loc, positions)
             return
@@ -315,5 +354,7 @@ class MultiGroupBlockTable:
 
     def _check_groups(self, op: str, block_ids: tuple[list[int], ...]) -> None:
         if len(block_ids) != len(self.block_tables):
-            raise ValueError(f"MultiGroupBlockTable.{op}: block_ids must hold one list per group "
-                             f"({len(self.block_tables)}), got {len(block_ids)}")
+            raise ValueError(
+                f"MultiGroupBlockTable.{op}: block_ids must hold one list per group "
+                f"({len(self.block_tables)}), got {len(block_ids)}"
+            )

@@ -4,6 +4,7 @@ The host side is the one the CPU writes (through the numpy view `.np`, which is 
 element than torch indexing); the device side is what kernels read. The host side is pinned when a
 GPU is present so that `copy_to_gpu` is a true asynchronous DMA that overlaps the CPU work after it.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,8 +23,7 @@ class CpuGpuBuffer:
     exercises the same copy path in CPU tests as on the GPU.
     """
 
-    def __init__(self, *size: int, dtype: torch.dtype, device: torch.device | str,
-                 pin_memory: bool) -> None:
+    def __init__(self, *size: int, dtype: torch.dtype, device: torch.device | str, pin_memory: bool) -> None:
         if not size:
             raise ValueError("CpuGpuBuffer: size must name at least one dimension")
         for i, dim in enumerate(size):

@@ -5,6 +5,7 @@ equal hashes mean equal prefixes and a hit on block i implies the whole prefix u
 SHA-256 keeps collisions (which would silently serve another prompt's KV) out of the picture, and it is
 stable across processes, unlike Python's salted hash of str/bytes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,7 +53,7 @@ def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[Bloc
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size])
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
 
@@ -70,6 +71,6 @@ def update_request_block_hashes(request: Request, block_size: int) -> list[Block
     num_full = len(tokens) // block_size
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
-        parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size])
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes

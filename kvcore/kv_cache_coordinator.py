@@ -4,6 +4,7 @@ It makes multi-group operations all-or-nothing: the number of blocks every group
 before any group allocates, and a prefix-cache hit is only reported at a length every group can
 serve.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -25,28 +26,30 @@ class KVCacheCoordinator:
         block_sizes = {g.kv_cache_spec.block_size for g in groups}
         if len(block_sizes) != 1:
             # One chain of block hashes per request serves every group only if they share a block size.
-            raise ValueError(f"KVCacheConfig.kv_cache_groups: all groups must share one block_size, "
-                             f"got {sorted(block_sizes)}")
+            raise ValueError(
+                f"KVCacheConfig.kv_cache_groups: all groups must share one block_size, got {sorted(block_sizes)}"
+            )
         self.block_size = block_sizes.pop()
         self.block_pool = block_pool
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            manager_for_spec(g.kv_cache_spec, block_pool, gid) for gid, g in enumerate(groups))
+            manager_for_spec(g.kv_cache_spec, block_pool, gid) for gid, g in enumerate(groups)
+        )
         # Shared "nothing new" answer; tuples, so a caller cannot append to it by mistake.
         self._no_blocks: GroupBlocks = tuple(() for _ in self.managers)
         self._sliding = tuple(m for m in self.managers if not isinstance(m, FullAttentionManager))
         # The common layout (one full-attention group) gets a straight-line extend_running.
         self.single_full = self.managers[0] if len(self.managers) == 1 and not self._sliding else None
         # Full attention first: its hit is a plain prefix, the cheapest upper bound for the others.
-        self._hit_order = sorted(range(len(self.managers)),
-                                 key=lambda g: not isinstance(self.managers[g], FullAttentionManager))
+        self._hit_order = sorted(
+            range(len(self.managers)), key=lambda g: not isinstance(self.managers[g], FullAttentionManager)
+        )
 
     @property
     def num_groups(self) -> int:
         return len(self.managers)
 
     # ---- prefix-cache lookup ------------------------------------------------------------------
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
-                               max_length: int) -> tuple[GroupBlocks, int]:
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
         """Hit blocks per group and the hit length in tokens (a multiple of block_size) all groups agree on.
 
         Each group, in turn, looks for its longest hit no longer than the current candidate length; a
@@ -99,8 +102,9 @@ class KVCacheCoordinator:
                 m.remove_skipped_blocks(rid, request.num_computed_tokens)
         elif need > free:
             return None
-        new_blocks = self._no_blocks if need == 0 else tuple(
-            m.allocate_new_blocks(rid, num_tokens) for m in self.managers)
+        new_blocks = (
+            self._no_blocks if need == 0 else tuple(m.allocate_new_blocks(rid, num_tokens) for m in self.managers)
+        )
         num_full = num_tokens_to_cache // bs
         for m in self.managers:
             if num_full > m.num_cached_block[rid]:
@@ -139,18 +143,20 @@ class KVCacheCoordinator:
                 # A decode just filled one block: hash it here (what update_request_block_hashes would do,
                 # without its generic loop; this runs once per block_size tokens for every request).
                 start = num_hashed * bs
-                hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
-                                                request.all_token_ids[start:start + bs]))
+                hashes.append(
+                    hash_block_tokens(hashes[-1] if hashes else None, request.all_token_ids[start : start + bs])
+                )
             elif num_full > num_hashed:
                 update_request_block_hashes(request, bs)
             self.block_pool.cache_full_blocks(request, row, num_cached, num_full, m.group_id)
             m.num_cached_block[rid] = num_full
         return new_blocks
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: GroupBlocks) -> int:
-        return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[gid])
-                   for gid, m in enumerate(self.managers))
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: GroupBlocks) -> int:
+        return sum(
+            m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[gid])
+            for gid, m in enumerate(self.managers)
+        )
 
     def num_blocks_freed_by_skipping(self, request_id: str, num_computed_tokens: int) -> int:
         return sum(m.num_blocks_freed_by_skipping(request_id, num_computed_tokens) for m in self.managers)

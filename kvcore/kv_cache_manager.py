@@ -4,6 +4,7 @@ The scheduler asks `get_computed_blocks` for a waiting request's prefix-cache hi
 `allocate_slots` for the blocks its scheduled tokens need; `free` gives a finished or preempted
 request's blocks back. Block ids are handed out per KV-cache group from one shared pool.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -118,8 +119,7 @@ class KVCacheManager:
             # As vLLM: every prompt position must be computed to score it (its blocks are still cached).
             return self.empty_kv_cache_blocks, 0
         update_request_block_hashes(request, self.block_size)
-        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1)
+        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
         return KVCacheBlocks(blocks), num_hit_tokens
 
     def reset_prefix_cache(self) -> bool:
@@ -130,8 +130,13 @@ class KVCacheManager:
         return True
 
     # ---- allocation ---------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> KVCacheBlocks | None:
         """Blocks for `num_new_tokens` more tokens (after the new prefix-cache hit, if any).
 
         Returns only the newly allocated blocks per group, or None when the pool cannot hold them, in
@@ -139,15 +144,21 @@ class KVCacheManager:
         tokens complete in the prefix cache, so a request admitted later (even in the same step) hits,
         and counts the lookup that `new_computed_blocks` came from (the request is admitted now).
         """
-        if new_computed_blocks is None and not num_new_computed_tokens and num_new_tokens > 0 \
-                and request.request_id in self._rows_of_group0:
+        if (
+            new_computed_blocks is None
+            and not num_new_computed_tokens
+            and num_new_tokens > 0
+            and request.request_id in self._rows_of_group0
+        ):
             # A running request grows (decode or next prefill chunk): the fused hot path.
             num_tokens = request.num_computed_tokens + num_new_tokens
             num_known = len(request.all_token_ids)
             max_len = self.max_model_len
             new_blocks = self._extend_running(
-                request, num_tokens if num_tokens < max_len else max_len,
-                (num_tokens if num_tokens < num_known else num_known) if self.enable_caching else 0)
+                request,
+                num_tokens if num_tokens < max_len else max_len,
+                (num_tokens if num_tokens < num_known else num_known) if self.enable_caching else 0,
+            )
             if new_blocks is self._no_blocks:
                 return self._no_new_blocks  # most decode calls only register a filled block
             return None if new_blocks is None else KVCacheBlocks(new_blocks)
@@ -159,16 +170,21 @@ class KVCacheManager:
             update_request_block_hashes(request, self.block_size)
             self.coordinator.cache_blocks(request, min(num_tokens, request.num_tokens))
             if new_computed_blocks is not None:
-                self.prefix_cache_stats.record(request.num_tokens, num_new_computed_tokens,
-                                               preempted=request.num_preemptions > 0)
+                self.prefix_cache_stats.record(
+                    request.num_tokens, num_new_computed_tokens, preempted=request.num_preemptions > 0
+                )
         return KVCacheBlocks(new_blocks)
 
-    def _allocate_general(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
-                          new_computed_blocks: KVCacheBlocks | None) -> GroupBlocks | None:
+    def _allocate_general(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+    ) -> GroupBlocks | None:
         """A request that (re)starts, possibly with prefix-cache hits; the reference path."""
         rid = request.request_id
-        hit_blocks = self._check_allocate_args(request, num_new_tokens, num_new_computed_tokens,
-                                               new_computed_blocks)
+        hit_blocks = self._check_allocate_args(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed + num_new_tokens, self.max_model_len)
         coord = self.coordinator
@@ -176,7 +192,8 @@ class KVCacheManager:
         # that sit in the free queue count as taken (each exactly once).
         need = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hit_blocks)
         available = self.block_pool.num_free_blocks + coord.num_blocks_freed_by_skipping(
-            rid, request.num_computed_tokens)
+            rid, request.num_computed_tokens
+        )
         if need > available:
             return None
         coord.remove_skipped_blocks(rid, request.num_computed_tokens)
@@ -188,40 +205,54 @@ class KVCacheManager:
         coord.save_new_computed_blocks(rid, hit_blocks)
         return coord.allocate_new_blocks(rid, num_tokens_need_slot)
 
-    def _check_allocate_args(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
-                             new_computed_blocks: KVCacheBlocks | None) -> GroupBlocks:
+    def _check_allocate_args(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+    ) -> GroupBlocks:
         rid = request.request_id
         if num_new_tokens < 1:
             raise ValueError(f"allocate_slots({rid!r}): num_new_tokens={num_new_tokens} must be >= 1")
         if num_new_computed_tokens < 0:
-            raise ValueError(f"allocate_slots({rid!r}): num_new_computed_tokens={num_new_computed_tokens} "
-                             f"must be >= 0")
+            raise ValueError(f"allocate_slots({rid!r}): num_new_computed_tokens={num_new_computed_tokens} must be >= 0")
         if new_computed_blocks is None:
             if num_new_computed_tokens:
-                raise ValueError(f"allocate_slots({rid!r}): num_new_computed_tokens={num_new_computed_tokens} "
-                                 f"needs the new_computed_blocks that hold them")
+                raise ValueError(
+                    f"allocate_slots({rid!r}): num_new_computed_tokens={num_new_computed_tokens} "
+                    f"needs the new_computed_blocks that hold them"
+                )
             return tuple([] for _ in range(self.num_groups))
         hit = new_computed_blocks.blocks
         if len(hit) != self.num_groups:
-            raise ValueError(f"allocate_slots({rid!r}): new_computed_blocks has {len(hit)} groups, "
-                             f"the KV cache has {self.num_groups}")
+            raise ValueError(
+                f"allocate_slots({rid!r}): new_computed_blocks has {len(hit)} groups, "
+                f"the KV cache has {self.num_groups}"
+            )
         if not self.enable_caching and any(hit):
             raise ValueError(f"allocate_slots({rid!r}): new_computed_blocks given with prefix caching disabled")
         for gid, group in enumerate(hit):
             if len(group) * self.block_size != num_new_computed_tokens:
-                raise ValueError(f"allocate_slots({rid!r}): num_new_computed_tokens={num_new_computed_tokens} "
-                                 f"!= {len(group)} hit blocks x block_size {self.block_size} (group {gid})")
+                raise ValueError(
+                    f"allocate_slots({rid!r}): num_new_computed_tokens={num_new_computed_tokens} "
+                    f"!= {len(group)} hit blocks x block_size {self.block_size} (group {gid})"
+                )
         if any(hit) and self.coordinator.has_request(rid):
-            raise ValueError(f"allocate_slots({rid!r}): prefix-cache hits are only allowed for a request "
-                             f"that holds no blocks (new or resumed)")
+            raise ValueError(
+                f"allocate_slots({rid!r}): prefix-cache hits are only allowed for a request "
+                f"that holds no blocks (new or resumed)"
+            )
         hashes = update_request_block_hashes(request, self.block_size) if any(hit) else []
         for gid, group in enumerate(hit):
             for i, block in enumerate(group):
                 # A hit is only valid until the next allocation could evict it; catch a stale one here
                 # rather than let the request read another prefix's KV.
                 if not block.is_null and (i >= len(hashes) or block.block_hash != (hashes[i], gid)):
-                    raise ValueError(f"allocate_slots({rid!r}): new_computed_blocks are stale (block "
-                                     f"{block.block_id} was evicted since get_computed_blocks); look them up again")
+                    raise ValueError(
+                        f"allocate_slots({rid!r}): new_computed_blocks are stale (block "
+                        f"{block.block_id} was evicted since get_computed_blocks); look them up again"
+                    )
         return hit
 
     def free(self, request: Request | str) -> None:
@@ -241,8 +272,13 @@ class KVCacheManager:
         free = pool.free_block_queue.get_all_free_blocks()
         cached_free = sum(1 for b in free if b.block_hash is not None)
         held = [b for b in pool.blocks[1:] if b.ref_cnt > 0]
-        return {"usable_blocks": pool.num_blocks - 1, "free_uncached": len(free) - cached_free,
-                "cached_free": cached_free, "held": len(held), "ref_count_total": sum(b.ref_cnt for b in held)}
+        return {
+            "usable_blocks": pool.num_blocks - 1,
+            "free_uncached": len(free) - cached_free,
+            "cached_free": cached_free,
+            "held": len(held),
+            "ref_count_total": sum(b.ref_cnt for b in held),
+        }
 
     def check_invariants(self, live_requests: Iterable[Request | str]) -> None:
         """Raise AssertionError naming the first inconsistency between rows, ref counts and the free queue.
@@ -264,11 +300,13 @@ def _check_rows(manager: KVCacheManager, live: set[str]) -> Counter:
         for rid, row in m.req_to_blocks.items():
             assert rid in live, f"request {rid!r} holds blocks in group {gid} but is not live (leak)"
             assert m.num_cached_block.get(rid, 0) <= len(row), (
-                f"request {rid!r}: {m.num_cached_block.get(rid)} cached blocks > row length {len(row)}")
+                f"request {rid!r}: {m.num_cached_block.get(rid)} cached blocks > row length {len(row)}"
+            )
             for block in row:
                 if block.is_null:
                     assert not isinstance(m, FullAttentionManager), (
-                        f"request {rid!r}: null block in full-attention group {gid}")
+                        f"request {rid!r}: null block in full-attention group {gid}"
+                    )
                     continue
                 other = owner_group.setdefault(block.block_id, gid)
                 assert other == gid, f"block {block.block_id} is held by groups {other} and {gid} at once"
@@ -281,15 +319,18 @@ def _check_blocks(pool: BlockPool, expected_refs: Counter) -> None:
     unhashed ones before hashed ones; the hash map and the blocks' hashes agree."""
     null = pool.null_block
     assert null.ref_cnt == 0 and not null.in_free_queue and null.block_hash is None, (
-        f"null block 0 was touched: {null!r}, in free queue={null.in_free_queue}")
+        f"null block 0 was touched: {null!r}, in free queue={null.in_free_queue}"
+    )
     for block in pool.blocks[1:]:
         want = expected_refs.get(block.block_id, 0)
         assert block.ref_cnt == want, f"block {block.block_id}: ref_cnt {block.ref_cnt} != {want} rows holding it"
         assert block.in_free_queue == (want == 0), (
-            f"block {block.block_id}: ref_cnt {want} but in_free_queue={block.in_free_queue}")
+            f"block {block.block_id}: ref_cnt {want} but in_free_queue={block.in_free_queue}"
+        )
     queue = pool.free_block_queue.get_all_free_blocks()
-    assert len(queue) == pool.num_free_blocks, \
+    assert len(queue) == pool.num_free_blocks, (
         f"free queue walks {len(queue)} blocks, counter says {pool.num_free_blocks}"
+    )
     assert len({b.block_id for b in queue}) == len(queue), "a block appears twice in the free queue"
     prev = pool.free_block_queue._head
     seen_hashed = False
@@ -299,7 +340,8 @@ def _check_blocks(pool: BlockPool, expected_refs: Counter) -> None:
         if block.block_hash is not None:
             seen_hashed = True
         assert not (seen_hashed and block.block_hash is None), (
-            f"free queue: unhashed block {block.block_id} sits behind a cached block (would be reused later)")
+            f"free queue: unhashed block {block.block_id} sits behind a cached block (would be reused later)"
+        )
     assert used_blocks(pool) + pool.num_free_blocks == pool.num_blocks - 1, "free + used != usable blocks"
     for key, blocks in pool.cached_block_hash_to_block.items():
         assert blocks, f"empty entry for hash {key[0][:4].hex()} left in the prefix-cache map"

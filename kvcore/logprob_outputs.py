@@ -1,4 +1,5 @@
 """Logprobs on the scheduler's outputs: each output of a request that sampled points at the step's rows."""
+
 from __future__ import annotations
 
 from kvcore.messages import EngineCoreOutput, ModelRunnerOutput

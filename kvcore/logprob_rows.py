@@ -8,6 +8,7 @@ batch; the client finds its request's rows by request id (`span`, an index built
 only the client's output processor turns rows into Python objects. `Logprobs` is a window of a batch:
 one request's rows (its prompt logprobs travel as one, and `EngineCoreOutput.logprobs` reads one).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,11 +21,17 @@ class LogprobsBatch:
 
     __slots__ = ("token_ids", "logprobs", "ranks", "req_ids", "ks", "_last", "_first", "_own")
 
-    def __init__(self, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray,
-                 req_ids: list[str] | None = None, ks: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        ranks: np.ndarray,
+        req_ids: list[str] | None = None,
+        ks: np.ndarray | None = None,
+    ) -> None:
         self.token_ids, self.logprobs, self.ranks = token_ids, logprobs, ranks
         self.req_ids, self.ks = req_ids, ks
-        self._last: dict[str, int] | None = None   # req_id -> its last row
+        self._last: dict[str, int] | None = None  # req_id -> its last row
         self._first: dict[str, int] | None = None  # req_id -> its first row, when some have several
         self._own: list[float] | None = None
 
@@ -98,12 +105,12 @@ class Logprobs:
 
     @property
     def token_ids(self) -> np.ndarray:  # int32 [P, width]
-        return self.batch.token_ids[self.start:self.stop, :self.width]
+        return self.batch.token_ids[self.start : self.stop, : self.width]
 
     @property
-    def logprobs(self) -> np.ndarray:   # float32 [P, width]
-        return self.batch.logprobs[self.start:self.stop, :self.width]
+    def logprobs(self) -> np.ndarray:  # float32 [P, width]
+        return self.batch.logprobs[self.start : self.stop, : self.width]
 
     @property
-    def ranks(self) -> np.ndarray:      # int32 [P]
-        return self.batch.ranks[self.start:self.stop]
+    def ranks(self) -> np.ndarray:  # int32 [P]
+        return self.batch.ranks[self.start : self.stop]

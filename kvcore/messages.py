@@ -4,6 +4,7 @@ These messages never carry tensors; their size grows with the number of changes 
 not with context length. They use __slots__: the scheduler builds one EngineCoreOutput per running
 request per step, and slotted instances are cheaper to create and to pickle.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -67,8 +68,13 @@ class CachedRequestData:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
-    def add(self, req_id: str, new_block_ids: BlockIds | None, num_computed_tokens: int,
-            resumed_token_ids: list[int] | None = None) -> None:
+    def add(
+        self,
+        req_id: str,
+        new_block_ids: BlockIds | None,
+        num_computed_tokens: int,
+        resumed_token_ids: list[int] | None = None,
+    ) -> None:
         self.req_ids.append(req_id)
         self.resumed_from_preemption.append(resumed_token_ids is not None)
         self.new_block_ids.append(new_block_ids)
@@ -160,8 +166,19 @@ class EngineCoreOutput:
 # The scheduler's _apply_sampled builds the EngineCoreOutput of an unfinished request by filling a bare
 # instance (one per running request per step, so the __init__ call is worth skipping); it sets exactly
 # these fields, so a new field must be added there too.
-ENGINE_CORE_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finished", "finish_reason", "stop_reason", "error",
-                             "num_cached_tokens", "step_logprobs", "prompt_logprobs")
+ENGINE_CORE_OUTPUT_FIELDS = (
+    "request_id",
+    "new_token_ids",
+    "finished",
+    "finish_reason",
+    "stop_reason",
+    "error",
+    "num_cached_tokens",
+    "step_logprobs",
+    "prompt_logprobs",
+)
 if tuple(f.name for f in fields(EngineCoreOutput)) != ENGINE_CORE_OUTPUT_FIELDS:
-    raise RuntimeError("kvcore.messages: EngineCoreOutput's fields changed; update Scheduler._apply_sampled, "
-                       f"which fills {ENGINE_CORE_OUTPUT_FIELDS} by hand")
+    raise RuntimeError(
+        "kvcore.messages: EngineCoreOutput's fields changed; update Scheduler._apply_sampled, "
+        f"which fills {ENGINE_CORE_OUTPUT_FIELDS} by hand"
+    )

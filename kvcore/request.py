@@ -1,4 +1,5 @@
 """Request, SamplingParams and RequestStatus: the scheduler's view of one generation."""
+
 from __future__ import annotations
 
 import enum
@@ -17,15 +18,15 @@ class RequestValidationError(ValueError):
 # and then fail (OverflowError, NaN logits) inside a worker, taking the whole replica down.
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_TOKENS_LIMIT = 2**24        # longer than any model's context; max_model_len caps it further
-MAX_TEMPERATURE = 100.0         # past this the distribution is uniform to float32 precision anyway
-GREEDY_TEMPERATURE = 1e-5       # below this a temperature is greedy (vLLM's _SAMPLING_EPS): 1/t overflows
+MAX_TOKENS_LIMIT = 2**24  # longer than any model's context; max_model_len caps it further
+MAX_TEMPERATURE = 100.0  # past this the distribution is uniform to float32 precision anyway
+GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy (vLLM's _SAMPLING_EPS): 1/t overflows
 MAX_STOP_TOKEN_IDS = 1024
-MAX_ID_CHARS = 512              # request ids land in output records and logs
-MAX_LOGPROBS = 20               # vLLM's default max_logprobs
-MAX_PENALTY = 2.0               # presence/frequency penalties in [-2, 2], as OpenAI and vLLM
+MAX_ID_CHARS = 512  # request ids land in output records and logs
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_PENALTY = 2.0  # presence/frequency penalties in [-2, 2], as OpenAI and vLLM
 MAX_REPETITION_PENALTY = 100.0  # > 0; past this it only flips signs of far-gone logits
-MAX_N = 1024                    # samples per prompt (each is an engine request)
+MAX_N = 1024  # samples per prompt (each is an engine request)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024  # each new token scans the text's tail for every one
 
 
@@ -55,7 +56,7 @@ def short_repr(value: Any) -> str:
         text = _REPR.repr(value)
     except Exception:  # noqa: BLE001 - a hostile __repr__ must not replace the real error
         return f"<{type(value).__name__}>"
-    return text if len(text) <= _MAX_REPR_CHARS else text[:_MAX_REPR_CHARS - 3] + "..."
+    return text if len(text) <= _MAX_REPR_CHARS else text[: _MAX_REPR_CHARS - 3] + "..."
 
 
 def _is_int(v: Any) -> bool:
@@ -81,8 +82,12 @@ def validate(sp: "SamplingParams") -> None:
     """
     t = sp.temperature
     _check(_is_number(t), "temperature", t, "must be a number")
-    _check(0 <= t <= MAX_TEMPERATURE, "temperature", t,
-           f"must be finite and >= 0 and <= {MAX_TEMPERATURE:g} (below {GREEDY_TEMPERATURE:g} is greedy)")
+    _check(
+        0 <= t <= MAX_TEMPERATURE,
+        "temperature",
+        t,
+        f"must be finite and >= 0 and <= {MAX_TEMPERATURE:g} (below {GREEDY_TEMPERATURE:g} is greedy)",
+    )
     p = sp.top_p
     _check(_is_number(p), "top_p", p, "must be a number")
     _check(0 < p <= 1, "top_p", p, "must be in (0, 1]")
@@ -95,8 +100,12 @@ def validate(sp: "SamplingParams") -> None:
     _check(all(_is_int(i) and 0 <= i <= INT32_MAX for i in stop), "stop_token_ids", stop, rule)
     _int_field(sp, "min_tokens", 0, sp.max_tokens, f"must be >= 0 and <= max_tokens ({sp.max_tokens})")
     s = sp.seed
-    _check(s is None or (_is_int(s) and INT64_MIN <= s <= INT64_MAX), "seed", s,
-           f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
+    _check(
+        s is None or (_is_int(s) and INT64_MIN <= s <= INT64_MAX),
+        "seed",
+        s,
+        f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)",
+    )
     _validate_penalties_and_logprobs(sp)
     _validate_output_fields(sp)
 
@@ -108,20 +117,30 @@ def _validate_penalties_and_logprobs(sp: "SamplingParams") -> None:
         _check(-MAX_PENALTY <= v <= MAX_PENALTY, name, v, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
     r = sp.repetition_penalty
     _check(_is_number(r), "repetition_penalty", r, "must be a number")
-    _check(0 < r <= MAX_REPETITION_PENALTY, "repetition_penalty", r,
-           f"must be > 0 and <= {MAX_REPETITION_PENALTY:g} (1 disables it)")
+    _check(
+        0 < r <= MAX_REPETITION_PENALTY,
+        "repetition_penalty",
+        r,
+        f"must be > 0 and <= {MAX_REPETITION_PENALTY:g} (1 disables it)",
+    )
     for name in ("logprobs", "prompt_logprobs"):
         v = getattr(sp, name)
-        _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name, v,
-               f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(
+            v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+            name,
+            v,
+            f"must be None or an integer in [0, {MAX_LOGPROBS}]",
+        )
 
 
 def _validate_output_fields(sp: "SamplingParams") -> None:
     """n, stop strings and detokenization: handled on the client (cluster/output_processor.py)."""
     _int_field(sp, "n", 1, MAX_N, f"must be >= 1 and <= {MAX_N}")
     stop = [sp.stop] if isinstance(sp.stop, str) else [] if sp.stop is None else sp.stop
-    rule = (f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
-            f"{MAX_STOP_CHARS} characters")
+    rule = (
+        f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+        f"{MAX_STOP_CHARS} characters"
+    )
     _check(isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOP_STRINGS, "stop", sp.stop, rule)
     _check(all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop), "stop", sp.stop, rule)
     for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
@@ -140,8 +159,11 @@ def check_token_ids(field_name: str, ids: Any, vocab_size: int | None = None) ->
     bad = [t for t in ids if not 0 <= t < hi]
     if bad:
         shown = ", ".join(short_repr(t) for t in bad[:5])
-        where = f"outside the vocabulary [0, {vocab_size})" if vocab_size is not None else \
-            f"outside [0, {INT32_MAX}] (int32)"
+        where = (
+            f"outside the vocabulary [0, {vocab_size})"
+            if vocab_size is not None
+            else f"outside [0, {INT32_MAX}] (int32)"
+        )
         return f"{field_name} has id(s) [{shown}] {where}"
     return None
 
@@ -153,8 +175,10 @@ def check_text(field_name: str, text: Any) -> str | None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        return (f"{field_name}: not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} at index "
-                f"{e.start}); strings must be valid UTF-8")
+        return (
+            f"{field_name}: not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} at index "
+            f"{e.start}); strings must be valid UTF-8"
+        )
     return None
 
 
@@ -192,10 +216,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = None         # top-k log-probabilities per sampled token (0..20), plus its own
+    logprobs: int | None = None  # top-k log-probabilities per sampled token (0..20), plus its own
     prompt_logprobs: int | None = None  # the same for each prompt token
     # Handled on the client (cluster/output_processor.py), vLLM's names and meanings.
-    n: int = 1                          # samples of the prompt, each an engine request
+    n: int = 1  # samples of the prompt, each an engine request
     stop: str | list[str] | None = None  # stop strings, normalized to a list
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -225,7 +249,8 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise RequestValidationError(
-                f"SamplingParams: unknown field(s) {unknown}; known fields are {sorted(known)}")
+                f"SamplingParams: unknown field(s) {unknown}; known fields are {sorted(known)}"
+            )
         return cls(**d)
 
 
@@ -264,8 +289,14 @@ class Request:
     incrementally by the KV-cache manager.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_id: int | None = None, arrival_time: float | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -313,5 +344,7 @@ class Request:
         return RequestStatus.finish_reason(self.status)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

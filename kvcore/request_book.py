@@ -4,6 +4,7 @@ at once, finished from outside (an abort, a client-side stop string) or by its o
 request gives its blocks back, its finished output waits for the next update_from_output, and its id
 goes to the workers with the next step.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -58,8 +59,9 @@ class RequestBook:
         """Abort waiting or running requests; unknown or already finished ids are ignored."""
         self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, req_ids: Iterable[str] | str,
-                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def finish_requests(
+        self, req_ids: Iterable[str] | str, finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         """Finish waiting or running requests from outside (the client aborted them, a client-side stop
         string matched); their blocks go back to the pool now and each gets one finished output.
         Unknown or already finished ids are ignored."""
@@ -98,9 +100,17 @@ class RequestBook:
 
     def _emit_finished(self, request: Request) -> None:
         self._pending_ids.add(request.request_id)
-        self._pending_outputs.append(EngineCoreOutput(
-            request.request_id, [], True, request.get_finished_reason(), request.stop_reason,
-            request.error, max(request.num_cached_tokens, 0)))
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request.request_id,
+                [],
+                True,
+                request.get_finished_reason(),
+                request.stop_reason,
+                request.error,
+                max(request.num_cached_tokens, 0),
+            )
+        )
 
     # ------------------------------------------------------------------ introspection
 

@@ -7,6 +7,7 @@ request, the last running request is preempted by recompute and goes back to the
 waiting queue. The output of a step is a `SchedulerOutput` holding only block-id deltas for
 requests the workers already know. The scheduler never touches a tensor.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,10 +33,18 @@ _PREEMPTED = RequestStatus.PREEMPTED
 class Scheduler(RequestBook):
     """Decides, each step, which requests run how many tokens, and with which KV-cache blocks."""
 
-    def __init__(self, kv_cache_manager: Any, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, long_prefill_token_threshold: int = 0,
-                 admission_min_batch: int = 1, admission_max_wait_steps: int = 16,
-                 debug_invariants: bool = False) -> None:
+    def __init__(
+        self,
+        kv_cache_manager: Any,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        long_prefill_token_threshold: int = 0,
+        admission_min_batch: int = 1,
+        admission_max_wait_steps: int = 16,
+        debug_invariants: bool = False,
+    ) -> None:
         check_positive_int("max_num_seqs", max_num_seqs, 1)
         check_positive_int("admission_min_batch", admission_min_batch, 1)
         check_positive_int("admission_max_wait_steps", admission_max_wait_steps, 0)
@@ -48,9 +57,16 @@ class Scheduler(RequestBook):
         self.admission_min_batch = admission_min_batch
         self._gate = AdmissionGate(max_num_seqs, admission_min_batch, admission_max_wait_steps)
         self.debug_invariants = debug_invariants
-        super().__init__(kv_cache_manager, max_model_len, RequestFit(
-            kv_cache_manager.kv_cache_config, kv_cache_manager.block_pool.num_blocks, max_model_len,
-            min(max_num_batched_tokens, long_prefill_token_threshold or max_num_batched_tokens)))
+        super().__init__(
+            kv_cache_manager,
+            max_model_len,
+            RequestFit(
+                kv_cache_manager.kv_cache_config,
+                kv_cache_manager.block_pool.num_blocks,
+                max_model_len,
+                min(max_num_batched_tokens, long_prefill_token_threshold or max_num_batched_tokens),
+            ),
+        )
         self._step_id = 0
         self._fast_block_size = self._fit.fast_block_size
 
@@ -70,20 +86,24 @@ class Scheduler(RequestBook):
             budget = self._schedule_waiting(budget, num_scheduled, cached, new_reqs)
 
         out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             # Both loops take exactly what they schedule out of the budget: no need to sum the dict.
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted,
-            step_id=self._step_id)
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted,
+            step_id=self._step_id,
+        )
         self._finished_req_ids = set()
         self._update_after_schedule(out)
         if self.debug_invariants:
             self._check_invariants()
         return out
 
-    def _schedule_running(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
-                          preempted: set[str]) -> int:
+    def _schedule_running(
+        self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData, preempted: set[str]
+    ) -> int:
         # The hot loop of a decode-heavy step: kept flat on purpose (locals, no per-request calls
         # unless blocks may change).
         running = self.running
@@ -157,10 +177,10 @@ class Scheduler(RequestBook):
         """Hook: the step is decided. The synchronous scheduler applies its output before the next
         schedule(), so it has nothing to note."""
 
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
-                          new_reqs: list[NewRequestData]) -> int:
-        if self.admission_min_batch > 1 and self.waiting and self._gate.deferred(len(self.running),
-                                                                                  len(self.waiting)):
+    def _schedule_waiting(
+        self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData, new_reqs: list[NewRequestData]
+    ) -> int:
+        if self.admission_min_batch > 1 and self.waiting and self._gate.deferred(len(self.running), len(self.waiting)):
             return budget
         manager = self.kv_cache_manager
         threshold = self.long_prefill_token_threshold
@@ -177,7 +197,8 @@ class Scheduler(RequestBook):
             if n <= 0:
                 raise RuntimeError(
                     f"KV-cache manager reported {num_hit} cached tokens for request {request.request_id!r} "
-                    f"with {request.num_tokens} tokens; at least the last token must be computed")
+                    f"with {request.num_tokens} tokens; at least the last token must be computed"
+                )
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
@@ -191,8 +212,9 @@ class Scheduler(RequestBook):
             if request.status == _PREEMPTED:
                 cached.add(rid, block_ids, c, resumed_token_ids=list(request.all_token_ids))
             else:
-                new_reqs.append(NewRequestData(rid, list(request.prompt_token_ids), request.sampling_params,
-                                               block_ids, c))
+                new_reqs.append(
+                    NewRequestData(rid, list(request.prompt_token_ids), request.sampling_params, block_ids, c)
+                )
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.status = _RUNNING
@@ -203,13 +225,16 @@ class Scheduler(RequestBook):
 
     # ------------------------------------------------------------------ update
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput | None) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None
+    ) -> list[EngineCoreOutput]:
         if model_runner_output is None and scheduler_output.total_num_scheduled_tokens:
             # Requests whose prefill completed would wait forever for a token that never comes.
-            raise ValueError(f"update_from_output: step {scheduler_output.step_id} scheduled "
-                             f"{scheduler_output.total_num_scheduled_tokens} tokens but model_runner_output "
-                             f"is None; only an empty step may have no runner output")
+            raise ValueError(
+                f"update_from_output: step {scheduler_output.step_id} scheduled "
+                f"{scheduler_output.total_num_scheduled_tokens} tokens but model_runner_output "
+                f"is None; only an empty step may have no runner output"
+            )
         expected = self._expected_samplers(scheduler_output)
         outputs = self._pending_outputs
         self._pending_outputs = []
@@ -227,8 +252,13 @@ class Scheduler(RequestBook):
         the step scheduled whose prompt is computed (its output always follows its schedule)."""
         return None
 
-    def _apply_sampled(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
-                       outputs: list[EngineCoreOutput], expected: dict[str, Request] | None) -> None:
+    def _apply_sampled(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+        outputs: list[EngineCoreOutput],
+        expected: dict[str, Request] | None,
+    ) -> None:
         rules = self._stop_rules
         scheduled = scheduler_output.num_scheduled_tokens
         emit = outputs.append
@@ -276,12 +306,20 @@ class Scheduler(RequestBook):
             set_finished_status(rule, tok)
             self._retire(request)
             stopped.add(rid)
-            emit(new_output(rid, token_ids, True, request.get_finished_reason(), request.stop_reason,
-                            None, request.num_cached_tokens))
+            emit(
+                new_output(
+                    rid,
+                    token_ids,
+                    True,
+                    request.get_finished_reason(),
+                    request.stop_reason,
+                    None,
+                    request.num_cached_tokens,
+                )
+            )
         if stopped:
             self._drop_from_queues(stopped, from_waiting)
 
     def _check_invariants(self) -> None:
         # Only running requests may hold blocks; a row of any other request is a leak.
         self.kv_cache_manager.check_invariants(self.running)
-

@@ -4,6 +4,7 @@ Each manager holds, per request, the row of blocks its group uses (index i cover
 [i*block_size, (i+1)*block_size)), and how many leading blocks of that row are already registered in
 the prefix cache. All managers draw from the same BlockPool.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -30,8 +31,9 @@ class SingleTypeKVCacheManager:
         self.num_cached_block: dict[str, int] = {}
 
     # ---- planning (no side effects) -----------------------------------------------------------
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[KVCacheBlock]) -> int:
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
         """Blocks this group takes out of the free queue to hold `num_tokens` tokens.
 
         Counts new blocks plus prefix-cache hits that currently sit in the free queue (ref_cnt 0):
@@ -56,8 +58,10 @@ class SingleTypeKVCacheManager:
             self.req_to_blocks[request_id] = list(new_computed_blocks)
             self.num_cached_block[request_id] = len(new_computed_blocks)
         elif new_computed_blocks:
-            raise ValueError(f"request {request_id!r} already holds blocks; prefix-cache hits can only be "
-                             f"added when a request (re)starts")
+            raise ValueError(
+                f"request {request_id!r} already holds blocks; prefix-cache hits can only be "
+                f"added when a request (re)starts"
+            )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Extend the row so it covers `num_tokens` tokens; return the blocks added."""
@@ -90,8 +94,14 @@ class SingleTypeKVCacheManager:
         """Drop blocks no future token can attend to (only sliding windows have any)."""
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int, group_id: int,
-                               block_pool: BlockPool, kv_cache_spec: KVCacheSpec) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_id: int,
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+    ) -> list[KVCacheBlock]:
         raise NotImplementedError
 
 
@@ -99,10 +109,16 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: every token attends to the whole prefix, so a hit must start at block 0."""
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int, group_id: int,
-                               block_pool: BlockPool, kv_cache_spec: KVCacheSpec) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_id: int,
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+    ) -> list[KVCacheBlock]:
         hits: list[KVCacheBlock] = []
-        for block_hash in block_hashes[:max_length // kv_cache_spec.block_size]:
+        for block_hash in block_hashes[: max_length // kv_cache_spec.block_size]:
             block = block_pool.get_cached_block(block_hash, group_id)
             if block is None:
                 break
@@ -154,8 +170,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.block_pool.free_blocks(removed)
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int, group_id: int,
-                               block_pool: BlockPool, kv_cache_spec: KVCacheSpec) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_id: int,
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+    ) -> list[KVCacheBlock]:
         """Longest hit whose last `cdiv(W - 1, block_size)` blocks are cached; earlier slots are null.
 
         A hit of k blocks means the next token is at position k*block_size; it needs keys from the
@@ -178,7 +200,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             hits[i] = block
             run += 1
             if run >= needed:
-                return hits[:i + run]
+                return hits[: i + run]
         # No full window anywhere: only a run that starts at block 0 is usable (it needs no more).
         return hits[:run]
 

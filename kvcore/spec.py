@@ -5,6 +5,7 @@ which share one block table and one slot mapping. All groups draw from one block
 block id belongs to one group at a time, the i-th layer of every group can alias the same memory:
 one block of memory holds `max_layers_per_group` layer pages.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,15 +98,19 @@ def group_layers_by_spec(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGro
         raise ValueError(f"all KV-cache groups must share one page size to share a pool; got {sorted(page_sizes)}")
     sizes = [len(names) for names in by_spec.values()]
     group_size = max(sizes) if max(sizes) <= 1.25 * min(sizes) else min(sizes)
-    return [KVCacheGroupSpec(names[i:i + group_size], spec) for spec, names in by_spec.items()
-            for i in range(0, len(names), group_size)]
+    return [
+        KVCacheGroupSpec(names[i : i + group_size], spec)
+        for spec, names in by_spec.items()
+        for i in range(0, len(names), group_size)
+    ]
 
 
 def as_full_attention(layer_specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
     """Every layer's cache managed as full attention (vLLM's disable_hybrid_kv_cache_manager):
     sliding-window layers keep every block, while attention still applies their window."""
-    return {name: FullAttentionSpec(s.block_size, s.num_kv_heads, s.head_size, s.dtype)
-            for name, s in layer_specs.items()}
+    return {
+        name: FullAttentionSpec(s.block_size, s.num_kv_heads, s.head_size, s.dtype) for name, s in layer_specs.items()
+    }
 
 
 def blocks_per_request(spec: KVCacheSpec, max_model_len: int, max_num_batched_tokens: int) -> int:
@@ -121,8 +126,9 @@ def blocks_per_request(spec: KVCacheSpec, max_model_len: int, max_num_batched_to
 
 def max_concurrency(config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int) -> float:
     """How many requests of max_model_len tokens the pool holds at once (block 0 excluded)."""
-    per_request = sum(blocks_per_request(g.kv_cache_spec, max_model_len, max_num_batched_tokens)
-                      for g in config.kv_cache_groups)
+    per_request = sum(
+        blocks_per_request(g.kv_cache_spec, max_model_len, max_num_batched_tokens) for g in config.kv_cache_groups
+    )
     return (config.num_blocks - 1) / per_request
 
 
@@ -136,8 +142,9 @@ def num_blocks_for_budget(groups: list[KVCacheGroupSpec], budget_bytes: int) -> 
     return max(0, int(budget_bytes) // bytes_per_block(groups))
 
 
-def make_kv_cache_config(layer_specs: dict[str, KVCacheSpec], budget_bytes: int | None = None,
-                         num_blocks: int | None = None) -> KVCacheConfig:
+def make_kv_cache_config(
+    layer_specs: dict[str, KVCacheSpec], budget_bytes: int | None = None, num_blocks: int | None = None
+) -> KVCacheConfig:
     """Group layers by spec and size the pool, from an explicit block count or a byte budget."""
     groups = group_layers_by_spec(layer_specs)
     if num_blocks is None:
@@ -145,6 +152,8 @@ def make_kv_cache_config(layer_specs: dict[str, KVCacheSpec], budget_bytes: int 
             raise ValueError("make_kv_cache_config: give num_blocks or budget_bytes")
         num_blocks = num_blocks_for_budget(groups, budget_bytes)
     if num_blocks < 2:
-        raise ValueError(f"KV cache: num_blocks={num_blocks} must be >= 2 (block 0 is the null block); "
-                         f"raise gpu_memory_utilization or num_gpu_blocks")
+        raise ValueError(
+            f"KV cache: num_blocks={num_blocks} must be >= 2 (block 0 is the null block); "
+            f"raise gpu_memory_utilization or num_gpu_blocks"
+        )
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)

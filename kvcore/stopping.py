@@ -5,6 +5,7 @@ The scheduler builds a `StopRule` per live request when it is added, so checking
 set test and one comparison; `set_finished_status` says which stop fired. max_tokens past max_model_len
 is not an error (as in vLLM): the generation is capped there and finishes with "length".
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -29,8 +30,14 @@ def make_stop_rule(request: Request, max_model_len: int) -> StopRule:
     stop_ids = frozenset(params.stop_token_ids) if params.stop_token_ids else None
     stops = frozenset(params.stop_token_ids if eos is None else [*params.stop_token_ids, eos])
     num_prompt = request.num_prompt_tokens
-    return StopRule(request, min(num_prompt + params.max_tokens, max_model_len), eos, stop_ids, stops,
-                    num_prompt + params.min_tokens)
+    return StopRule(
+        request,
+        min(num_prompt + params.max_tokens, max_model_len),
+        eos,
+        stop_ids,
+        stops,
+        num_prompt + params.min_tokens,
+    )
 
 
 def stops_on(rule: StopRule, tok: int, num_tokens: int) -> bool:
@@ -44,7 +51,7 @@ def append_until_stop(rule: StopRule, token_ids: list[int]) -> list[int]:
     for k, tok in enumerate(token_ids):
         request.append_output_token_ids(tok)
         if stops_on(rule, tok, request.num_tokens):
-            return token_ids[:k + 1]
+            return token_ids[: k + 1]
     return token_ids
 
 

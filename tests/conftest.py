@@ -1,5 +1,6 @@
 """Test-wide settings: Triton kernels run on CPU tensors through the interpreter, so CI tests the
 kernels themselves; Ray usage stats stay off; no test ever talks to anything but this machine."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")

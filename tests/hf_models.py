@@ -4,6 +4,7 @@ The models are built with transformers' config classes and saved with save_pretr
 they are exactly what a user's HF directory looks like. Weights use a large init std: with the default
 0.02 the logits are nearly flat and greedy decoding hits numerical ties that say nothing about bugs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,82 +17,158 @@ MAX_POS = 256
 INIT_STD = 0.5
 TIE_MARGIN = 1e-4  # an HF top-1/top-2 logit gap below this is a numerical tie, not a reference
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              max_position_embeddings=MAX_POS, initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2,
-              pad_token_id=0)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    max_position_embeddings=MAX_POS,
+    initializer_range=INIT_STD,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def _llama():
     from transformers import LlamaConfig
+
     # Llama-3.1 style rope scaling, so the llama3 frequency remapping is exercised too.
-    rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=64)
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=10000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
     return LlamaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_parameters=rope)
 
 
 def _qwen2():
     from transformers import Qwen2Config
+
     return Qwen2Config(**COMMON, num_hidden_layers=3, num_key_value_heads=2, tie_word_embeddings=True)
 
 
 def _qwen3():
     from transformers import Qwen3Config
+
     return Qwen3Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
 
 
 def _mistral():
     from transformers import MistralConfig
+
     # One KV head: at TP=2 it is replicated on both ranks. Window 40 < most prompts.
     return MistralConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=1, sliding_window=40)
 
 
 def _qwen3_hybrid():
     from transformers import Qwen3Config
-    return Qwen3Config(**COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
-                       use_sliding_window=True, sliding_window=24,
-                       layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+
+    return Qwen3Config(
+        **COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=24,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    )
 
 
 def _gemma2():
     from transformers import Gemma2Config
+
     # Default pattern (even layers slide), window 24 < most prompts; small caps so both bite.
-    return Gemma2Config(**COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
-                        query_pre_attn_scalar=24, attn_logit_softcapping=4.0, final_logit_softcapping=8.0)
+    return Gemma2Config(
+        **COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=24,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=8.0,
+    )
 
 
 def _gemma3():
     from transformers import Gemma3TextConfig
+
     # Local layers use their own base; only the global one is scaled (linear), as HF maps them.
-    rope = {"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=5000.0),
-            "sliding_attention": dict(rope_type="default", rope_theta=100.0)}
-    return Gemma3TextConfig(**COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
-                            query_pre_attn_scalar=24, rope_parameters=rope,
-                            layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                         "sliding_attention"])
+    rope = {
+        "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=5000.0),
+        "sliding_attention": dict(rope_type="default", rope_theta=100.0),
+    }
+    return Gemma3TextConfig(
+        **COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=24,
+        query_pre_attn_scalar=24,
+        rope_parameters=rope,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    )
 
 
 def _qwen3_moe():
     from transformers import Qwen3MoeConfig
+
     # Layer 1 is dense (mlp_only_layers); top-2 of 8 experts, weights not renormalised (HF's default).
-    return Qwen3MoeConfig(**COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
-                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1])
+    return Qwen3MoeConfig(
+        **COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    )
 
 
 def _mixtral():
     from transformers import MixtralConfig
-    return MixtralConfig(**{**COMMON, "intermediate_size": 32}, num_hidden_layers=2, num_key_value_heads=2,
-                         num_local_experts=4, num_experts_per_tok=2)
+
+    return MixtralConfig(
+        **{**COMMON, "intermediate_size": 32},
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
 
 
 def _qwen3_hybrid_2l():
     """qwen3_hybrid on two layers (one full, one sliding): for the runs that interpret Triton per layer."""
     from transformers import Qwen3Config
-    return Qwen3Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
-                       use_sliding_window=True, sliding_window=24, layer_types=["full_attention", "sliding_attention"])
+
+    return Qwen3Config(
+        **COMMON,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=24,
+        layer_types=["full_attention", "sliding_attention"],
+    )
 
 
-FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "qwen3_hybrid": _qwen3_hybrid,
-            "gemma2": _gemma2, "gemma3": _gemma3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
+FAMILIES = {
+    "llama": _llama,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "mistral": _mistral,
+    "qwen3_hybrid": _qwen3_hybrid,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
+}
 
 
 # Smaller variants of a family, for single tests; not in FAMILIES (every family gets the full test matrix).
@@ -100,6 +177,7 @@ VARIANTS = {"qwen3_hybrid_2l": _qwen3_hybrid_2l}
 
 def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
+
     config = {**FAMILIES, **VARIANTS}[family]()
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -125,24 +203,40 @@ def make_prompts(seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     tok = lambda n: rng.integers(3, VOCAB, size=n).tolist()  # noqa: E731 - skip pad/bos/eos ids
     prefix = tok(48)
-    return [tok(5), prefix + tok(12), tok(33), prefix + tok(42), tok(120), prefix + tok(2),
-            tok(77), prefix + tok(72 - 5)]
+    return [
+        tok(5),
+        prefix + tok(12),
+        tok(33),
+        prefix + tok(42),
+        tok(120),
+        prefix + tok(2),
+        tok(77),
+        prefix + tok(72 - 5),
+    ]
 
 
 @dataclass
 class HFGreedy:
-    tokens: list[int]      # the new tokens
-    min_margin: float      # smallest top-1 minus top-2 logit over the generated steps
+    tokens: list[int]  # the new tokens
+    min_margin: float  # smallest top-1 minus top-2 logit over the generated steps
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> HFGreedy:
     """HF's greedy continuation of one prompt (no padding, no EOS stop), with its logit margin."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    new = out.sequences[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    new = out.sequences[0, len(prompt) :].tolist()
     margins = []
     for step_logits in out.logits:
         top2 = step_logits[0].float().topk(2).values
@@ -167,7 +261,8 @@ def greedy_references(make_dir, new_tokens: int):
             for i, r in enumerate(refs):
                 assert r.min_margin >= TIE_MARGIN, (
                     f"{family} prompt {i}: HF's top-2 logit margin {r.min_margin:.2e} < {TIE_MARGIN}: "
-                    f"a numerical tie, not a usable reference; change the seed/init")
+                    f"a numerical tie, not a usable reference; change the seed/init"
+                )
             cache[family] = (path, prompts, [r.tokens for r in refs])
         return cache[family]
 

@@ -5,6 +5,7 @@ the end-to-end runs through Ray are in test_job_cli.py, test_resume.py and test_
 Its "model" answers request r with max_tokens tokens (sum(prompt) + i) % 256, so every output can be
 checked; it refuses what the real driver refuses (an empty prompt, ids beyond the vocabulary, a prompt
 over max_model_len), and one poll may hand back a request's tokens in two pieces."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -62,8 +63,12 @@ class FakeEngines:
             toks = expected_tokens(s.prompt_token_ids, s.sampling_params.max_tokens)
             half = len(toks) // 2
             out.append(EngineOutput(EngineCoreOutput(rid, toks[:half])))
-            out.append(EngineOutput(EngineCoreOutput(rid, toks[half:], True, "length"),
-                                    RequestTiming(0.01, 0.02, len(s.prompt_token_ids), len(toks))))
+            out.append(
+                EngineOutput(
+                    EngineCoreOutput(rid, toks[half:], True, "length"),
+                    RequestTiming(0.01, 0.02, len(s.prompt_token_ids), len(toks)),
+                )
+            )
             del self.open[rid]
             self.finished += 1
         return out

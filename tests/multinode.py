@@ -6,6 +6,7 @@ that keeps kvray's embedded Ray local (cluster/placement.py). The cluster record
 Ray temp dir, never in /tmp/ray, so no other Ray user on the machine finds or joins it, and the test
 stops it with `Cluster.shutdown()` (its own processes only).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,11 @@ from cluster.placement import LOOPBACK, _loopback_node_ip
 
 # A killed node is noticed within a few seconds (Ray's default is 15 s): the failure tests wait for it.
 # Not faster: on a loaded CI machine a live raylet can miss a check or two, and would be taken for dead.
-FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
-                      "health_check_failure_threshold": 4}
+FAST_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 4,
+}
 
 
 class LocalCluster:
@@ -31,9 +35,16 @@ class LocalCluster:
     def __init__(self, tmp: str) -> None:
         self.tmp = tmp
         with _loopback_node_ip():
-            self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-                num_cpus=0, node_ip_address=LOOPBACK, temp_dir=tmp, include_dashboard=False,
-                _system_config=FAST_HEALTH_CHECKS))
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args=dict(
+                    num_cpus=0,
+                    node_ip_address=LOOPBACK,
+                    temp_dir=tmp,
+                    include_dashboard=False,
+                    _system_config=FAST_HEALTH_CHECKS,
+                ),
+            )
         self.nodes: dict[str, Any] = {}
 
     @property
@@ -43,8 +54,9 @@ class LocalCluster:
     def add(self, name: str, num_cpus: int = 1) -> Any:
         """A worker node labelled kvray-node=<name>, with a custom resource of its name."""
         with _loopback_node_ip():
-            node = self.cluster.add_node(num_cpus=num_cpus, node_ip_address=LOOPBACK, resources={name: 1.0},
-                                         labels={"kvray-node": name})
+            node = self.cluster.add_node(
+                num_cpus=num_cpus, node_ip_address=LOOPBACK, resources={name: 1.0}, labels={"kvray-node": name}
+            )
         self.nodes[name] = node
         return node
 
@@ -62,8 +74,15 @@ class LocalCluster:
 
 
 # A tiny-random CPU engine small enough for several replicas on the loopback nodes.
-ENGINE = dict(model="tiny-random", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, cpu_kv_cache_gib=0.01,
-              step_timeout_s=60, placement_timeout_s=30)
+ENGINE = dict(
+    model="tiny-random",
+    device="cpu",
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    cpu_kv_cache_gib=0.01,
+    step_timeout_s=60,
+    placement_timeout_s=30,
+)
 
 
 @contextlib.contextmanager

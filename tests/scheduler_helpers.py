@@ -1,5 +1,6 @@
 """Helpers for the scheduler tests: a Scheduler on a real KVCacheManager, requests, and a fake model
 runner that answers each step (test_scheduler.py, test_scheduler_stops.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -11,22 +12,43 @@ from kvcore.scheduler import Scheduler
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 16, max_model_len: int = 1024,
-                   max_num_seqs: int = 16, max_num_batched_tokens: int = 1024, threshold: int = 0,
-                   sliding_window: int | None = None, caching: bool = True, **kwargs) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 16,
+    max_model_len: int = 1024,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 1024,
+    threshold: int = 0,
+    sliding_window: int | None = None,
+    caching: bool = True,
+    **kwargs,
+) -> Scheduler:
     full = FullAttentionSpec(block_size, 1, 8, torch.float32)
     groups = [KVCacheGroupSpec(["l0"], full)]
     if sliding_window is not None:
         sw = SlidingWindowSpec(block_size, 1, 8, torch.float32, sliding_window=sliding_window)
         groups.append(KVCacheGroupSpec(["l1"], sw))
     manager = KVCacheManager(KVCacheConfig(num_blocks, groups), max_model_len, enable_caching=caching)
-    return Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     max_model_len=max_model_len, long_prefill_token_threshold=threshold,
-                     debug_invariants=True, **kwargs)
+    return Scheduler(
+        manager,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=threshold,
+        debug_invariants=True,
+        **kwargs,
+    )
 
 
-def make_request(rid: str, num_prompt: int, max_tokens: int = 16, start: int = 0, ignore_eos: bool = True,
-                 eos: int | None = None, stop: tuple[int, ...] = ()) -> Request:
+def make_request(
+    rid: str,
+    num_prompt: int,
+    max_tokens: int = 16,
+    start: int = 0,
+    ignore_eos: bool = True,
+    eos: int | None = None,
+    stop: tuple[int, ...] = (),
+) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=list(stop))
     return Request(rid, list(range(start, start + num_prompt)), params, eos_token_id=eos)
 

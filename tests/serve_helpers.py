@@ -1,4 +1,5 @@
 """Shared pieces of the `kvray serve` tests: the server fixture's config, driver handles, pool books."""
+
 from __future__ import annotations
 
 import socket
@@ -37,8 +38,11 @@ def free_port() -> int:
 
 def drivers() -> list[Any]:
     """The live engine drivers of this (private) Ray, replica order."""
-    names = sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a["name"].startswith(DRIVER_NAME_PREFIX))
+    names = sorted(
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(DRIVER_NAME_PREFIX)
+    )
     out = []
     for name, ns in names:
         try:

@@ -2,6 +2,7 @@
 worker, on the CPU): greedy text equals HF, stop strings cut the text and abort the request in the
 engine, n samples with derived seeds share the prompt's KV, chat equals HF's rendering, and the
 defaults come from the model. One local Ray and one LLM for the module."""
+
 import os
 import time
 
@@ -16,8 +17,16 @@ from cluster import LLM, SamplingParams
 from cluster.logprobs import engine_computes_logprobs
 from cluster.placement import start_local_ray
 
-COMMON = dict(device="cpu", dtype="float32", block_size=8, max_num_seqs=8, max_num_batched_tokens=128,
-              cpu_kv_cache_gib=0.01, step_timeout_s=60, placement_timeout_s=30)
+COMMON = dict(
+    device="cpu",
+    dtype="float32",
+    block_size=8,
+    max_num_seqs=8,
+    max_num_batched_tokens=128,
+    cpu_kv_cache_gib=0.01,
+    step_timeout_s=60,
+    placement_timeout_s=30,
+)
 PROMPT = "The quick brown fox jumps over the lazy dog"  # 43 byte tokens: 5 full blocks to share
 NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -42,9 +51,10 @@ def llm(tmp_path_factory):
 def hf_greedy(model_dir: str, ids: list[int], n: int) -> list[int]:
     model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def wait_idle(llm: LLM) -> dict:
@@ -67,17 +77,22 @@ def test_greedy_text_equals_hf(llm) -> None:
 def test_stop_string_across_tokens_cuts_and_aborts_in_the_engine(llm) -> None:
     full = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0]
     text = full.text
-    start = next(i for i in range(2, len(text) - 3) if "\ufffd" not in text[i:i + 3])
-    stop = text[start:start + 3]  # three characters: at least three tokens
+    start = next(i for i in range(2, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    stop = text[start : start + 3]  # three characters: at least three tokens
     steps_before = wait_idle(llm)["num_steps"]
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, stop=["never seen", stop])
-    cut, kept = llm.generate([PROMPT, PROMPT], [long, SamplingParams(**{**long.__dict__,
-                                                                       "include_stop_str_in_output": True})],
-                             use_tqdm=False)
+    cut, kept = llm.generate(
+        [PROMPT, PROMPT],
+        [long, SamplingParams(**{**long.__dict__, "include_stop_str_in_output": True})],
+        use_tqdm=False,
+    )
     first = text.find(stop)
-    assert (cut.outputs[0].text, cut.outputs[0].finish_reason, cut.outputs[0].stop_reason) == \
-        (text[:first], "stop", stop)
-    assert kept.outputs[0].text == text[:first + len(stop)]
+    assert (cut.outputs[0].text, cut.outputs[0].finish_reason, cut.outputs[0].stop_reason) == (
+        text[:first],
+        "stop",
+        stop,
+    )
+    assert kept.outputs[0].text == text[: first + len(stop)]
     tok = llm.get_tokenizer()
     upto = next(k for k in range(len(full.token_ids) + 1) if stop in tok.decode(full.token_ids[:k]))
     assert cut.outputs[0].token_ids == kept.outputs[0].token_ids == full.token_ids[:upto]
@@ -93,8 +108,9 @@ def test_n_samples_with_derived_seeds_share_the_prompt(llm) -> None:
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # distinct seeds, distinct samples
     assert llm.stats()[0]["prefix_cache_hits"] > hits  # the children reused the prompt's blocks
     # Child k is the sample seeded 7 + k, reproducibly.
-    singles = llm.generate([PROMPT] * 3, [SamplingParams(**{**sp.__dict__, "n": 1, "seed": 7 + k}) for k in range(3)],
-                           use_tqdm=False)
+    singles = llm.generate(
+        [PROMPT] * 3, [SamplingParams(**{**sp.__dict__, "n": 1, "seed": 7 + k}) for k in range(3)], use_tqdm=False
+    )
     assert [s.outputs[0].token_ids for s in singles] == [c.token_ids for c in out.outputs]
 
 
@@ -136,8 +152,9 @@ def test_logprobs_equal_hf_log_softmax(llm) -> None:
         row, tok = lsm[len(p) - 1 + i], c.token_ids[i]
         assert pos[tok].rank == 1 and abs(pos[tok].logprob - row[tok].item()) < 1e-4
         top = row.topk(5)
-        assert {t: r for t, r in ((t, v.rank) for t, v in pos.items())} == \
-            {int(t): r for r, t in enumerate(top.indices.tolist(), start=1)}
+        assert {t: r for t, r in ((t, v.rank) for t, v in pos.items())} == {
+            int(t): r for r, t in enumerate(top.indices.tolist(), start=1)
+        }
         assert all(abs(pos[int(t)].logprob - v) < 1e-4 for t, v in zip(top.indices.tolist(), top.values.tolist()))
         assert pos[tok].decoded_token == llm.get_tokenizer().decode([tok], skip_special_tokens=False)
     assert c.cumulative_logprob == pytest.approx(sum(pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)))

@@ -6,6 +6,7 @@ is test_async_scheduling_sim.py):
    roomy and a tight pool; seeded sampling gives the same tokens with async on and off.
 2. Through Ray (driver actor, compiled-graph transport with two steps in flight): greedy equals HF.
 """
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -35,12 +36,19 @@ def reference(tmp_path_factory):
 
 
 def engine_config(path: str, async_on: bool, tight: bool, tp: int = 1) -> EngineConfig:
-    cache = (CacheConfig(block_size=8, num_gpu_blocks=26) if tight
-             else CacheConfig(block_size=8, cpu_kv_cache_gib=0.01))
-    sched = SchedulerConfig(max_num_seqs=6 if tight else 16, max_num_batched_tokens=32 if tight else 256,
-                            async_scheduling=async_on, debug_invariants=True)
-    return EngineConfig(model=ModelConfig(model=path, dtype="float32"),
-                        parallel=ParallelConfig(device="cpu", tensor_parallel_size=tp), cache=cache, scheduler=sched)
+    cache = CacheConfig(block_size=8, num_gpu_blocks=26) if tight else CacheConfig(block_size=8, cpu_kv_cache_gib=0.01)
+    sched = SchedulerConfig(
+        max_num_seqs=6 if tight else 16,
+        max_num_batched_tokens=32 if tight else 256,
+        async_scheduling=async_on,
+        debug_invariants=True,
+    )
+    return EngineConfig(
+        model=ModelConfig(model=path, dtype="float32"),
+        parallel=ParallelConfig(device="cpu", tensor_parallel_size=tp),
+        cache=cache,
+        scheduler=sched,
+    )
 
 
 def stop_plan(expected: list[list[int]]):
@@ -49,21 +57,27 @@ def stop_plan(expected: list[list[int]]):
     for i, exp in enumerate(expected):
         if i % 4 == 0:  # EOS = HF's 6th token: stops there (a late stop under async)
             eos = exp[5]
-            plan.append((SamplingParams(max_tokens=NEW_TOKENS), eos, exp[:exp.index(eos) + 1]))
+            plan.append((SamplingParams(max_tokens=NEW_TOKENS), eos, exp[: exp.index(eos) + 1]))
         elif i % 4 == 1:  # a stop token id = HF's 4th token
             stop = exp[3]
-            plan.append((SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=[stop]), None,
-                         exp[:exp.index(stop) + 1]))
+            plan.append(
+                (
+                    SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=[stop]),
+                    None,
+                    exp[: exp.index(stop) + 1],
+                )
+            )
         elif i % 4 == 2:
-            plan.append((SamplingParams(max_tokens=3 + i, ignore_eos=True), None, exp[:3 + i]))
+            plan.append((SamplingParams(max_tokens=3 + i, ignore_eos=True), None, exp[: 3 + i]))
         else:
             plan.append((SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), None, exp))
     return plan
 
 
-SAMPLED = {"s-seeded": SamplingParams(temperature=0.9, max_tokens=NEW_TOKENS, ignore_eos=True, seed=1234),
-           "s-topk": SamplingParams(temperature=1.3, top_k=20, top_p=0.9, max_tokens=NEW_TOKENS, ignore_eos=True,
-                                    seed=99)}
+SAMPLED = {
+    "s-seeded": SamplingParams(temperature=0.9, max_tokens=NEW_TOKENS, ignore_eos=True, seed=1234),
+    "s-topk": SamplingParams(temperature=1.3, top_k=20, top_p=0.9, max_tokens=NEW_TOKENS, ignore_eos=True, seed=99),
+}
 
 
 def run_engine(config: EngineConfig, prompts, plan):
@@ -147,6 +161,7 @@ def test_engine_async_abort_and_reused_id_while_in_flight(reference):
 
 # ---------------------------------------------------------------- 2. through Ray
 
+
 def test_ray_async_compiled_graph_matches_hf(reference):
     import ray
 
@@ -157,9 +172,19 @@ def test_ray_async_compiled_graph_matches_hf(reference):
     plan = stop_plan(expected)
     start_local_ray(num_cpus=4, include_dashboard=False)
     try:
-        llm = LLM(model=path, device="cpu", dtype="float32", block_size=8, max_num_seqs=8,
-                  max_num_batched_tokens=128, cpu_kv_cache_gib=0.01, step_timeout_s=60, placement_timeout_s=30,
-                  async_scheduling=True, transport="compiled_graph")
+        llm = LLM(
+            model=path,
+            device="cpu",
+            dtype="float32",
+            block_size=8,
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            cpu_kv_cache_gib=0.01,
+            step_timeout_s=60,
+            placement_timeout_s=30,
+            async_scheduling=True,
+            transport="compiled_graph",
+        )
         try:
             # EOS comes from the model config here, so use the stop-token and length cases.
             items = [(p, sp, want) for p, (sp, eos, want) in zip(prompts, plan) if eos is None]

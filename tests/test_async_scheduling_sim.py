@@ -8,6 +8,7 @@
 2. Aborts while steps are in flight (and a request id reused before the old step's output arrives).
 The real engine and Ray with async scheduling: test_async_scheduling.py.
 """
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -29,6 +30,7 @@ EOS = 3
 
 
 # ---------------------------------------------------------------- 1-2. simulation with a fake worker
+
 
 def next_token(rid: str, pos: int, prev: int) -> int:
     """The fake model: depends on the previous token, so a worker feeding a wrong token diverges."""
@@ -52,8 +54,9 @@ class FakeWorker:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
             self.computed[new.req_id] = new.num_computed_tokens
         c = so.scheduled_cached_reqs
-        for rid, resumed, toks, computed in zip(c.req_ids, c.resumed_from_preemption, c.resumed_token_ids,
-                                                c.num_computed_tokens):
+        for rid, resumed, toks, computed in zip(
+            c.req_ids, c.resumed_from_preemption, c.resumed_token_ids, c.num_computed_tokens
+        ):
             if resumed:
                 self.tokens[rid] = list(toks)
             else:
@@ -80,8 +83,11 @@ def make_manager(num_blocks: int, hybrid: bool, max_model_len: int) -> KVCacheMa
     full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")
     groups = [KVCacheGroupSpec(["l0"], full)]
     if hybrid:
-        groups.append(KVCacheGroupSpec(["l1"], SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8,
-                                                                   dtype="float32", sliding_window=9)))
+        groups.append(
+            KVCacheGroupSpec(
+                ["l1"], SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32", sliding_window=9)
+            )
+        )
     return KVCacheManager(KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups), max_model_len)
 
 
@@ -89,8 +95,13 @@ def needs_run(so: SchedulerOutput) -> bool:
     return not so.is_empty or bool(so.finished_req_ids) or bool(so.preempted_req_ids)
 
 
-def drive(sched: Scheduler, worker: FakeWorker, pipelined: bool, aborts: dict[int, list[str]] | None = None,
-          late_requests: dict[int, Request] | None = None) -> dict[str, tuple[list[int], str]]:
+def drive(
+    sched: Scheduler,
+    worker: FakeWorker,
+    pipelined: bool,
+    aborts: dict[int, list[str]] | None = None,
+    late_requests: dict[int, Request] | None = None,
+) -> dict[str, tuple[list[int], str]]:
     """Run to completion. Pipelined: the EngineCore's async order (submit N+1, then apply N)."""
     results: dict[str, tuple[list[int], str]] = {}
     inflight: deque = deque()
@@ -130,14 +141,17 @@ def random_requests(rng: random.Random, n: int, max_model_len: int) -> list[tupl
         prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randint(1, 30))]
         max_tokens = rng.randint(1, min(25, max_model_len - len(prompt)))
         kind = rng.random()
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=kind < 0.3,
-                            stop_token_ids=[rng.randrange(4, VOCAB)] if kind > 0.6 else [])
+        sp = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=kind < 0.3, stop_token_ids=[rng.randrange(4, VOCAB)] if kind > 0.6 else []
+        )
         out.append((f"r{i}", prompt, sp))
     return out
 
 
-@pytest.mark.parametrize("seed,num_blocks,hybrid,budget", [
-    (0, 200, False, 64), (1, 24, False, 16), (2, 30, True, 12), (3, 18, False, 64), (4, 40, True, 64)])
+@pytest.mark.parametrize(
+    "seed,num_blocks,hybrid,budget",
+    [(0, 200, False, 64), (1, 24, False, 16), (2, 30, True, 12), (3, 18, False, 64), (4, 40, True, 64)],
+)
 def test_async_equals_sync_simulation(seed, num_blocks, hybrid, budget):
     max_model_len = 48
     rng = random.Random(seed)
@@ -147,8 +161,14 @@ def test_async_equals_sync_simulation(seed, num_blocks, hybrid, budget):
         manager = make_manager(num_blocks, hybrid, max_model_len)
         worker = FakeWorker(max_model_len)
         cls = AsyncScheduler if pipelined else Scheduler
-        sched = cls(manager, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                    long_prefill_token_threshold=10 if hybrid else 0, debug_invariants=True)
+        sched = cls(
+            manager,
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=10 if hybrid else 0,
+            debug_invariants=True,
+        )
         for rid, prompt, sp in reqs:
             sched.add_request(Request(rid, prompt, sp, eos_token_id=EOS))
         results[pipelined] = drive(sched, worker, pipelined)
@@ -172,12 +192,12 @@ def test_async_aborts_and_reused_ids():
     step's late token must not reach the new request."""
     max_model_len = 48
     manager = make_manager(30, False, max_model_len)
-    sched = AsyncScheduler(manager, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=max_model_len,
-                           debug_invariants=True)
+    sched = AsyncScheduler(
+        manager, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=max_model_len, debug_invariants=True
+    )
     # "x" stops (EOS) at its first token, which arrives after its next decode was scheduled (step 2);
     # its id comes back as a new request at step 3, before step 2's late token for the old one arrives.
-    sched.add_request(Request("x", [5, 6, 7], SamplingParams(max_tokens=10),
-                              eos_token_id=next_token("x", 3, 7)))
+    sched.add_request(Request("x", [5, 6, 7], SamplingParams(max_tokens=10), eos_token_id=next_token("x", 3, 7)))
     rng = random.Random(7)
     reqs = random_requests(rng, 30, max_model_len)
     for rid, prompt, sp in reqs:

@@ -7,6 +7,7 @@ Every paged batch is built so that reading anything outside a sequence's visible
 output: unused cache slots, the null block and padding positions hold NaN, unused block-table
 entries point far outside the pool, and output rows are pre-filled with NaN.
 """
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -31,7 +32,7 @@ def make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, window=None, seed=0):
     key_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=dtype)
     value_cache = torch.full_like(key_cache, float("nan"))
     # Unused entries point far outside the pool: a read through them would fault or poison.
-    table = torch.full((len(seq_lens) + 1, max(pages) + 2), 10 ** 6, dtype=torch.int32)
+    table = torch.full((len(seq_lens) + 1, max(pages) + 2), 10**6, dtype=torch.int32)
     free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 = null block
     keys, values = [], []
     for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
@@ -48,16 +49,24 @@ def make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, window=None, seed=0):
             blk = free.pop()
             table[b, p] = blk
             n = min(bs, seq_len - p * bs)
-            key_cache[blk, :n] = k[p * bs:p * bs + n]
-            value_cache[blk, :n] = v[p * bs:p * bs + n]
+            key_cache[blk, :n] = k[p * bs : p * bs + n]
+            value_cache[blk, :n] = v[p * bs : p * bs + n]
     num_tokens = sum(q_lens)
     query = torch.randn(num_tokens + PAD_ROWS, hq, d, generator=g).to(dtype)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     dev = DEVICE
-    return dict(query=query.to(dev), key_cache=key_cache.to(dev), value_cache=value_cache.to(dev),
-                query_start_loc=qsl.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-                block_table=table.to(dev), keys=keys, values=values, q_lens=q_lens,
-                num_tokens=num_tokens)
+    return dict(
+        query=query.to(dev),
+        key_cache=key_cache.to(dev),
+        value_cache=value_cache.to(dev),
+        query_start_loc=qsl.to(dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+        block_table=table.to(dev),
+        keys=keys,
+        values=values,
+        q_lens=q_lens,
+        num_tokens=num_tokens,
+    )
 
 
 def dense_oracle(batch, scale, window):
@@ -67,7 +76,7 @@ def dense_oracle(batch, scale, window):
     start = 0
     for q_len, k, v in zip(batch["q_lens"], batch["keys"], batch["values"]):
         seq_len = k.shape[0]
-        q = q_all[start:start + q_len].transpose(0, 1)           # [Hq, Lq, D]
+        q = q_all[start : start + q_len].transpose(0, 1)  # [Hq, Lq, D]
         rep = q.shape[0] // k.shape[1]
         kk = k.float().repeat_interleave(rep, 1).transpose(0, 1)  # [Hq, L, D]
         vv = v.float().repeat_interleave(rep, 1).transpose(0, 1)
@@ -76,8 +85,7 @@ def dense_oracle(batch, scale, window):
         mask = j <= i
         if window is not None:
             mask &= j > i - window
-        o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask,
-                                                             scale=scale)
+        o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale)
         outs.append(o.transpose(0, 1))
         start += q_len
     return torch.cat(outs)
@@ -85,14 +93,32 @@ def dense_oracle(batch, scale, window):
 
 def run_attention(batch, scale, window, backend, **triton_kw):
     out = torch.full_like(batch["query"], float("nan"))
-    args = (batch["query"], batch["key_cache"], batch["value_cache"], out,
-            batch["query_start_loc"], batch["seq_lens"], batch["block_table"][:-1], scale)
+    args = (
+        batch["query"],
+        batch["key_cache"],
+        batch["value_cache"],
+        out,
+        batch["query_start_loc"],
+        batch["seq_lens"],
+        batch["block_table"][:-1],
+        scale,
+    )
     if triton_kw:
-        paged_attention_triton(*args, window, max(batch["q_lens"]), max(batch["keys"][i].shape[0]
-                               for i in range(len(batch["keys"]))), **triton_kw)
+        paged_attention_triton(
+            *args,
+            window,
+            max(batch["q_lens"]),
+            max(batch["keys"][i].shape[0] for i in range(len(batch["keys"]))),
+            **triton_kw,
+        )
     else:
-        paged_attention(*args, sliding_window=window, max_query_len=max(batch["q_lens"]),
-                        max_seq_len=max(k.shape[0] for k in batch["keys"]), backend=backend)
+        paged_attention(
+            *args,
+            sliding_window=window,
+            max_query_len=max(batch["q_lens"]),
+            max_seq_len=max(k.shape[0] for k in batch["keys"]),
+            backend=backend,
+        )
     return out.cpu()
 
 
@@ -117,8 +143,7 @@ def test_reference_matches_dense_oracle(group, window):
     batch = make_batch(q_lens, seq_lens, 2 * group, 2, 16, 4, torch.float32, window)
     out = run_attention(batch, 0.3, window, "torch")
     assert_written_and_untouched(out, batch["num_tokens"])
-    torch.testing.assert_close(out[:batch["num_tokens"]], dense_oracle(batch, 0.3, window),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[: batch["num_tokens"]], dense_oracle(batch, 0.3, window), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", list(SHAPES))
@@ -130,8 +155,7 @@ def test_triton_matches_reference(kind, group):
     for kw in ({}, dict(block_m=16 * (1 + (group == 4)), block_n=16)):
         out = run_attention(batch, 0.2, None, "triton", **kw)
         assert_written_and_untouched(out, batch["num_tokens"])
-        torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32],
-                                   equal_nan=True)
+        torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32], equal_nan=True)
 
 
 @pytest.mark.parametrize("kind", ["mixed", "decode", "prefill"])
@@ -151,8 +175,19 @@ def test_triton_bucket_padded_call(kind):
     table = torch.cat([table[:-1], torch.zeros(pad_seqs, table.shape[1], dtype=torch.int32)])
     out = torch.full_like(batch["query"], float("nan"))
     max_q = 1 if kind == "decode" else batch["query"].shape[0]
-    paged_attention_triton(batch["query"], batch["key_cache"], batch["value_cache"], out, qsl.to(DEVICE),
-                           lens.to(DEVICE), table.to(DEVICE), 0.2, None, max_q, 4096)
+    paged_attention_triton(
+        batch["query"],
+        batch["key_cache"],
+        batch["value_cache"],
+        out,
+        qsl.to(DEVICE),
+        lens.to(DEVICE),
+        table.to(DEVICE),
+        0.2,
+        None,
+        max_q,
+        4096,
+    )
     out = out.cpu()
     assert_written_and_untouched(out, n)
     torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32], equal_nan=True)
@@ -164,8 +199,7 @@ def test_triton_sliding_window(kind, window):
     q_lens, seq_lens = SHAPES[kind]
     batch = make_batch(q_lens, seq_lens, 4, 2, 16, 4, torch.float32, window, seed=window)
     ref = run_attention(batch, 0.25, window, "torch")
-    torch.testing.assert_close(ref[:batch["num_tokens"]], dense_oracle(batch, 0.25, window),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref[: batch["num_tokens"]], dense_oracle(batch, 0.25, window), atol=1e-5, rtol=1e-5)
     out = run_attention(batch, 0.25, window, "triton", block_m=16, block_n=16)
     assert_written_and_untouched(out, batch["num_tokens"])
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
@@ -192,8 +226,7 @@ def test_triton_half_precision(dtype):
     for kw in ({}, dict(num_splits=3)):
         out = run_attention(batch, 0.2, None, "triton", **kw)
         assert_written_and_untouched(out, batch["num_tokens"])
-        torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype],
-                                   equal_nan=True)
+        torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype], equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -205,7 +238,7 @@ def test_reshape_and_cache_matches_reference(dtype):
     slots = torch.randperm(num_blocks * bs, generator=g)[:num_tokens]
     slots[[0, 5, 12]] = -1
     # Entries past the first T are never read (here they would write out of bounds).
-    slot_mapping = torch.cat([slots, torch.full((4,), 10 ** 6)]).to(DEVICE)
+    slot_mapping = torch.cat([slots, torch.full((4,), 10**6)]).to(DEVICE)
     caches = {}
     for backend in ("torch", "triton"):
         kv = torch.full((2, num_blocks, bs, hkv, d), -7.0, dtype=dtype, device=DEVICE)
@@ -233,10 +266,16 @@ def test_num_splits_heuristic():
 
 def test_bad_input_errors_name_the_field():
     batch = make_batch([1], [5], 4, 2, 16, 4, torch.float32)
-    base = dict(query=batch["query"], key_cache=batch["key_cache"],
-                value_cache=batch["value_cache"], out=torch.empty_like(batch["query"]),
-                query_start_loc=batch["query_start_loc"], seq_lens=batch["seq_lens"],
-                block_table=batch["block_table"], scale=0.25)
+    base = dict(
+        query=batch["query"],
+        key_cache=batch["key_cache"],
+        value_cache=batch["value_cache"],
+        out=torch.empty_like(batch["query"]),
+        query_start_loc=batch["query_start_loc"],
+        seq_lens=batch["seq_lens"],
+        block_table=batch["block_table"],
+        scale=0.25,
+    )
     bad = {
         "num_heads": dict(query=batch["query"][:, :3], out=batch["query"][:, :3].clone()),
         "query_start_loc": dict(query_start_loc=batch["query_start_loc"][:1]),

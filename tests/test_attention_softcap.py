@@ -2,6 +2,7 @@
 eager attention computes it, and the Triton kernel (under TRITON_INTERPRET=1) against the reference,
 with windows, split-KV and both tile paths. The scale and cap are chosen so most scores saturate:
 a kernel that ignored the cap, or capped after the log2(e) factor, would be far off."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -22,7 +23,7 @@ def hf_eager_oracle(batch, scale, window, softcap):
     q_all = batch["query"].cpu().float()
     for q_len, k, v in zip(batch["q_lens"], batch["keys"], batch["values"]):
         seq_len = k.shape[0]
-        q = q_all[start:start + q_len].transpose(0, 1)
+        q = q_all[start : start + q_len].transpose(0, 1)
         rep = q.shape[0] // k.shape[1]
         kk = k.float().repeat_interleave(rep, 1).transpose(0, 1)
         vv = v.float().repeat_interleave(rep, 1).transpose(0, 1)
@@ -41,14 +42,23 @@ def hf_eager_oracle(batch, scale, window, softcap):
 
 def run(batch, window, softcap, backend="torch", **triton_kw):
     out = torch.full_like(batch["query"], float("nan"))
-    args = (batch["query"], batch["key_cache"], batch["value_cache"], out, batch["query_start_loc"],
-            batch["seq_lens"], batch["block_table"][:-1], SCALE)
+    args = (
+        batch["query"],
+        batch["key_cache"],
+        batch["value_cache"],
+        out,
+        batch["query_start_loc"],
+        batch["seq_lens"],
+        batch["block_table"][:-1],
+        SCALE,
+    )
     max_q, max_s = max(batch["q_lens"]), max(k.shape[0] for k in batch["keys"])
     if triton_kw:
         paged_attention_triton(*args, window, max_q, max_s, softcap=softcap, **triton_kw)
     else:
-        paged_attention(*args, sliding_window=window, max_query_len=max_q, max_seq_len=max_s,
-                        backend=backend, softcap=softcap)
+        paged_attention(
+            *args, sliding_window=window, max_query_len=max_q, max_seq_len=max_s, backend=backend, softcap=softcap
+        )
     return out.cpu()
 
 

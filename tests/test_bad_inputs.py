@@ -4,6 +4,7 @@ fails alone while the engine serves the others in the same run.
 One local Ray and one engine serve every request-level case: the bad prompts go through one
 `LLM.generate` call and the bad input lines through one batch job, each next to good ones; each case
 then checks its own output. Config, model and CLI cases fail before (or while) an engine starts."""
+
 import json
 import os
 import shutil
@@ -29,8 +30,14 @@ GOOD = SamplingParams(max_tokens=4, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm():
     start_local_ray(num_cpus=4, namespace="kvray-test-bad-inputs", include_dashboard=False)
-    engine = LLM(model="tiny-random", max_model_len=MAX_MODEL_LEN, num_gpu_blocks=64, max_num_seqs=8,
-                 max_num_batched_tokens=128, step_timeout_s=60)
+    engine = LLM(
+        model="tiny-random",
+        max_model_len=MAX_MODEL_LEN,
+        num_gpu_blocks=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        step_timeout_s=60,
+    )
     try:
         yield engine
     finally:
@@ -42,11 +49,15 @@ def llm():
 API_CASES = {
     "empty_prompt": ({"prompt_token_ids": []}, "prompt_token_ids is empty; a request needs at least one"),
     "empty_text_prompt": ("", "prompt_token_ids is empty"),
-    "token_ids_outside_vocab": ({"prompt_token_ids": [5, 260, 99999]},
-                                "prompt_token_ids has id(s) [260, 99999] outside the vocabulary [0, 260)"),
+    "token_ids_outside_vocab": (
+        {"prompt_token_ids": [5, 260, 99999]},
+        "prompt_token_ids has id(s) [260, 99999] outside the vocabulary [0, 260)",
+    ),
     "negative_token_id": ({"prompt_token_ids": [-1, 3]}, "has id(s) [-1] outside [0, "),
-    "prompt_longer_than_max_model_len": ({"prompt_token_ids": [7] * (MAX_MODEL_LEN + 10)},
-                                         f"exceeds max_model_len={MAX_MODEL_LEN}"),
+    "prompt_longer_than_max_model_len": (
+        {"prompt_token_ids": [7] * (MAX_MODEL_LEN + 10)},
+        f"exceeds max_model_len={MAX_MODEL_LEN}",
+    ),
     "prompt_token_ids_not_ints": ({"prompt_token_ids": [1, "2", 3.0]}, "prompt_token_ids: must be a list of integers"),
     "prompt_token_ids_not_a_list": ({"prompt_token_ids": "1 2 3"}, "prompt_token_ids: must be a list of integers"),
     "prompt_dict_with_both_keys": ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one of 'prompt' or"),
@@ -73,22 +84,32 @@ def test_bad_request_fails_alone(api_run, case):
     assert good.error is None and len(good.outputs[0].token_ids) == 4, good  # the engine went on
 
 
-@pytest.mark.parametrize("field,value,rule", [
-    ("max_tokens", 0, "SamplingParams.max_tokens=0: must be >= 1"),
-    ("temperature", -0.5, "SamplingParams.temperature=-0.5: must be finite and >= 0"),
-    ("top_p", 0, "SamplingParams.top_p=0: must be in (0, 1]"),
-    ("top_k", -5, "SamplingParams.top_k=-5: must be >= -1 (0 or -1 disables top-k)"),
-    ("stop_token_ids", [-3], "SamplingParams.stop_token_ids=[-3]: must be a list of at most 1024 integers in "
-                             "[0, 2147483647]"),
-    ("seed", "x", "SamplingParams.seed='x': must be None or an integer in [-9223372036854775808, "
-                  "9223372036854775807] (int64)"),
-    ("top_k", 2**31, "SamplingParams.top_k=2147483648: must be >= -1 (0 or -1 disables top-k) and <= 2147483647"),
-    ("seed", 2**64, "SamplingParams.seed=18446744073709551616: must be None or an integer in"),
-    ("max_tokens", 2**24 + 1, "SamplingParams.max_tokens=16777217: must be >= 1 and <= 16777216"),
-    ("temperature", 1e300, "SamplingParams.temperature=1e+300: must be finite and >= 0 and <= 100"),
-    ("temperature", float("nan"), "SamplingParams.temperature=nan: must be finite"),
-    ("temperature", 10**400, "SamplingParams.temperature=<1329-bit int>: must be finite"),
-])
+@pytest.mark.parametrize(
+    "field,value,rule",
+    [
+        ("max_tokens", 0, "SamplingParams.max_tokens=0: must be >= 1"),
+        ("temperature", -0.5, "SamplingParams.temperature=-0.5: must be finite and >= 0"),
+        ("top_p", 0, "SamplingParams.top_p=0: must be in (0, 1]"),
+        ("top_k", -5, "SamplingParams.top_k=-5: must be >= -1 (0 or -1 disables top-k)"),
+        (
+            "stop_token_ids",
+            [-3],
+            "SamplingParams.stop_token_ids=[-3]: must be a list of at most 1024 integers in [0, 2147483647]",
+        ),
+        (
+            "seed",
+            "x",
+            "SamplingParams.seed='x': must be None or an integer in [-9223372036854775808, "
+            "9223372036854775807] (int64)",
+        ),
+        ("top_k", 2**31, "SamplingParams.top_k=2147483648: must be >= -1 (0 or -1 disables top-k) and <= 2147483647"),
+        ("seed", 2**64, "SamplingParams.seed=18446744073709551616: must be None or an integer in"),
+        ("max_tokens", 2**24 + 1, "SamplingParams.max_tokens=16777217: must be >= 1 and <= 16777216"),
+        ("temperature", 1e300, "SamplingParams.temperature=1e+300: must be finite and >= 0 and <= 100"),
+        ("temperature", float("nan"), "SamplingParams.temperature=nan: must be finite"),
+        ("temperature", 10**400, "SamplingParams.temperature=<1329-bit int>: must be finite"),
+    ],
+)
 def test_bad_sampling_params_are_refused_when_built(field, value, rule):
     with pytest.raises(RequestValidationError) as e:
         SamplingParams(**{field: value})
@@ -97,8 +118,9 @@ def test_bad_sampling_params_are_refused_when_built(field, value, rule):
 
 def test_duplicate_request_id_via_the_api_is_refused_and_the_first_one_runs(llm):
     engines = llm.engines
-    errors = engines.submit([RequestSpec("dup", [1, 2, 3], GOOD), RequestSpec("dup", [4, 5], GOOD),
-                             RequestSpec("other", [6, 7], GOOD)])
+    errors = engines.submit(
+        [RequestSpec("dup", [1, 2, 3], GOOD), RequestSpec("dup", [4, 5], GOOD), RequestSpec("other", [6, 7], GOOD)]
+    )
     assert errors.keys() == {"dup"}
     assert "request 'dup': request_id is already in use by an unfinished request" in errors["dup"]
     finished, tokens = {}, {"dup": [], "other": []}
@@ -117,28 +139,38 @@ def test_duplicate_request_id_via_the_api_is_refused_and_the_first_one_runs(llm)
 # ---- input lines through the batch job: one run, bad lines among good ones ---------------------------
 LINE_CASES = {
     "non_json_line": ('{"prompt": "unterminated', "line {n}: not valid JSON"),
-    "json_not_an_object": ('[1, 2, 3]', "line {n}: must be a JSON object, got list"),
+    "json_not_an_object": ("[1, 2, 3]", "line {n}: must be a JSON object, got list"),
     "unknown_field": ('{"id": "u", "prompt": "hi", "max_token": 3}', "line {n}: unknown field(s) ['max_token']"),
     "no_prompt": ('{"id": "np", "max_tokens": 3}', "line {n}: needs exactly one of 'prompt' or 'prompt_token_ids'"),
     "prompt_not_a_string": ('{"id": "ps", "prompt": 5}', "line {n}: prompt must be a string"),
-    "prompt_token_ids_not_ints": ('{"id": "pt", "prompt_token_ids": [1, "a"]}',
-                                  "line {n}: prompt_token_ids: must be a list of integers"),
+    "prompt_token_ids_not_ints": (
+        '{"id": "pt", "prompt_token_ids": [1, "a"]}',
+        "line {n}: prompt_token_ids: must be a list of integers",
+    ),
     "max_tokens_0": ('{"id": "m0", "prompt": "hi", "max_tokens": 0}', "SamplingParams.max_tokens=0: must be >= 1"),
     "max_tokens_float": ('{"id": "mf", "prompt": "hi", "max_tokens": 2.5}', "max_tokens=2.5: must be an integer"),
-    "negative_temperature": ('{"id": "nt", "prompt": "hi", "temperature": -1}',
-                             "temperature=-1: must be finite and >= 0"),
+    "negative_temperature": (
+        '{"id": "nt", "prompt": "hi", "temperature": -1}',
+        "temperature=-1: must be finite and >= 0",
+    ),
     "top_p_0": ('{"id": "tp", "prompt": "hi", "top_p": 0}', "SamplingParams.top_p=0: must be in (0, 1]"),
     "top_k_negative": ('{"id": "tk", "prompt": "hi", "top_k": -5}', "SamplingParams.top_k=-5: must be >= -1"),
-    "top_k_past_int32": ('{"id": "k32", "prompt_token_ids": [1, 2], "temperature": 1, "top_k": 2147483648}',
-                         "SamplingParams.top_k=2147483648: must be >= -1 (0 or -1 disables top-k) and <= 2147483647"),
-    "seed_past_int64": ('{"id": "s64", "prompt_token_ids": [1, 2], "seed": 18446744073709551616}',
-                        "SamplingParams.seed=18446744073709551616: must be None or an integer in"),
+    "top_k_past_int32": (
+        '{"id": "k32", "prompt_token_ids": [1, 2], "temperature": 1, "top_k": 2147483648}',
+        "SamplingParams.top_k=2147483648: must be >= -1 (0 or -1 disables top-k) and <= 2147483647",
+    ),
+    "seed_past_int64": (
+        '{"id": "s64", "prompt_token_ids": [1, 2], "seed": 18446744073709551616}',
+        "SamplingParams.seed=18446744073709551616: must be None or an integer in",
+    ),
     "bad_id": ('{"id": [1], "prompt": "hi"}', "line {n}: id=[1] must be a non-empty string or an integer"),
     "duplicate_id": ('{"id": "good-0", "prompt": "again"}', "line {n}: duplicate id 'good-0'"),
     "empty_prompt_line": ('{"id": "ep", "prompt_token_ids": []}', "prompt_token_ids is empty"),
     "out_of_vocab_line": ('{"id": "ov", "prompt_token_ids": [1, 300]}', "outside the vocabulary [0, 260)"),
-    "too_long_line": ('{"id": "tl", "prompt_token_ids": ' + json.dumps([3] * 100) + '}',
-                      f"exceeds max_model_len={MAX_MODEL_LEN}"),
+    "too_long_line": (
+        '{"id": "tl", "prompt_token_ids": ' + json.dumps([3] * 100) + "}",
+        f"exceeds max_model_len={MAX_MODEL_LEN}",
+    ),
 }
 
 
@@ -148,8 +180,9 @@ def job_run(llm, tmp_path_factory):
     inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
     lines, line_of = [], {}
     for i, (name, (text, _)) in enumerate(LINE_CASES.items()):
-        lines.append(json.dumps({"id": f"good-{i}", "prompt_token_ids": [20 + i, 21], "max_tokens": 3,
-                                 "ignore_eos": True}))
+        lines.append(
+            json.dumps({"id": f"good-{i}", "prompt_token_ids": [20 + i, 21], "max_tokens": 3, "ignore_eos": True})
+        )
         lines.append(text)
         line_of[name] = len(lines)
     inp.write_text("\n".join(lines) + "\n")
@@ -258,7 +291,7 @@ def test_unsupported_architecture_fails_before_any_actor_starts(model_copy):
 def test_truncated_safetensors_names_the_file_and_the_rank(llm, model_copy):
     weights = model_copy / "model.safetensors"
     data = weights.read_bytes()
-    weights.write_bytes(data[:len(data) // 2])
+    weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(RuntimeError) as e:
         LLM(model=str(model_copy), num_gpu_blocks=16)
     msg = str(e.value)
@@ -284,13 +317,16 @@ def _mutated(**fields):
     return sp
 
 
-@pytest.mark.parametrize("fields,rule", [
-    ({"max_tokens": 0}, "SamplingParams.max_tokens=0: must be >= 1"),
-    ({"temperature": float("nan")}, "SamplingParams.temperature=nan: must be finite"),
-    ({"top_k": 2**40}, "SamplingParams.top_k=1099511627776: must be >= -1"),
-    ({"seed": 2**64}, "SamplingParams.seed=18446744073709551616: must be None or an integer"),
-    ({"stop_token_ids": [2**31]}, "SamplingParams.stop_token_ids=[2147483648]: must be a list"),
-])
+@pytest.mark.parametrize(
+    "fields,rule",
+    [
+        ({"max_tokens": 0}, "SamplingParams.max_tokens=0: must be >= 1"),
+        ({"temperature": float("nan")}, "SamplingParams.temperature=nan: must be finite"),
+        ({"top_k": 2**40}, "SamplingParams.top_k=1099511627776: must be >= -1"),
+        ({"seed": 2**64}, "SamplingParams.seed=18446744073709551616: must be None or an integer"),
+        ({"stop_token_ids": [2**31]}, "SamplingParams.stop_token_ids=[2147483648]: must be a list"),
+    ],
+)
 def test_params_changed_after_construction_are_refused_by_the_driver(llm, fields, rule):
     bad, good = llm.generate([{"prompt_token_ids": [1, 2]}] * 2, [_mutated(**fields), GOOD])
     assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].token_ids == []
@@ -300,20 +336,27 @@ def test_params_changed_after_construction_are_refused_by_the_driver(llm, fields
 
 def test_tiny_temperature_is_greedy(llm):
     prompt = {"prompt_token_ids": [5, 6, 7]}
-    greedy, tiny, mutated = llm.generate([prompt] * 3, [
-        SamplingParams(max_tokens=6, ignore_eos=True),
-        SamplingParams(temperature=1e-50, max_tokens=6, ignore_eos=True, seed=3),
-        _mutated(temperature=1e-50, max_tokens=6)])
+    greedy, tiny, mutated = llm.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=1e-50, max_tokens=6, ignore_eos=True, seed=3),
+            _mutated(temperature=1e-50, max_tokens=6),
+        ],
+    )
     assert tiny.outputs[0].token_ids == greedy.outputs[0].token_ids == mutated.outputs[0].token_ids
     assert len(set(greedy.outputs[0].token_ids)) > 1  # not a degenerate token-0 stream
 
 
-@pytest.mark.parametrize("rid,rule", [
-    ("\ud800", "request_id: not valid Unicode (lone surrogate U+D800 at index 0)"),
-    ("a\nb", "request_id='a\\nb': must be printable"),
-    ("x" * 600, "must be at most 512 characters"),
-    ("", "request_id='': must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "rid,rule",
+    [
+        ("\ud800", "request_id: not valid Unicode (lone surrogate U+D800 at index 0)"),
+        ("a\nb", "request_id='a\\nb': must be printable"),
+        ("x" * 600, "must be at most 512 characters"),
+        ("", "request_id='': must be a non-empty string"),
+    ],
+)
 def test_bad_request_ids_are_refused_by_the_driver(llm, rid, rule):
     errors = llm.engines.submit([RequestSpec(rid, [1, 2], GOOD)])
     assert rule in errors[rid], errors

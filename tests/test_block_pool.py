@@ -1,5 +1,6 @@
 """BlockPool, free queue and block hashing: allocation order, the null block, ref counts, O(1) queue
 operations, lazy LRU eviction of cached blocks, and reuse of unhashed blocks before cached ones."""
+
 import pytest
 
 from kvcore import Request, SamplingParams

@@ -1,5 +1,6 @@
 """BlockTable / MultiGroupBlockTable: row operations, both commit modes, and the slot mapping from
 the Triton kernel (run by the interpreter on CPU tensors), checked against a plain Python model."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -21,8 +22,15 @@ MODES = ["full", "delta", "delta_only"]
 
 
 def make_table(mode, block_size=16, max_reqs=8, max_blocks=12, max_tokens=128):
-    bt = BlockTable(block_size, max_reqs, max_blocks, max_tokens, pin_memory=True, device=CPU,
-                    commit_mode="full" if mode == "full" else "delta")
+    bt = BlockTable(
+        block_size,
+        max_reqs,
+        max_blocks,
+        max_tokens,
+        pin_memory=True,
+        device=CPU,
+        commit_mode="full" if mode == "full" else "delta",
+    )
     bt.full_copy_fallback = mode != "delta_only"
     assert bt.use_triton, "the interpreter must run the Triton kernel in these tests"
     return bt
@@ -40,8 +48,7 @@ def batch(seqs, pad_to=0):
 
 
 def expected_slots(rows, seqs, block_size, buffer_len):
-    out = [rows[r][p // block_size] * block_size + p % block_size
-           for r, s in enumerate(seqs) for p in s]
+    out = [rows[r][p // block_size] * block_size + p % block_size for r, s in enumerate(seqs) for p in s]
     return out + [-1] * (buffer_len - len(out))
 
 
@@ -51,7 +58,7 @@ def row_list(bt, r):
 
 def assert_zero_tails(bt):
     for r in range(bt.max_num_reqs):
-        assert not bt.block_table.np[r, bt.num_blocks_per_row[r]:].any(), f"stale ids in row {r}"
+        assert not bt.block_table.np[r, bt.num_blocks_per_row[r] :].any(), f"stale ids in row {r}"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -260,9 +267,15 @@ class CountingKernel:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_multi_group_single_launch(mode, monkeypatch):
-    mg = MultiGroupBlockTable(max_num_reqs=4, max_model_len=96, max_num_batched_tokens=64,
-                              pin_memory=True, device=CPU, block_sizes=[16, 32],
-                              commit_mode="full" if mode == "full" else "delta")
+    mg = MultiGroupBlockTable(
+        max_num_reqs=4,
+        max_model_len=96,
+        max_num_batched_tokens=64,
+        pin_memory=True,
+        device=CPU,
+        block_sizes=[16, 32],
+        commit_mode="full" if mode == "full" else "delta",
+    )
     for bt in mg.block_tables:
         bt.full_copy_fallback = mode != "delta_only"
     assert [bt.max_num_blocks_per_req for bt in mg.block_tables] == [6, 3]

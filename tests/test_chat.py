@@ -1,5 +1,6 @@
 """Chat templates render exactly as HF's apply_chat_template renders them: real templates (Qwen2.5 with
 tools, Llama-3 with its bos_token), the tiny-random model's own, and the sandbox refusing escapes."""
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,32 @@ QWEN = open(os.path.join(DATA, "qwen2_5_chat_template.jinja")).read()
 LLAMA3 = open(os.path.join(DATA, "llama3_chat_template.jinja")).read()
 
 SIMPLE = [{"role": "user", "content": "Hello there! 世界"}]
-MULTI = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": " Hi \n"},
-         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add <two> numbers & more",
-                                           "parameters": {"type": "object", "properties": {"a": {"type": "int"}}}}}]
-TOOL_CHAT = [{"role": "user", "content": "add 1 and 2"},
-             {"role": "assistant", "content": "", "tool_calls": [
-                 {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
-             {"role": "tool", "content": "3"}, {"role": "tool", "content": "done"}]
+MULTI = [
+    {"role": "system", "content": "Be terse."},
+    {"role": "user", "content": " Hi \n"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "2+2?"},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add <two> numbers & more",
+            "parameters": {"type": "object", "properties": {"a": {"type": "int"}}},
+        },
+    }
+]
+TOOL_CHAT = [
+    {"role": "user", "content": "add 1 and 2"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+    },
+    {"role": "tool", "content": "3"},
+    {"role": "tool", "content": "done"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +82,13 @@ def hf_render(path: str, conv, **kwargs) -> str:
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_qwen_template_equals_hf(tmp_path, model_dir, conv, tools, add_generation_prompt) -> None:
     path = model_with(tmp_path, model_dir, chat_template=QWEN)
-    ours = render_chat(as_conversations(conv)[0][0], load_chat_template(path), tools=tools,
-                       add_generation_prompt=add_generation_prompt, tokens=special_tokens(path))
+    ours = render_chat(
+        as_conversations(conv)[0][0],
+        load_chat_template(path),
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        tokens=special_tokens(path),
+    )
     assert ours == hf_render(path, conv, tools=tools, add_generation_prompt=add_generation_prompt)
     tok = Tokenizer.from_dir(path)
     hf = transformers.AutoTokenizer.from_pretrained(path)
@@ -87,8 +111,9 @@ def test_tiny_random_ships_a_template_equal_to_hf(model_dir) -> None:
 
 
 def test_template_sources(tmp_path, model_dir) -> None:
-    named = model_with(tmp_path, model_dir, chat_template=[{"name": "tool_use", "template": "T"},
-                                                           {"name": "default", "template": "D"}])
+    named = model_with(
+        tmp_path, model_dir, chat_template=[{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    )
     assert load_chat_template(named) == "D"
     with open(os.path.join(named, "chat_template.jinja"), "w") as f:
         f.write("J")
@@ -112,7 +137,8 @@ def test_sandbox_and_errors() -> None:
         as_conversations([{"content": "x"}])
     with pytest.raises(ChatTemplateError, match=r"messages\[1\]\[0\]='x': a message must be a dict"):
         as_conversations([SIMPLE, ["x"]])
-    convs, batched = as_conversations([[{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                       {"type": "text", "text": "b"}]}]])
+    convs, batched = as_conversations(
+        [[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]]
+    )
     assert batched and convs[0][0]["content"] == "a\nb"
     assert render_chat(SIMPLE, "{{ {'a': '<&>'} | tojson }}") == '{"a": "<&>"}'  # no HTML escaping, as HF

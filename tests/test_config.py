@@ -1,5 +1,6 @@
 """Config loading and validation: a table of bad configs (each with the message it must give), CLI-style
 overrides, YAML files, LLM-style keyword mapping, and the rules that need the model's config."""
+
 import pytest
 
 from cluster.config import (
@@ -39,19 +40,25 @@ BAD = [
     ({"parallel": {"gpus_per_worker": 2}}, "parallel.gpus_per_worker=2.0: must be in (0, 1]"),
     ({"parallel": {"distributed_backend": "mpi"}}, "parallel.distributed_backend='mpi': must be one of"),
     ({"parallel": {"distributed_backend": "nccl", "device": "cpu"}}, "nccl needs parallel.device=cuda"),
-    ({"parallel": {"device": "cuda", "gpus_per_worker": 0.5, "distributed_backend": "nccl"}},
-     "nccl refuses two ranks on one GPU"),
+    (
+        {"parallel": {"device": "cuda", "gpus_per_worker": 0.5, "distributed_backend": "nccl"}},
+        "nccl refuses two ranks on one GPU",
+    ),
     ({"parallel": {"placement_timeout_s": 0}}, "parallel.placement_timeout_s=0.0: must be > 0"),
     ({"parallel": {"step_timeout_s": float("inf")}}, "parallel.step_timeout_s=inf: must be finite"),
     ({"parallel": {"max_worker_restarts": -1}}, "parallel.max_worker_restarts=-1: must be in [0, 1000]"),
     ({"parallel": {"max_driver_restarts": -1}}, "parallel.max_driver_restarts=-1: must be in [0, 1000]"),
     ({"scheduler": {"max_num_seqs": 0}}, "scheduler.max_num_seqs=0: must be in [1, 16777216]"),
-    ({"scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 32}},
-     "scheduler.max_num_batched_tokens=32: must be >= scheduler.max_num_seqs (64)"),
+    (
+        {"scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 32}},
+        "scheduler.max_num_batched_tokens=32: must be >= scheduler.max_num_seqs (64)",
+    ),
     ({"scheduler": {"long_prefill_token_threshold": -1}}, "scheduler.long_prefill_token_threshold=-1"),
     ({"scheduler": {"admission_min_batch": 300}}, "scheduler.admission_min_batch=300: must be in [1, "),
-    ({"scheduler": {"admission_max_wait_steps": -2}},
-     "scheduler.admission_max_wait_steps=-2: must be in [0, 2147483647]"),
+    (
+        {"scheduler": {"admission_max_wait_steps": -2}},
+        "scheduler.admission_max_wait_steps=-2: must be in [0, 2147483647]",
+    ),
     ({"ray": {"transport": "grpc"}}, "ray.transport='grpc': must be one of ['compiled_graph', 'actor_calls', 'shm']"),
     ({"ray": {"namespace": " "}}, "ray.namespace=' ': must not be empty"),
     ({"ray": {"num_cpus": 0}}, "ray.num_cpus=0: must be in [1, 1048576], or null"),
@@ -96,11 +103,23 @@ def test_overrides_parse_yaml_values():
 
 
 def test_llm_style_keywords_map_onto_sections():
-    c = EngineConfig().replace(model="/m", tensor_parallel_size=2, device="cpu", block_size=32,
-                               num_gpu_blocks=100, gpu_memory_utilization=0.5, max_model_len=512,
-                               max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False,
-                               seed=3, dtype="float32", data_parallel_size=2, transport="actor_calls",
-                               parallel={"step_timeout_s": 7})
+    c = EngineConfig().replace(
+        model="/m",
+        tensor_parallel_size=2,
+        device="cpu",
+        block_size=32,
+        num_gpu_blocks=100,
+        gpu_memory_utilization=0.5,
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        seed=3,
+        dtype="float32",
+        data_parallel_size=2,
+        transport="actor_calls",
+        parallel={"step_timeout_s": 7},
+    )
     assert (c.model.model, c.model.max_model_len, c.model.seed, c.model.dtype) == ("/m", 512, 3, "float32")
     assert (c.parallel.tensor_parallel_size, c.parallel.data_parallel_size) == (2, 2)
     assert c.parallel.step_timeout_s == 7.0
@@ -135,8 +154,14 @@ def test_shipped_configs_load():
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     files = sorted(glob.glob(os.path.join(root, "*.yaml")))
     names = {os.path.basename(f) for f in files}
-    assert {"local.yaml", "local-tp2.yaml", "gpu.yaml", "gpu-tp2.yaml", "gpu-tp4-dp2.yaml",
-            "stress-local.yaml"} <= names
+    assert {
+        "local.yaml",
+        "local-tp2.yaml",
+        "gpu.yaml",
+        "gpu-tp2.yaml",
+        "gpu-tp4-dp2.yaml",
+        "stress-local.yaml",
+    } <= names
     for f in files:
         load_config(f)
     tp2 = load_config(os.path.join(root, "local-tp2.yaml"))
@@ -147,14 +172,21 @@ def test_rules_that_need_the_model():
     hf = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
     validate_for_model(EngineConfig().replace(tensor_parallel_size=2), hf)
     validate_for_model(EngineConfig().replace(tensor_parallel_size=4), hf)  # KV heads replicated
-    with pytest.raises(ConfigError, match=r"parallel.tensor_parallel_size=3: must divide the model's "
-                                          r"num_attention_heads=4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.tensor_parallel_size=3: must divide the model's "
+        r"num_attention_heads=4",
+    ):
         validate_for_model(EngineConfig().replace(tensor_parallel_size=3), hf)
     with pytest.raises(ConfigError, match=r"num_key_value_heads=4, or be a multiple of it"):
-        validate_for_model(EngineConfig().replace(tensor_parallel_size=6),
-                           {"num_attention_heads": 24, "num_key_value_heads": 4})
-    with pytest.raises(ConfigError, match=r"model.max_model_len=1000: must be <= the model's "
-                                          r"max_position_embeddings=256"):
+        validate_for_model(
+            EngineConfig().replace(tensor_parallel_size=6), {"num_attention_heads": 24, "num_key_value_heads": 4}
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"model.max_model_len=1000: must be <= the model's "
+        r"max_position_embeddings=256",
+    ):
         validate_for_model(EngineConfig().replace(max_model_len=1000), hf)
 
 

@@ -3,6 +3,7 @@
 few lines through the real engines; the multi-GPU cluster configs, whose models and GPUs are not here,
 are loaded, validated against tiny-random's shape at their TP size, and placed by `kvray info`'s dry
 run on a simulated cluster of 4-GPU nodes."""
+
 import glob
 import json
 import os
@@ -20,8 +21,12 @@ from kvcore.request import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
-RUN_HERE = {"local.yaml": [], "local-tp2.yaml": [], "stress-local.yaml": [],
-            "gpu.yaml": ["parallel.device=cpu", "cache.cpu_kv_cache_gib=0.25"]}
+RUN_HERE = {
+    "local.yaml": [],
+    "local-tp2.yaml": [],
+    "stress-local.yaml": [],
+    "gpu.yaml": ["parallel.device=cpu", "cache.cpu_kv_cache_gib=0.25"],
+}
 CLUSTER_ONLY = {"gpu-tp2.yaml", "gpu-tp4-dp2.yaml"}
 
 
@@ -50,7 +55,8 @@ def test_config_answers_lines_here(local_ray, name, tmp_path):
     engines = EngineGroup(config)
     try:
         stats = Job(config, engines, tok, str(out), progress=False).run(
-            InputReader(resolve_shards(str(inp)), SamplingParams(max_tokens=3, ignore_eos=True)))
+            InputReader(resolve_shards(str(inp)), SamplingParams(max_tokens=3, ignore_eos=True))
+        )
     finally:
         engines.shutdown()
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -63,12 +69,15 @@ def test_cluster_config_validates_and_places(name):
     config = load_config(os.path.join(REPO, "configs", name), ["model.model=tiny-random", "model.max_model_len=2048"])
     _, hf = load_client_model(config)
     check_client_model(config, hf)  # heads split evenly at its TP size
-    nodes = [{"node_id": f"n{i}", "alive": True, "resources": {"CPU": 32.0, "GPU": 4.0, "memory": 2.0**38}}
-             for i in range(2)]
+    nodes = [
+        {"node_id": f"n{i}", "alive": True, "resources": {"CPU": 32.0, "GPU": 4.0, "memory": 2.0**38}} for i in range(2)
+    ]
     engines_on, why = plan(config, nodes)
     assert why is None and len(engines_on) == config.parallel.data_parallel_size
     for placed in engines_on:  # STRICT_PACK: each engine's ranks on one node
         assert len(placed) == config.parallel.tensor_parallel_size and len(set(placed)) == 1
-    _, why = plan(config, nodes[:1] if config.parallel.data_parallel_size > 1 else
-                  [{**nodes[0], "resources": {"CPU": 32.0, "GPU": 1.0}}])
+    _, why = plan(
+        config,
+        nodes[:1] if config.parallel.data_parallel_size > 1 else [{**nodes[0], "resources": {"CPU": 32.0, "GPU": 1.0}}],
+    )
     assert why is not None and "do not fit" in why

@@ -10,6 +10,7 @@ group and on a hybrid model (full + sliding-window groups), with the torch refer
 with the Triton kernels under TRITON_INTERPRET=1, in a roomy pool and in a tight one (chunked prefill
 and preemption between padded steps).
 """
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -81,10 +82,15 @@ def make_config(path: str, backend: str, tight: bool) -> EngineConfig:
     else:
         cache = CacheConfig(block_size=8, cpu_kv_cache_gib=0.01)
         # Interpreted Triton pays for every padded token: smaller token buckets there.
-        sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=32 if backend == "triton" else 256,
-                                debug_invariants=True)
-    return EngineConfig(model=ModelConfig(model=path, dtype="float32", attention_backend=backend),
-                        parallel=ParallelConfig(device="cpu"), cache=cache, scheduler=sched)
+        sched = SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=32 if backend == "triton" else 256, debug_invariants=True
+        )
+    return EngineConfig(
+        model=ModelConfig(model=path, dtype="float32", attention_backend=backend),
+        parallel=ParallelConfig(device="cpu"),
+        cache=cache,
+        scheduler=sched,
+    )
 
 
 def run_padded(config: EngineConfig, prompts, max_tokens=MAX_TOKENS):
@@ -122,8 +128,10 @@ def run_padded(config: EngineConfig, prompts, max_tokens=MAX_TOKENS):
 
 # The interpreted Triton case runs on the hybrid model only: its full and sliding-window groups both take
 # the kernels' padded path there (a second interpreted family cost 80 s of CI for no new path).
-@pytest.mark.parametrize("family,backend,tight", [
-    ("qwen3", "torch", False), ("qwen3_hybrid", "triton", False), ("qwen3_hybrid", "torch", True)])
+@pytest.mark.parametrize(
+    "family,backend,tight",
+    [("qwen3", "torch", False), ("qwen3_hybrid", "triton", False), ("qwen3_hybrid", "torch", True)],
+)
 def test_padded_decode_matches_hf(reference, family, tight, backend):
     # Interpreted Triton (its layer kernels most) cost 3 minutes on all eight requests of the 4-layer model;
     # three of 5, 33 and 50 tokens still mix chunks into decodes and decode 3 rows in a bucket of 4 (a
@@ -220,7 +228,7 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         replays = runner.graphs.replays
     for i, exp in enumerate(expected):
-        assert tokens[f"g{i}"] == exp[:MAX_TOKENS[i]], f"prompt {i}"
+        assert tokens[f"g{i}"] == exp[: MAX_TOKENS[i]], f"prompt {i}"
     assert any(b.num_seqs > n for n, b in replays if b.decode), replays
     assert any(not b.decode for n, b in replays), replays
     assert engine.stats()["graph_step_share"] == 1.0, engine.stats()

@@ -1,6 +1,7 @@
 """Failures surface fast and clearly: a killed worker actor, a worker process that exits, a worker that
 hangs past the step timeout, a placement the cluster can never or not now satisfy; and within the
 restart budget a killed worker is replaced with every request still answered exactly once."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -30,24 +31,38 @@ def local_ray():
 
 
 def noop_config(**kw):
-    base = dict(tensor_parallel_size=2, step_timeout_s=3, placement_timeout_s=10, max_num_batched_tokens=256,
-                max_num_seqs=8, num_gpu_blocks=512)
+    base = dict(
+        tensor_parallel_size=2,
+        step_timeout_s=3,
+        placement_timeout_s=10,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        num_gpu_blocks=512,
+    )
     return EngineConfig().replace(**{**base, **kw})
 
 
 def drain_until_fatal(group, limit_s):
-    wait_until(lambda: group.fatal is not None, limit_s, step=lambda: group.poll(timeout_s=0.2),
-               what="the replica's failure")
+    wait_until(
+        lambda: group.fatal is not None, limit_s, step=lambda: group.poll(timeout_s=0.2), what="the replica's failure"
+    )
 
 
 def test_killed_worker_gives_every_caller_a_clear_error_within_seconds():
-    llm = LLM(model="tiny-random", tensor_parallel_size=2, max_num_batched_tokens=128, max_num_seqs=4,
-              cpu_kv_cache_gib=0.01, step_timeout_s=20, transport="compiled_graph")
+    llm = LLM(
+        model="tiny-random",
+        tensor_parallel_size=2,
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+        cpu_kv_cache_gib=0.01,
+        step_timeout_s=20,
+        transport="compiled_graph",
+    )
     try:
         driver = llm.engines.drivers[0]
+
         def kill_once_decoding():  # not earlier: a kill while the first step compiles is another case
-            wait_until(lambda: ray.get(driver.stats.remote())["num_output_tokens"] > 0, 120,
-                       what="the first tokens")
+            wait_until(lambda: ray.get(driver.stats.remote())["num_output_tokens"] > 0, 120, what="the first tokens")
             ray.get(driver.kill_worker.remote(1))
 
         threading.Thread(target=kill_once_decoding, daemon=True).start()
@@ -62,10 +77,14 @@ def test_killed_worker_gives_every_caller_a_clear_error_within_seconds():
         llm.shutdown()
 
 
-@pytest.mark.parametrize("transport,fault,expected", [
-    ("actor_calls", "exit", ["worker rank 1 failed"]),
-    ("compiled_graph", "hang", ["parallel.step_timeout_s=3"]),
-], ids=["process-exit", "hang-past-step-timeout"])
+@pytest.mark.parametrize(
+    "transport,fault,expected",
+    [
+        ("actor_calls", "exit", ["worker rank 1 failed"]),
+        ("compiled_graph", "hang", ["parallel.step_timeout_s=3"]),
+    ],
+    ids=["process-exit", "hang-past-step-timeout"],
+)
 def test_a_failing_worker_ends_the_replica_naming_the_cause(transport, fault, expected):
     group = EngineGroup(noop_config(transport=transport), worker_cls=NOOP)
     try:
@@ -81,8 +100,10 @@ def test_a_failing_worker_ends_the_replica_naming_the_cause(transport, fault, ex
 def test_restart_budget_rebuilds_the_tp_group_and_loses_nothing():
     group = EngineGroup(noop_config(transport="compiled_graph", max_worker_restarts=1), worker_cls=NOOP)
     try:
-        specs = [RequestSpec(f"r{i}", list(range(1, 20 + i)), SamplingParams(max_tokens=300, ignore_eos=True))
-                 for i in range(6)]
+        specs = [
+            RequestSpec(f"r{i}", list(range(1, 20 + i)), SamplingParams(max_tokens=300, ignore_eos=True))
+            for i in range(6)
+        ]
         group.submit(specs)
         tokens: dict[str, list[int]] = {s.request_id: [] for s in specs}
         finished = []
@@ -112,8 +133,9 @@ def test_restart_budget_rebuilds_the_tp_group_and_loses_nothing():
 def test_impossible_placement_fails_at_once_with_what_was_asked_and_what_exists():
     # Were it waited for, the placement timeout would outlast the bound.
     with pytest.raises(PlacementError) as e:
-        within(120, EngineGroup, EngineConfig().replace(device="cuda", tensor_parallel_size=99,
-                                                         placement_timeout_s=3600))
+        within(
+            120, EngineGroup, EngineConfig().replace(device="cuda", tensor_parallel_size=99, placement_timeout_s=3600)
+        )
     msg = str(e.value)
     assert "asked for 99 bundle(s) {'GPU': 1.0}" in msg and "the cluster does not have that many" in msg
     assert "The cluster has {" in msg and "'CPU': 6.0" in msg
@@ -142,8 +164,12 @@ def test_a_driver_killed_from_outside_leaves_no_placement_group_behind():
     try:
         again.submit([RequestSpec("r0", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))])
         done = []
-        wait_until(lambda: done, 120, step=lambda: done.extend(i for i in again.poll(timeout_s=0.5) if i.finished),
-                   what="the request on the second group finishing")
+        wait_until(
+            lambda: done,
+            120,
+            step=lambda: done.extend(i for i in again.poll(timeout_s=0.5) if i.finished),
+            what="the request on the second group finishing",
+        )
         assert [d.output.request_id for d in done] == ["r0"] and done[0].output.error is None
     finally:
         again.shutdown()

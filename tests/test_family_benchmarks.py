@@ -1,6 +1,7 @@
 """The family benchmarks' CPU smoke modes: the fused-MoE kernel benchmark checks the kernel against the
 expert loop on tiny shapes under the interpreter; the tiny model of each benchmark shape is the family
 it claims to be (same architecture, layer kinds and routing fields)."""
+
 import json
 import os
 import subprocess
@@ -16,8 +17,13 @@ from common import SHAPES, tiny_shape  # noqa: E402
 
 def test_bench_moe_kernel_smoke():
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_moe_kernel.py"), "--smoke"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_moe_kernel.py"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("fused == loop") == 3, out.stdout
 
@@ -25,6 +31,7 @@ def test_bench_moe_kernel_smoke():
 @pytest.mark.parametrize("shape", ["gemma-3-12b", "gemma-2-2b", "qwen3-30b-a3b", "mixtral-small"])
 def test_tiny_shapes_keep_their_family(shape, tmp_path):
     from common import make_random_model
+
     path = make_random_model(shape, str(tmp_path), dtype="float32", tiny=True)
     cfg = json.loads((Path(path) / "config.json").read_text())
     assert cfg["architectures"] == SHAPES[shape]["architectures"]

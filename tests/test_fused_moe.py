@@ -1,5 +1,6 @@
 """The fused-MoE Triton kernel (under TRITON_INTERPRET=1) against HF's expert loop in torch, and
 the expert alignment it relies on."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,8 +16,8 @@ from actors.layers.kernels.moe_reference import fused_moe_ref  # noqa: E402
 def make(num_tokens, num_experts, top_k, hidden, inter, dtype, seed=0, skip_expert=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
-    w2 = (torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
     logits = torch.randn(num_tokens, num_experts, generator=g)
     if skip_expert is not None:
         logits[:, skip_expert] = -1e9  # an expert no token picks
@@ -31,7 +32,7 @@ def test_align_groups_pairs_by_expert_in_padded_tiles(block_m):
     flat = ids.reshape(-1)
     seen = []
     for b, e in enumerate(expert_ids.tolist()):
-        tile = sorted_ids[b * block_m:(b + 1) * block_m].tolist()
+        tile = sorted_ids[b * block_m : (b + 1) * block_m].tolist()
         real = [p for p in tile if p < flat.numel()]
         if e < 0:
             assert not real, f"tile {b} has no expert but holds pairs {real}"

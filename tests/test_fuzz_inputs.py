@@ -5,6 +5,7 @@ engine across examples: every prompt of a generate call and every line of a job 
 (an output or an error), and the good ones next to them are served. The longer run is
 benchmarks/fuzz_long.py.
 """
+
 import json
 import math
 
@@ -31,11 +32,20 @@ from kvcore.request import (
 
 # Derandomized: CI runs the same examples every time (a red run is reproducible); the random exploration
 # is benchmarks/fuzz_long.py and longer local runs.
-FAST = settings(max_examples=200, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-ENGINE = settings(max_examples=30, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                         HealthCheck.function_scoped_fixture])
+FAST = settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+ENGINE = settings(
+    max_examples=30,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 GOOD = SamplingParams(max_tokens=3, ignore_eos=True)
 GOOD_PROMPT = {"prompt_token_ids": [11, 12, 13]}
 
@@ -59,8 +69,14 @@ def test_sampling_fields_are_accepted_in_range_or_refused_by_name(fields):
 @FAST
 @given(json_values, json_values, texts)
 def test_the_checks_never_raise(ids, value, text):
-    for msg in (check_token_ids("p", ids), check_token_ids("p", ids, vocab_size=260), check_text("t", value),
-                check_text("t", text), check_request_id(value), check_request_id(text)):
+    for msg in (
+        check_token_ids("p", ids),
+        check_token_ids("p", ids, vocab_size=260),
+        check_text("t", value),
+        check_text("t", text),
+        check_request_id(value),
+        check_request_id(text),
+    ):
         assert msg is None or (isinstance(msg, str) and len(msg) < 600)
     if check_text("t", text) is None:
         text.encode("utf-8")
@@ -70,8 +86,14 @@ def test_the_checks_never_raise(ids, value, text):
 @pytest.fixture(scope="module")
 def llm():
     start_local_ray(num_cpus=4, namespace="kvray-test-fuzz", include_dashboard=False)
-    engine = LLM(model="tiny-random", max_model_len=64, num_gpu_blocks=64, max_num_seqs=8,
-                 max_num_batched_tokens=128, step_timeout_s=60)
+    engine = LLM(
+        model="tiny-random",
+        max_model_len=64,
+        num_gpu_blocks=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        step_timeout_s=60,
+    )
     try:
         yield engine
     finally:

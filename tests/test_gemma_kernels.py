@@ -1,5 +1,6 @@
 """Gemma's (1 + w) RMSNorm in the Triton RMSNorm and q/k-norm + rotary kernels (TRITON_INTERPRET=1)
 against the torch references, and the references against the GemmaRMSNorm layer (HF's formula)."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -15,6 +15,7 @@ the interpreter; the TP=2 workers are spawned without the interpreter, so they t
 (torch reference slot mapping) that a CPU deployment runs. Attention uses the torch backend ("auto" on
 CPU) in both; the Triton attention kernels are compared with it in test_attention_kernels.py.
 """
+
 import contextlib
 import os
 
@@ -31,8 +32,17 @@ from kvcore.request import Request, SamplingParams
 NEW_TOKENS = 20
 BLOCK_SIZE = 8
 # Tight pools: a bit more than one longest request needs, so requests must take turns.
-TIGHT_BLOCKS = {"llama": 40, "qwen2": 40, "qwen3": 40, "mistral": 36, "qwen3_hybrid": 52,
-                "gemma2": 52, "gemma3": 52, "qwen3_moe": 40, "mixtral": 40}
+TIGHT_BLOCKS = {
+    "llama": 40,
+    "qwen2": 40,
+    "qwen3": 40,
+    "mistral": 36,
+    "qwen3_hybrid": 52,
+    "gemma2": 52,
+    "gemma3": 52,
+    "qwen3_moe": 40,
+    "mixtral": 40,
+}
 TIGHT_TOKENS = 32
 TP2_FAMILIES = ("llama", "qwen2", "qwen3_hybrid", "gemma3", "qwen3_moe")
 assert set(TP2_FAMILIES) <= set(H.FAMILIES)
@@ -64,17 +74,22 @@ def engine_config(model_dir: str, tp: int) -> EngineConfig:
     """Roomy: the pool comes from a small CPU budget (10 MiB, hundreds of blocks) through the profile path."""
     cache = CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=None, cpu_kv_cache_gib=0.01)
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=ROOMY_TOKENS, debug_invariants=True)
-    return EngineConfig(model=ModelConfig(model=model_dir, dtype="float32", seed=0),
-                        parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu"),
-                        cache=cache, scheduler=sched)
+    return EngineConfig(
+        model=ModelConfig(model=model_dir, dtype="float32", seed=0),
+        parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu"),
+        cache=cache,
+        scheduler=sched,
+    )
 
 
 def tight_config(base: EngineConfig, family: str) -> EngineConfig:
     """Same workers; the engine gets a small pool and budget (EngineCore applies the block override)."""
-    return EngineConfig(model=base.model, parallel=base.parallel,
-                        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=TIGHT_BLOCKS[family]),
-                        scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=TIGHT_TOKENS,
-                                                  debug_invariants=True))
+    return EngineConfig(
+        model=base.model,
+        parallel=base.parallel,
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=TIGHT_BLOCKS[family]),
+        scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=TIGHT_TOKENS, debug_invariants=True),
+    )
 
 
 @contextlib.contextmanager
@@ -105,14 +120,17 @@ def run(engine: EngineCore, prompts: list[list[int]]) -> dict[str, list[int]]:
     return tokens
 
 
-def check_greedy(scenario: str, tokens: dict[str, list[int]], expected: list[list[int]],
-                 prompts: list[list[int]]) -> None:
+def check_greedy(
+    scenario: str, tokens: dict[str, list[int]], expected: list[list[int]], prompts: list[list[int]]
+) -> None:
     for i, exp in enumerate(expected):
         got = tokens.get(f"g{i}", [])
         if got != exp:
             first = next((k for k, (a, b) in enumerate(zip(got, exp)) if a != b), min(len(got), len(exp)))
-            pytest.fail(f"{scenario}: prompt {i} ({len(prompts[i])} tokens) diverges from HF at new token "
-                        f"{first}: got {got}, HF {exp}")
+            pytest.fail(
+                f"{scenario}: prompt {i} ({len(prompts[i])} tokens) diverges from HF at new token "
+                f"{first}: got {got}, HF {exp}"
+            )
 
 
 @pytest.mark.parametrize("family", list(H.FAMILIES))

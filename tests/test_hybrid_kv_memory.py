@@ -1,6 +1,7 @@
 """Hybrid KV-cache groups: equal-sized groups so a sliding window really saves memory, the max
 concurrency they buy for a Gemma-3 shape at 8k context, and identical outputs with the hybrid
 manager on and off (every layer managed as full attention), as vLLM checks its own."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,11 +16,23 @@ from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfi
 from kvcore.request import Request, SamplingParams  # noqa: E402
 from kvcore.spec import FullAttentionSpec, SlidingWindowSpec, group_layers_by_spec  # noqa: E402
 
-GEMMA3_12B = dict(architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=3840, intermediate_size=15360,
-                  num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-                  sliding_window=1024, sliding_window_pattern=6, max_position_embeddings=131072,
-                  query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=1e4,
-                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+GEMMA3_12B = dict(
+    architectures=["Gemma3ForCausalLM"],
+    vocab_size=262208,
+    hidden_size=3840,
+    intermediate_size=15360,
+    num_hidden_layers=48,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    sliding_window=1024,
+    sliding_window_pattern=6,
+    max_position_embeddings=131072,
+    query_pre_attn_scalar=256,
+    rope_theta=1e6,
+    rope_local_base_freq=1e4,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+)
 
 
 def _specs(kinds):
@@ -51,11 +64,14 @@ def test_gemma3_12b_concurrency_at_8k_hybrid_vs_full():
 
 
 def _engine_config(model_dir, disable_hybrid):
-    return EngineConfig(model=ModelConfig(model=model_dir, dtype="float32", seed=0),
-                        parallel=ParallelConfig(tensor_parallel_size=1, device="cpu"),
-                        cache=CacheConfig(block_size=8, num_gpu_blocks=None, cpu_kv_cache_gib=0.0004,
-                                          disable_hybrid_kv_cache_manager=disable_hybrid),
-                        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, debug_invariants=True))
+    return EngineConfig(
+        model=ModelConfig(model=model_dir, dtype="float32", seed=0),
+        parallel=ParallelConfig(tensor_parallel_size=1, device="cpu"),
+        cache=CacheConfig(
+            block_size=8, num_gpu_blocks=None, cpu_kv_cache_gib=0.0004, disable_hybrid_kv_cache_manager=disable_hybrid
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, debug_invariants=True),
+    )
 
 
 def _generate(config, prompts):
@@ -63,8 +79,9 @@ def _generate(config, prompts):
         engine = EngineCore(config, executor)
         for i, p in enumerate(prompts):
             engine.add_request(Request(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))
-        engine.add_request(Request("s", prompts[1], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True,
-                                                                     seed=7)))
+        engine.add_request(
+            Request("s", prompts[1], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7))
+        )
         tokens = {}
         while engine.has_unfinished():
             for out in engine.step():
@@ -86,6 +103,7 @@ def test_hybrid_manager_on_and_off_give_identical_outputs(tmp_path):
 def test_kvray_info_reports_kv_layout_and_concurrency():
     from cluster.config import load_config
     from cluster.info import kv_cache_info
+
     info = kv_cache_info(load_config("configs/local.yaml"))
     assert "error" not in info, info
     assert info["hybrid"]["max_concurrency"] > 0 and info["all_full_attention"]["max_concurrency"] > 0

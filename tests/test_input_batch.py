@@ -1,4 +1,5 @@
 """InputBatch: rows follow their requests through add / remove / condense / swap."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,8 +24,9 @@ def make_state(i: int, rng: np.random.Generator) -> CachedRequestState:
     n = len(prompt) + len(out)
     blocks = tuple(list(range(100 * i + 1, 100 * i + 1 + -(-n // bs))) for bs in BLOCK_SIZES)
     sp = SamplingParams(temperature=0.1 * i, top_p=0.5 + 0.05 * i, top_k=i, seed=i)
-    return CachedRequestState(f"r{i}", prompt, sp, 1000 + i, blocks, num_computed_tokens=len(prompt) // 2,
-                              output_token_ids=out)
+    return CachedRequestState(
+        f"r{i}", prompt, sp, 1000 + i, blocks, num_computed_tokens=len(prompt) // 2, output_token_ids=out
+    )
 
 
 def row_view(batch: InputBatch, row: int) -> dict:
@@ -35,11 +37,15 @@ def row_view(batch: InputBatch, row: int) -> dict:
         tokens=batch.token_ids_cpu[row, :n].tolist(),
         prompt=int(batch.num_prompt_tokens[row]),
         computed=int(batch.num_computed_tokens[row]),
-        temp=float(batch.temperature[row]), top_p=float(batch.top_p[row]), top_k=int(batch.top_k[row]),
-        greedy=bool(batch.greedy[row]), seed=int(batch.seed[row]),
-        blocks=[bt.block_table.np[row, :bt.num_blocks_per_row[row]].tolist() for bt in batch.block_table.block_tables],
-        block_tail_zero=all(not bt.block_table.np[row, bt.num_blocks_per_row[row]:].any()
-                            for bt in batch.block_table.block_tables),
+        temp=float(batch.temperature[row]),
+        top_p=float(batch.top_p[row]),
+        top_k=int(batch.top_k[row]),
+        greedy=bool(batch.greedy[row]),
+        seed=int(batch.seed[row]),
+        blocks=[bt.block_table.np[row, : bt.num_blocks_per_row[row]].tolist() for bt in batch.block_table.block_tables],
+        block_tail_zero=all(
+            not bt.block_table.np[row, bt.num_blocks_per_row[row] :].any() for bt in batch.block_table.block_tables
+        ),
     )
 
 
@@ -91,8 +97,8 @@ def test_remove_condense_equals_batch_of_survivors():
         assert by_req(batch) == by_req(fresh)
         # Rows past the batch hold no stale block ids.
         for bt in batch.block_table.block_tables:
-            assert not bt.block_table.np[len(survivors):].any()
-            assert not bt.num_blocks_per_row[len(survivors):].any()
+            assert not bt.block_table.np[len(survivors) :].any()
+            assert not bt.num_blocks_per_row[len(survivors) :].any()
 
 
 def test_condense_moves_highest_rows_into_holes():
@@ -143,7 +149,7 @@ def test_block_rows_follow_requests_through_commit():
             continue
         row = batch.req_id_to_index[s.req_id]
         for gid, blocks in enumerate(s.block_ids):
-            dev = batch.block_table[gid].block_table.gpu[row, :len(blocks)].tolist()
+            dev = batch.block_table[gid].block_table.gpu[row, : len(blocks)].tolist()
             assert dev == blocks
 
 

@@ -1,6 +1,7 @@
 """The input-preparation kernels (kvcore/kernels/input_prep.py) against their torch reference, under
 TRITON_INTERPRET=1: random batches of prefill chunks, decodes fed from the device and host tokens,
 unpadded and padded to a bucket (padding sequences empty, padding tokens id 0 at position 0)."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -24,11 +25,13 @@ def random_step(rng, num_reqs):
 
 
 def outputs():
-    return PrepOutputs(query_start_loc=torch.full((MAX_REQS + 1,), -7, dtype=torch.int32),
-                       seq_lens=torch.full((MAX_REQS,), -7, dtype=torch.int32),
-                       logits_indices=torch.full((MAX_REQS,), -7, dtype=torch.int64),
-                       input_ids=torch.full((MAX_TOKENS,), -7, dtype=torch.int64),
-                       positions=torch.full((MAX_TOKENS,), -7, dtype=torch.int64))
+    return PrepOutputs(
+        query_start_loc=torch.full((MAX_REQS + 1,), -7, dtype=torch.int32),
+        seq_lens=torch.full((MAX_REQS,), -7, dtype=torch.int32),
+        logits_indices=torch.full((MAX_REQS,), -7, dtype=torch.int64),
+        input_ids=torch.full((MAX_TOKENS,), -7, dtype=torch.int64),
+        positions=torch.full((MAX_TOKENS,), -7, dtype=torch.int64),
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -51,8 +54,8 @@ def test_kernels_match_reference(seed, pad):
 
     # And the reference against the plain definition.
     cu = np.concatenate([[0], np.cumsum(num_sched)])
-    assert ref.query_start_loc[:num_reqs + 1].tolist() == cu.tolist()
-    assert ref.query_start_loc[num_reqs + 1:num_seqs + 1].tolist() == [cu[-1]] * (num_seqs - num_reqs)
+    assert ref.query_start_loc[: num_reqs + 1].tolist() == cu.tolist()
+    assert ref.query_start_loc[num_reqs + 1 : num_seqs + 1].tolist() == [cu[-1]] * (num_seqs - num_reqs)
     assert ref.seq_lens[:num_reqs].tolist() == (computed + num_sched).tolist()
     ids, pos = [], []
     for r in range(num_reqs):
@@ -65,7 +68,7 @@ def test_kernels_match_reference(seed, pad):
     assert ref.input_ids[total:num_tokens].tolist() == [0] * (num_tokens - total)
     sample = staged.sample_rows
     assert sample.tolist() == [r for r in range(num_reqs) if computed[r] + num_sched[r] >= known[r]]
-    assert ref.logits_indices[:len(sample)].tolist() == (cu[sample + 1] - 1).tolist()
+    assert ref.logits_indices[: len(sample)].tolist() == (cu[sample + 1] - 1).tolist()
 
 
 def test_empty_step_is_all_padding():

@@ -1,6 +1,7 @@
 """OpenAI Batch API files through `kvray run`: the format is detected per file, each line gets an OpenAI
 batch output line, bad lines get error lines, resume goes by custom_id; kvray's own format is unchanged.
 The sample files in examples/ run as they are. Engines: the in-process double (tests/job_helpers.py)."""
+
 import json
 import os
 
@@ -38,11 +39,16 @@ def run(tmp_path, inp, render_chat=render, out_name="out.jsonl"):
 def test_completions_and_chat_lines_get_openai_batch_output_lines(tmp_path):
     inp = tmp_path / "batch.jsonl"
     msgs = [{"role": "user", "content": "hi"}]
-    inp.write_text("\n".join([
-        line("c1", model="m", prompt=[5, 6], max_tokens=4),
-        line("c2", model="m", prompt="abc", temperature=0),
-        line("chat1", "/v1/chat/completions", model="m", messages=msgs, max_completion_tokens=2),
-    ]) + "\n")
+    inp.write_text(
+        "\n".join(
+            [
+                line("c1", model="m", prompt=[5, 6], max_tokens=4),
+                line("c2", model="m", prompt="abc", temperature=0),
+                line("chat1", "/v1/chat/completions", model="m", messages=msgs, max_completion_tokens=2),
+            ]
+        )
+        + "\n"
+    )
     stats, recs, tok, _ = run(tmp_path, inp)
     assert stats.completed == 3 and stats.errors == 0
     c1 = recs["c1"]
@@ -67,15 +73,21 @@ def _has_kw(tok):
 
 
 BAD = {
-    "get": (json.dumps({"custom_id": "b1", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}),
-            "b1", "method='GET': must be 'POST'"),
+    "get": (
+        json.dumps({"custom_id": "b1", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        "b1",
+        "method='GET': must be 'POST'",
+    ),
     "url": (line("b2", "/v1/embeddings", input="x"), "b2", "url='/v1/embeddings': must be one of"),
     "unknown_body_field": (line("b3", prompt="x", frobnicate=1), "b3", "body.frobnicate is not a field"),
     "streaming": (line("b4", prompt="x", stream=True), "b4", "body.stream is not supported"),
     "n": (line("b5", prompt="x", n=0), "b5", "n=0"),
     "bad_sampling": (line("b6", prompt="x", top_p=0), "b6", "top_p=0: must be in (0, 1]"),
-    "no_custom_id": (json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), None,
-                     "custom_id must be a non-empty string"),
+    "no_custom_id": (
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        None,
+        "custom_id must be a non-empty string",
+    ),
     "not_json": ('{"custom_id": "b8", ', None, "not valid JSON"),
     "engine_refusal": (line("b9", prompt=[1, 999]), "b9", "outside the vocabulary"),
     "messages_not_a_list": (line("b10", "/v1/chat/completions", messages="hi"), "b10", "body.messages must be"),
@@ -101,8 +113,12 @@ def test_bad_batch_lines_get_error_lines_and_the_rest_run(tmp_path):
 def test_n_samples_are_choices_and_stop_strings_cut_the_text(tmp_path):
     inp = tmp_path / "batch.jsonl"
     # The double answers (sum(prompt) + i) % 256: prompt [65] -> bytes 65, 66, 67, ... = "ABC..."
-    inp.write_text("\n".join([line("n2", prompt=[65], n=2, max_tokens=3, seed=1),
-                              line("stop", prompt=[65], max_tokens=6, stop=["C"])]) + "\n")
+    inp.write_text(
+        "\n".join(
+            [line("n2", prompt=[65], n=2, max_tokens=3, seed=1), line("stop", prompt=[65], max_tokens=6, stop=["C"])]
+        )
+        + "\n"
+    )
     stats, recs, _, engines = run(tmp_path, inp)
     assert stats.completed == 2 and stats.errors == 0
     body = recs["n2"]["response"]["body"]
@@ -124,8 +140,12 @@ def test_resume_goes_by_custom_id_and_retries_failed_lines(tmp_path):
 
 def test_without_a_chat_template_a_chat_line_fails_alone(tmp_path):
     inp = tmp_path / "batch.jsonl"
-    inp.write_text("\n".join([line("c", "/v1/chat/completions", messages=[{"role": "user", "content": "x"}]),
-                              line("p", prompt=[3])]) + "\n")
+    inp.write_text(
+        "\n".join(
+            [line("c", "/v1/chat/completions", messages=[{"role": "user", "content": "x"}]), line("p", prompt=[3])]
+        )
+        + "\n"
+    )
     reader = InputReader(resolve_shards(str(inp)), SP, render_chat=None)
     items = list(reader)
     assert "needs the model's chat template" in items[0].error and items[1].error is None
@@ -147,8 +167,14 @@ def test_the_format_is_detected_per_file(tmp_path):
 def test_the_example_files_run_as_they_are(tmp_path, name):
     stats, recs, _, _ = run(tmp_path, os.path.join(REPO, "examples", name))
     assert stats.completed == 3 and stats.errors == 0, recs
-    items = list(InputReader([Shard(os.path.join(REPO, "examples", name), None)], SP,
-                             load_client_model(EngineConfig())[0], render_chat=render))
+    items = list(
+        InputReader(
+            [Shard(os.path.join(REPO, "examples", name), None)],
+            SP,
+            load_client_model(EngineConfig())[0],
+            render_chat=render,
+        )
+    )
     assert all(i.error is None for i in items)
 
 

@@ -2,6 +2,7 @@
 (a timestamped file, named in the summary, samples printed), stdin input, quiet by default and detail
 with -v, Ctrl-C with a one-line message, and `kvray info` (table, --json, a one-line reason for a
 non-zero exit). Each subprocess gets a private Ray temp dir, so it never joins another Ray here."""
+
 import json
 import os
 import signal
@@ -17,8 +18,13 @@ from cluster.cli import EXIT_INTERRUPTED, EXIT_USAGE
 from cluster.cli import main as kvray_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOISE = ("Token authentication is enabled", "Tearing down compiled DAG", "Started a local Ray instance",
-         "Teardown complete", "Traceback")
+NOISE = (
+    "Token authentication is enabled",
+    "Tearing down compiled DAG",
+    "Started a local Ray instance",
+    "Teardown complete",
+    "Traceback",
+)
 
 
 @pytest.fixture
@@ -30,8 +36,15 @@ def env():
 
 
 def kvray(env, *args, cwd, stdin=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=cwd, env=env, stdin=stdin,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args],
+        cwd=cwd,
+        env=env,
+        stdin=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_version(capsys):
@@ -49,16 +62,20 @@ def test_a_missing_model_exits_2_before_ray_starts(capsys, tmp_path):
 
 def test_a_run_without_output_writes_a_timestamped_file_quietly(env, tmp_path):
     with open(os.path.join(REPO, "examples", "prompts.jsonl"), "rb") as f:
-        r = kvray(env, "run", "--config", os.path.join(REPO, "configs", "local.yaml"), "--input", "-",
-                  cwd=tmp_path, stdin=f)
+        r = kvray(
+            env, "run", "--config", os.path.join(REPO, "configs", "local.yaml"), "--input", "-", cwd=tmp_path, stdin=f
+        )
     assert r.returncode == 0, r.stderr[-3000:]
     files = [p for p in os.listdir(tmp_path) if p.startswith("kvray-") and p.endswith(".out.jsonl")]
     assert len(files) == 1
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["output"] == files[0] and summary["completed"] == 3
     assert "  hello: " in r.stdout  # a few sample completions
-    assert {json.loads(x)["id"] for x in (tmp_path / files[0]).read_text().splitlines()} == \
-        {"hello", "greedy-ids", "sampled"}
+    assert {json.loads(x)["id"] for x in (tmp_path / files[0]).read_text().splitlines()} == {
+        "hello",
+        "greedy-ids",
+        "sampled",
+    }
     for noise in NOISE:
         assert noise not in r.stderr, (noise, r.stderr[-3000:])
     assert "kvray run: 3req" in r.stderr and "0 errors" in r.stderr  # the bar (stdin: no total to count)
@@ -66,8 +83,18 @@ def test_a_run_without_output_writes_a_timestamped_file_quietly(env, tmp_path):
 
 def test_verbose_brings_the_detail_back_and_dev_stdin_works(env, tmp_path):
     with open(os.path.join(REPO, "examples", "prompts.jsonl"), "rb") as f:
-        r = kvray(env, "-v", "run", "--input", "/dev/stdin", "--output", str(tmp_path / "o.jsonl"), "--no-progress",
-                  cwd=tmp_path, stdin=f)
+        r = kvray(
+            env,
+            "-v",
+            "run",
+            "--input",
+            "/dev/stdin",
+            "--output",
+            str(tmp_path / "o.jsonl"),
+            "--no-progress",
+            cwd=tmp_path,
+            stdin=f,
+        )
     assert r.returncode == 0, r.stderr[-3000:]
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 3
     # Ray's start-up banners are back (which ones Ray prints depends on its auth settings and state).
@@ -77,12 +104,29 @@ def test_verbose_brings_the_detail_back_and_dev_stdin_works(env, tmp_path):
 
 def test_ctrl_c_ends_with_where_the_output_is_and_how_to_resume(env, tmp_path):
     out = tmp_path / "o.jsonl"
-    p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "run", "--num-requests", "400", "--no-progress",
-                          "--set", "scheduler.max_num_seqs=2", "--output", str(out)], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         # A pytest started in the background inherits SIGINT ignored, and so would the child
-                         # (Python keeps an ignored SIGINT ignored): the Ctrl-C of a terminal must reach it.
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "run",
+            "--num-requests",
+            "400",
+            "--no-progress",
+            "--set",
+            "scheduler.max_num_seqs=2",
+            "--output",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A pytest started in the background inherits SIGINT ignored, and so would the child
+        # (Python keeps an ignored SIGINT ignored): the Ctrl-C of a terminal must reach it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and p.poll() is None and (not out.exists() or not out.read_text()):
         time.sleep(0.2)

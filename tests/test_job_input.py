@@ -1,5 +1,6 @@
 """`kvray run` input: every line parsed in isolation, bounded reads, shards, stdin, resume across shards.
 The job runs against an in-process engine double (tests/job_helpers.py): no Ray, milliseconds."""
+
 import io
 import json
 import os
@@ -18,18 +19,26 @@ from tests.job_helpers import MAX_MODEL_LEN, FakeEngines, expected_tokens
 
 SP = SamplingParams(max_tokens=3, ignore_eos=True)
 HOSTILE = {
-    "int_5000_digits": (b'{"id": "big", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
-                        "not valid JSON here (Exceeds the limit"),
+    "int_5000_digits": (
+        b'{"id": "big", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+        "not valid JSON here (Exceeds the limit",
+    ),
     "nested_100000_deep": (b"[" * 100_000 + b"]" * 100_000, "longer than any prompt the model can take"),
-    "nested_20000_deep_within_the_line_limit": (b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
-                                                "nested too deeply"),
+    "nested_20000_deep_within_the_line_limit": (
+        b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+        "nested too deeply",
+    ),
     "id_lone_surrogate": (b'{"id": "\\ud800", "prompt": "x"}', "id is not valid Unicode (a lone surrogate U+D800"),
-    "prompt_lone_surrogate": (b'{"id": "ls", "prompt": "a\\udc80b"}',
-                              "prompt is not valid Unicode (a lone surrogate U+DC80 at character 1)"),
+    "prompt_lone_surrogate": (
+        b'{"id": "ls", "prompt": "a\\udc80b"}',
+        "prompt is not valid Unicode (a lone surrogate U+DC80 at character 1)",
+    ),
     "invalid_utf8": (b'{"id": "u8", "prompt": "a\xff\xfeb"}', "not valid UTF-8 (byte 0xff at byte 25)"),
     "id_control_character": (b'{"id": "a\\u0007b", "prompt": "x"}', "must be printable"),
-    "fifty_mb_line": (b'{"id": "huge", "prompt": "' + b"a" * (50 << 20) + b'"}',
-                      "longer than any prompt the model can take"),
+    "fifty_mb_line": (
+        b'{"id": "huge", "prompt": "' + b"a" * (50 << 20) + b'"}',
+        "longer than any prompt the model can take",
+    ),
     "text_over_the_character_cap": (b'{"id": "long", "prompt": "' + b"b" * 5000 + b'"}', "refused before tokenizing"),
     "bad_sampling_field": (b'{"id": "tp", "prompt": "x", "top_p": 0}', "top_p=0: must be in (0, 1]"),
     "not_json": (b"not json", "not valid JSON (Expecting value"),
@@ -188,10 +197,13 @@ def test_duplicate_ids_fail_the_second_line(tmp_path, tokenizer):
 def test_stop_strings_and_n_go_through_the_clients_output_processor(tmp_path, tokenizer):
     inp = tmp_path / "in.jsonl"
     # The double answers (sum(prompt) + i) % 256: prompt [65] -> bytes 65, 66, 67, ... = "ABC..."
-    inp.write_text('{"id": "s", "prompt_token_ids": [65], "max_tokens": 6, "stop": ["C"]}\n'
-                   '{"id": "n", "prompt_token_ids": [65], "max_tokens": 2, "n": 2, "seed": 3}\n')
+    inp.write_text(
+        '{"id": "s", "prompt_token_ids": [65], "max_tokens": 6, "stop": ["C"]}\n'
+        '{"id": "n", "prompt_token_ids": [65], "max_tokens": 2, "n": 2, "seed": 3}\n'
+    )
     stats, recs, engines = run_job(tmp_path, inp, tokenizer)
     by_id = {r["id"]: r for r in recs}
     assert by_id["s"]["text"] == "AB" and by_id["s"]["finish_reason"] == "stop" and by_id["s"]["stop_reason"] == "C"
     assert [o["text"] for o in by_id["n"]["outputs"]] == ["AB", "AB"] and stats.output_tokens == 4 + len(
-        by_id["s"]["output_token_ids"])
+        by_id["s"]["output_token_ids"]
+    )

@@ -1,6 +1,7 @@
 """`kvray run` output: refused before any engine starts when it is an input, a device or a pipe, or
 locked by another run; a failed write (a full disk) loses nothing; the tail repair reads only the
 tail; resume retries lines that failed and keeps their earlier error records."""
+
 import json
 import os
 import subprocess
@@ -44,9 +45,15 @@ def test_output_equal_to_input_is_refused_before_any_engine(inp, capsys):
 
 def test_stdin_redirected_from_the_output_is_refused(inp, tmp_path):
     with open(inp, "rb") as f:
-        r = subprocess.run([sys.executable, "-m", "cluster.cli", "run", "--input", "-", "--output", str(inp)],
-                           stdin=f, cwd=REPO, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": REPO, "RAY_ADDRESS": ""})
+        r = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "run", "--input", "-", "--output", str(inp)],
+            stdin=f,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": REPO, "RAY_ADDRESS": ""},
+        )
     assert r.returncode == 2 and "is also the input ('-')" in r.stderr, r.stderr[-2000:]
 
 
@@ -110,15 +117,22 @@ except JobError as e:
 
 def test_a_failed_write_stops_the_job_with_every_record_whole_then_a_rerun_resumes(inp, tmp_path):
     out = tmp_path / "out.jsonl"
-    r = subprocess.run([sys.executable, "-c", WRITE_FAILS, str(inp), str(out), "2000"], cwd=REPO,
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    r = subprocess.run(
+        [sys.executable, "-c", WRITE_FAILS, str(inp), str(out), "2000"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert r.returncode == 1 and "write failed (File too large)" in r.stdout, r.stdout + r.stderr[-2000:]
     assert "every record written is whole" in r.stdout
     data = out.read_bytes()
     assert 0 < len(data) <= 2000 and data.endswith(b"\n")
     partial = [json.loads(x) for x in data.splitlines()]
     stats = Job(EngineConfig(), FakeEngines(), None, str(out), progress=False).run(
-        InputReader(resolve_shards(str(inp)), SP))
+        InputReader(resolve_shards(str(inp)), SP)
+    )
     assert stats.skipped == len(partial) and stats.completed == 20 - len(partial)
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in recs) == sorted(f"r{i}" for i in range(20))
@@ -130,7 +144,8 @@ def test_resume_retries_failed_lines_and_keeps_their_earlier_error_records(tmp_p
     inp.write_text("\n".join([*good, '{"id": "fixme", "prompt_token_ids": [5], "max_tokens": 0}']) + "\n")
     tok = load_client_model(EngineConfig())[0]
     s1 = Job(EngineConfig(), FakeEngines(), tok, str(out), progress=False).run(
-        InputReader(resolve_shards(str(inp)), SP))
+        InputReader(resolve_shards(str(inp)), SP)
+    )
     assert s1.completed == 3 and s1.errors == 1
     inp.write_text("\n".join([*good, '{"id": "fixme", "prompt_token_ids": [5], "max_tokens": 2}']) + "\n")
     engines = FakeEngines()

@@ -3,6 +3,7 @@
 then the output file is checked, a resubmission skips what is done and retries what failed, and the
 head is stopped (only it: every port it binds is a free one, its temp dir is private, and it is stopped
 by its own process group, never by `ray stop`)."""
+
 import json
 import os
 import secrets
@@ -45,8 +46,13 @@ def cluster(tmp_path_factory):
     ray_tmp = tempfile.mkdtemp(prefix="kvrt-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.pop("TRITON_INTERPRET", None)  # a plain CPU run, as a user's job would be
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
-               RAY_TMPDIR=ray_tmp, PATH=os.pathsep.join(path + [env.get("PATH", "")]))
+    env.update(
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(token),
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_TMPDIR=ray_tmp,
+        PATH=os.pathsep.join(path + [env.get("PATH", "")]),
+    )
     head, dash = start_head(env, ray_tmp)
     try:
         yield env, f"http://127.0.0.1:{dash}", tmp
@@ -55,9 +61,17 @@ def cluster(tmp_path_factory):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-HEAD_PORTS = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-              "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port",
-              "ray-client-server-port")
+HEAD_PORTS = (
+    "port",
+    "dashboard-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "metrics-export-port",
+    "runtime-env-agent-port",
+    "node-manager-port",
+    "object-manager-port",
+    "ray-client-server-port",
+)
 
 
 def start_head(env, ray_tmp, attempts: int = 3):
@@ -68,8 +82,17 @@ def start_head(env, ray_tmp, attempts: int = 3):
     errors = []
     for _ in range(attempts):
         ports = {name: free_port() for name in HEAD_PORTS}
-        cmd = [f"{BIN}/ray", "start", "--head", "--block", "--num-cpus=4", "--include-dashboard=true",
-               "--dashboard-host=127.0.0.1", "--disable-usage-stats", *(f"--{k}={v}" for k, v in ports.items())]
+        cmd = [
+            f"{BIN}/ray",
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus=4",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            "--disable-usage-stats",
+            *(f"--{k}={v}" for k, v in ports.items()),
+        ]
         log = open(os.path.join(ray_tmp, "head.log"), "w+")
         head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
@@ -130,8 +153,22 @@ def processes_using(path):
 
 
 def submit(env, address, *args):
-    cmd = [f"{BIN}/ray", "job", "submit", "--address", address, "--working-dir", REPO, "--",
-           "kvray", "run", "--config", "configs/local.yaml", "--no-progress", *args]
+    cmd = [
+        f"{BIN}/ray",
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--working-dir",
+        REPO,
+        "--",
+        "kvray",
+        "run",
+        "--config",
+        "configs/local.yaml",
+        "--no-progress",
+        *args,
+    ]
     deadline = time.monotonic() + 120
     while True:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -145,10 +182,12 @@ def submit(env, address, *args):
 def test_ray_job_submit_runs_kvray_and_resumes(cluster):
     env, address, tmp = cluster
     inp, out, summary = tmp / "in.jsonl", tmp / "out.jsonl", tmp / "summary.json"
-    lines = [{"id": "a", "prompt": "Hello, Ray", "max_tokens": 6},
-             {"id": "b", "prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True},
-             {"prompt": "third, id from the line number", "max_tokens": 3, "ignore_eos": True},
-             {"id": "bad", "prompt": "x", "top_p": 0}]
+    lines = [
+        {"id": "a", "prompt": "Hello, Ray", "max_tokens": 6},
+        {"id": "b", "prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True},
+        {"prompt": "third, id from the line number", "max_tokens": 3, "ignore_eos": True},
+        {"id": "bad", "prompt": "x", "top_p": 0},
+    ]
     inp.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
     r = submit(env, address, "--input", str(inp), "--output", str(out), "--summary-json", str(summary))
     # Two lines got error records: the job ends with exit code 3 (so Ray marks it failed), the count last.
@@ -181,8 +220,24 @@ def test_the_quick_start_works_beside_a_running_cluster(cluster, tmp_path):
     """RAY_ADDRESS unset, a `ray start` cluster on the machine: kvray starts a private Ray and says so."""
     env, _, _ = cluster
     out = tmp_path / "out.jsonl"
-    r = subprocess.run(["kvray", "run", "--config", "configs/local.yaml", "--no-progress", "--num-requests", "2",
-                        "--output", str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            "kvray",
+            "run",
+            "--config",
+            "configs/local.yaml",
+            "--no-progress",
+            "--num-requests",
+            "2",
+            "--output",
+            str(out),
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "a Ray cluster is already running on this machine" in r.stderr and "private local Ray" in r.stderr
     assert len(out.read_text().splitlines()) == 2
@@ -192,9 +247,15 @@ def test_the_cluster_refuses_a_wrong_token(cluster):
     env, address, tmp = cluster
     wrong = tmp / "wrong_token"
     wrong.write_text(secrets.token_hex(32))
-    r = subprocess.run([f"{BIN}/ray", "job", "list", "--address", address],
-                       env={**env, "RAY_AUTH_TOKEN_PATH": str(wrong)}, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [f"{BIN}/ray", "job", "list", "--address", address],
+        env={**env, "RAY_AUTH_TOKEN_PATH": str(wrong)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
-    ok = subprocess.run([f"{BIN}/ray", "job", "list", "--address", address], env=env, capture_output=True,
-                        text=True, timeout=120)
+    ok = subprocess.run(
+        [f"{BIN}/ray", "job", "list", "--address", address], env=env, capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]

@@ -12,6 +12,7 @@ q/k norm in front of rotary, a flipped normalised value propagates through x*cos
 that case uses an absolute tolerance of 1/16 on O(1) values plus the same 99.9% bit-identical rate.
 In practice all of these are bit-exact on the inputs below.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -55,6 +56,7 @@ def assert_one_flip_at_most(out: torch.Tensor, ref: torch.Tensor, intermediate: 
 # ---------------------------------------------------------------------------------------------
 # The references restate the torch layers exactly.
 
+
 def test_references_match_torch_layers() -> None:
     dtype, d = torch.bfloat16, 16
     norm = RMSNorm(48, 1e-6, dtype)
@@ -70,10 +72,10 @@ def test_references_match_torch_layers() -> None:
     k_norm.weight.data.copy_(norm_weight(d, dtype))
     q, k, pos = randn(5, 4 * d, dtype=dtype), randn(5, 2 * d, dtype=dtype), torch.tensor([0, 9, 3, 63, 1])
     # As DecoderAttention's torch path does it.
-    want = rot(pos, q_norm(q.reshape(5, -1, d)).view(5, -1).contiguous(),
-               k_norm(k.reshape(5, -1, d)).view(5, -1).contiguous())
-    got = qk_norm_rope_ref(q.view(5, 4, d), k.view(5, 2, d), pos, rot.cos_sin_cache,
-                           q_norm.weight, k_norm.weight, 1e-6)
+    want = rot(
+        pos, q_norm(q.reshape(5, -1, d)).view(5, -1).contiguous(), k_norm(k.reshape(5, -1, d)).view(5, -1).contiguous()
+    )
+    got = qk_norm_rope_ref(q.view(5, 4, d), k.view(5, 2, d), pos, rot.cos_sin_cache, q_norm.weight, k_norm.weight, 1e-6)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     got = qk_norm_rope_ref(q.view(5, 4, d), k.view(5, 2, d), pos, rot.cos_sin_cache, None, None, 1e-6)
     assert all(torch.equal(g, w) for g, w in zip(got, rot(pos, q, k)))
@@ -84,6 +86,7 @@ def test_references_match_torch_layers() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # RMSNorm (+ residual)
+
 
 def _normed_bf16(x: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
@@ -133,13 +136,17 @@ def test_rms_norm_layer_dispatch() -> None:
 # ---------------------------------------------------------------------------------------------
 # q/k norm + rotary
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d,qk_norm", [
-    (4, 2, 128, True),    # Qwen3 head size
-    (6, 2, 24, True),     # half head 12: masked lanes
-    (5, 1, 16, False),    # odd head counts, Llama-style (no norm)
-    (8, 8, 64, False),
-])
+@pytest.mark.parametrize(
+    "hq,hkv,d,qk_norm",
+    [
+        (4, 2, 128, True),  # Qwen3 head size
+        (6, 2, 24, True),  # half head 12: masked lanes
+        (5, 1, 16, False),  # odd head counts, Llama-style (no norm)
+        (8, 8, 64, False),
+    ],
+)
 def test_qk_norm_rope(dtype: torch.dtype, hq: int, hkv: int, d: int, qk_norm: bool) -> None:
     tokens, max_pos, eps = 13, 512, 1e-6
     rot = RotaryEmbedding(d, max_pos, RopeParams(theta=1e6))
@@ -174,11 +181,12 @@ def test_rotary_layer_dispatch_keeps_shapes() -> None:
 # ---------------------------------------------------------------------------------------------
 # SiLU-and-mul
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,d", [(1, 8), (13, 1000), (3, 3000)])
 def test_silu_and_mul(dtype: torch.dtype, rows: int, d: int) -> None:
     wide = randn(rows, 2 * d + 6, dtype=dtype, scale=3.0)
-    x = wide[:, 3:3 + 2 * d]  # row-strided, as a sliced projection output would be
+    x = wide[:, 3 : 3 + 2 * d]  # row-strided, as a sliced projection output would be
     got, want = layer_ops.silu_and_mul(x, backend="triton"), silu_and_mul_ref(x)
     assert got.shape == want.shape and got.is_contiguous()
     if dtype == torch.float32:
@@ -192,11 +200,13 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, d: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Edges and errors
 
+
 def test_empty_batch() -> None:
     w, cache = norm_weight(32, torch.float32), torch.zeros(8, 16)
     assert layer_ops.rms_norm(torch.empty(0, 32), w, 1e-6, backend="triton").shape == (0, 32)
-    q, k = layer_ops.qk_norm_rope(torch.empty(0, 32), torch.empty(0, 16), torch.empty(0, dtype=torch.int64),
-                                  cache, backend="triton")
+    q, k = layer_ops.qk_norm_rope(
+        torch.empty(0, 32), torch.empty(0, 16), torch.empty(0, dtype=torch.int64), cache, backend="triton"
+    )
     assert q.shape == (0, 32) and k.shape == (0, 16)
     assert layer_ops.silu_and_mul(torch.empty(0, 32), backend="triton").shape == (0, 16)
 
@@ -233,6 +243,7 @@ def test_bad_inputs_name_the_argument() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # A whole model: the tiny-random Qwen3 (q/k norm, hybrid sliding window) through a paged KV cache.
+
 
 def test_tiny_model_triton_layers_match_torch(tmp_path) -> None:
     from test_model_forward import PagedDriver

@@ -1,5 +1,6 @@
 """The layers import downwards only: cluster/ -> actors/ -> kvcore/. Every module is parsed (imports inside
 functions count too), so a lazy upward import cannot hide from the check."""
+
 import ast
 import os
 import pathlib
@@ -28,7 +29,7 @@ def imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = ".".join(package[:len(package) - node.level + 1])
+                base = ".".join(package[: len(package) - node.level + 1])
                 found.append((node.lineno, f"{base}.{node.module}" if node.module else base))
             else:
                 found.append((node.lineno, node.module or ""))
@@ -43,14 +44,22 @@ def modules_of(package: str) -> list[pathlib.Path]:
 def test_no_upward_imports(package):
     files = modules_of(package)
     assert files, f"no modules found under {package}/"
-    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in files for line, mod in imported_modules(p)
-           if mod.split(".")[0] in FORBIDDEN[package]]
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} imports {mod}"
+        for p in files
+        for line, mod in imported_modules(p)
+        if mod.split(".")[0] in FORBIDDEN[package]
+    ]
     assert not bad, "upward import(s):\n" + "\n".join(bad)
 
 
 def test_the_scheduler_never_imports_a_tensor_library():
-    bad = [f"{name}:{line} imports {mod}" for name in TENSOR_FREE
-           for line, mod in imported_modules(ROOT / name) if mod.split(".")[0] in TENSOR_LIBS]
+    bad = [
+        f"{name}:{line} imports {mod}"
+        for name in TENSOR_FREE
+        for line, mod in imported_modules(ROOT / name)
+        if mod.split(".")[0] in TENSOR_LIBS
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -64,18 +73,28 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
 
 def loaded_tensor_libs(modules: str) -> str:
     """Which of torch and triton importing `modules` (comma-separated) pulls in, in a fresh process."""
-    code = (f"import sys, {modules}; "
-            "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
 
 def test_the_client_side_never_loads_torch():
     # The LLM API, the job and the CLI only talk to driver actors; torch (seconds to import) stays there.
-    assert loaded_tensor_libs("cluster.cli, cluster.llm, cluster.job, cluster.engines, cluster.stream, cluster.stress, "
-                              "cluster.stress_reference, cluster.info") == "[]"
+    assert (
+        loaded_tensor_libs(
+            "cluster.cli, cluster.llm, cluster.job, cluster.engines, cluster.stream, cluster.stress, "
+            "cluster.stress_reference, cluster.info"
+        )
+        == "[]"
+    )
 
 
 def test_the_driver_process_never_loads_torch():

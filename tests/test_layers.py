@@ -3,6 +3,7 @@ against HF's own code; the tensor-parallel layers at TP=1 against plain torch; a
 and size simulated in this one process, that every rank's shard is the right slice of the full
 checkpoint tensor and that the per-rank results combine (sum for row-parallel, concatenation for
 column-parallel, masked sum for the embedding) into exactly the unsharded result."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,16 +34,28 @@ def randn(*shape: int) -> torch.Tensor:
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
 }
 
 
 @pytest.mark.parametrize("kind", sorted(ROPES))
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_rotary_matches_hf(kind: str, head_dim: int) -> None:
-    hf_cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=head_dim, max_position_embeddings=1024, rope_parameters=dict(ROPES[kind]))
+    hf_cfg = LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        rope_parameters=dict(ROPES[kind]),
+    )
     hf_rope = LlamaRotaryEmbedding(hf_cfg)
     ours = RotaryEmbedding(head_dim, 1024, rope_params_from_config(hf_cfg.to_dict()))
     assert ours.cos_sin_cache.shape == (1024, head_dim)
@@ -58,9 +71,17 @@ def test_rotary_matches_hf(kind: str, head_dim: int) -> None:
 
 def test_rope_config_spellings_and_errors() -> None:
     # Published Llama-3.1 checkpoints: top-level rope_theta plus rope_scaling with "rope_type".
-    old = {"rope_theta": 500000.0, "max_position_embeddings": 131072,
-           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    old = {
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     new = {"rope_parameters": dict(old["rope_scaling"], rope_theta=500000.0)}
     assert rope_params_from_config(old) == rope_params_from_config(new)
     assert rope_params_from_config({"rope_scaling": {"type": "linear", "factor": 2.0}}).factor == 2.0
@@ -142,6 +163,7 @@ def simulate_tp(monkeypatch):
     def set_rank(rank: int, world: int) -> None:
         monkeypatch.setattr(parallel_state, "_RANK", rank)
         monkeypatch.setattr(parallel_state, "_WORLD", world)
+
     return set_rank
 
 
@@ -163,13 +185,13 @@ def test_column_and_row_shards_combine(simulate_tp, tmp_path, world: int) -> Non
         col.weight.weight_loader(col.weight, _as_slice(tmp_path, "wc", w_col))
         col.bias.weight_loader(col.bias, b_col)
         n = 16 // world
-        assert torch.equal(col.weight, w_col[rank * n:(rank + 1) * n])
+        assert torch.equal(col.weight, w_col[rank * n : (rank + 1) * n])
         col_out = col(x)
         col_parts.append(col_out)
         row = RowParallelLinear(16, 8, True, torch.float32)
         row.weight.weight_loader(row.weight, _as_slice(tmp_path, "wr", w_row))
         row.bias.weight_loader(row.bias, b_row)
-        assert torch.equal(row.weight, w_row[:, rank * n:(rank + 1) * n])
+        assert torch.equal(row.weight, w_row[:, rank * n : (rank + 1) * n])
         row_parts.append(row(col_out) - b_row)  # identity all-reduce: each rank adds the bias once
     full_col = torch.cat(col_parts, dim=-1)
     torch.testing.assert_close(full_col, F.linear(x, w_col, b_col))
@@ -229,7 +251,7 @@ def test_vocab_parallel_embedding_and_lm_head(simulate_tp, tmp_path, world: int)
         emb.weight.weight_loader(emb.weight, _as_slice(tmp_path, "emb", table))
         per = -(-vocab // world)
         n = max(0, min(per, vocab - rank * per))
-        assert torch.equal(emb.weight[:n], table[rank * per:rank * per + n])
+        assert torch.equal(emb.weight[:n], table[rank * per : rank * per + n])
         assert not emb.weight[n:].any(), "padding rows must be zero"
         emb_sum = emb_sum + emb(ids)
         head = ParallelLMHead(vocab, dim, torch.float32)
@@ -252,8 +274,17 @@ def test_attention_layer_errors() -> None:
     with pytest.raises(RuntimeError, match="outside set_forward_context"):
         attn(q, kv, kv)
     from actors.forward_context import AttentionMetadata
-    md = AttentionMetadata(3, 1, 3, 3, torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                           torch.ones(1, 1, dtype=torch.int32), torch.arange(3))
+
+    md = AttentionMetadata(
+        3,
+        1,
+        3,
+        3,
+        torch.tensor([0, 3], dtype=torch.int32),
+        torch.tensor([3], dtype=torch.int32),
+        torch.ones(1, 1, dtype=torch.int32),
+        torch.arange(3),
+    )
     with set_forward_context(ForwardContext({0: md}, {"l0": 0})):
         with pytest.raises(RuntimeError, match="l0: kv_cache is not bound"):
             attn(q, kv, kv)

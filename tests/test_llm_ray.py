@@ -3,6 +3,7 @@ actors (one per TP rank, in a placement group) -> paged attention, on the CPU. G
 HF transformers token for token on tiny random models: TP=1 and TP=2 (both transports), a hybrid
 sliding-window model, a pool so small that requests are preempted, and two data-parallel engines.
 One local Ray for the module (bounded CPUs), shut down at the end."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -17,8 +18,16 @@ from cluster.placement import start_local_ray
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Small step buffers keep the Triton interpreter (CI runs kernels under it) fast.
-COMMON = dict(device="cpu", dtype="float32", block_size=8, max_num_seqs=8, max_num_batched_tokens=128,
-              cpu_kv_cache_gib=0.01, step_timeout_s=60, placement_timeout_s=30)
+COMMON = dict(
+    device="cpu",
+    dtype="float32",
+    block_size=8,
+    max_num_seqs=8,
+    max_num_batched_tokens=128,
+    cpu_kv_cache_gib=0.01,
+    step_timeout_s=60,
+    placement_timeout_s=30,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,8 +64,11 @@ def test_tp1_compiled_graph_matches_hf_and_bad_prompts_fail_alone(reference):
     llm = LLM(model=path, **COMMON, tensor_parallel_size=1, transport="compiled_graph")
     try:
         mixed = [{"prompt_token_ids": p} for p in prompts[:3]] + [
-            "text prompt without a tokenizer", {"prompt_token_ids": [1, 10_000]}, {"prompt_token_ids": []},
-            {"prompt_token_ids": prompts[4]}]
+            "text prompt without a tokenizer",
+            {"prompt_token_ids": [1, 10_000]},
+            {"prompt_token_ids": []},
+            {"prompt_token_ids": prompts[4]},
+        ]
         outs = llm.generate(mixed, GREEDY)
         assert_equal_to_hf(outs[:3], prompts[:3], expected[:3])
         assert_equal_to_hf(outs[6:], [prompts[4]], [expected[4]])
@@ -64,8 +76,10 @@ def test_tp1_compiled_graph_matches_hf_and_bad_prompts_fail_alone(reference):
         assert "outside the vocabulary [0, 256)" in outs[4].error
         assert "prompt_token_ids is empty" in outs[5].error
         # The engine keeps serving after the bad ones, with per-request sampling params in a list.
-        again = llm.generate([{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": prompts[1]}],
-                             [GREEDY, SamplingParams(max_tokens=3, ignore_eos=True)])
+        again = llm.generate(
+            [{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": prompts[1]}],
+            [GREEDY, SamplingParams(max_tokens=3, ignore_eos=True)],
+        )
         assert again[0].outputs[0].token_ids == expected[0]
         assert again[1].outputs[0].token_ids == expected[1][:3]
         assert again[0].metrics.ttft_s > 0 and again[0].metrics.num_output_tokens == NEW_TOKENS
@@ -106,4 +120,5 @@ def test_two_data_parallel_engines_match_hf_and_share_the_load(reference):
     assert len(stats) == 2 and all(s["num_steps"] > 0 for s in stats)
     assert sum(s["num_output_tokens"] for s in stats) == NEW_TOKENS * len(prompts)
     assert ray.util.placement_group_table() and all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )

@@ -4,6 +4,7 @@ Loading is checked parameter by parameter against the HF model that wrote the ch
 QKV / gate-up included); every failure mode must name what is wrong (tensor, shapes, file, field).
 The tiny-random model must load in HF transformers and in ours with identical logits.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,16 @@ from actors.models.registry import UnsupportedArchitectureError
 from actors.models.tiny_random import VERSION, ensure_tiny_random
 from cluster.tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer_if_present
 
-TINY = dict(vocab_size=123, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=123,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+)
 
 
 def save_hf(path, tie: bool = False, **save_kwargs) -> torch.nn.Module:
@@ -104,8 +113,9 @@ def test_wrong_shape_names_tensor(tmp_path) -> None:
     save_hf(tmp_path)
     name = "model.layers.1.self_attn.k_proj.weight"
     _rewrite_tensor(tmp_path, name, torch.zeros(24, 32))
-    with pytest.raises(TensorShapeError,
-                       match=rf"{name}.*model.safetensors: expected shape \(16, 32\), got \(24, 32\)"):
+    with pytest.raises(
+        TensorShapeError, match=rf"{name}.*model.safetensors: expected shape \(16, 32\), got \(24, 32\)"
+    ):
         load_model(str(tmp_path))
 
 
@@ -120,8 +130,9 @@ def test_missing_tensor_names_it(tmp_path) -> None:
 def test_unused_tensor_is_rejected(tmp_path) -> None:
     save_hf(tmp_path)
     _rewrite_tensor(tmp_path, "model.layers.0.self_attn.q_proj.bias", torch.zeros(32))
-    with pytest.raises(UnexpectedTensorError, match="'model.layers.0.self_attn.q_proj.bias' are not used by "
-                                                    "Qwen3ForCausalLM"):
+    with pytest.raises(
+        UnexpectedTensorError, match="'model.layers.0.self_attn.q_proj.bias' are not used by Qwen3ForCausalLM"
+    ):
         load_model(str(tmp_path))
 
 
@@ -150,8 +161,10 @@ def test_directory_and_config_errors(tmp_path) -> None:
     save_hf(tmp_path)
     cfg = read_hf_config(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg, architectures=["GPT2LMHeadModel"])))
-    with pytest.raises(UnsupportedArchitectureError,
-                       match=r"architecture 'GPT2LMHeadModel' is not supported; supported: \[.*'LlamaForCausalLM'"):
+    with pytest.raises(
+        UnsupportedArchitectureError,
+        match=r"architecture 'GPT2LMHeadModel' is not supported; supported: \[.*'LlamaForCausalLM'",
+    ):
         load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg, hidden_act="gelu")))
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
@@ -163,19 +176,22 @@ def test_directory_and_config_errors(tmp_path) -> None:
         load_model(str(tmp_path))
 
 
-@pytest.mark.parametrize("extra", [
-    {},
-    {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
-    {"use_sliding_window": False, "sliding_window": 16, "max_window_layers": 0},
-    {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+        {"use_sliding_window": False, "sliding_window": 16, "max_window_layers": 0},
+        {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+    ],
+)
 @pytest.mark.parametrize("config_cls", [transformers.Qwen2Config, transformers.Qwen3Config])
 def test_qwen_window_semantics_match_hf(config_cls, extra) -> None:
     raw = dict(TINY, **extra)
     hf = config_cls(**raw)
     expected = [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     assert qwen_layer_windows(raw) == expected
-    assert qwen_layer_windows(hf.to_dict()) == expected   # as save_pretrained writes it
+    assert qwen_layer_windows(hf.to_dict()) == expected  # as save_pretrained writes it
 
 
 def test_sliding_layer_without_window_is_rejected() -> None:
@@ -192,10 +208,19 @@ def _prefill_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     for a in model.attention_layers():
         a.kv_cache = torch.zeros(2, blocks + 1, bs, a.num_kv_heads, a.head_size)
     table = torch.arange(1, blocks + 1, dtype=torch.int32)[None]
-    md = AttentionMetadata(n, 1, n, n, torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
-                           table, torch.arange(n) + bs)
-    ctx = ForwardContext({0: md, 1: md}, {a.layer_name: int(a.sliding_window is not None)
-                                          for a in model.attention_layers()})
+    md = AttentionMetadata(
+        n,
+        1,
+        n,
+        n,
+        torch.tensor([0, n], dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32),
+        table,
+        torch.arange(n) + bs,
+    )
+    ctx = ForwardContext(
+        {0: md, 1: md}, {a.layer_name: int(a.sliding_window is not None) for a in model.attention_layers()}
+    )
     with torch.no_grad(), set_forward_context(ctx):
         return model.compute_logits(model(ids, torch.arange(n)))
 

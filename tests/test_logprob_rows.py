@@ -2,6 +2,7 @@
 ids, every output of the step points at that batch, a message pickles it once (four arrays a step, not
 per request), as the worker -> driver -> client path sends it, and each output reads its request's rows,
 trimmed to its k."""
+
 from __future__ import annotations
 
 import pickle
@@ -57,8 +58,13 @@ def test_rows_of_a_step_whose_rows_do_not_all_sample() -> None:
 
 def test_consecutive_rows_of_one_request() -> None:
     ids = np.arange(12, dtype=np.int32).reshape(4, 3)
-    batch = LogprobsBatch(ids, np.zeros((4, 3), np.float32), np.array([1, 2, 3, 4], np.int32),
-                          ["a", "b", "b", "c"], np.array([2, 1, 1, 2], np.int32))
+    batch = LogprobsBatch(
+        ids,
+        np.zeros((4, 3), np.float32),
+        np.array([1, 2, 3, 4], np.int32),
+        ["a", "b", "b", "c"],
+        np.array([2, 1, 1, 2], np.int32),
+    )
     assert [batch.span(r) for r in "abc"] == [(0, 1), (1, 3), (3, 4)]
     m = EngineCoreOutput("b", [4, 7], step_logprobs=batch).logprobs
     assert m is not None and m.token_ids.tolist() == [[3, 4], [6, 7]] and m.ranks.tolist() == [2, 3]
@@ -81,8 +87,9 @@ def test_a_message_pickles_the_steps_batch_once() -> None:
     attach_logprobs(outputs, back)
     assert outputs[-1].step_logprobs is None  # no new token: no rows
     buffers.clear()
-    polled = pickle.loads(pickle.dumps(PollResult(outputs), protocol=5, buffer_callback=buffers.append),
-                          buffers=buffers).outputs
+    polled = pickle.loads(
+        pickle.dumps(PollResult(outputs), protocol=5, buffer_callback=buffers.append), buffers=buffers
+    ).outputs
     assert len(buffers) <= 4 and len({id(o.step_logprobs) for o in polled[:-1]}) == 1
     for o, want in zip(polled[:-1], outputs):
         got, ref = o.logprobs, want.logprobs
@@ -90,8 +97,9 @@ def test_a_message_pickles_the_steps_batch_once() -> None:
 
 
 def test_own_arrays() -> None:
-    m = Logprobs(np.arange(12, dtype=np.int32).reshape(3, 4), np.zeros((3, 4), np.float32),
-                 np.array([1, 2, 3], np.int32))
+    m = Logprobs(
+        np.arange(12, dtype=np.int32).reshape(3, 4), np.zeros((3, 4), np.float32), np.array([1, 2, 3], np.int32)
+    )
     assert len(m) == 3 and m.token_ids.shape == (3, 4)
     back = pickle.loads(pickle.dumps(m))
     assert len(back) == 3 and back.ranks.tolist() == [1, 2, 3]

@@ -2,6 +2,7 @@
 (compute_logprobs), under the Triton interpreter: several chunks with a partial last one, bf16-valued
 logits full of exact ties (as an LM head makes them), k from 0 to MAX_LOGPROBS, and the sampler's
 dispatch to it."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """The control-plane messages pickle as (class, fields in order) (kvcore.messages.positional_pickle): every
 field survives a round trip through pickle, Ray's cloudpickle and deepcopy, with the defaults and with
 every field set, and a class the scheme cannot rebuild through its __init__ is refused at import."""
+
 from __future__ import annotations
 
 import copy
@@ -25,11 +26,15 @@ def messages() -> list[object]:
     return [new, cached, full, bare, out, ModelRunnerOutput([], [])]
 
 
-@pytest.mark.parametrize("roundtrip", [
-    lambda m: pickle.loads(pickle.dumps(m, protocol=5)),
-    lambda m: cloudpickle.loads(cloudpickle.dumps(m)),
-    copy.deepcopy,
-], ids=["pickle5", "cloudpickle", "deepcopy"])
+@pytest.mark.parametrize(
+    "roundtrip",
+    [
+        lambda m: pickle.loads(pickle.dumps(m, protocol=5)),
+        lambda m: cloudpickle.loads(cloudpickle.dumps(m)),
+        copy.deepcopy,
+    ],
+    ids=["pickle5", "cloudpickle", "deepcopy"],
+)
 def test_every_field_survives_a_round_trip(roundtrip):
     for m in messages():
         back = roundtrip(m)
@@ -45,6 +50,7 @@ def test_a_shared_request_id_is_pickled_once():
 
 def test_a_field_outside_init_is_refused():
     with pytest.raises(TypeError, match="every field of Bad must be an __init__ argument"):
+
         @positional_pickle
         @dataclass(slots=True)
         class Bad:

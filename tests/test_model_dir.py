@@ -3,6 +3,7 @@ index or checkpoint gets an error naming the file and the field, before or while
 
 No Ray: these run the loader the worker runs (actors.loader.load_model) on the CPU, and the client
 checks LLM() runs before any actor starts."""
+
 import json
 import os
 import shutil
@@ -38,12 +39,15 @@ def test_the_pristine_copy_loads(model_dir):
     assert cfg["vocab_size"] == 260 and sum(p.numel() for p in model.parameters()) > 0
 
 
-@pytest.mark.parametrize("text,rule", [
-    ('{"vocab_size": 260,', "invalid JSON (Expecting property name enclosed in double quotes at line 1"),
-    ("[1, 2]", "expected a JSON object, got list"),
-    ("[" * 100_000 + "]" * 100_000, "invalid JSON (RecursionError"),
-    ('{"vocab_size": ' + "9" * 5000 + "}", "invalid JSON (ValueError: Exceeds the limit"),
-])
+@pytest.mark.parametrize(
+    "text,rule",
+    [
+        ('{"vocab_size": 260,', "invalid JSON (Expecting property name enclosed in double quotes at line 1"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ("[" * 100_000 + "]" * 100_000, "invalid JSON (RecursionError"),
+        ('{"vocab_size": ' + "9" * 5000 + "}", "invalid JSON (ValueError: Exceeds the limit"),
+    ],
+)
 def test_malformed_config_json_names_the_file(model_dir, text, rule):
     (model_dir / "config.json").write_text(text)
     with pytest.raises(ModelConfigError) as e:
@@ -58,22 +62,29 @@ def test_config_json_not_utf8(model_dir):
         read_hf_config(str(model_dir))
 
 
-@pytest.mark.parametrize("field,value,rule", [
-    ("eos_token_id", "abc", "eos_token_id='abc' must be null, a token id or a list of token ids in [0, 2147483647]"),
-    ("eos_token_id", [1, -2], "eos_token_id=[1, -2] must be null, a token id or a list"),
-    ("eos_token_id", 2**40, "eos_token_id=1099511627776 must be null, a token id"),
-    ("rms_norm_eps", None, "rms_norm_eps=None must be a positive finite number"),
-    ("rms_norm_eps", "1e-6", "rms_norm_eps='1e-6' must be a positive finite number"),
-    ("rope_theta", -1, "rope_theta=-1 must be a positive finite number"),
-    ("hidden_size", 2**40, "hidden_size=1099511627776 must be a positive integer <= 2147483647"),
-    ("vocab_size", "260", "vocab_size='260' must be a positive integer"),
-    ("num_hidden_layers", 2.0, "num_hidden_layers=2.0 must be a positive integer"),
-    ("tie_word_embeddings", "yes", "tie_word_embeddings='yes' must be true or false"),
-    ("architectures", "Qwen3ForCausalLM", "architectures='Qwen3ForCausalLM' must be a list of strings"),
-    ("rope_scaling", [1], "rope_scaling=[1] must be an object or null"),
-    ("layer_types", "full_attention", "layer_types='full_attention' must be a list of strings"),
-    ("torch_dtype", 32, "torch_dtype=32 must be a string"),
-])
+@pytest.mark.parametrize(
+    "field,value,rule",
+    [
+        (
+            "eos_token_id",
+            "abc",
+            "eos_token_id='abc' must be null, a token id or a list of token ids in [0, 2147483647]",
+        ),
+        ("eos_token_id", [1, -2], "eos_token_id=[1, -2] must be null, a token id or a list"),
+        ("eos_token_id", 2**40, "eos_token_id=1099511627776 must be null, a token id"),
+        ("rms_norm_eps", None, "rms_norm_eps=None must be a positive finite number"),
+        ("rms_norm_eps", "1e-6", "rms_norm_eps='1e-6' must be a positive finite number"),
+        ("rope_theta", -1, "rope_theta=-1 must be a positive finite number"),
+        ("hidden_size", 2**40, "hidden_size=1099511627776 must be a positive integer <= 2147483647"),
+        ("vocab_size", "260", "vocab_size='260' must be a positive integer"),
+        ("num_hidden_layers", 2.0, "num_hidden_layers=2.0 must be a positive integer"),
+        ("tie_word_embeddings", "yes", "tie_word_embeddings='yes' must be true or false"),
+        ("architectures", "Qwen3ForCausalLM", "architectures='Qwen3ForCausalLM' must be a list of strings"),
+        ("rope_scaling", [1], "rope_scaling=[1] must be an object or null"),
+        ("layer_types", "full_attention", "layer_types='full_attention' must be a list of strings"),
+        ("torch_dtype", 32, "torch_dtype=32 must be a string"),
+    ],
+)
 def test_bad_config_json_fields_name_the_file_and_the_field(model_dir, field, value, rule):
     path = _edit_config(model_dir, **{field: value})
     with pytest.raises(ModelConfigError) as e:
@@ -107,8 +118,7 @@ def _names(model_dir):
 
 def test_an_index_inside_the_directory_loads(model_dir):
     os.rename(model_dir / "model.safetensors", model_dir / "shard-1.safetensors")
-    _write_index(model_dir, {n: "shard-1.safetensors" for n in
-                             load_file(str(model_dir / "shard-1.safetensors"))})
+    _write_index(model_dir, {n: "shard-1.safetensors" for n in load_file(str(model_dir / "shard-1.safetensors"))})
     load_model(str(model_dir), dtype="float32")
 
 
@@ -125,12 +135,15 @@ def test_an_index_pointing_outside_the_directory_is_refused(model_dir, tmp_path,
     assert f"points outside the model directory {model_dir}; shards must lie inside it" in str(e.value)
 
 
-@pytest.mark.parametrize("weight_map,rule", [
-    (["model.safetensors"], "weight_map=['model.safetensors'] must be an object mapping tensor names"),
-    (None, "weight_map=None must be an object"),
-    ({"a": 3}, "weight_map['a']=3 must be the name of a .safetensors file"),
-    ({"a": "pytorch_model.bin"}, "weight_map['a']='pytorch_model.bin' must be the name of a .safetensors file"),
-])
+@pytest.mark.parametrize(
+    "weight_map,rule",
+    [
+        (["model.safetensors"], "weight_map=['model.safetensors'] must be an object mapping tensor names"),
+        (None, "weight_map=None must be an object"),
+        ({"a": 3}, "weight_map['a']=3 must be the name of a .safetensors file"),
+        ({"a": "pytorch_model.bin"}, "weight_map['a']='pytorch_model.bin' must be the name of a .safetensors file"),
+    ],
+)
 def test_a_malformed_index_names_the_file_and_the_field(model_dir, weight_map, rule):
     index = _write_index(model_dir, weight_map)
     with pytest.raises(CorruptCheckpointError) as e:
@@ -151,8 +164,9 @@ def test_int8_weights_under_a_float32_config_are_refused(model_dir):
     save_file(tensors, str(path))
     with pytest.raises(CheckpointDtypeError) as e:
         load_model(str(model_dir), dtype="float32")
-    assert (f"tensor 'model.embed_tokens.weight' in {path}: dtype I8 does not match the model's floating-point "
-            "dtype") in str(e.value)
+    assert (
+        f"tensor 'model.embed_tokens.weight' in {path}: dtype I8 does not match the model's floating-point dtype"
+    ) in str(e.value)
 
 
 def test_bfloat16_weights_load_under_a_float32_config(model_dir):

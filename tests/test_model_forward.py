@@ -10,6 +10,7 @@ table; sliding groups drop blocks that fall out of the window to the null block 
 every unwritten slot) holds NaN, so a read outside the window or past the context would show.
 The same comparison runs at TP=2 and TP=4 (KV heads replicated) in spawned gloo processes.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,40 +27,91 @@ from actors.loader import load_model
 ATOL = RTOL = 1e-4
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
-NUM_PAD = 3          # padding tokens appended to every batch (slot -1)
-PROMPTS = (30, 17)   # prompt lengths of the two sequences
-FIRST_CHUNK = 19     # sequence 0's prefill is split: 19 tokens, then 11 (mixed with a decode)
+NUM_PAD = 3  # padding tokens appended to every batch (slot -1)
+PROMPTS = (30, 17)  # prompt lengths of the two sequences
+FIRST_CHUNK = 19  # sequence 0's prefill is split: 19 tokens, then 11 (mixed with a decode)
 NUM_DECODE = 4
 
-COMMON = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              rms_norm_eps=1e-6)
+COMMON = dict(
+    vocab_size=301,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 
 FAMILIES = {
-    "llama3-rope": ("Llama", dict(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 32},
-        tie_word_embeddings=False)),
-    "llama-bias-linear-rope": ("Llama", dict(
-        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-        attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
+    "llama3-rope": (
+        "Llama",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-bias-linear-rope": (
+        "Llama",
+        dict(
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen2": ("Qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3", dict(head_dim=24)),
-    "qwen3-hybrid": ("Qwen3", dict(
-        use_sliding_window=True, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    "mistral-window": ("Mistral", dict(
-        sliding_window=8, head_dim=16)),
-    "gemma2": ("Gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-                              attn_logit_softcapping=3.0, final_logit_softcapping=10.0)),
-    "gemma3": ("Gemma3Text", dict(
-        head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
-    "qwen3-moe": ("Qwen3Moe", dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                                   norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen3-hybrid": (
+        "Qwen3",
+        dict(
+            use_sliding_window=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    "mistral-window": ("Mistral", dict(sliding_window=8, head_dim=16)),
+    "gemma2": (
+        "Gemma2",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=10.0,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3Text",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
+    "qwen3-moe": (
+        "Qwen3Moe",
+        dict(
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
     "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 
@@ -71,7 +123,7 @@ def _init_large(model: torch.nn.Module, seed: int) -> None:
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("model.norm.weight"):
-                p.copy_(noise)                      # mixed signs: no token merely predicts itself
+                p.copy_(noise)  # mixed signs: no token merely predicts itself
             elif "norm" in name:
                 p.copy_(1 + 0.1 * noise)
             elif "embed_tokens" in name:
@@ -85,15 +137,20 @@ def _init_large(model: torch.nn.Module, seed: int) -> None:
 # The interpreted Triton runs pay per layer: two layers there, still one of each kind (sliding and
 # full attention; Qwen3-MoE's sparse and dense MLP).
 TWO_LAYERS = {"num_hidden_layers": 2}
-TRITON_LAYERS = {"qwen3-hybrid": dict(TWO_LAYERS, layer_types=["sliding_attention", "full_attention"]),
-                 "gemma3": dict(TWO_LAYERS, layer_types=["sliding_attention", "full_attention"]),
-                 "gemma2": TWO_LAYERS, "llama3-rope": TWO_LAYERS, "qwen3-moe": TWO_LAYERS}
+TRITON_LAYERS = {
+    "qwen3-hybrid": dict(TWO_LAYERS, layer_types=["sliding_attention", "full_attention"]),
+    "gemma3": dict(TWO_LAYERS, layer_types=["sliding_attention", "full_attention"]),
+    "gemma2": TWO_LAYERS,
+    "llama3-rope": TWO_LAYERS,
+    "qwen3-moe": TWO_LAYERS,
+}
 
 
 def make_hf_model(family: str, path: str, layers: dict | None = None) -> torch.nn.Module:
     # transformers is imported here, not at module level, so the spawned TP workers (which import
     # this module) start fast.
     import transformers
+
     prefix, extra = FAMILIES[family]
     config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **extra, **(layers or {})})
     config._attn_implementation = "eager"
@@ -154,7 +211,7 @@ class PagedDriver:
         with torch.no_grad(), set_forward_context(ForwardContext(mds, self.layer_to_group)):
             hidden = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden[:n])
-        return [logits[starts[i]:starts[i + 1]] for i in range(len(chunks))]
+        return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
 
     def _allocate(self, sid: int, num_tokens: int, first_pos: int) -> None:
         rows = self.blocks.setdefault(sid, [[] for _ in self.windows])
@@ -175,15 +232,20 @@ class PagedDriver:
             table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
         slots = []
         for r, (sid, new) in enumerate(chunks):
-            for p in pos[starts[r]:starts[r + 1]]:
+            for p in pos[starts[r] : starts[r + 1]]:
                 slots.append(rows[r][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
         slot_mapping = torch.tensor(slots + [-1] * NUM_PAD, dtype=torch.int64)
         q_lens = [starts[i + 1] - starts[i] for i in range(len(chunks))]
-        return AttentionMetadata(num_actual_tokens=n, num_reqs=len(chunks), max_query_len=max(q_lens),
-                                 max_seq_len=max(seq_lens),
-                                 query_start_loc=torch.tensor(starts, dtype=torch.int32),
-                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                                 block_table=table, slot_mapping=slot_mapping)
+        return AttentionMetadata(
+            num_actual_tokens=n,
+            num_reqs=len(chunks),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=table,
+            slot_mapping=slot_mapping,
+        )
 
 
 def run_schedule(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Tensor]:
@@ -193,10 +255,10 @@ def run_schedule(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Te
     p0, p1 = PROMPTS
     driver = PagedDriver(model)
     out0, out1 = driver.step([(0, a[:FIRST_CHUNK]), (1, b[:p1])])
-    dec1, rest0 = driver.step([(1, b[p1:p1 + 1]), (0, a[FIRST_CHUNK:p0])])
+    dec1, rest0 = driver.step([(1, b[p1 : p1 + 1]), (0, a[FIRST_CHUNK:p0])])
     got = [[out0, rest0], [out1, dec1]]
     for i in range(NUM_DECODE):
-        l1, l0 = driver.step([(1, b[p1 + 1 + i:p1 + 2 + i]), (0, a[p0 + i:p0 + 1 + i])])
+        l1, l0 = driver.step([(1, b[p1 + 1 + i : p1 + 2 + i]), (0, a[p0 + i : p0 + 1 + i])])
         got[0].append(l0)
         got[1].append(l1)
     return [torch.cat(g) for g in got]
@@ -209,8 +271,9 @@ def _compare(ours: list[torch.Tensor], ref: list[torch.Tensor], seqs: list[list[
         torch.testing.assert_close(o, r[:n], atol=ATOL, rtol=RTOL, msg=lambda m: f"sequence {s}: {m}")
         # Greedy: from the end of the prompt on, our argmax is HF's next token.
         last = min(n, len(tokens) - 1)
-        assert o[PROMPTS[s] - 1:last].argmax(-1).tolist() == tokens[PROMPTS[s]:last + 1], \
+        assert o[PROMPTS[s] - 1 : last].argmax(-1).tolist() == tokens[PROMPTS[s] : last + 1], (
             f"sequence {s}: greedy tokens differ"
+        )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -223,7 +286,8 @@ def test_matches_hf_tp1(family: str, tmp_path) -> None:
     if family == "mistral-window":
         assert {a.sliding_window for a in model.attention_layers()} == {8}
     assert [a.layer_name for a in model.attention_layers()] == [
-        f"model.layers.{i}.self_attn.attn" for i in range(COMMON["num_hidden_layers"])]
+        f"model.layers.{i}.self_attn.attn" for i in range(COMMON["num_hidden_layers"])
+    ]
     _compare(run_schedule(model, seqs), ref, seqs)
 
 
@@ -268,8 +332,7 @@ def _tp_worker(rank: int, world: int, port: int, model_dir: str, seqs, result_di
         model, _ = load_model(model_dir, dtype="float32")
         layer = model.attention_layers()[0]
         shapes = (layer.num_heads, layer.num_kv_heads)
-        torch.save({"logits": run_schedule(model, seqs), "heads": shapes},
-                   os.path.join(result_dir, f"rank{rank}.pt"))
+        torch.save({"logits": run_schedule(model, seqs), "heads": shapes}, os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
         parallel_state.destroy_tensor_parallel()
 
@@ -281,10 +344,17 @@ def test_matches_hf_tensor_parallel(family: str, world: int, tmp_path) -> None:
     model_dir = str(tmp_path / "model")
     hf_model = make_hf_model(family, model_dir)
     seqs, ref = hf_reference(hf_model)
-    mp.start_processes(_tp_worker, args=(world, _free_port(), model_dir, seqs, str(tmp_path)),
-                       nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(
+        _tp_worker,
+        args=(world, _free_port(), model_dir, seqs, str(tmp_path)),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result["heads"] == (COMMON["num_attention_heads"] // world,
-                                   max(1, COMMON["num_key_value_heads"] // world))
+        assert result["heads"] == (
+            COMMON["num_attention_heads"] // world,
+            max(1, COMMON["num_key_value_heads"] // world),
+        )
         _compare(result["logits"], ref, seqs)

@@ -2,6 +2,7 @@
 head without CPUs and two worker nodes of two CPUs each. A TP=2 engine whose ranks sit on different
 nodes (STRICT_SPREAD, gloo) and DP=2 replicas on different nodes give the same greedy tokens as the
 single-node run; `kvray info` lists the nodes and where each engine's bundles would go."""
+
 import json
 
 import pytest
@@ -51,8 +52,17 @@ def test_tp2_ranks_on_two_nodes_give_the_single_node_tokens(cluster, single_node
 
 
 def test_kvray_info_lists_the_nodes_and_the_spread_placement(cluster, capsys):
-    argv = ["info", "--config", "configs/local.yaml", "--set", f"ray.address={cluster.address}",
-            "--set", "parallel.tensor_parallel_size=2", "--set", "parallel.placement_strategy=STRICT_SPREAD"]
+    argv = [
+        "info",
+        "--config",
+        "configs/local.yaml",
+        "--set",
+        f"ray.address={cluster.address}",
+        "--set",
+        "parallel.tensor_parallel_size=2",
+        "--set",
+        "parallel.placement_strategy=STRICT_SPREAD",
+    ]
     assert main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     nodes = {n["node_id"]: n for n in report["cluster"]["nodes"]}

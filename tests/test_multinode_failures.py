@@ -9,6 +9,7 @@ greedy and seeded requests and must give the reference tokens, every request exa
 3. a new node joins: replica 1 rebuilds on it and takes requests again;
 4. replica 0's driver actor is killed mid-run: a new driver takes its place, its requests move.
 """
+
 import time
 
 import pytest
@@ -29,8 +30,11 @@ N = 6
 def specs(tag):
     out = []
     for i in range(N):
-        sp = SamplingParams(max_tokens=16, ignore_eos=True) if i % 2 == 0 else \
-            SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
+        sp = (
+            SamplingParams(max_tokens=16, ignore_eos=True)
+            if i % 2 == 0
+            else SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
+        )
         out.append(RequestSpec(f"{tag}-{i}", [(7 * i + j) % 250 + 1 for j in range(6 + i)], sp))
     return out
 
@@ -43,9 +47,18 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def group(cluster):
-    config = EngineConfig().replace(model="tiny-random", device="cpu", data_parallel_size=2, max_num_seqs=2,
-                                    max_num_batched_tokens=64, cpu_kv_cache_gib=0.01, step_timeout_s=60,
-                                    placement_timeout_s=4, max_worker_restarts=3, transport="actor_calls")
+    config = EngineConfig().replace(
+        model="tiny-random",
+        device="cpu",
+        data_parallel_size=2,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        cpu_kv_cache_gib=0.01,
+        step_timeout_s=60,
+        placement_timeout_s=4,
+        max_worker_restarts=3,
+        transport="actor_calls",
+    )
     g = EngineGroup(config)
     yield g
     g.shutdown()
@@ -74,8 +87,10 @@ def run(group, tag, action=None):
     deadline = time.monotonic() + 300
     while len(finished) < N:
         # The state of every replica in the message: a hang here must say where it is.
-        assert time.monotonic() < deadline, (f"round {tag!r}: {len(finished)} of {N} finished; states {group.state}, "
-                                             f"pending {group.pending}, owners {group.owner}, {group.stats()}")
+        assert time.monotonic() < deadline, (
+            f"round {tag!r}: {len(finished)} of {N} finished; states {group.state}, "
+            f"pending {group.pending}, owners {group.owner}, {group.stats()}"
+        )
         step()
     assert sorted(finished) == sorted(tokens)  # each exactly once
     return [tokens[s.request_id] for s in batch]
@@ -109,8 +124,12 @@ def test_with_no_spare_node_the_requests_move_to_the_other_replica(cluster, grou
 
 def test_a_node_that_joins_later_is_used_again(cluster, group, reference):
     cluster.add("d")
-    wait_until(lambda: group.state[1] == UP, 120, step=lambda: group.poll(timeout_s=0.5),
-               what="replica 1 rebuilding on the new node")
+    wait_until(
+        lambda: group.state[1] == UP,
+        120,
+        step=lambda: group.poll(timeout_s=0.5),
+        what="replica 1 rebuilding on the new node",
+    )
     assert node_of(cluster, group, 1) == "d"
     before = group.stats()[1]["num_output_tokens"]
     assert run(group, "rejoined") == reference
@@ -120,5 +139,9 @@ def test_a_node_that_joins_later_is_used_again(cluster, group, reference):
 def test_a_killed_driver_is_replaced_and_its_requests_move(cluster, group, reference):
     assert run(group, "driver", action=lambda: ray.kill(group.drivers[0], no_restart=True)) == reference
     assert group.driver_restarts[0] == 1
-    wait_until(lambda: group.state[0] == UP, 120, step=lambda: group.poll(timeout_s=0.5),
-               what="the new driver of replica 0 starting")
+    wait_until(
+        lambda: group.state[0] == UP,
+        120,
+        step=lambda: group.poll(timeout_s=0.5),
+        what="the new driver of replica 0 starting",
+    )

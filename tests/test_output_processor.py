@@ -1,6 +1,7 @@
 """The client-side output processor without an engine: engine outputs are built by hand, as the scheduler
 emits them (one EngineCoreOutput per step per request), and decoded with the tiny-random byte tokenizer,
 whose multi-byte characters span several tokens."""
+
 from __future__ import annotations
 
 import json
@@ -33,15 +34,22 @@ def ids_of(tok: Tokenizer, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def stream(proc: OutputProcessor, rid: str, tokens: list[int], finish: tuple[str, int | None] = ("length", None),
-           per_step: int = 1, **extra):
+def stream(
+    proc: OutputProcessor,
+    rid: str,
+    tokens: list[int],
+    finish: tuple[str, int | None] = ("length", None),
+    per_step: int = 1,
+    **extra,
+):
     """Feed tokens as engine steps; the last step finishes with `finish`. -> (parent output or None, aborts)."""
     aborts, parent = [], None
-    steps = [tokens[i:i + per_step] for i in range(0, len(tokens), per_step)]
+    steps = [tokens[i : i + per_step] for i in range(0, len(tokens), per_step)]
     for k, step in enumerate(steps):
         last = k == len(steps) - 1
-        o = EngineCoreOutput(rid, step, finished=last, finish_reason=finish[0] if last else None,
-                             stop_reason=finish[1] if last else None)
+        o = EngineCoreOutput(
+            rid, step, finished=last, finish_reason=finish[0] if last else None, stop_reason=finish[1] if last else None
+        )
         for name, rows in extra.items():  # the logprob fields the sampler fills
             setattr(o, name, rows[k])
         parent, abort = proc.process_output(o)
@@ -52,8 +60,7 @@ def stream(proc: OutputProcessor, rid: str, tokens: list[int], finish: tuple[str
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=24),
-       st.text(max_size=8))
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=24), st.text(max_size=8))
 def test_incremental_text_equals_full_decode(tok, text, prompt) -> None:
     ids = ids_of(tok, text)
     detok = IncrementalDetokenizer(tok, ids_of(tok, prompt))
@@ -94,7 +101,7 @@ def test_stop_string_across_token_boundaries_cuts_the_text_and_aborts(tok, per_s
     c = parent.output().outputs[0]
     assert (c.text, c.finish_reason, c.stop_reason) == ("héllo 世", "stop", "界 a")
     # Tokens up to the one that completed the stop string are kept; later ones (same step) are not.
-    assert c.token_ids == ids[:len(ids_of(tok, "héllo 世界 a"))]
+    assert c.token_ids == ids[: len(ids_of(tok, "héllo 世界 a"))]
     # The abort echo of the engine is ignored.
     assert proc.process_output(EngineCoreOutput("r", [], True, "abort")) == (None, False)
 
@@ -160,15 +167,20 @@ def _rows(rng: random.Random, chosen: list[int], k: int) -> Logprobs:
         ids.append([tok_id, *top])
         lps.append([-rng.random() * 5 for _ in range(k + 1)])
         ranks.append(rank)
-    return Logprobs(np.array(ids, dtype=np.int32).reshape(len(chosen), k + 1),
-                    np.array(lps, dtype=np.float32).reshape(len(chosen), k + 1), np.array(ranks, dtype=np.int32))
+    return Logprobs(
+        np.array(ids, dtype=np.int32).reshape(len(chosen), k + 1),
+        np.array(lps, dtype=np.float32).reshape(len(chosen), k + 1),
+        np.array(ranks, dtype=np.int32),
+    )
 
 
 def _step_batch(rng: random.Random, rows: Logprobs, rid: str) -> LogprobsBatch:
     """A step's batch as the worker sends it: another request's row first, then rid's rows."""
     other = _rows(rng, [1], rows.token_ids.shape[1] - 1)
-    cat = [np.concatenate([a, b]) for a, b in ((other.token_ids, rows.token_ids), (other.logprobs, rows.logprobs),
-                                               (other.ranks, rows.ranks))]
+    cat = [
+        np.concatenate([a, b])
+        for a, b in ((other.token_ids, rows.token_ids), (other.logprobs, rows.logprobs), (other.ranks, rows.ranks))
+    ]
     n = len(rows)
     return LogprobsBatch(*cat, ["other"] + [rid] * n, np.array([2] + [rows.token_ids.shape[1] - 1] * n, np.int32))
 
@@ -231,21 +243,24 @@ def test_no_logprobs_unless_asked(tok) -> None:
     assert res.prompt_logprobs is None
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(n=0), "SamplingParams.n=0: must be >= 1 and <= 1024"),
-    (dict(logprobs=21), "SamplingParams.logprobs=21: must be None or an integer in [0, 20]"),
-    (dict(prompt_logprobs=-1), "SamplingParams.prompt_logprobs=-1: must be None or an integer in [0, 20]"),
-    (dict(stop=[""]), "SamplingParams.stop=['']: must be a non-empty string or a list of at most 64 non-empty"),
-    (dict(stop=["x" * 1025]), "non-empty strings of at most 1024 characters"),
-    (dict(stop=3), "SamplingParams.stop=3: must be a non-empty string"),
-    (dict(include_stop_str_in_output=1), "SamplingParams.include_stop_str_in_output=1: must be a bool"),
-    (dict(min_tokens=17), "SamplingParams.min_tokens=17: must be >= 0 and <= max_tokens (16)"),
-    (dict(presence_penalty=2.5), "SamplingParams.presence_penalty=2.5: must be in [-2, 2]"),
-    (dict(frequency_penalty=float("nan")), "SamplingParams.frequency_penalty=nan: must be in [-2, 2]"),
-    (dict(repetition_penalty=0.0), "SamplingParams.repetition_penalty=0.0: must be > 0 and <= 100 (1 disables it)"),
-    (dict(skip_special_tokens="no"), "SamplingParams.skip_special_tokens='no': must be a bool"),
-    (dict(detokenize=False, stop="x"), "SamplingParams.stop='x': stop strings need detokenize=True"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(n=0), "SamplingParams.n=0: must be >= 1 and <= 1024"),
+        (dict(logprobs=21), "SamplingParams.logprobs=21: must be None or an integer in [0, 20]"),
+        (dict(prompt_logprobs=-1), "SamplingParams.prompt_logprobs=-1: must be None or an integer in [0, 20]"),
+        (dict(stop=[""]), "SamplingParams.stop=['']: must be a non-empty string or a list of at most 64 non-empty"),
+        (dict(stop=["x" * 1025]), "non-empty strings of at most 1024 characters"),
+        (dict(stop=3), "SamplingParams.stop=3: must be a non-empty string"),
+        (dict(include_stop_str_in_output=1), "SamplingParams.include_stop_str_in_output=1: must be a bool"),
+        (dict(min_tokens=17), "SamplingParams.min_tokens=17: must be >= 0 and <= max_tokens (16)"),
+        (dict(presence_penalty=2.5), "SamplingParams.presence_penalty=2.5: must be in [-2, 2]"),
+        (dict(frequency_penalty=float("nan")), "SamplingParams.frequency_penalty=nan: must be in [-2, 2]"),
+        (dict(repetition_penalty=0.0), "SamplingParams.repetition_penalty=0.0: must be > 0 and <= 100 (1 disables it)"),
+        (dict(skip_special_tokens="no"), "SamplingParams.skip_special_tokens='no': must be a bool"),
+        (dict(detokenize=False, stop="x"), "SamplingParams.stop='x': stop strings need detokenize=True"),
+    ],
+)
 def test_new_fields_are_validated(kwargs, message) -> None:
     with pytest.raises(RequestValidationError) as e:
         SamplingParams(**kwargs)
@@ -259,9 +274,19 @@ def test_stop_normalized_to_a_list() -> None:
 
 def test_defaults_follow_generation_config(tmp_path) -> None:
     assert default_sampling_params(None) == SamplingParams(**VLLM_DEFAULTS)
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 64,
-         "do_sample": True, "min_p": None}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "temperature": 0.6,
+                "top_p": 0.95,
+                "top_k": 20,
+                "repetition_penalty": 1.1,
+                "max_new_tokens": 64,
+                "do_sample": True,
+                "min_p": None,
+            }
+        )
+    )
     d = default_sampling_params(str(tmp_path))
     assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.max_tokens) == (0.6, 0.95, 20, 1.1, 64)
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": -5}))

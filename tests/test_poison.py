@@ -2,6 +2,7 @@
 
 A simulated engine runs whatever is queued; a step fails while any poison request is in it.
 """
+
 import random
 
 import pytest
@@ -38,8 +39,9 @@ def simulate(live: list[str], poison: set[str], seed: int = 0, max_steps: int = 
     raise AssertionError("did not settle")
 
 
-@pytest.mark.parametrize("n,poison,seed", [(1, {"r0"}, 0), (8, {"r5"}, 1), (9, {"r0", "r7"}, 2),
-                                           (16, {"r3", "r4", "r11"}, 3), (5, set(), 4)])
+@pytest.mark.parametrize(
+    "n,poison,seed", [(1, {"r0"}, 0), (8, {"r5"}, 1), (9, {"r0", "r7"}, 2), (16, {"r3", "r4", "r11"}, 3), (5, set(), 4)]
+)
 def test_poison_found_and_failed_alone(n, poison, seed):
     live = [f"r{i}" for i in range(n)]
     failed, finished, num_failures = simulate(live, poison, seed)
@@ -93,8 +95,9 @@ def _driver(budget: int, deaths_during_rebuild: int):
                 raise WorkerFailure(0, "its actor died during load_model")
             self.engine = _Engine()
 
-    config = EngineConfig(model=ModelConfig(model="tiny-random"),
-                          parallel=ParallelConfig(device="cpu", max_worker_restarts=budget))
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-random"), parallel=ParallelConfig(device="cpu", max_worker_restarts=budget)
+    )
     d = Driver(config, placement_group=None)
     d.engine, d._metrics = _Engine(), _Metrics()
     return d, WorkerFailure(1, "killed")

@@ -6,6 +6,7 @@ The worker's fault-injection seam (Worker.fail_steps_with) makes every step that
 raise, after the runner has moved its state on, as a real fault would leave it: the validation in
 kvcore/request.py now refuses the inputs that did this (top_k=2**40, seed=2**64) before a worker sees them.
 """
+
 import json
 
 import pytest
@@ -23,9 +24,16 @@ PROMPTS = [{"prompt_token_ids": [11 + i, 40 + 3 * i, 7, 90 - i]} for i in range(
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def llm(request):
     start_local_ray(num_cpus=4, namespace=f"kvray-test-poison-{request.param}", include_dashboard=False)
-    engine = LLM(model="tiny-random", max_model_len=64, num_gpu_blocks=64, max_num_seqs=8,
-                 max_num_batched_tokens=128, step_timeout_s=60, max_worker_restarts=1,
-                 async_scheduling=request.param)
+    engine = LLM(
+        model="tiny-random",
+        max_model_len=64,
+        num_gpu_blocks=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        step_timeout_s=60,
+        max_worker_restarts=1,
+        async_scheduling=request.param,
+    )
     try:
         yield engine
     finally:
@@ -62,8 +70,10 @@ def test_poison_request_through_generate_fails_alone(llm):
 
 
 def test_poison_line_through_the_job_fails_alone(llm, tmp_path):
-    lines = [json.dumps({"id": f"ok-{i}", "prompt_token_ids": p["prompt_token_ids"], "max_tokens": 5,
-                         "ignore_eos": True}) for i, p in enumerate(PROMPTS)]
+    lines = [
+        json.dumps({"id": f"ok-{i}", "prompt_token_ids": p["prompt_token_ids"], "max_tokens": 5, "ignore_eos": True})
+        for i, p in enumerate(PROMPTS)
+    ]
     lines.insert(3, json.dumps({"id": "poison", "prompt_token_ids": [1, 2], "max_tokens": 5}))
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(lines) + "\n")

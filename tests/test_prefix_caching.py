@@ -1,6 +1,7 @@
 """KVCacheManager with prefix caching: exact hits and block ids, the last prompt token, free order,
 the eviction hazard, all-or-nothing allocate_slots, caching disabled, stats, and randomized
 operation sequences checked against ref-count invariants and a simulated KV content model."""
+
 import random
 
 import pytest
@@ -48,8 +49,10 @@ def snapshot(m, requests):
         [(b.ref_cnt, b.block_hash, b.in_free_queue) for b in pool.blocks],
         free_ids(m),
         {k: sorted(v) for k, v in pool.cached_block_hash_to_block.items()},
-        [({r: [b.block_id for b in row] for r, row in sm.req_to_blocks.items()}, dict(sm.num_cached_block))
-         for sm in m.coordinator.managers],
+        [
+            ({r: [b.block_id for b in row] for r, row in sm.req_to_blocks.items()}, dict(sm.num_cached_block))
+            for sm in m.coordinator.managers
+        ],
         [(r.num_computed_tokens, list(r.block_hashes)) for r in requests],
     )
 
@@ -259,8 +262,16 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="stale"):
         m.allocate_slots(req("x", SHARED + [1]), 1, n, hit)
     with pytest.raises(ValueError, match="block_size"):
-        KVCacheManager(KVCacheConfig(8, [KVCacheGroupSpec(["a"], FullAttentionSpec(16, 1, 8, torch.float32)),
-                                         KVCacheGroupSpec(["b"], FullAttentionSpec(8, 2, 8, torch.float32))]), 64)
+        KVCacheManager(
+            KVCacheConfig(
+                8,
+                [
+                    KVCacheGroupSpec(["a"], FullAttentionSpec(16, 1, 8, torch.float32)),
+                    KVCacheGroupSpec(["b"], FullAttentionSpec(8, 2, 8, torch.float32)),
+                ],
+            ),
+            64,
+        )
 
 
 # ---- randomized operation sequences -------------------------------------------------------------
@@ -303,7 +314,7 @@ def run_random_ops(m, seed, steps):
         op = rng.random()
         if op < 0.3 or not (running or waiting):
             tail = [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
-            waiting.append(req(f"r{n}", rng.choice(prefixes)[:rng.randrange(0, 70)] + tail))
+            waiting.append(req(f"r{n}", rng.choice(prefixes)[: rng.randrange(0, 70)] + tail))
             n += 1
         elif op < 0.45 and waiting:
             r = waiting.pop(0)
@@ -346,11 +357,15 @@ def run_random_ops(m, seed, steps):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("make_config", [
-    lambda: full_config(24),
-    lambda: hybrid_config(40, window=20),
-    lambda: hybrid_config(40, window=48),
-], ids=["full", "hybrid-w20", "hybrid-w48"])
+@pytest.mark.parametrize(
+    "make_config",
+    [
+        lambda: full_config(24),
+        lambda: hybrid_config(40, window=20),
+        lambda: hybrid_config(40, window=48),
+    ],
+    ids=["full", "hybrid-w20", "hybrid-w48"],
+)
 def test_random_operations_keep_invariants_and_kv_content(make_config, seed):
     m = KVCacheManager(make_config(), max_model_len=4096)
     run_random_ops(m, seed, steps=600)

@@ -1,5 +1,6 @@
 """Worker.start_profile / stop_profile: a Chrome trace of the requested steps, started and stepped by the
 thread that runs execute_model, written to the requested directory."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,10 +16,12 @@ from kvcore.request import Request, SamplingParams
 
 
 def test_profile_traces_the_requested_steps(tmp_path):
-    config = EngineConfig(model=ModelConfig(model="tiny-random", dtype="float32"),
-                          parallel=ParallelConfig(device="cpu"),
-                          cache=CacheConfig(block_size=8, cpu_kv_cache_gib=0.01),
-                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-random", dtype="float32"),
+        parallel=ParallelConfig(device="cpu"),
+        cache=CacheConfig(block_size=8, cpu_kv_cache_gib=0.01),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+    )
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
         worker = executor.worker
@@ -57,15 +60,25 @@ def test_step_timer_host_phases_follow_the_marks():
     return to the next call's entry; a call without every mark (a lagged first call) is left out."""
     from actors.step_profiler import StepTimer
 
-    clock = iter([0.0, 1.0, 3.0, 3.5,            # call 1: prepare 1, wait 2, complete 0.5 (s)
-                  10.0, 10.25,                   # call 2: entered and launched, never read tokens
-                  20.0, 20.5, 21.0, 21.125])     # call 3
+    clock = iter(
+        [
+            0.0,
+            1.0,
+            3.0,
+            3.5,  # call 1: prepare 1, wait 2, complete 0.5 (s)
+            10.0,
+            10.25,  # call 2: entered and launched, never read tokens
+            20.0,
+            20.5,
+            21.0,
+            21.125,
+        ]
+    )  # call 3
     timer = StepTimer(clock=lambda: next(clock))
     for names in (StepTimer.HOST_MARKS, ("enter", "launched"), StepTimer.HOST_MARKS):
         for name in names:
             timer.mark(name)
-    assert timer.host_phases() == [{"prepare_ms": 500.0, "wait_ms": 500.0, "complete_ms": 125.0,
-                                    "outside_ms": 16500.0}]
+    assert timer.host_phases() == [{"prepare_ms": 500.0, "wait_ms": 500.0, "complete_ms": 125.0, "outside_ms": 16500.0}]
 
 
 def test_the_compile_log_records_each_variant_with_its_time():

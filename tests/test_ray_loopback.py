@@ -1,5 +1,6 @@
 """The embedded Ray (no address given) listens on the loopback address only; a cluster given by address
 is joined as it is."""
+
 import ipaddress
 import os
 
@@ -24,8 +25,11 @@ def _listening_sockets() -> list[tuple[str, str, int]]:
     for proc in psutil.Process().children(recursive=True):  # every Ray process this test started
         try:
             name = proc.name()
-            found += [(name, c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet")
-                      if c.status == psutil.CONN_LISTEN]
+            found += [
+                (name, c.laddr.ip, c.laddr.port)
+                for c in proc.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN
+            ]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
@@ -52,6 +56,7 @@ def test_embedded_ray_listens_on_loopback_only():
         ray.shutdown()
     # the switch that keeps the node address local is put back for later connections
     from ray._private import ray_constants
+
     assert ray_constants.ENABLE_RAY_CLUSTER is True
     assert placement._LOCAL_ONLY_ENV not in os.environ
 
@@ -65,7 +70,16 @@ def test_a_cluster_by_address_is_joined_as_it_is(monkeypatch):
     assert calls == [{"address": "10.1.2.3:6379", "namespace": "kvray", "log_to_driver": True}]
 
 
-@pytest.mark.parametrize("ip,loopback", [("127.0.0.1", True), ("::1", True), ("::ffff:127.0.0.1", True),
-                                         ("0.0.0.0", False), ("::", False), ("192.0.2.2", False)])
+@pytest.mark.parametrize(
+    "ip,loopback",
+    [
+        ("127.0.0.1", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.0.2.2", False),
+    ],
+)
 def test_loopback_detection(ip, loopback):
     assert _is_loopback(ip) is loopback

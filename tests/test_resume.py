@@ -6,6 +6,7 @@ engine actors go with it) and a kill mid-write (a half-written last line, which 
 answers again). A killed driver actor needs no rerun: the job starts a new driver for the replica,
 sends it every request that has no output yet, and finishes with exit 0.
 The runs join a local Ray that the test starts (RAY_ADDRESS), so the test can reach their actors."""
+
 import json
 import os
 import random
@@ -54,12 +55,28 @@ def job_input(tmp_path_factory):
 
 
 def start_run(address, inp, out):
-    env = {**os.environ, "RAY_ADDRESS": address,
-           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": address,
+        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("TRITON_INTERPRET", None)
     # max_num_seqs=2 spreads the 24 requests over many waves, so kills land mid-run.
-    cmd = [sys.executable, "-m", "cluster.cli", "run", "--config", "configs/local.yaml", "--no-progress",
-           "--set", "scheduler.max_num_seqs=2", "--input", str(inp), "--output", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "run",
+        "--config",
+        "configs/local.yaml",
+        "--no-progress",
+        "--set",
+        "scheduler.max_num_seqs=2",
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+    ]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -126,7 +143,7 @@ def test_client_killed_at_random_points_then_rerun_answers_each_id_once(ray_addr
     # A kill in the middle of a write: the last record is only half there.
     text = out.read_text()
     kept, last = text.splitlines(keepends=True)[:-1], text.splitlines(keepends=True)[-1]
-    out.write_text("".join(kept) + last[:len(last) // 2])
+    out.write_text("".join(kept) + last[: len(last) // 2])
     summary = run_to_end(ray_address, job_input, out)
     assert summary["skipped_already_done"] == len(kept)
     assert summary["completed"] == N - len(kept)

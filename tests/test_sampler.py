@@ -2,6 +2,7 @@
 the Philox stream; seeded tokens independent of the batch and of a restart; sampled frequencies against
 the target distribution (chi-square, fixed seeds); greedy rows; penalties against vLLM's formulas;
 the min_tokens ban; the device-side penalty counts."""
+
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def _rows(n, seed=0, vocab=V):
     temp = torch.rand(n, generator=g) + 0.3
     top_k = torch.randint(0, 12, (n,), generator=g, dtype=torch.int32)
     top_p = torch.rand(n, generator=g) * 0.9 + 0.1
-    seeds = torch.randint(-2 ** 62, 2 ** 62, (n,), generator=g)
+    seeds = torch.randint(-(2**62), 2**62, (n,), generator=g)
     pos = torch.randint(0, 5000, (n,), generator=g)
     return logits, temp, top_k, top_p, seeds, pos
 
@@ -41,14 +42,15 @@ def _penalty_inputs(n, vocab=V, seed=1):
         prompt = torch.randint(0, vocab, (6,), generator=g).tolist()
         out = torch.randint(0, vocab, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()
         slots.append(state.add(f"r{i}", prompt, out))
-    pen = torch.stack([torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 4 - 2,
-                       torch.rand(n, generator=g) * 1.5 + 0.5])
+    pen = torch.stack(
+        [torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 1.5 + 0.5]
+    )
     return state, torch.tensor(slots), pen
 
 
 def test_philox_uniforms_match_torch_bit_for_bit():
-    seeds = torch.tensor([0, 1, -5, 2 ** 62 + 3, -(2 ** 63)])
-    pos = torch.tensor([0, 7, 123456, 2 ** 31 + 5, 2 ** 32 - 1])
+    seeds = torch.tensor([0, 1, -5, 2**62 + 3, -(2**63)])
+    pos = torch.tensor([0, 7, 123456, 2**31 + 5, 2**32 - 1])
     u = philox_uniform_triton(seeds, pos, 300)
     assert torch.equal(u, philox_uniform(seeds, pos, 300))
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
@@ -68,9 +70,10 @@ def test_kernel_matches_reference(need_filter):
     kw = dict(penalty_slots=slots, penalties=pen, counts=state.counts, prompt_mask=state.prompt_mask, ban_ids=ban)
     ref = sample_reference(logits, temp, top_k, top_p, seeds, pos, **kw)
     # One program of all rows and one tile (cheap under the interpreter), and several tiles of 16.
-    for block_v in ([V, 16] if not need_filter else [V]):
-        out = launch_sample(logits, temp, top_k, top_p, seeds, pos, need_filter=need_filter,
-                            rows_per_program=n, block_v=block_v, **kw)
+    for block_v in [V, 16] if not need_filter else [V]:
+        out = launch_sample(
+            logits, temp, top_k, top_p, seeds, pos, need_filter=need_filter, rows_per_program=n, block_v=block_v, **kw
+        )
         assert out.tolist() == ref.tolist(), block_v
     plain = launch_sample(logits, temp, top_k, top_p, seeds, pos, need_filter=need_filter, rows_per_program=n)
     assert plain.tolist() == sample_reference(logits, temp, top_k, top_p, seeds, pos).tolist()
@@ -84,18 +87,32 @@ def test_greedy_rows_are_argmax():
     # Mixed with random rows (the kernel path), greedy rows keep their argmax; ties pick the first index.
     logits[0, 7] = logits[0, 3] = logits[0].max() + 1
     temp = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 0.5])
-    md = SamplingMetadata(temp, torch.zeros(6, dtype=torch.int32), torch.ones(6), torch.arange(6),
-                          torch.zeros(6, dtype=torch.int64), all_greedy=False, need_filter=False)
+    md = SamplingMetadata(
+        temp,
+        torch.zeros(6, dtype=torch.int32),
+        torch.ones(6),
+        torch.arange(6),
+        torch.zeros(6, dtype=torch.int64),
+        all_greedy=False,
+        need_filter=False,
+    )
     out = Sampler(use_triton=True)(logits, md).token_ids
     assert out[[0, 2, 4]].tolist() == logits.argmax(-1)[[0, 2, 4]].tolist() and int(out[0]) == 3
 
 
 def _draw(logits_row, seed, positions, temp, top_k=0, top_p=1.0, **kw):
     n = len(positions)
-    return launch_sample(logits_row.expand(n, -1).contiguous(), torch.full((n,), temp),
-                         torch.full((n,), top_k, dtype=torch.int32), torch.full((n,), top_p),
-                         torch.full((n,), seed, dtype=torch.int64), torch.tensor(list(positions), dtype=torch.int64),
-                         need_filter=top_k > 0 or top_p < 1, rows_per_program=n, **kw)
+    return launch_sample(
+        logits_row.expand(n, -1).contiguous(),
+        torch.full((n,), temp),
+        torch.full((n,), top_k, dtype=torch.int32),
+        torch.full((n,), top_p),
+        torch.full((n,), seed, dtype=torch.int64),
+        torch.tensor(list(positions), dtype=torch.int64),
+        need_filter=top_k > 0 or top_p < 1,
+        rows_per_program=n,
+        **kw,
+    )
 
 
 def test_seeded_tokens_do_not_depend_on_the_batch():
@@ -105,13 +122,21 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
     temp[target], top_k[target], top_p[target] = 2.0, 0, 0.95
 
     def rep(t):
-        return t[target:target + 1].expand(steps, *t.shape[1:])
+        return t[target : target + 1].expand(steps, *t.shape[1:])
 
     positions = torch.arange(steps)
 
     def alone(seed):
-        return launch_sample(rep(logits).contiguous(), rep(temp), rep(top_k), rep(top_p),
-                             torch.full((steps,), seed), positions, need_filter=True, rows_per_program=steps)
+        return launch_sample(
+            rep(logits).contiguous(),
+            rep(temp),
+            rep(top_k),
+            rep(top_p),
+            torch.full((steps,), seed),
+            positions,
+            need_filter=True,
+            rows_per_program=steps,
+        )
 
     want = alone(int(seeds[target])).tolist()
     for perm_seed in range(2):
@@ -128,14 +153,17 @@ def test_seeded_tokens_survive_a_restart():
     """A fresh process (no interpreter: the plain-CPU path, the torch reference) draws the same tokens."""
     logits, temp, top_k, top_p, seeds, pos = _rows(4, seed=5)
     here = launch_sample(logits, temp, top_k, top_p, seeds, pos, need_filter=True, rows_per_program=4)
-    code = ("import torch,sys; from actors.sample_reference import sample_reference as s; "
-            "a=torch.load(sys.argv[1]); print(s(*a).tolist())")
+    code = (
+        "import torch,sys; from actors.sample_reference import sample_reference as s; "
+        "a=torch.load(sys.argv[1]); print(s(*a).tolist())"
+    )
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sampler-restart-{os.getpid()}.pt")
     torch.save((logits, temp, top_k, top_p, seeds, pos), path)
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.getcwd()}
     try:
-        res = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, env=env,
-                             timeout=120, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", code, path], capture_output=True, text=True, env=env, timeout=120, check=True
+        )
     finally:
         os.unlink(path)
     assert res.stdout.strip() == str(here.tolist())
@@ -146,7 +174,7 @@ def test_unseeded_requests_derive_from_engine_seed_and_req_id():
     assert a == request_seed(None, 0, "req-a")  # what every rank and every restart derives
     assert a != request_seed(None, 0, "req-b") and a != request_seed(None, 1, "req-a")
     assert request_seed(7, 0, "x") == 7 == request_seed(7, 3, "y")
-    assert request_seed(2 ** 64 - 1, 0, "x") == -1  # any int maps onto a 64-bit key
+    assert request_seed(2**64 - 1, 0, "x") == -1  # any int maps onto a 64-bit key
 
 
 def _chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
@@ -160,8 +188,10 @@ def _chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
 
 
-@pytest.mark.parametrize("temp,top_k,top_p,penalised", [(0.7, 0, 1.0, False), (1.3, 5, 1.0, False),
-                                                        (1.0, 0, 0.8, False), (1.1, 6, 0.9, True)])
+@pytest.mark.parametrize(
+    "temp,top_k,top_p,penalised",
+    [(0.7, 0, 1.0, False), (1.3, 5, 1.0, False), (1.0, 0, 0.8, False), (1.1, 6, 0.9, True)],
+)
 def test_sampled_frequencies_match_the_target(temp, top_k, top_p, penalised):
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.8, 0.3]])
     vocab, n = logits.shape[1], 6000
@@ -169,11 +199,16 @@ def test_sampled_frequencies_match_the_target(temp, top_k, top_p, penalised):
     if penalised:
         state = PenaltyState(vocab, torch.device("cpu"))
         slot = state.add("r", [0, 3], [1, 1, 4])
-        kw = dict(penalty_slots=torch.full((n,), slot), penalties=torch.tensor([[0.4], [0.3], [1.5]]).expand(3, n),
-                  counts=state.counts, prompt_mask=state.prompt_mask)
+        kw = dict(
+            penalty_slots=torch.full((n,), slot),
+            penalties=torch.tensor([[0.4], [0.3], [1.5]]).expand(3, n),
+            counts=state.counts,
+            prompt_mask=state.prompt_mask,
+        )
         # vLLM's formulas by hand: token 0 and 3 in the prompt, 1 twice and 4 once in the output.
-        x = torch.tensor([[2.0 / 1.5, 1.5 / 1.5 - 0.3 * 2 - 0.4, 1.0, 0.5 / 1.5, 0.0 * 1.5 - 0.3 - 0.4,
-                           -0.5, -1.0, 0.8, 0.3]])
+        x = torch.tensor(
+            [[2.0 / 1.5, 1.5 / 1.5 - 0.3 * 2 - 0.4, 1.0, 0.5 / 1.5, 0.0 * 1.5 - 0.3 - 0.4, -0.5, -1.0, 0.8, 0.3]]
+        )
     tokens = _draw(logits[0], 1234, range(n), temp, top_k, top_p, **kw)
     y = x / temp
     keep = top_k_top_p_mask(y, torch.tensor([top_k]), torch.tensor([top_p]))
@@ -223,13 +258,22 @@ def test_penalties_match_vllm_formulas_and_counts_grow_on_device(use_triton):
     prompts = [torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(n)]
     outputs = [[] for _ in range(n)]
     slots = torch.tensor([state.add(f"r{i}", prompts[i], []) for i in range(n)])
-    pen = torch.stack([torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 4 - 2,
-                       torch.rand(n, generator=g) * 1.5 + 0.5])
+    pen = torch.stack(
+        [torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 1.5 + 0.5]
+    )
     sampler = Sampler(state, use_triton=use_triton)
     for step in range(6):
-        md = SamplingMetadata(torch.zeros(n), torch.zeros(n, dtype=torch.int32), torch.ones(n),
-                              torch.zeros(n, dtype=torch.int64), torch.full((n,), step), all_greedy=True,
-                              need_filter=False, penalty_slots=slots, penalties=pen)
+        md = SamplingMetadata(
+            torch.zeros(n),
+            torch.zeros(n, dtype=torch.int32),
+            torch.ones(n),
+            torch.zeros(n, dtype=torch.int64),
+            torch.full((n,), step),
+            all_greedy=True,
+            need_filter=False,
+            penalty_slots=slots,
+            penalties=pen,
+        )
         tokens = sampler(logits, md).token_ids
 
         def pad(rows):
@@ -255,8 +299,14 @@ def test_ties_at_the_cut_off_are_all_kept_by_kernel_and_reference():
     n = 64
     for top_k, top_p in ((3, 1.0), (0, 0.2), (11, 0.99)):
         tokens = _draw(row, 99, range(n), 1.0, top_k, top_p)
-        want = sample_reference(row.expand(n, -1), torch.ones(n), torch.full((n,), top_k, dtype=torch.int32),
-                                torch.full((n,), top_p), torch.full((n,), 99), torch.arange(n))
+        want = sample_reference(
+            row.expand(n, -1),
+            torch.ones(n),
+            torch.full((n,), top_k, dtype=torch.int32),
+            torch.full((n,), top_p),
+            torch.full((n,), 99),
+            torch.arange(n),
+        )
         assert tokens.tolist() == want.tolist()
         assert set(tokens.tolist()) <= set(range(5, 15)) | ({20} if top_k == 11 else set())
         assert len(set(tokens.tolist()) & set(range(5, 15))) > 5

@@ -8,6 +8,7 @@ Qwen3, against HF transformers in float32 on the CPU:
 - min_tokens keeps a stop token from ending the request early.
 All requests of a scenario run in one batch, so they also show the per-row parameters stay per row.
 """
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -38,12 +39,15 @@ def model(tmp_path_factory):
 
 
 def run(path: str, requests: dict[str, tuple[list[int], SamplingParams]], async_scheduling=False):
-    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, debug_invariants=True,
-                            async_scheduling=async_scheduling)
-    config = EngineConfig(model=ModelConfig(model=path, dtype="float32", seed=0),
-                          parallel=ParallelConfig(tensor_parallel_size=1, device="cpu"),
-                          cache=CacheConfig(block_size=8, num_gpu_blocks=None, cpu_kv_cache_gib=0.01),
-                          scheduler=sched)
+    sched = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=24, debug_invariants=True, async_scheduling=async_scheduling
+    )
+    config = EngineConfig(
+        model=ModelConfig(model=path, dtype="float32", seed=0),
+        parallel=ParallelConfig(tensor_parallel_size=1, device="cpu"),
+        cache=CacheConfig(block_size=8, num_gpu_blocks=None, cpu_kv_cache_gib=0.01),
+        scheduler=sched,
+    )
     executor = LocalExecutor(config)
     try:
         engine = EngineCore(config, executor)
@@ -87,8 +91,10 @@ def test_logprobs_and_prompt_logprobs_equal_hf(model, async_scheduling):
     reqs = {
         # 47 prompt tokens through a 24-token budget: prompt logprobs arrive from several chunks.
         "greedy": (prompts[3][:47], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=5, prompt_logprobs=3)),
-        "sampled": (prompts[0], SamplingParams(temperature=1.0, top_k=10, max_tokens=4, ignore_eos=True,
-                                               seed=7, logprobs=0)),
+        "sampled": (
+            prompts[0],
+            SamplingParams(temperature=1.0, top_k=10, max_tokens=4, ignore_eos=True, seed=7, logprobs=0),
+        ),
         "plain": (prompts[2], SamplingParams(max_tokens=3, ignore_eos=True)),
         "prompt-only": (prompts[0][:4], SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=0)),
     }
@@ -105,14 +111,14 @@ def test_logprobs_and_prompt_logprobs_equal_hf(model, async_scheduling):
             ids = torch.cat([torch.from_numpy(r.token_ids) for r in rows]).numpy()
             lps = torch.cat([torch.from_numpy(r.logprobs) for r in rows]).numpy()
             ranks = [int(r.ranks[0]) for r in rows]
-            check_rows(ids, lps, ranks, tokens, lp[len(prompt) - 1:len(prompt) - 1 + len(tokens)], sp.logprobs)
+            check_rows(ids, lps, ranks, tokens, lp[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], sp.logprobs)
         with_prompt = [o.prompt_logprobs for o in outs[rid] if o.prompt_logprobs is not None]
         if sp.prompt_logprobs is None:
             assert not with_prompt
             continue
         assert len(with_prompt) == 1 and outs[rid][0].prompt_logprobs is not None  # with the first token
         p = with_prompt[0]
-        check_rows(p.token_ids, p.logprobs, p.ranks, prompt[1:], lp[:len(prompt) - 1], sp.prompt_logprobs)
+        check_rows(p.token_ids, p.logprobs, p.ranks, prompt[1:], lp[: len(prompt) - 1], sp.prompt_logprobs)
     greedy = [t for o in outs["greedy"] for t in o.new_token_ids]
     assert greedy == H.hf_greedy(hf, prompts[3][:47], 5).tokens
 
@@ -122,9 +128,15 @@ def test_penalties_equal_vllm_formulas_on_hf_logits(model):
     prompts = H.make_prompts()
     cases = {"rep": (1.4, 0.0, 0.0), "freq": (1.0, 0.0, 1.5), "pres": (1.0, 1.2, 0.0), "all": (1.2, 0.5, 0.7)}
     n = 8
-    reqs = {rid: (prompts[i % 3][:20], SamplingParams(max_tokens=n, ignore_eos=True, repetition_penalty=r,
-                                                      presence_penalty=pr, frequency_penalty=f))
-            for i, (rid, (r, pr, f)) in enumerate(cases.items())}
+    reqs = {
+        rid: (
+            prompts[i % 3][:20],
+            SamplingParams(
+                max_tokens=n, ignore_eos=True, repetition_penalty=r, presence_penalty=pr, frequency_penalty=f
+            ),
+        )
+        for i, (rid, (r, pr, f)) in enumerate(cases.items())
+    }
     reqs["plain"] = (prompts[0][:20], SamplingParams(max_tokens=n, ignore_eos=True))
     outs = run(path, reqs)
     for rid, (prompt, sp) in reqs.items():
@@ -137,8 +149,14 @@ def test_penalties_equal_vllm_formulas_on_hf_logits(model):
             def pad(ids):
                 return torch.tensor([ids + [H.VOCAB] * (40 - len(ids))])
 
-            pen = vllm_penalties(logits, pad(prompt), pad(out), torch.tensor([sp.presence_penalty]),
-                                 torch.tensor([sp.frequency_penalty]), torch.tensor([sp.repetition_penalty]))
+            pen = vllm_penalties(
+                logits,
+                pad(prompt),
+                pad(out),
+                torch.tensor([sp.presence_penalty]),
+                torch.tensor([sp.frequency_penalty]),
+                torch.tensor([sp.repetition_penalty]),
+            )
             out.append(int(pen.argmax(-1)))
         assert got == out, rid
     assert len({tuple(t for o in outs[r] for t in o.new_token_ids) for r in reqs}) > 2  # penalties act

@@ -1,5 +1,6 @@
 """Scheduler: budgets and chunking, messages (new / cached deltas / resumed), preemption, prefix hits.
 Runs against the real KVCacheManager. Stops, aborts and refused requests: test_scheduler_stops.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from kvcore.scheduler import Scheduler
 from tests.scheduler_helpers import drain, make_request, make_scheduler, run_output, step, tokens_of
 
 # ---------------------------------------------------------------- budgets and chunking
+
 
 def test_chunked_prefill_budget_and_threshold():
     sched = make_scheduler(num_blocks=256, max_num_batched_tokens=1024, threshold=400, max_model_len=2048)
@@ -96,11 +98,11 @@ def test_invalid_scheduler_config():
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(manager, max_num_seqs=0, max_num_batched_tokens=8, max_model_len=8)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
-        Scheduler(manager, max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8,
-                  long_prefill_token_threshold=-1)
+        Scheduler(manager, max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8, long_prefill_token_threshold=-1)
 
 
 # ---------------------------------------------------------------- messages
+
 
 def test_new_then_delta_messages():
     sched = make_scheduler(block_size=4)
@@ -144,6 +146,7 @@ def test_multi_group_messages_carry_every_group():
 
 # ---------------------------------------------------------------- preemption
 
+
 def test_preemption_last_running_is_victim_and_resumes_with_full_row():
     # 6 usable blocks of 4 tokens; three 4-token prompts decode until the pool runs dry.
     sched = make_scheduler(num_blocks=7, block_size=4, max_model_len=64)
@@ -168,8 +171,12 @@ def test_preemption_last_running_is_victim_and_resumes_with_full_row():
         cached = out.scheduled_cached_reqs
         if "c" in cached.req_ids and cached.resumed_from_preemption[cached.req_ids.index("c")]:
             i = cached.req_ids.index("c")
-            resumed = (cached.new_block_ids[i], cached.resumed_token_ids[i], cached.num_computed_tokens[i],
-                       sched.kv_cache_manager.get_block_ids("c"))
+            resumed = (
+                cached.new_block_ids[i],
+                cached.resumed_token_ids[i],
+                cached.num_computed_tokens[i],
+                sched.kv_cache_manager.get_block_ids("c"),
+            )
             assert "c" not in [n.req_id for n in out.scheduled_new_reqs]
         for o in sched.update_from_output(out, run_output(sched, out)):
             outs.setdefault(o.request_id, []).append(o)
@@ -202,6 +209,7 @@ def test_request_can_preempt_itself():
 
 
 # ---------------------------------------------------------------- prefix caching
+
 
 def test_prefix_hits_counted_and_skip_computation():
     sched = make_scheduler(block_size=4)

@@ -2,6 +2,7 @@
 messages. 1,000 requests with shared prefixes and random aborts, under a pool small enough to force
 preemption. Checked after every step: block accounting, and that the block tables the worker rebuilds
 from the deltas alone equal the manager's rows."""
+
 from __future__ import annotations
 
 import random
@@ -44,9 +45,9 @@ class FakeWorker:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
             self.computed[new.req_id] = new.num_computed_tokens
         c = out.scheduled_cached_reqs
-        for rid, resumed, delta, token_ids, computed in zip(c.req_ids, c.resumed_from_preemption,
-                                                            c.new_block_ids, c.resumed_token_ids,
-                                                            c.num_computed_tokens):
+        for rid, resumed, delta, token_ids, computed in zip(
+            c.req_ids, c.resumed_from_preemption, c.new_block_ids, c.resumed_token_ids, c.num_computed_tokens
+        ):
             if resumed:
                 assert rid not in self.rows, f"resumed {rid} still has a row"
                 self.rows[rid] = tuple(list(g) for g in delta)
@@ -103,14 +104,27 @@ def check_blocks(sched: Scheduler) -> None:
         assert block.ref_cnt == held.get(block.block_id, 0), f"block {block.block_id}: ref {block.ref_cnt}"
 
 
-def run_simulation(seed: int, num_requests: int, groups: list[KVCacheGroupSpec], num_blocks: int,
-                   threshold: int, caching: bool = True, fast_path: bool = True,
-                   trace: list | None = None) -> Scheduler:
+def run_simulation(
+    seed: int,
+    num_requests: int,
+    groups: list[KVCacheGroupSpec],
+    num_blocks: int,
+    threshold: int,
+    caching: bool = True,
+    fast_path: bool = True,
+    trace: list | None = None,
+) -> Scheduler:
     rng = random.Random(seed)
     max_model_len = 64
     manager = KVCacheManager(KVCacheConfig(num_blocks, groups), max_model_len, enable_caching=caching)
-    sched = Scheduler(manager, max_num_seqs=12, max_num_batched_tokens=48, max_model_len=max_model_len,
-                      long_prefill_token_threshold=threshold, debug_invariants=True)
+    sched = Scheduler(
+        manager,
+        max_num_seqs=12,
+        max_num_batched_tokens=48,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=threshold,
+        debug_invariants=True,
+    )
     if not fast_path:
         sched._fast_block_size = 1  # ask the manager every step, as vLLM does
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.choice([4, 8, 13, 16]))] for _ in range(6)]
@@ -125,9 +139,9 @@ def run_simulation(seed: int, num_requests: int, groups: list[KVCacheGroupSpec],
             rid = f"r{next_id}"
             next_id += 1
             prompt = (rng.choice(prefixes) if rng.random() < 0.7 else []) + [
-                rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]
-            req = Request(rid, prompt, SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True),
-                          eos_token_id=0)
+                rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))
+            ]
+            req = Request(rid, prompt, SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True), eos_token_id=0)
             requests[rid] = req
             sched.add_request(req)
         if sched.requests and rng.random() < 0.03:
@@ -136,8 +150,15 @@ def run_simulation(seed: int, num_requests: int, groups: list[KVCacheGroupSpec],
             aborted.add(victim)
         out = sched.schedule()
         if trace is not None:
-            trace.append((out.num_scheduled_tokens, [(n.req_id, n.block_ids) for n in out.scheduled_new_reqs],
-                          out.scheduled_cached_reqs, out.preempted_req_ids, out.finished_req_ids))
+            trace.append(
+                (
+                    out.num_scheduled_tokens,
+                    [(n.req_id, n.block_ids) for n in out.scheduled_new_reqs],
+                    out.scheduled_cached_reqs,
+                    out.preempted_req_ids,
+                    out.finished_req_ids,
+                )
+            )
         worker.apply(out)
         for req in sched.running:
             assert_rows_match(worker.rows[req.request_id], manager.get_block_ids(req.request_id))
@@ -162,16 +183,19 @@ def run_simulation(seed: int, num_requests: int, groups: list[KVCacheGroupSpec],
     assert manager.block_pool.num_free_blocks == num_blocks - 1 and manager.usage == 0.0
     assert not sched.requests and not sched.running and not sched.waiting
     assert sched.num_preemptions > 0
-    print(f"seed {seed}: {out.step_id} steps, {sched.num_preemptions} preemptions, {len(aborted)} aborts, "
-          f"stats {sched.stats()}")
+    print(
+        f"seed {seed}: {out.step_id} steps, {sched.num_preemptions} preemptions, {len(aborted)} aborts, "
+        f"stats {sched.stats()}"
+    )
     return sched
 
 
 def test_simulation_full_attention():
     spec = FullAttentionSpec(4, 1, 8, torch.float32)
     # 30 usable blocks of 4 tokens for 12 sequences of up to 44 tokens: preemption is certain.
-    sched = run_simulation(seed=0, num_requests=1000, groups=[KVCacheGroupSpec(["l0"], spec)],
-                           num_blocks=31, threshold=16)
+    sched = run_simulation(
+        seed=0, num_requests=1000, groups=[KVCacheGroupSpec(["l0"], spec)], num_blocks=31, threshold=16
+    )
     stats = sched.stats()
     assert sched.num_preemptions > 20, sched.num_preemptions
     assert stats["prefix_cache_hits"] > 0
@@ -179,8 +203,9 @@ def test_simulation_full_attention():
 
 def test_simulation_without_prefix_caching():
     spec = FullAttentionSpec(4, 1, 8, torch.float32)
-    sched = run_simulation(seed=3, num_requests=300, groups=[KVCacheGroupSpec(["l0"], spec)],
-                           num_blocks=31, threshold=0, caching=False)
+    sched = run_simulation(
+        seed=3, num_requests=300, groups=[KVCacheGroupSpec(["l0"], spec)], num_blocks=31, threshold=0, caching=False
+    )
     assert sched.stats()["prefix_cache_hits"] == 0
 
 
@@ -189,8 +214,15 @@ def test_fast_path_matches_asking_the_manager_every_step():
     spec = FullAttentionSpec(4, 1, 8, torch.float32)
     traces: list[list] = [[], []]
     for fast, trace in zip([True, False], traces):
-        run_simulation(seed=4, num_requests=300, groups=[KVCacheGroupSpec(["l0"], spec)], num_blocks=31,
-                       threshold=8, fast_path=fast, trace=trace)
+        run_simulation(
+            seed=4,
+            num_requests=300,
+            groups=[KVCacheGroupSpec(["l0"], spec)],
+            num_blocks=31,
+            threshold=8,
+            fast_path=fast,
+            trace=trace,
+        )
     assert len(traces[0]) == len(traces[1])
     for a, b in zip(*traces):
         assert a == b
@@ -201,6 +233,5 @@ def test_simulation_hybrid_sliding_window(threshold):
     full = FullAttentionSpec(4, 1, 8, torch.float32)
     sw = SlidingWindowSpec(4, 1, 8, torch.float32, sliding_window=8)
     groups = [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], sw)]
-    sched = run_simulation(seed=1 + threshold, num_requests=300, groups=groups, num_blocks=41,
-                           threshold=threshold)
+    sched = run_simulation(seed=1 + threshold, num_requests=300, groups=groups, num_blocks=41, threshold=threshold)
     assert sched.num_preemptions > 0

@@ -1,5 +1,6 @@
 """Scheduler: stop conditions (EOS, stop tokens, max_tokens, max_model_len, min_tokens), aborts and
 finishes from outside, impossible and duplicate requests. Runs against the real KVCacheManager."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from kvcore.messages import ModelRunnerOutput
 from tests.scheduler_helpers import drain, make_request, make_scheduler, step, tokens_of
 
 # ---------------------------------------------------------------- stop conditions
+
 
 def test_eos_stops_unless_ignored():
     sched = make_scheduler()
@@ -111,6 +113,7 @@ def test_partial_prefill_tokens_ignored():
 
 # ---------------------------------------------------------------- abort
 
+
 def test_abort_waiting_and_running_frees_blocks():
     sched = make_scheduler(max_num_seqs=1)
     sched.add_request(make_request("run", 40, start=0))
@@ -121,8 +124,10 @@ def test_abort_waiting_and_running_frees_blocks():
     sched.abort(["run", "wait", "unknown"])
     assert pool.num_free_blocks == 63 and sched.num_running == 0 and sched.num_waiting == 0
     outs = sched.update_from_output(sched.schedule(), None)
-    assert {(o.request_id, o.finish_reason, o.finished) for o in outs} == {("run", "abort", True),
-                                                                        ("wait", "abort", True)}
+    assert {(o.request_id, o.finish_reason, o.finished) for o in outs} == {
+        ("run", "abort", True),
+        ("wait", "abort", True),
+    }
     assert not sched.has_unfinished_requests()
     sched.abort(["run"])  # finished: ignored
     assert sched.update_from_output(sched.schedule(), None) == []
@@ -156,6 +161,7 @@ def test_aborted_ids_reach_workers():
 
 
 # ---------------------------------------------------------------- impossible and duplicate requests
+
 
 def test_prompt_longer_than_max_model_len_is_rejected():
     sched = make_scheduler(max_model_len=32)
@@ -197,8 +203,7 @@ def test_more_blocks_than_pool_is_rejected():
 def test_sliding_window_group_counts_only_its_window():
     # bs 4, window 4, chunks of <= 7 tokens: the window group holds at most cdiv(3 + 7, 4) + 1 = 4
     # blocks; the full group needs cdiv(40, 4) = 10. 14 usable blocks fit a 40-token request.
-    sched = make_scheduler(num_blocks=15, block_size=4, sliding_window=4, max_num_batched_tokens=7,
-                           max_model_len=64)
+    sched = make_scheduler(num_blocks=15, block_size=4, sliding_window=4, max_num_batched_tokens=7, max_model_len=64)
     sched.add_request(make_request("fits", 30, max_tokens=10))
     sched.add_request(make_request("over", 31, max_tokens=10, start=100))  # 11 + 4 = 15 blocks
     outs = drain(sched)

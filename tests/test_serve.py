@@ -2,6 +2,7 @@
 127.0.0.1 only, two CPU replicas of tiny-random): completions, chat, streaming, n, logprobs, stop,
 seeds, usage, errors, greedy equal to LLM.generate, back-pressure, a client disconnect, and a load
 test with a worker kill."""
+
 import asyncio
 import importlib.util
 import json
@@ -89,8 +90,9 @@ def test_models_health_metrics(server, client):
 
 
 def test_greedy_equals_llm_generate_and_chat(server, client):
-    got = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
-           for p in PROMPTS]
+    got = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in PROMPTS
+    ]
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
     want = server[2]
     if "error" in want:
@@ -104,8 +106,9 @@ def test_streaming_equals_whole_with_n_seed_usage(client):
     whole = client.completions.create(**kw)
     again = client.completions.create(**kw)
     assert [c.text for c in whole.choices] == [c.text for c in again.choices]  # seeded: reproducible
-    texts, finish, usage = stream_text(client.completions.create(**kw, stream=True,
-                                                                 stream_options={"include_usage": True}))
+    texts, finish, usage = stream_text(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     assert texts == {c.index: c.text for c in whole.choices}
     assert finish == {0: "length", 1: "length"}
     assert usage.completion_tokens == 20 and usage.prompt_tokens == whole.usage.prompt_tokens
@@ -120,10 +123,11 @@ def test_stop_strings_whole_and_streamed(client):
     stop = next(ch for ch in base[3:] if ch != "\ufffd")
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=0, stop=[stop])
     c = r.choices[0]
-    assert c.text == base[:base.index(stop)] and c.finish_reason == "stop"
+    assert c.text == base[: base.index(stop)] and c.finish_reason == "stop"
     assert json.loads(r.model_dump_json())["choices"][0]["stop_reason"] == stop
-    texts, finish, _ = stream_text(client.completions.create(model=MODEL, prompt="Hello", max_tokens=16,
-                                                             temperature=0, stop=[stop], stream=True))
+    texts, finish, _ = stream_text(
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=0, stop=[stop], stream=True)
+    )
     assert texts == {0: c.text} and finish == {0: "stop"}
 
 
@@ -135,14 +139,30 @@ def test_logprobs_completions_and_chat(client):
     # Greedy: the sampled token is the most likely one (top_logprobs is keyed by text, and two tokens may
     # decode alike, so the sampled one's entry may hold a lower twin's value).
     assert all(v >= max(t.values()) - 1e-5 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 2.0), ("n", 0), ("max_tokens", 0),
-                                         ("logprobs", 30), ("presence_penalty", 5.0), ("seed", "x")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1),
+        ("top_p", 2.0),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("logprobs", 30),
+        ("presence_penalty", 5.0),
+        ("seed", "x"),
+    ],
+)
 def test_bad_field_is_a_400_naming_it(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hi", **{field: value})
@@ -170,8 +190,14 @@ def test_other_errors_are_openai_shaped(server, client):
 
 
 def test_disconnect_mid_stream_aborts_and_the_pool_is_whole(server, client):
-    stream = client.completions.create(model=MODEL, prompt="Tell me a long story", max_tokens=200, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Tell me a long story",
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     got = 0
     for ch in stream:
         got += 1
@@ -183,8 +209,9 @@ def test_disconnect_mid_stream_aborts_and_the_pool_is_whole(server, client):
     stats = [ray.get(d.stats.remote(), timeout=30) for d in drivers()]
     assert sum(s["num_live_requests"] for s in stats) == 0, stats
     metrics = requests.get(server[0] + "/metrics", timeout=30).text
-    assert "kvray_serve_client_disconnects_total 1.0" in metrics or "kvray_serve_client_disconnects_total 2.0" \
-        in metrics, [ln for ln in metrics.splitlines() if "disconnect" in ln]
+    assert (
+        "kvray_serve_client_disconnects_total 1.0" in metrics or "kvray_serve_client_disconnects_total 2.0" in metrics
+    ), [ln for ln in metrics.splitlines() if "disconnect" in ln]
 
 
 def test_back_pressure_gives_503_with_retry_after_never_a_hang(server):
@@ -195,11 +222,13 @@ def test_back_pressure_gives_503_with_retry_after_never_a_hang(server):
 
         async def one(i):
             try:
-                r = await c.completions.create(model=MODEL, prompt=f"burst {i}", max_tokens=12, temperature=0,
-                                               extra_body={"ignore_eos": True})
+                r = await c.completions.create(
+                    model=MODEL, prompt=f"burst {i}", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+                )
                 return r.choices[0].finish_reason
             except openai.APIStatusError as e:
                 return (e.status_code, e.response.headers.get("retry-after"), e.body.get("code"))
+
         try:
             return await asyncio.gather(*[one(i) for i in range(2 * capacity + 8)])
         finally:
@@ -217,8 +246,13 @@ def test_load_with_a_worker_kill_loses_and_duplicates_nothing(server, client):
     prompts = [f"family {i % 4} shares this prefix, then request {i}" for i in range(8)]
     ref = {}
     for p in prompts:  # the reference tokens, one by one, before the load
-        lp = client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0, logprobs=0,
-                                       extra_body={"ignore_eos": True}).choices[0].logprobs
+        lp = (
+            client.completions.create(
+                model=MODEL, prompt=p, max_tokens=4, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .logprobs
+        )
         ref[p] = lp.tokens
     n_requests, concurrency = 100, 16  # within the 2 x 10 the replicas hold: no 503 here; 75 after the kill
     done: list[int] = [0]
@@ -233,8 +267,15 @@ def test_load_with_a_worker_kill_loses_and_duplicates_nothing(server, client):
             async with sem:
                 t0 = time.monotonic()
                 stamps, tokens, finish = [], [], None
-                stream = await c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0, logprobs=0,
-                                                    stream=True, extra_body={"ignore_eos": True})
+                stream = await c.completions.create(
+                    model=MODEL,
+                    prompt=p,
+                    max_tokens=4,
+                    temperature=0,
+                    logprobs=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
                 async for ch in stream:
                     for choice in ch.choices:
                         if choice.logprobs is not None and choice.logprobs.tokens:
@@ -248,14 +289,17 @@ def test_load_with_a_worker_kill_loses_and_duplicates_nothing(server, client):
                 done[0] += 1
                 if done[0] == n_requests // 4:
                     drivers()[0].kill_worker.remote(0)  # a TP worker of replica 0 dies mid-load
+
         try:
             await asyncio.gather(*[one(i) for i in range(n_requests)])
         finally:
             await c.close()
 
     asyncio.run(load())
-    print(f"\nserve load ({n_requests} streams, {concurrency} concurrent, a worker kill): TTFT {percentiles(ttft)}, "
-          f"TPOT {percentiles(tpot)}")
+    print(
+        f"\nserve load ({n_requests} streams, {concurrency} concurrent, a worker kill): TTFT {percentiles(ttft)}, "
+        f"TPOT {percentiles(tpot)}"
+    )
     assert sorted(results) == list(range(n_requests))  # nothing lost
     wrong = {i: r for i, r in results.items() if r[1] != ref[r[0]] or r[2] != "length"}
     assert not wrong, list(wrong.items())[:3]  # nothing duplicated, dropped or changed by the replay
@@ -284,6 +328,7 @@ def test_bench_serve_sweep_runs_against_the_server(server):
 def test_a_driver_death_ends_its_streams_with_an_error_event_and_the_rest_serve_on(server, client):
     """Last in the module: replica 1 stays down. Its in-flight streams end with one error event; the
     other replica's streams finish whole; new requests go to the replica that is left."""
+
     async def streams():
         c = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
         started = asyncio.Event()
@@ -291,9 +336,14 @@ def test_a_driver_death_ends_its_streams_with_an_error_event_and_the_rest_serve_
         async def one(i):
             tokens = 0
             try:
-                stream = await c.completions.create(model=MODEL, prompt=f"stream {i} " * 3, max_tokens=40,
-                                                    temperature=0, stream=True, extra_body={"ignore_eos": True,
-                                                                                           "return_token_ids": True})
+                stream = await c.completions.create(
+                    model=MODEL,
+                    prompt=f"stream {i} " * 3,
+                    max_tokens=40,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                )
                 async for ch in stream:
                     tokens += sum(len(getattr(x, "token_ids", None) or []) for x in ch.choices)
                     started.set()

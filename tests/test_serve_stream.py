@@ -1,6 +1,7 @@
 """The streaming path's pure parts, without Ray: the SSE chunk encoding (the same JSON as json.dumps),
 a request's inbox, serve.stream_interval's grouping of tokens into chunks, and serve.single_event_loop's
 settings for Serve's processes."""
+
 import asyncio
 import json
 import os
@@ -16,9 +17,25 @@ from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams
 
 
-@pytest.mark.parametrize("value", [None, "", "a\"b\\\n\t\u2028é\ud800 ☃", 0, -7, True, False, [], [1, 2, 3],
-                                   [1, "x"], 1.5, float("-inf"), {"a": [1, {"b": None}], "c": -0.25, "d": True},
-                                   {"top": {"x": -1.0}}])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "",
+        'a"b\\\n\t\u2028é\ud800 ☃',
+        0,
+        -7,
+        True,
+        False,
+        [],
+        [1, 2, 3],
+        [1, "x"],
+        1.5,
+        float("-inf"),
+        {"a": [1, {"b": None}], "c": -0.25, "d": True},
+        {"top": {"x": -1.0}},
+    ],
+)
 def test_to_json_writes_what_json_dumps_writes(value):
     assert to_json(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
@@ -29,8 +46,13 @@ def test_a_chunk_is_the_openai_chunk_object(chat):
     chunk = w.deltas([ChoiceDelta(0, "hé", [5, 6], None), ChoiceDelta(1, "", [], None, "length")])
     assert chunk.startswith("data: ") and chunk.endswith("\n\n")
     obj = json.loads(chunk[6:])
-    head = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion", "created": w.created,
-            "model": 'm"1', "usage": None}
+    head = {
+        "id": "cmpl-1",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": w.created,
+        "model": 'm"1',
+        "usage": None,
+    }
     assert {k: v for k, v in obj.items() if k != "choices"} == head
     first, second = obj["choices"]
     if chat:
@@ -73,6 +95,7 @@ class FakeClient:
 
 def stream_chunks(interval: int, num_tokens: int, n: int = 1) -> list[list[ChoiceDelta]]:
     """The deltas a stream yields when the engine sends one token a step (every choice each step)."""
+
     async def run():
         sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=num_tokens, n=n, seed=1)
         gen = Generation(FakeClient(), None, "cmpl-x", None, [1, 2, 3], sp, stream_interval=interval)
@@ -87,8 +110,11 @@ def stream_chunks(interval: int, num_tokens: int, n: int = 1) -> list[list[Choic
         for step in range(num_tokens):
             last = step == num_tokens - 1
             for spec in gen.specs:
-                gen.queue.put_nowait(EngineCoreOutput(spec.request_id, [100 + step], finished=last,
-                                                      finish_reason="length" if last else None))
+                gen.queue.put_nowait(
+                    EngineCoreOutput(
+                        spec.request_id, [100 + step], finished=last, finish_reason="length" if last else None
+                    )
+                )
             await asyncio.sleep(0)  # the reader takes each step's outputs alone
         await asyncio.wait_for(reader, 5)
         return got

@@ -1,5 +1,6 @@
 """The server's pure parts, without Ray: request parsing (OpenAI fields -> SamplingParams, errors naming
 the field), the prefix-affinity router, and the error bodies."""
+
 import pytest
 
 from cluster.serve.errors import APIError, field_of
@@ -11,42 +12,79 @@ DEFAULTS = SamplingParams(temperature=1.0, max_tokens=16)
 
 
 def test_completion_fields_map_to_sampling_params():
-    r = parse_request(COMPLETIONS, {"model": "m", "prompt": ["Hi"], "max_tokens": 5, "n": 2, "seed": 3, "stop": "x",
-                                    "logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
-                                    "ignore_eos": True, "presence_penalty": 0.5}, DEFAULTS)
+    r = parse_request(
+        COMPLETIONS,
+        {
+            "model": "m",
+            "prompt": ["Hi"],
+            "max_tokens": 5,
+            "n": 2,
+            "seed": 3,
+            "stop": "x",
+            "logprobs": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "presence_penalty": 0.5,
+        },
+        DEFAULTS,
+    )
     p = r.params
     assert (r.prompt, r.stream, r.include_usage, r.max_tokens_given) == ("Hi", True, True, True)
-    assert (p.max_tokens, p.n, p.seed, p.stop, p.logprobs, p.ignore_eos, p.presence_penalty, p.temperature) == \
-        (5, 2, 3, ["x"], 2, True, 0.5, 1.0)
+    assert (p.max_tokens, p.n, p.seed, p.stop, p.logprobs, p.ignore_eos, p.presence_penalty, p.temperature) == (
+        5,
+        2,
+        3,
+        ["x"],
+        2,
+        True,
+        0.5,
+        1.0,
+    )
     ids = parse_request(COMPLETIONS, {"prompt": [1, 2, 3]}, DEFAULTS)
     assert ids.prompt_token_ids == [1, 2, 3] and ids.params.max_tokens == 16
 
 
 def test_chat_fields_map_to_sampling_params():
-    r = parse_request(CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 7,
-                             "logprobs": True, "top_logprobs": 3}, DEFAULTS)
+    r = parse_request(
+        CHAT,
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_completion_tokens": 7,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+        DEFAULTS,
+    )
     assert r.chat and r.params.max_tokens == 7 and r.params.logprobs == 3 and r.messages[0]["content"] == "Hi"
-    assert parse_request(CHAT, {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True},
-                         DEFAULTS).params.logprobs == 0
+    assert (
+        parse_request(
+            CHAT, {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}, DEFAULTS
+        ).params.logprobs
+        == 0
+    )
     assert not parse_request(CHAT, {"messages": [{"role": "user", "content": "x"}]}, DEFAULTS).max_tokens_given
 
 
-@pytest.mark.parametrize("endpoint,body,param,needle", [
-    (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p", "SamplingParams.top_p=0"),
-    (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, "max_tokens", "SamplingParams.max_tokens=-1"),
-    (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
-    (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream", "must be a bool"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": True}, "logprobs", "integer in [0, 20]"),
-    (COMPLETIONS, {"prompt": "x", "echo": True}, "echo", "not supported"),
-    (COMPLETIONS, {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "best_of == n"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
-    (COMPLETIONS, {"prompt": "x", "bogus": 1}, "bogus", "unknown field"),
-    (COMPLETIONS, [1, 2], None, "JSON object"),
-    (CHAT, {"messages": []}, "messages", "non-empty list"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs", "must be a bool"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools"),
-])
+@pytest.mark.parametrize(
+    "endpoint,body,param,needle",
+    [
+        (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p", "SamplingParams.top_p=0"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, "max_tokens", "SamplingParams.max_tokens=-1"),
+        (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
+        (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream", "must be a bool"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": True}, "logprobs", "integer in [0, 20]"),
+        (COMPLETIONS, {"prompt": "x", "echo": True}, "echo", "not supported"),
+        (COMPLETIONS, {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "best_of == n"),
+        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        (COMPLETIONS, {"prompt": "x", "bogus": 1}, "bogus", "unknown field"),
+        (COMPLETIONS, [1, 2], None, "JSON object"),
+        (CHAT, {"messages": []}, "messages", "non-empty list"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs", "must be a bool"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools"),
+    ],
+)
 def test_bad_fields_are_400s_naming_the_field(endpoint, body, param, needle):
     with pytest.raises(APIError) as e:
         parse_request(endpoint, body, DEFAULTS)
@@ -112,8 +150,9 @@ def test_the_app_builder_for_serve_run():
 
     app = build_app({"config": "configs/local.yaml", "set": "serve.max_queued_requests=3,scheduler.max_num_seqs=5"})
     assert isinstance(app, Application)
-    opts = deployment_options(load_config("configs/local.yaml", ["serve.max_queued_requests=3",
-                                                                 "scheduler.max_num_seqs=5"]))
+    opts = deployment_options(
+        load_config("configs/local.yaml", ["serve.max_queued_requests=3", "scheduler.max_num_seqs=5"])
+    )
     assert opts["max_ongoing_requests"] > 5 + 3 and opts["num_replicas"] == 1  # Serve's bound above ours
     with pytest.raises(ValueError, match="unknown argument"):
         build_app({"confg": "configs/local.yaml"})

@@ -3,6 +3,7 @@ peer that never comes raises CollectiveError within parallel.collective_timeout_
 refuses every collective (it is out of step); the driver reads a step where one rank failed on its own
 and the others timed out waiting for it as a WorkerFailure naming the first, and rebuilds the TP group.
 End to end (TP=2): tests/test_shm_transport.py."""
+
 import multiprocessing as mp
 import socket
 import time
@@ -62,8 +63,12 @@ def test_a_collective_waiting_for_a_failed_rank_times_out_and_the_group_refuses_
 
 
 def test_a_rank_failing_alone_while_others_time_out_is_a_worker_failure_naming_it():
-    f = step_failure([(0, "CollectiveError('all_reduce failed on tensor-parallel rank 0: timed out')", True),
-                      (1, "ValueError('bad input')", False)])
+    f = step_failure(
+        [
+            (0, "CollectiveError('all_reduce failed on tensor-parallel rank 0: timed out')", True),
+            (1, "ValueError('bad input')", False),
+        ]
+    )
     assert isinstance(f, WorkerFailure) and f.rank == 1
     assert "ValueError('bad input')" in str(f) and "rank(s) [0] waited for it in a collective" in str(f)
     assert isinstance(step_failure([(1, "ValueError('x')", False)]), StepError)  # all in step: poison hunt

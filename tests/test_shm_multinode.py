@@ -2,6 +2,7 @@
 head without CPUs): both ranks of a TP=2 engine sit on other nodes than the driver, so every step goes
 over ZMQ. Greedy output equals the single-node run's; a killed rank on another node is replaced within
 the restart budget and every request still ends once, whole."""
+
 import pytest
 import ray
 from multinode import ENGINE, local_cluster
@@ -32,14 +33,23 @@ def generate(**kw):
 
 
 def test_tp2_across_nodes_over_zmq_gives_the_single_node_tokens(cluster):
-    assert generate(tensor_parallel_size=2, placement_strategy="STRICT_SPREAD", transport="shm") == \
-        generate(tensor_parallel_size=1, transport="actor_calls")
+    assert generate(tensor_parallel_size=2, placement_strategy="STRICT_SPREAD", transport="shm") == generate(
+        tensor_parallel_size=1, transport="actor_calls"
+    )
 
 
 def test_a_killed_rank_on_another_node_is_replaced(cluster):
-    config = EngineConfig().replace(tensor_parallel_size=2, placement_strategy="STRICT_SPREAD", transport="shm",
-                                    step_timeout_s=10, placement_timeout_s=30, max_worker_restarts=1,
-                                    max_num_batched_tokens=256, max_num_seqs=8, num_gpu_blocks=512)
+    config = EngineConfig().replace(
+        tensor_parallel_size=2,
+        placement_strategy="STRICT_SPREAD",
+        transport="shm",
+        step_timeout_s=10,
+        placement_timeout_s=30,
+        max_worker_restarts=1,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        num_gpu_blocks=512,
+    )
     group = EngineGroup(config, worker_cls="actors.noop_worker.NoopWorker")
     specs = [RequestSpec(f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=150, ignore_eos=True)) for i in range(3)]
     tokens: dict[str, list[int]] = {s.request_id: [] for s in specs}

@@ -2,6 +2,7 @@
 never overwritten, a dead reader is named within the timeout, a closed ring releases its waiters, a
 message larger than a slot arrives whole in other processes) and the ZMQ channel between two processes
 on 127.0.0.1 (a SchedulerOutput round trip, a reader that stops reading, the close message)."""
+
 import multiprocessing as mp
 import os
 import pickle

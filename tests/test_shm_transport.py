@@ -3,6 +3,7 @@ rank that fails a step before a collective, a rank that hangs past the step time
 raises, and a killed worker within the restart budget each end as on the other transports (a clear
 error naming the cause, or a recovery that loses nothing). No-op workers where the model does not
 matter. One Ray for the module."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -37,8 +38,19 @@ def reference(tmp_path_factory):
 
 
 def shm_llm(path, tp, **kw):
-    return LLM(model=path, device="cpu", dtype="float32", block_size=8, max_num_seqs=8, max_num_batched_tokens=128,
-               cpu_kv_cache_gib=0.01, step_timeout_s=60, tensor_parallel_size=tp, transport="shm", **kw)
+    return LLM(
+        model=path,
+        device="cpu",
+        dtype="float32",
+        block_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        cpu_kv_cache_gib=0.01,
+        step_timeout_s=60,
+        tensor_parallel_size=tp,
+        transport="shm",
+        **kw,
+    )
 
 
 def test_shm_tp1_greedy_matches_hf(reference):
@@ -73,8 +85,15 @@ def test_shm_tp2_greedy_matches_hf_and_a_rank_failing_before_its_forward_is_rebu
 
 
 def noop_group(**kw):
-    base = dict(tensor_parallel_size=2, step_timeout_s=3, placement_timeout_s=10, max_num_batched_tokens=256,
-                max_num_seqs=8, num_gpu_blocks=512, transport="shm")
+    base = dict(
+        tensor_parallel_size=2,
+        step_timeout_s=3,
+        placement_timeout_s=10,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        num_gpu_blocks=512,
+        transport="shm",
+    )
     return EngineGroup(EngineConfig().replace(**{**base, **kw}), worker_cls=NOOP)
 
 
@@ -91,8 +110,12 @@ def drain(group, specs, limit_s, on_step=lambda: None):
                 assert item.output.error is None, item.output.error
                 finished.append(item.output.request_id)
 
-    wait_until(lambda: len(finished) == len(specs) or group.fatal is not None, limit_s, step=step,
-               what="every request finishing")
+    wait_until(
+        lambda: len(finished) == len(specs) or group.fatal is not None,
+        limit_s,
+        step=step,
+        what="every request finishing",
+    )
     return tokens, finished
 
 
@@ -101,8 +124,9 @@ def test_a_rank_that_hangs_past_the_step_timeout_ends_the_replica_naming_it():
     try:
         ray.get(group.drivers[0].worker_call.remote(1, "inject_fault", "hang", 3))
         group.submit([RequestSpec("r0", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))])
-        wait_until(lambda: group.fatal is not None, 120, step=lambda: group.poll(timeout_s=0.2),
-                   what="the replica's failure")
+        wait_until(
+            lambda: group.fatal is not None, 120, step=lambda: group.poll(timeout_s=0.2), what="the replica's failure"
+        )
         for part in ["worker rank 1 failed", "parallel.step_timeout_s=3", "no answer from rank(s) [1]"]:
             assert part in group.fatal, group.fatal
     finally:
@@ -123,8 +147,10 @@ def test_a_step_error_then_a_killed_worker_are_recovered_and_nothing_is_lost():
 
     try:
         ray.get(group.drivers[0].worker_call.remote(1, "inject_fault", "raise", 4))
-        specs = [RequestSpec(f"r{i}", list(range(1, 20 + i)), SamplingParams(max_tokens=200, ignore_eos=True))
-                 for i in range(4)]
+        specs = [
+            RequestSpec(f"r{i}", list(range(1, 20 + i)), SamplingParams(max_tokens=200, ignore_eos=True))
+            for i in range(4)
+        ]
         group.submit(specs)
         tokens, finished = drain(group, specs, 180, on_step=kill_once)
         assert group.fatal is None, group.fatal

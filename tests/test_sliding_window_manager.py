@@ -1,6 +1,7 @@
 """Sliding-window groups: dropping blocks behind the window (null-padded, position-aligned rows), the
 live-block bound during a long decode, sliding-window prefix hits, and the hybrid full + sliding
 coordinator agreeing on one hit length over one shared pool."""
+
 import pytest
 import torch
 
@@ -33,9 +34,13 @@ def req(rid, tokens):
 
 def snapshot(m, r):
     pool = m.block_pool
-    return ([(b.ref_cnt, b.block_hash, b.in_free_queue) for b in pool.blocks],
-            [b.block_id for b in pool.free_block_queue], m.get_block_ids(r.request_id),
-            r.num_computed_tokens, list(r.block_hashes))
+    return (
+        [(b.ref_cnt, b.block_hash, b.in_free_queue) for b in pool.blocks],
+        [b.block_id for b in pool.free_block_queue],
+        m.get_block_ids(r.request_id),
+        r.num_computed_tokens,
+        list(r.block_hashes),
+    )
 
 
 def test_blocks_behind_the_window_become_null_and_return_to_the_pool():
@@ -105,13 +110,16 @@ def _cached_pool(hit_indices, num_hashes, bs=4):
     return pool, r.block_hashes, blocks
 
 
-@pytest.mark.parametrize("cached,max_len,expect", [
-    ({0, 1, 3, 4}, 24, [None, None, None, 3, 4]),  # rightmost run of 2 wins; earlier slots are null
-    ({0, 1, 3, 4}, 16, [0, 1]),                    # capped at 4 blocks: the run 0..1 ends at 2 blocks
-    ({0, 1, 2, 3, 4, 5}, 23, [None, None, None, 3, 4]),  # max length rounds down to whole blocks
-    ({0}, 24, [0]),                                # no full window anywhere: a run from block 0 still works
-    ({2, 5}, 24, []),                              # isolated blocks: no hit
-])
+@pytest.mark.parametrize(
+    "cached,max_len,expect",
+    [
+        ({0, 1, 3, 4}, 24, [None, None, None, 3, 4]),  # rightmost run of 2 wins; earlier slots are null
+        ({0, 1, 3, 4}, 16, [0, 1]),  # capped at 4 blocks: the run 0..1 ends at 2 blocks
+        ({0, 1, 2, 3, 4, 5}, 23, [None, None, None, 3, 4]),  # max length rounds down to whole blocks
+        ({0}, 24, [0]),  # no full window anywhere: a run from block 0 still works
+        ({2, 5}, 24, []),  # isolated blocks: no hit
+    ],
+)
 def test_sliding_window_longest_hit(cached, max_len, expect):
     spec = swa_spec(9, block_size=4)  # the next token needs the 8 keys before it: 2 blocks
     pool, hashes, blocks = _cached_pool(cached, 6)
@@ -157,8 +165,10 @@ def test_hybrid_groups_agree_on_one_hit_length():
     # Full attention alone would hit 96 tokens; the window at 96 needs blocks 4, 5 (5 is gone), its
     # longest hit is 48 (blocks 1, 2); full attention then agrees at 48.
     assert n == 48
-    assert hit.get_block_ids() == ([full[0].block_id, full[1].block_id, full[2].block_id],
-                                   [0, swa[1].block_id, swa[2].block_id])
+    assert hit.get_block_ids() == (
+        [full[0].block_id, full[1].block_id, full[2].block_id],
+        [0, swa[1].block_id, swa[2].block_id],
+    )
     new = m.allocate_slots(b, b.num_tokens - n, n, hit)
     row_full, row_swa = m.get_block_ids("b")
     assert len(row_full) == len(row_swa) == cdiv(b.num_tokens, BS)  # rows stay position-aligned

@@ -1,5 +1,6 @@
 """The Triton kernels (interpreted on CPU tensors) against their plain-torch references on random
 inputs, and the delta-committed device table against the CPU table after random operations."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -39,14 +40,14 @@ def test_slot_mapping_kernel_matches_reference(seed):
     max_len = 512
     block_sizes = [rng.choice([1, 4, 16, 32]) for _ in range(num_groups)]
     buffer_len = rng.choice([5, TOKEN_TILE, TOKEN_TILE + 3, 3 * TOKEN_TILE - 1])
-    tables = [torch.randint(0, 1 << 20, (max_reqs, -(-max_len // bs)), generator=gen,
-                            dtype=torch.int32) for bs in block_sizes]
+    tables = [
+        torch.randint(0, 1 << 20, (max_reqs, -(-max_len // bs)), generator=gen, dtype=torch.int32) for bs in block_sizes
+    ]
     outs = [torch.full((buffer_len,), 12345, dtype=torch.int64) for _ in block_sizes]
     launch = SlotMappingLaunch(tables, outs, block_sizes, max_reqs)
     for num_reqs in (0, rng.randint(1, max_reqs), max_reqs):
         max_q = max(1, buffer_len // max(1, num_reqs))
-        qsl, positions = random_batch(gen, num_reqs, max_len, max_q,
-                                      rng.choice([torch.int32, torch.int64]))
+        qsl, positions = random_batch(gen, num_reqs, max_len, max_q, rng.choice([torch.int32, torch.int64]))
         before = [o.clone() for o in outs]
         launch(num_reqs, qsl, positions)
         n = min(positions.numel(), buffer_len)  # the step's entries (padding included) are written
@@ -97,8 +98,7 @@ def counter():
         i += 1
 
 
-@pytest.mark.parametrize("variant", ["delta_only", "fallback", "tiny_staging", "mode_switch",
-                                     "int64_index"])
+@pytest.mark.parametrize("variant", ["delta_only", "fallback", "tiny_staging", "mode_switch", "int64_index"])
 @pytest.mark.parametrize("seed", range(3))
 def test_delta_committed_table_equals_cpu_table(variant, seed, monkeypatch):
     rng = random.Random(seed)
@@ -158,8 +158,7 @@ def test_multi_group_delta_commit_and_reference_backend_agree():
         assert torch.equal(bt.block_table.gpu, bt.block_table.cpu)
     lens = [int(mg[1].num_blocks_per_row[r]) * 32 for r in range(6)]
     pos = [sorted(rng.sample(range(n), min(n, 12))) for n in lens]
-    qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor([len(p) for p in pos]), 0)),
-                       dtype=torch.int32)
+    qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor([len(p) for p in pos]), 0)), dtype=torch.int32)
     positions = torch.tensor([p for ps in pos for p in ps], dtype=torch.int64)
     mg.compute_slot_mapping(6, qsl, positions)
     triton_out = [bt.slot_mapping.gpu.clone() for bt in mg.block_tables]

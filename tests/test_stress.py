@@ -3,6 +3,7 @@ kills; the pool is tight enough that 100 requests preempt as 200 did, in half th
 passes, the JSON report is the last line, and the PNG is written. Also: the verdict itself counts lost,
 duplicated and mismatched requests and leaked blocks (no Ray needed), and a kill count past the restart
 budget is refused before anything starts."""
+
 import json
 import os
 import subprocess
@@ -21,14 +22,28 @@ def kvray(*args, timeout=300):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
     env.pop("TRITON_INTERPRET", None)  # the CPU engine uses torch attention; nothing to interpret
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_stress_local_passes_every_check_with_two_kills(tmp_path):
     t0 = time.monotonic()
-    r = kvray("stress", "--config", "configs/stress-local.yaml", "--requests", "100", "--kill-workers", "2",
-              "--abort-rate", "0.1", "--seed", "0", "--report", str(tmp_path))
+    r = kvray(
+        "stress",
+        "--config",
+        "configs/stress-local.yaml",
+        "--requests",
+        "100",
+        "--kill-workers",
+        "2",
+        "--abort-rate",
+        "0.1",
+        "--seed",
+        "0",
+        "--report",
+        str(tmp_path),
+    )
     elapsed = time.monotonic() - t0
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert lines, r.stderr[-4000:]
@@ -53,8 +68,21 @@ def test_stress_with_async_scheduling_recovers_from_kills():
     """With async scheduling the workers hold one step's output when they die: the requests of that
     step are re-queued like any other in-flight request, and every end check still passes. 60 requests:
     both kills still land while each replica has requests in flight (the kill rule waits for that)."""
-    r = kvray("stress", "--config", "configs/stress-local.yaml", "--set", "scheduler.async_scheduling=true",
-              "--requests", "60", "--kill-workers", "2", "--abort-rate", "0.1", "--seed", "1")
+    r = kvray(
+        "stress",
+        "--config",
+        "configs/stress-local.yaml",
+        "--set",
+        "scheduler.async_scheduling=true",
+        "--requests",
+        "60",
+        "--kill-workers",
+        "2",
+        "--abort-rate",
+        "0.1",
+        "--seed",
+        "1",
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert lines, r.stderr[-4000:]
     report = json.loads(lines[-1])
@@ -94,24 +122,41 @@ def test_the_verdict_counts_each_kind_of_failure():
         r.sampling, r.abort_after = greedy, None
     ref = {r.request_id: [1, 2, 3] for r in wl}
     outcomes = {
-        "stress-0": Outcome([1, 2, 3], 0.0, 1.0, "length", num_finished=1),      # fine
-        "stress-1": Outcome([1, 2, 3], 0.0, 1.0, "length", num_finished=2),      # finished twice
-        "stress-2": Outcome([1, 2], 0.0, None, None),                            # never finished: lost
-        "stress-3": Outcome([1, 9, 3], 0.0, 1.0, "length", num_finished=1),      # wrong tokens
+        "stress-0": Outcome([1, 2, 3], 0.0, 1.0, "length", num_finished=1),  # fine
+        "stress-1": Outcome([1, 2, 3], 0.0, 1.0, "length", num_finished=2),  # finished twice
+        "stress-2": Outcome([1, 2], 0.0, None, None),  # never finished: lost
+        "stress-3": Outcome([1, 9, 3], 0.0, 1.0, "length", num_finished=1),  # wrong tokens
         "stress-4": Outcome([1], 0.0, 1.0, "abort", num_finished=1, abort_sent=True),  # a fine abort
-        "stress-5": Outcome([1, 2], 0.0, 1.0, "length", num_finished=1),         # one token short
+        "stress-5": Outcome([1, 2], 0.0, 1.0, "length", num_finished=1),  # one token short
     }
     obs = Observed(outcomes, wall_s=2.0)
-    pools = [{"replica": 0, "usable_blocks": 10, "free_uncached": 5, "cached_free": 3, "held": 1,
-              "ref_count_total": 1, "idle": True, "invariant_error": None}]
+    pools = [
+        {
+            "replica": 0,
+            "usable_blocks": 10,
+            "free_uncached": 5,
+            "cached_free": 3,
+            "held": 1,
+            "ref_count_total": 1,
+            "idle": True,
+            "invariant_error": None,
+        }
+    ]
     stats = [{"worker_restarts": 1, "num_preemptions": 4, "fatal": None}]
     rep = evaluate(wl, obs, ref, pools, stats, kills_asked=1)
     assert (rep["completed"], rep["aborted"], rep["lost"], rep["duplicated"]) == (4, 1, 1, 1)
     assert rep["mismatched"] == 1 and rep["wrong_token_count"] == 1
     assert rep["leaked_blocks"] == 2  # one held, one missing from the books
-    assert set(rep["checks_failed"]) == {"lost", "duplicated", "mismatched", "wrong_token_count",
-                                         "completed+aborted==requests", "leaked_blocks", "kills_done",
-                                         "worker_restarts==kills"}
+    assert set(rep["checks_failed"]) == {
+        "lost",
+        "duplicated",
+        "mismatched",
+        "wrong_token_count",
+        "completed+aborted==requests",
+        "leaked_blocks",
+        "kills_done",
+        "worker_restarts==kills",
+    }
     assert rep["preemptions"] == 4 and rep["latency_p50_s"] == 1.0
 
 
@@ -124,8 +169,19 @@ def test_the_verdict_counts_node_losses():
     outcomes = {r.request_id: Outcome([1, 2, 3], 0.0, 1.0, "length", num_finished=1) for r in wl}
     # One lost node held bundles of both replicas: each rebuilt once; three requests moved meanwhile.
     obs = Observed(outcomes, wall_s=1.0, node_kills=[{"t": 0.5, "node": "n1", "replicas": [0, 1]}])
-    pools = [{"replica": r, "usable_blocks": 10, "free_uncached": 10, "cached_free": 0, "held": 0,
-              "ref_count_total": 0, "idle": True, "invariant_error": None} for r in range(2)]
+    pools = [
+        {
+            "replica": r,
+            "usable_blocks": 10,
+            "free_uncached": 10,
+            "cached_free": 0,
+            "held": 0,
+            "ref_count_total": 0,
+            "idle": True,
+            "invariant_error": None,
+        }
+        for r in range(2)
+    ]
     stats = [{"worker_restarts": 1, "fatal": None}, {"worker_restarts": 1, "fatal": None, "requests_moved_away": 3}]
     rep = evaluate(wl, obs, ref, pools, stats, kills_asked=0, nodes_asked=1)
     assert (rep["node_losses"], rep["replicas_hit_by_node_losses"], rep["requests_moved"]) == (1, 2, 3)

@@ -4,6 +4,7 @@ Tests never assert how long something took (a loaded CI machine makes any tight 
 assert that it ends at all, with a limit far above what it needs, or far below a timeout that a wrong
 behaviour would have to wait out.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,8 +34,12 @@ def within(limit_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     return box.get("result")
 
 
-def wait_until(cond: Callable[[], bool], limit_s: float, step: Callable[[], Any] = lambda: time.sleep(0.1),
-               what: str = "the condition") -> None:
+def wait_until(
+    cond: Callable[[], bool],
+    limit_s: float,
+    step: Callable[[], Any] = lambda: time.sleep(0.1),
+    what: str = "the condition",
+) -> None:
     """Run `step` until `cond()` holds; fail the test if it still does not after limit_s."""
     deadline = time.monotonic() + limit_s
     while not cond():

@@ -1,6 +1,7 @@
 """The gated MLP activations. SiLU: the input holds [gate | up] (as MergedColumnParallelLinear
 produces it, per rank), the output is silu(gate) * up. Backend "triton" does it in one kernel
 launch with the same rounding (silu rounded to the dtype, then the product)."""
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ The layer holds no per-step state. The model runner installs one AttentionMetada
 group in the forward context and binds `kv_cache` ([2, num_blocks, block_size, Hkv, D], K then V)
 after allocating it; layers of one group share the metadata, each layer has its own cache tensor.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,9 +16,17 @@ from kvcore.kernels import check_backend, ops
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 sliding_window: int | None = None, backend: str = "torch",
-                 softcap: float | None = None) -> None:
+    def __init__(
+        self,
+        layer_name: str,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+        backend: str = "torch",
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         check_backend(backend, "attention_backend")
         if num_heads % num_kv_heads:
@@ -53,8 +62,19 @@ class Attention(nn.Module):
         out = torch.empty_like(query)
         if n < num_tokens:
             out[n:].zero_()  # padding rows: the kernels leave them untouched
-        ops.paged_attention(query, key_cache, value_cache, out, md.query_start_loc, md.seq_lens,
-                            md.block_table, self.scale, sliding_window=self.sliding_window,
-                            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, backend=self.backend,
-                            softcap=self.softcap)
+        ops.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            out,
+            md.query_start_loc,
+            md.seq_lens,
+            md.block_table,
+            self.scale,
+            sliding_window=self.sliding_window,
+            max_query_len=md.max_query_len,
+            max_seq_len=md.max_seq_len,
+            backend=self.backend,
+            softcap=self.softcap,
+        )
         return out.view(num_tokens, self.num_heads * self.head_size)

@@ -6,6 +6,7 @@ zeroes the rest, so one all-reduce assembles the full rows. The LM head computes
 of the logits and all-gathers them, so every rank ends with the full-vocabulary logits and samples
 identically without sending tokens to its peers.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ so the experts' down projections give partial sums that one all-reduce completes
 dense MLP's row-parallel down projection. Weights are stacked per layer: w13 [E, 2*I/tp, H] (this
 rank's gate rows then its up rows) and w2 [E, H, I/tp], the layout the fused kernel reads.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,8 +18,9 @@ from actors import parallel_state as ps
 from actors.layers.weight_utils import check_full_shape, copy_into, default_weight_loader, narrow, new_param
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool, weight_dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(
+    router_logits: torch.Tensor, top_k: int, normalize: bool, weight_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's router: softmax in float32, top-k, renormalised when `normalize`, weights cast to
     `weight_dtype` (Qwen3-MoE: the model dtype; Mixtral keeps float32)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
@@ -29,13 +31,20 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool, weight_
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, params_dtype: torch.dtype,
-                 backend: str = "torch") -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        params_dtype: torch.dtype,
+        backend: str = "torch",
+    ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
         if intermediate_size % self.tp_size:
-            raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by "
-                             f"tensor_parallel_size={self.tp_size}")
+            raise ValueError(
+                f"moe_intermediate_size={intermediate_size} is not divisible by tensor_parallel_size={self.tp_size}"
+            )
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.shard = intermediate_size // self.tp_size
         self.backend = backend
@@ -57,9 +66,11 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
             from actors.layers.kernels.fused_moe import fused_moe_triton
+
             out = fused_moe_triton(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
             from actors.layers.kernels.moe_reference import fused_moe_ref
+
             out = fused_moe_ref(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return ps.all_reduce(out)
 
@@ -75,8 +86,17 @@ class _Router(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, replicated) + experts: the MLP of a sparse layer."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, normalize: bool,
-                 float32_weights: bool, params_dtype: torch.dtype, backend: str) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        normalize: bool,
+        float32_weights: bool,
+        params_dtype: torch.dtype,
+        backend: str,
+    ) -> None:
         super().__init__()
         self.top_k, self.normalize = top_k, normalize
         self.weight_dtype = torch.float32 if float32_weights else params_dtype

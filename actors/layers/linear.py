@@ -6,6 +6,7 @@ completes. Pairing them (QKV/gate-up column, O/down row) costs one all-reduce pe
 Every weight_loader takes the FULL checkpoint tensor (or a lazy safetensors slice of it) and copies
 only this rank's shard, checking the full shape first so a wrong checkpoint fails by name.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,8 +28,9 @@ def _divide(total: int, parts: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split evenly across ranks; output stays sharded."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
-                 name: str = "output_size") -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype, name: str = "output_size"
+    ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
         self.input_size, self.output_size = input_size, output_size
@@ -75,16 +77,25 @@ class QKVParallelLinear(ColumnParallelLinear):
     always find their KV head locally.
     """
 
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool, params_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool,
+        params_dtype: torch.dtype,
+    ) -> None:
         tp = ps.tp_size()
         self.head_size = head_size
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads = _divide(total_num_heads, tp, "num_attention_heads")
         if tp >= total_num_kv_heads:
             if tp % total_num_kv_heads:
-                raise ValueError(f"tensor_parallel_size={tp} must be a multiple of "
-                                 f"num_key_value_heads={total_num_kv_heads} when it exceeds it")
+                raise ValueError(
+                    f"tensor_parallel_size={tp} must be a multiple of "
+                    f"num_key_value_heads={total_num_kv_heads} when it exceeds it"
+                )
             self.num_kv_heads = 1
             self.num_kv_head_replicas = tp // total_num_kv_heads
         else:
@@ -119,8 +130,15 @@ class RowParallelLinear(nn.Module):
     column-parallel layer), the partial products are summed by one all-reduce, then the bias is
     added once."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
-                 reduce_results: bool = True, name: str = "input_size") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        params_dtype: torch.dtype,
+        reduce_results: bool = True,
+        name: str = "input_size",
+    ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
         self.input_size, self.output_size = input_size, output_size

@@ -3,6 +3,7 @@ dtype before the weight multiply (the order matters for bit-faithful bf16 result
 
 Backend "torch" runs the ops below (the CPU path, compared token for token with HF); "triton" runs
 one fused kernel (residual add included) that rounds at the same points."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: the pre-norm block's residual add fused in front,
         returning (norm(x + residual), x + residual), the same values HF gets in two steps."""
         if self.backend == "triton":

@@ -8,6 +8,7 @@ Backend "torch" runs the ops below; "triton" runs one kernel for q and k togethe
 actors/layers/kernels/qk_norm_rope.py), which can also apply Qwen3's per-head q/k RMSNorm first
 (`forward_fused`) and reads q/k straight out of the QKV projection's output.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,15 +59,19 @@ def rope_params_from_config(cfg: dict[str, Any]) -> RopeParams:
     orig = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     if orig is None:
         raise ValueError("rope_scaling: rope_type='llama3' requires 'original_max_position_embeddings'")
-    return RopeParams(theta=theta, rope_type="llama3", factor=float(params["factor"]),
-                      low_freq_factor=float(params["low_freq_factor"]),
-                      high_freq_factor=float(params["high_freq_factor"]),
-                      original_max_position_embeddings=int(orig))
+    return RopeParams(
+        theta=theta,
+        rope_type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(orig),
+    )
 
 
 def inverse_frequencies(head_size: int, rope: RopeParams) -> torch.Tensor:
     exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device="cpu").float() / head_size
-    inv_freq = 1.0 / (rope.theta ** exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -110,8 +115,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.empty(table.shape, dtype=torch.float32), persistent=False)
         self.cos_sin_cache.copy_(table)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, Hq*D] or [T, Hq, D], key likewise; positions [T] int64. Returns the same shapes."""
         if self.backend == "triton":
             q, k = self.forward_fused(positions, query, key)
@@ -121,14 +127,22 @@ class RotaryEmbedding(nn.Module):
         sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
-    def forward_fused(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                      q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                      eps: float = 1e-6, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_fused(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        q_norm_weight: torch.Tensor | None = None,
+        k_norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
+        gemma: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Triton path: per-head RMSNorm of q and k (when weights are given), then rotary, in one
         launch. query/key may be row-strided [T, H*D] views (no copies are made); returns new
         contiguous q [T, Hq*D], k [T, Hkv*D]."""
-        return layer_ops.qk_norm_rope(query, key, positions, self.cos_sin_cache, q_norm_weight,
-                                      k_norm_weight, eps, backend="triton", gemma=gemma)
+        return layer_ops.qk_norm_rope(
+            query, key, positions, self.cos_sin_cache, q_norm_weight, k_norm_weight, eps, backend="triton", gemma=gemma
+        )
 
     # Not `_apply`: that name is nn.Module's hook for .to()/.float(), which this would shadow.
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

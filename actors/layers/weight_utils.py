@@ -4,6 +4,7 @@ Checkpoint tensors arrive either as safetensors slices (`safe_open(...).get_slic
 only the bytes asked for) or as plain tensors (tests, tied weights). Both are narrowed here, so every
 parallel layer's weight_loader reads just its own rows or columns from disk.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable

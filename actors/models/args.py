@@ -1,6 +1,7 @@
 """The decoder-only model shape read from an HF config.json dict, validated with errors that name
 the config field. One dataclass serves every supported family; the family modules only decide the
 options (biases, q/k norm, which layers slide)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,9 +14,9 @@ from actors.layers.rotary import RopeParams, rope_params_from_config
 class MoeArgs:
     num_experts: int
     top_k: int
-    intermediate_size: int          # per expert
-    normalize_topk: bool            # renormalise the top-k weights to sum to 1
-    float32_weights: bool           # Mixtral keeps routing weights in float32; Qwen3-MoE casts them
+    intermediate_size: int  # per expert
+    normalize_topk: bool  # renormalise the top-k weights to sum to 1
+    float32_weights: bool  # Mixtral keeps routing weights in float32; Qwen3-MoE casts them
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
 
 
@@ -36,14 +37,14 @@ class ModelArgs:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    layer_windows: tuple[int | None, ...]   # per layer: the sliding window, or None for full attention
+    layer_windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
     hidden_act: str = "silu"
-    query_scale: float | None = None        # softmax scale of attention; None: head_dim ** -0.5
-    attn_softcap: float | None = None       # Gemma-2: cap * tanh(score / cap) on attention scores
-    final_softcap: float | None = None      # Gemma: the same on the final logits
-    local_rope: RopeParams | None = None    # Gemma-3: the sliding layers' own RoPE
-    gemma_norms: bool = False               # RMSNorms scale by (1 + w) in float32 (Gemma)
-    moe: MoeArgs | None = None              # mixture-of-experts feed-forward (Qwen3-MoE, Mixtral)
+    query_scale: float | None = None  # softmax scale of attention; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma-2: cap * tanh(score / cap) on attention scores
+    final_softcap: float | None = None  # Gemma: the same on the final logits
+    local_rope: RopeParams | None = None  # Gemma-3: the sliding layers' own RoPE
+    gemma_norms: bool = False  # RMSNorms scale by (1 + w) in float32 (Gemma)
+    moe: MoeArgs | None = None  # mixture-of-experts feed-forward (Qwen3-MoE, Mixtral)
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:
@@ -59,9 +60,17 @@ def _positive_int(cfg: dict[str, Any], key: str, value: Any = None) -> int:
     return value
 
 
-def parse_args(cfg: dict[str, Any], *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool,
-               layer_windows: list[int | None], act_key: str = "hidden_act",
-               acts: tuple[str, ...] = ("silu",)) -> ModelArgs:
+def parse_args(
+    cfg: dict[str, Any],
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    mlp_bias: bool,
+    qk_norm: bool,
+    layer_windows: list[int | None],
+    act_key: str = "hidden_act",
+    acts: tuple[str, ...] = ("silu",),
+) -> ModelArgs:
     act = cfg.get(act_key) or acts[0]
     if act not in acts:
         raise ValueError(f"config.json: {act_key}={act!r} is not supported (supported: {list(acts)})")
@@ -69,22 +78,32 @@ def parse_args(cfg: dict[str, Any], *, qkv_bias: bool, o_bias: bool, mlp_bias: b
     hidden = _positive_int(cfg, "hidden_size")
     num_kv = _positive_int(cfg, "num_key_value_heads", cfg.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv:
-        raise ValueError(f"config.json: num_attention_heads={num_heads} is not a multiple of "
-                         f"num_key_value_heads={num_kv}")
+        raise ValueError(
+            f"config.json: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}"
+        )
     head_dim = _positive_int(cfg, "head_dim", cfg.get("head_dim") or hidden // num_heads)
     num_layers = _positive_int(cfg, "num_hidden_layers")
     if len(layer_windows) != num_layers:
         raise ValueError(f"config.json: {len(layer_windows)} layer types for num_hidden_layers={num_layers}")
     return ModelArgs(
-        vocab_size=_positive_int(cfg, "vocab_size"), hidden_size=hidden,
-        intermediate_size=_positive_int(cfg, "intermediate_size"), num_layers=num_layers,
-        num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
+        vocab_size=_positive_int(cfg, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_positive_int(cfg, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position=_positive_int(cfg, "max_position_embeddings"),
         rope=rope_params_from_config(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=qk_norm,
-        layer_windows=tuple(layer_windows), hidden_act=act)
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        qk_norm=qk_norm,
+        layer_windows=tuple(layer_windows),
+        hidden_act=act,
+    )
 
 
 def _window(cfg: dict[str, Any], key: str = "sliding_window") -> int:
@@ -100,20 +119,26 @@ def qwen_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
     layer_types = cfg.get("layer_types")
     if layer_types is None:
         max_window_layers = cfg.get("max_window_layers", 28)
-        layer_types = ["sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
-                       for i in range(num_layers)]
+        layer_types = [
+            "sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
+            for i in range(num_layers)
+        ]
     windows: list[int | None] = []
     for i, kind in enumerate(layer_types):
         if kind == "full_attention":
             windows.append(None)
         elif kind == "sliding_attention":
             if window is None:
-                raise ValueError(f"config.json: layer_types[{i}]='sliding_attention' but no window is active "
-                                 "(needs use_sliding_window=true and sliding_window set)")
+                raise ValueError(
+                    f"config.json: layer_types[{i}]='sliding_attention' but no window is active "
+                    "(needs use_sliding_window=true and sliding_window set)"
+                )
             windows.append(_window(cfg))
         else:
-            raise ValueError(f"config.json: layer_types[{i}]={kind!r} is not supported "
-                             "(supported: 'full_attention', 'sliding_attention')")
+            raise ValueError(
+                f"config.json: layer_types[{i}]={kind!r} is not supported "
+                "(supported: 'full_attention', 'sliding_attention')"
+            )
     return windows
 
 
@@ -141,6 +166,8 @@ def typed_layer_windows(cfg: dict[str, Any], default_pattern: int) -> list[int |
         elif kind == "sliding_attention":
             windows.append(_window(cfg))
         else:
-            raise ValueError(f"config.json: layer_types[{i}]={kind!r} is not supported "
-                             "(supported: 'full_attention', 'sliding_attention')")
+            raise ValueError(
+                f"config.json: layer_types[{i}]={kind!r} is not supported "
+                "(supported: 'full_attention', 'sliding_attention')"
+            )
     return windows

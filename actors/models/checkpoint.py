@@ -3,6 +3,7 @@
 Only safetensors are read (never pickle). `get_slice` returns a lazy slice, so each tensor-parallel
 rank reads just the rows/columns of its own shard from disk. Every failure names the file or tensor.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,10 @@ class Checkpoint:
             return weight_map
         files = sorted(f for f in os.listdir(self.model_dir) if f.endswith(".safetensors"))
         if not files:
-            raise CheckpointError(f"{self.model_dir}: no *.safetensors weights found "
-                                  "(only safetensors are loaded; pickle .bin/.pt files are refused)")
+            raise CheckpointError(
+                f"{self.model_dir}: no *.safetensors weights found "
+                "(only safetensors are loaded; pickle .bin/.pt files are refused)"
+            )
         weight_map = {}
         for file in files:
             for name in self._open(file).keys():
@@ -76,17 +79,21 @@ class Checkpoint:
         except ModelConfigError as e:
             raise CorruptCheckpointError(f"not a valid safetensors index: {e}") from None
         if not isinstance(weight_map, dict):
-            raise CorruptCheckpointError(f"{index_path}: weight_map={short(weight_map)} must be an object "
-                                         "mapping tensor names to shard files")
+            raise CorruptCheckpointError(
+                f"{index_path}: weight_map={short(weight_map)} must be an object mapping tensor names to shard files"
+            )
         root = os.path.normpath(self.model_dir)
         for name, file in weight_map.items():
             if not isinstance(file, str) or not file.endswith(".safetensors"):
-                raise CorruptCheckpointError(f"{index_path}: weight_map[{short(name)}]={short(file)} must be "
-                                             "the name of a .safetensors file")
+                raise CorruptCheckpointError(
+                    f"{index_path}: weight_map[{short(name)}]={short(file)} must be the name of a .safetensors file"
+                )
             path = os.path.normpath(os.path.join(root, file))
             if os.path.isabs(file) or os.path.commonpath([root, path]) != root:
-                raise CorruptCheckpointError(f"{index_path}: weight_map[{short(name)}]={short(file)} points "
-                                             f"outside the model directory {root}; shards must lie inside it")
+                raise CorruptCheckpointError(
+                    f"{index_path}: weight_map[{short(name)}]={short(file)} points "
+                    f"outside the model directory {root}; shards must lie inside it"
+                )
         return dict(weight_map)
 
     def _open(self, file: str) -> Any:
@@ -117,9 +124,11 @@ class Checkpoint:
         except SafetensorError as e:
             raise CorruptCheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from e
         if dtype not in FLOAT_DTYPES:
-            raise CheckpointDtypeError(f"tensor {name!r} in {path}: dtype {dtype} does not match the model's "
-                                       f"floating-point dtype (supported checkpoint dtypes: {sorted(FLOAT_DTYPES)}; "
-                                       "quantized checkpoints are not)")
+            raise CheckpointDtypeError(
+                f"tensor {name!r} in {path}: dtype {dtype} does not match the model's "
+                f"floating-point dtype (supported checkpoint dtypes: {sorted(FLOAT_DTYPES)}; "
+                "quantized checkpoints are not)"
+            )
         return sl
 
     def close(self) -> None:

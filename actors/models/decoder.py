@@ -5,6 +5,7 @@ mlp_bias), per-head q/k RMSNorm before RoPE (Qwen3), and a per-layer sliding win
 layer_types). Parameter names mirror HF's, with q/k/v fused into qkv_proj and gate/up into
 gate_up_proj, so checkpoint names map onto them mechanically.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,23 +39,30 @@ def attention_layer_name(layer_idx: int) -> str:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 backend: str) -> None:
+    def __init__(
+        self, args: ModelArgs, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str
+    ) -> None:
         super().__init__()
         d = args.head_dim
         self.head_dim, self.backend = d, backend
-        self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_heads, args.num_kv_heads,
-                                          args.qkv_bias, dtype)
-        self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, args.o_bias, dtype,
-                                        name="num_attention_heads * head_dim")
+        self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_heads, args.num_kv_heads, args.qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(
+            args.num_heads * d, args.hidden_size, args.o_bias, dtype, name="num_attention_heads * head_dim"
+        )
         self.q_norm: RMSNorm | GemmaRMSNorm | None = _qk_norm(args, dtype, backend) if args.qk_norm else None
         self.k_norm: RMSNorm | GemmaRMSNorm | None = _qk_norm(args, dtype, backend) if args.qk_norm else None
         self.rotary_emb = rotary
-        scale = args.query_scale if args.query_scale is not None else d ** -0.5
-        self.attn = Attention(attention_layer_name(layer_idx), self.qkv_proj.num_heads,
-                              self.qkv_proj.num_kv_heads, d, scale,
-                              sliding_window=args.layer_windows[layer_idx], backend=backend,
-                              softcap=args.attn_softcap)
+        scale = args.query_scale if args.query_scale is not None else d**-0.5
+        self.attn = Attention(
+            attention_layer_name(layer_idx),
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            d,
+            scale,
+            sliding_window=args.layer_windows[layer_idx],
+            backend=backend,
+            softcap=args.attn_softcap,
+        )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
@@ -67,14 +75,22 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
-    def _norm_rope_fused(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm_rope_fused(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q/k norm and rotary in one launch, reading q and k in place from the QKV output; v stays
         a strided view too (the cache-write and attention kernels take row strides)."""
         if self.q_norm is None or self.k_norm is None:
             return self.rotary_emb.forward_fused(positions, q, k)
-        return self.rotary_emb.forward_fused(positions, q, k, self.q_norm.weight, self.k_norm.weight,
-                                             self.q_norm.eps, gemma=isinstance(self.q_norm, GemmaRMSNorm))
+        return self.rotary_emb.forward_fused(
+            positions,
+            q,
+            k,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            gemma=isinstance(self.q_norm, GemmaRMSNorm),
+        )
 
 
 def _qk_norm(args: ModelArgs, dtype: torch.dtype, backend: str) -> RMSNorm | GemmaRMSNorm:
@@ -96,16 +112,18 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 backend: str, mlp: nn.Module) -> None:
+    def __init__(
+        self, args: ModelArgs, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str, mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(args, layer_idx, rotary, dtype, backend)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -122,7 +140,8 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope, backend)
         self.layers = nn.ModuleList(
             DecoderLayer(args, i, rotary, dtype, backend, self.make_mlp(args, i, dtype, backend))
-            for i in range(args.num_layers))
+            for i in range(args.num_layers)
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
 
     def make_mlp(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype, backend: str) -> nn.Module:
@@ -168,8 +187,11 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
         """The checkpoint tensors (name, shard id) that make up one of our parameters."""
-        stacked: list[tuple[str, object]] = [(param_name.replace(f".{fused}.", f".{original}."), shard_id)
-                   for fused, original, shard_id in STACKED_PARAMS if f".{fused}." in param_name]
+        stacked: list[tuple[str, object]] = [
+            (param_name.replace(f".{fused}.", f".{original}."), shard_id)
+            for fused, original, shard_id in STACKED_PARAMS
+            if f".{fused}." in param_name
+        ]
         return stacked or [(param_name, None)]
 
     def load_weights(self, model_dir: str) -> None:
@@ -190,13 +212,19 @@ class DecoderForCausalLM(nn.Module):
         """A tensor we do not consume means the checkpoint is not what config.json claims (say, a
         Qwen2 checkpoint with QKV biases labelled Llama); ignoring it would silently give wrong
         outputs. Rotary caches some exporters save, and the head of a tied model, carry nothing."""
-        unused = sorted(name for name in ckpt.weight_map if name not in used
-                        and not name.endswith("rotary_emb.inv_freq")
-                        and not (self.args.tie_word_embeddings and name == "lm_head.weight"))
+        unused = sorted(
+            name
+            for name in ckpt.weight_map
+            if name not in used
+            and not name.endswith("rotary_emb.inv_freq")
+            and not (self.args.tie_word_embeddings and name == "lm_head.weight")
+        )
         if unused:
             shown = ", ".join(map(repr, unused[:5])) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-            raise UnexpectedTensorError(f"{ckpt.model_dir}: checkpoint tensors {shown} are not used by "
-                                        f"{type(self).__name__} (does config.json describe this checkpoint?)")
+            raise UnexpectedTensorError(
+                f"{ckpt.model_dir}: checkpoint tensors {shown} are not used by "
+                f"{type(self).__name__} (does config.json describe this checkpoint?)"
+            )
 
 
 def _load_one(ckpt: Checkpoint, name: str, param: torch.Tensor, shard_id: object) -> None:

@@ -8,6 +8,7 @@ soft-capping of the attention scores and of the final logits. Gemma-3 adds (1 + 
 separate RoPE base for local layers (rope_local_base_freq) with scaling only on the global ones,
 and (as HF) ignores attn_logit_softcapping.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,9 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 backend: str) -> None:
+    def __init__(
+        self, args: ModelArgs, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str
+    ) -> None:
         super().__init__()
         h, eps = args.hidden_size, args.rms_norm_eps
         self.self_attn = DecoderAttention(args, layer_idx, rotary, dtype, backend)
@@ -61,13 +63,17 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype)
         # HF multiplies by the scale cast to the weight dtype (sqrt(3072) = 55.43 becomes 55.5 in bf16).
-        self.register_buffer("normalizer", torch.tensor(args.hidden_size ** 0.5).to(dtype), persistent=False)
+        self.register_buffer("normalizer", torch.tensor(args.hidden_size**0.5).to(dtype), persistent=False)
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope, backend)
-        local = rotary if args.local_rope is None else RotaryEmbedding(args.head_dim, args.max_position,
-                                                                      args.local_rope, backend)
+        local = (
+            rotary
+            if args.local_rope is None
+            else RotaryEmbedding(args.head_dim, args.max_position, args.local_rope, backend)
+        )
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(args, i, local if args.layer_windows[i] is not None else rotary, dtype, backend)
-            for i in range(args.num_layers))
+            for i in range(args.num_layers)
+        )
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -91,14 +97,24 @@ def _gemma_args(cfg: dict[str, Any], default_pattern: int) -> ModelArgs:
         raise ValueError("config.json: use_bidirectional_attention=true is not supported (kvray is causal only)")
     cfg = dict(cfg)
     cfg.setdefault("hidden_activation", cfg.get("hidden_act") or "gelu_pytorch_tanh")
-    args = parse_args(cfg, qkv_bias=bool(cfg.get("attention_bias", False)),
-                      o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=False,
-                      qk_norm=False, layer_windows=typed_layer_windows(cfg, default_pattern),
-                      act_key="hidden_activation", acts=tuple(GELU_APPROXIMATIONS))
+    args = parse_args(
+        cfg,
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=False,
+        qk_norm=False,
+        layer_windows=typed_layer_windows(cfg, default_pattern),
+        act_key="hidden_activation",
+        acts=tuple(GELU_APPROXIMATIONS),
+    )
     scalar = _optional_positive(cfg, "query_pre_attn_scalar") or 256.0
-    return dataclasses.replace(args, query_scale=scalar ** -0.5, gemma_norms=True,
-                               tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                               final_softcap=_optional_positive(cfg, "final_logit_softcapping"))
+    return dataclasses.replace(
+        args,
+        query_scale=scalar**-0.5,
+        gemma_norms=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        final_softcap=_optional_positive(cfg, "final_logit_softcapping"),
+    )
 
 
 def gemma3_ropes(cfg: dict[str, Any]) -> tuple[RopeParams, RopeParams]:
@@ -110,14 +126,18 @@ def gemma3_ropes(cfg: dict[str, Any]) -> tuple[RopeParams, RopeParams]:
         missing = [k for k in ("full_attention", "sliding_attention") if not isinstance(params.get(k), dict)]
         if missing:
             raise ValueError(f"config.json: rope_parameters lacks {missing} (needs one entry per layer type)")
-        glob, local = (rope_params_from_config({"rope_parameters": params[k], "max_position_embeddings":
-                                                cfg.get("max_position_embeddings")})
-                       for k in ("full_attention", "sliding_attention"))
+        glob, local = (
+            rope_params_from_config(
+                {"rope_parameters": params[k], "max_position_embeddings": cfg.get("max_position_embeddings")}
+            )
+            for k in ("full_attention", "sliding_attention")
+        )
         return glob, local
     full = dict(params or cfg.get("rope_scaling") or {})
     full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-    glob = rope_params_from_config({"rope_parameters": full,
-                                    "max_position_embeddings": cfg.get("max_position_embeddings")})
+    glob = rope_params_from_config(
+        {"rope_parameters": full, "max_position_embeddings": cfg.get("max_position_embeddings")}
+    )
     return glob, RopeParams(theta=float(cfg.get("rope_local_base_freq", 10_000.0)))
 
 
@@ -125,8 +145,10 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
     model_class = GemmaModel
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, attention_backend: str = "torch") -> None:
-        args = dataclasses.replace(_gemma_args(hf_config, default_pattern=2),
-                                   attn_softcap=_optional_positive(hf_config, "attn_logit_softcapping"))
+        args = dataclasses.replace(
+            _gemma_args(hf_config, default_pattern=2),
+            attn_softcap=_optional_positive(hf_config, "attn_logit_softcapping"),
+        )
         super().__init__(args, dtype, attention_backend)
 
 
@@ -136,6 +158,5 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, attention_backend: str = "torch") -> None:
         glob, local = gemma3_ropes(hf_config)
         no_rope = {k: v for k, v in hf_config.items() if k not in ("rope_parameters", "rope_scaling")}
-        args = dataclasses.replace(_gemma_args(no_rope, default_pattern=6), qk_norm=True, rope=glob,
-                                   local_rope=local)
+        args = dataclasses.replace(_gemma_args(no_rope, default_pattern=6), qk_norm=True, rope=glob, local_rope=local)
         super().__init__(args, dtype, attention_backend)

@@ -6,6 +6,7 @@ the GPU, HF's expert loop on the CPU), each expert sharded along its intermediat
 Checkpoints keep one tensor per expert (`experts.{e}.gate_proj` / `up_proj` / `down_proj`, Mixtral's
 `w1` / `w3` / `w2` under `block_sparse_moe`); they are stacked into each layer's w13 / w2 at load.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,16 @@ class MoeDecoderModel(DecoderModel):
         assert moe is not None
         if not moe.sparse_layers[layer_idx]:
             return DecoderMLP(args, dtype, backend)
-        return SparseMoeBlock(moe.num_experts, moe.top_k, args.hidden_size, moe.intermediate_size,
-                              moe.normalize_topk, moe.float32_weights, dtype, backend)
+        return SparseMoeBlock(
+            moe.num_experts,
+            moe.top_k,
+            args.hidden_size,
+            moe.intermediate_size,
+            moe.normalize_topk,
+            moe.float32_weights,
+            dtype,
+            backend,
+        )
 
 
 class MoeForCausalLM(DecoderForCausalLM):
@@ -45,8 +54,11 @@ class MoeForCausalLM(DecoderForCausalLM):
         assert moe is not None  # a MoE family's args always carry it (_moe_args)
         n = moe.num_experts
         if leaf == "w13_weight":
-            return [src for e in range(n) for src in ((f"{base}.{e}.{gate}.weight", (e, "gate")),
-                                                       (f"{base}.{e}.{up}.weight", (e, "up")))]
+            return [
+                src
+                for e in range(n)
+                for src in ((f"{base}.{e}.{gate}.weight", (e, "gate")), (f"{base}.{e}.{up}.weight", (e, "up")))
+            ]
         return [(f"{base}.{e}.{down}.weight", (e, "down")) for e in range(n)]
 
 
@@ -63,14 +75,26 @@ def _num_experts(cfg: dict[str, Any]) -> int:
     return _positive_int(cfg, key)
 
 
-def _moe_args(cfg: dict[str, Any], args: ModelArgs, inter_key: str, normalize: bool, float32_weights: bool,
-              sparse: tuple[bool, ...]) -> ModelArgs:
+def _moe_args(
+    cfg: dict[str, Any],
+    args: ModelArgs,
+    inter_key: str,
+    normalize: bool,
+    float32_weights: bool,
+    sparse: tuple[bool, ...],
+) -> ModelArgs:
     num_experts = _num_experts(cfg)
     top_k = _positive_int(cfg, "num_experts_per_tok")
     if top_k > num_experts:
         raise ValueError(f"config.json: num_experts_per_tok={top_k} exceeds the {num_experts} experts")
-    moe = MoeArgs(num_experts=num_experts, top_k=top_k, intermediate_size=_positive_int(cfg, inter_key),
-                  normalize_topk=normalize, float32_weights=float32_weights, sparse_layers=sparse)
+    moe = MoeArgs(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=_positive_int(cfg, inter_key),
+        normalize_topk=normalize,
+        float32_weights=float32_weights,
+        sparse_layers=sparse,
+    )
     return dataclasses.replace(args, moe=moe)
 
 
@@ -78,10 +102,22 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, attention_backend: str = "torch") -> None:
         bias = bool(hf_config.get("attention_bias", False))
         # HF's Qwen3-MoE applies `sliding_window` (when set) to every layer, as Mistral does.
-        args = parse_args(hf_config, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True,
-                          layer_windows=mistral_layer_windows(hf_config))
-        args = _moe_args(hf_config, args, "moe_intermediate_size", bool(hf_config.get("norm_topk_prob", False)),
-                         False, _sparse_layers(hf_config, args.num_layers))
+        args = parse_args(
+            hf_config,
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=False,
+            qk_norm=True,
+            layer_windows=mistral_layer_windows(hf_config),
+        )
+        args = _moe_args(
+            hf_config,
+            args,
+            "moe_intermediate_size",
+            bool(hf_config.get("norm_topk_prob", False)),
+            False,
+            _sparse_layers(hf_config, args.num_layers),
+        )
         super().__init__(args, dtype, attention_backend)
 
 
@@ -90,7 +126,13 @@ class MixtralForCausalLM(MoeForCausalLM):
     expert_names = ("w1", "w3", "w2")
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, attention_backend: str = "torch") -> None:
-        args = parse_args(hf_config, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-                          layer_windows=mistral_layer_windows(hf_config))
+        args = parse_args(
+            hf_config,
+            qkv_bias=False,
+            o_bias=False,
+            mlp_bias=False,
+            qk_norm=False,
+            layer_windows=mistral_layer_windows(hf_config),
+        )
         args = _moe_args(hf_config, args, "intermediate_size", True, True, (True,) * args.num_layers)
         super().__init__(args, dtype, attention_backend)

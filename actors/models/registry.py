@@ -1,5 +1,6 @@
 """config.json `architectures` -> model class. Tensor parallelism comes from actors.parallel_state,
 so build_model must run after the process joined its TP group."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -36,16 +37,16 @@ def resolve_architecture(hf_config: dict[str, Any]) -> ModelClass:
     archs = hf_config.get("architectures") or []
     if not isinstance(archs, list) or not archs:
         raise UnsupportedArchitectureError(
-            f"config.json: 'architectures' is missing or empty; supported: {sorted(MODEL_REGISTRY)}")
+            f"config.json: 'architectures' is missing or empty; supported: {sorted(MODEL_REGISTRY)}"
+        )
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
     raise UnsupportedArchitectureError(
-        f"config.json: architecture {', '.join(map(repr, archs))} is not supported; "
-        f"supported: {sorted(MODEL_REGISTRY)}")
+        f"config.json: architecture {', '.join(map(repr, archs))} is not supported; supported: {sorted(MODEL_REGISTRY)}"
+    )
 
 
-def build_model(hf_config: dict[str, Any], dtype: torch.dtype, attention_backend: str = "torch"
-                ) -> DecoderForCausalLM:
+def build_model(hf_config: dict[str, Any], dtype: torch.dtype, attention_backend: str = "torch") -> DecoderForCausalLM:
     """An uninitialised model on the ambient default device (wrap in `with torch.device(...)`)."""
     return resolve_architecture(hf_config)(hf_config, dtype, attention_backend)

@@ -7,6 +7,7 @@ Location: <root>/tiny-random/v<VERSION>, root = `cache_dir`, else $KVRAY_CACHE, 
 It is written into a temporary sibling and renamed into place, so concurrent workers never see a
 half-written model; bump VERSION whenever the content changes.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,30 +24,54 @@ VERSION = 2
 SEED = 1234
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 EOS_ID, PAD_ID = 256, 259
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
-                  "tokenizer_config.json")
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+)
 # Weight scales: large enough that greedy decoding never meets a near-tie in float32 (top-2 logit
 # margins stay well above float32 noise) and varied enough that greedy text does not collapse into
 # one repeated token.
 EMBED_STD, LINEAR_STD, NORM_JITTER = 1.0, 0.3, 0.1
 # ChatML, as Qwen models use it (v2 added it; the weights are those of v1).
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-                 "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-                 "{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
 
 
 def tiny_random_config() -> dict[str, Any]:
     num_layers = 4
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-        "vocab_size": 256 + len(SPECIAL_TOKENS), "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "use_sliding_window": True, "sliding_window": 32,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 256 + len(SPECIAL_TOKENS),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "use_sliding_window": True,
+        "sliding_window": 32,
         "layer_types": ["full_attention", "sliding_attention"] * (num_layers // 2),
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True,
-        "bos_token_id": None, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
-        "dtype": "float32", "torch_dtype": "float32", "initializer_range": 0.02, "use_cache": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "dtype": "float32",
+        "torch_dtype": "float32",
+        "initializer_range": 0.02,
+        "use_cache": True,
         "kvray_tiny_random_version": VERSION,
     }
 
@@ -54,18 +79,27 @@ def tiny_random_config() -> dict[str, Any]:
 def _tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h),
-                                          "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg["vocab_size"], h),
+        "model.norm.weight": (h,),
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     return shapes
 
 
@@ -80,7 +114,7 @@ def random_weights(cfg: dict[str, Any], seed: int = SEED) -> dict[str, torch.Ten
             # itself, and greedy decoding would repeat one token forever.
             out[name] = noise
         elif name.endswith("norm.weight"):
-            out[name] = 1.0 + NORM_JITTER * noise   # norms near 1, but not 1, so loading them is tested
+            out[name] = 1.0 + NORM_JITTER * noise  # norms near 1, but not 1, so loading them is tested
         elif name == "model.embed_tokens.weight":
             out[name] = EMBED_STD * noise
         else:
@@ -119,9 +153,13 @@ def _write_model(path: str) -> None:
     files = {
         "config.json": cfg,
         "generation_config.json": {"eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": False},
-        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": SPECIAL_TOKENS[0],
-                                  "pad_token": SPECIAL_TOKENS[3], "model_max_length": cfg["max_position_embeddings"],
-                                  "chat_template": CHAT_TEMPLATE},
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": SPECIAL_TOKENS[0],
+            "pad_token": SPECIAL_TOKENS[3],
+            "model_max_length": cfg["max_position_embeddings"],
+            "chat_template": CHAT_TEMPLATE,
+        },
     }
     for name, content in files.items():
         with open(os.path.join(path, name), "w") as f:

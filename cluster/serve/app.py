@@ -7,6 +7,7 @@
 `kvray serve` without an address starts the same embedded, loopback-only local Ray as `kvray run`
 (cluster/placement.py); with RAY_ADDRESS (as under `ray job submit`) it joins that cluster.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,13 @@ def deployment_options(config: EngineConfig) -> dict[str, Any]:
         actor["runtime_env"] = {"env_vars": dict(REPLICA_ONE_LOOP)}
     # Serve's own limit must sit above ours, so that back-pressure is a 503 from the ingress (with
     # Retry-After) and never a silent queue in Serve's proxy.
-    return {"name": "OpenAIServer", "num_replicas": 1, "ray_actor_options": actor,
-            "max_ongoing_requests": p.data_parallel_size * per_replica + INGRESS_HEADROOM,
-            "graceful_shutdown_timeout_s": p.step_timeout_s + 30}
+    return {
+        "name": "OpenAIServer",
+        "num_replicas": 1,
+        "ray_actor_options": actor,
+        "max_ongoing_requests": p.data_parallel_size * per_replica + INGRESS_HEADROOM,
+        "graceful_shutdown_timeout_s": p.step_timeout_s + 30,
+    }
 
 
 def build(config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> Any:
@@ -59,8 +64,9 @@ def build_app(args: dict[str, str]) -> Any:
     return build(load_config(args.get("config"), overrides))
 
 
-def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-                 worker_cls: str = DEFAULT_WORKER_CLS) -> bool:
+def start_server(
+    config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, worker_cls: str = DEFAULT_WORKER_CLS
+) -> bool:
     """Connect to Ray (or start the embedded local one), start Serve's proxy on host:port and deploy the
     app; returns once it is ready. -> whether this call started Ray (stop_server then stops it)."""
     from ray import serve
@@ -82,8 +88,7 @@ def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000
 def _proxy_env(config: EngineConfig) -> Iterator[None]:
     """While Ray starts here: the environment its workers inherit, Serve's proxy among them (a cluster
     joined through RAY_ADDRESS keeps its own)."""
-    added = {k: v for k, v in PROXY_ONE_LOOP.items() if k not in os.environ} if config.serve.single_event_loop \
-        else {}
+    added = {k: v for k, v in PROXY_ONE_LOOP.items() if k not in os.environ} if config.serve.single_event_loop else {}
     os.environ.update(added)
     try:
         yield
@@ -112,8 +117,11 @@ def run_server(config: EngineConfig, host: str, port: int) -> None:
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         name = config.serve.served_model_name or config.model.model
-        print(f"kvray serve: {name!r} on {config.parallel.data_parallel_size} replica(s) at "
-              f"http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+        print(
+            f"kvray serve: {name!r} on {config.parallel.data_parallel_size} replica(s) at "
+            f"http://{host}:{port}/v1 (Ctrl-C to stop)",
+            flush=True,
+        )
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:

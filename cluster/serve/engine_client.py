@@ -11,6 +11,7 @@ the count is what the engine still holds, aborts included (their echo is the fin
 A replica whose driver died, or that reports itself down (past its worker-restart budget), ends every
 request it held with an error output and takes no new ones.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -83,8 +84,13 @@ class AsyncEngineClient:
         self.capacity = config.scheduler.max_num_seqs + config.serve.max_queued_requests
         self.books = [ReplicaBooks() for _ in range(n)]
         info = self.group.info
-        self.router = PrefixAffinityRouter(n, config.cache.block_size, int(info.get("num_blocks") or 1),
-                                           config.serve.imbalance_threshold, config.serve.prefix_affinity)
+        self.router = PrefixAffinityRouter(
+            n,
+            config.cache.block_size,
+            int(info.get("num_blocks") or 1),
+            config.serve.imbalance_threshold,
+            config.serve.prefix_affinity,
+        )
         self.queues: dict[str, Inbox] = {}
         self.owner: dict[str, int] = {}
         self.prompt_len: dict[str, int] = {}
@@ -101,8 +107,7 @@ class AsyncEngineClient:
             self._tasks = [asyncio.get_running_loop().create_task(self._poll(r)) for r in range(len(self.books))]
 
     # ---- requests ---------------------------------------------------------------------------
-    async def submit(self, specs: list[RequestSpec], queue: Inbox
-                     ) -> tuple[int, dict[str, str]]:
+    async def submit(self, specs: list[RequestSpec], queue: Inbox) -> tuple[int, dict[str, str]]:
         """Send one prompt's engine requests (its n samples) to one replica, chosen by the router; their
         outputs go to `queue`. -> (the replica, {request_id: why it was refused}); raises Overloaded /
         Unavailable."""
@@ -113,9 +118,11 @@ class AsyncEngineClient:
         eligible = [b.down is None and b.outstanding + need <= self.capacity for b in self.books]
         r = self.router.choose(specs[0].prompt_token_ids, [b.outstanding for b in self.books], eligible)
         if r is None:
-            raise Overloaded(f"every engine replica holds its limit of {self.capacity} requests "
-                             f"(scheduler.max_num_seqs={self.config.scheduler.max_num_seqs} + "
-                             f"serve.max_queued_requests={self.config.serve.max_queued_requests})")
+            raise Overloaded(
+                f"every engine replica holds its limit of {self.capacity} requests "
+                f"(scheduler.max_num_seqs={self.config.scheduler.max_num_seqs} + "
+                f"serve.max_queued_requests={self.config.serve.max_queued_requests})"
+            )
         books = self.books[r]
         for spec in specs:
             self.queues[spec.request_id] = queue

@@ -3,6 +3,7 @@
 Every failure a route can meet becomes one of these (a bad field 400, an unknown model 404, a full
 engine 503 with Retry-After, an engine failure 500): a client never sees a bare traceback.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,13 +12,18 @@ from typing import Any
 # "SamplingParams.temperature=-1: ..." (kvcore/request.py) or "body.top_p ..." (our own checks).
 _FIELD_IN_MESSAGE = re.compile(r"(?:SamplingParams|body)\.(\w+)")
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable_error",
-          500: "server_error"}
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable_error", 500: "server_error"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -33,9 +39,14 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500
-                                                              else "invalid_request_error"),
-                      "param": param, "code": code if code is not None else str(status)}}
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": param,
+            "code": code if code is not None else str(status),
+        }
+    }
 
 
 def field_of(message: str) -> str | None:

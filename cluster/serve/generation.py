@@ -8,6 +8,7 @@ later cuts is never sent. Closing a generation before it finished (the client we
 its engine requests; their blocks return to the pool when the driver drains the abort, before its
 next step.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,16 @@ def _hold_back(params: SamplingParams) -> int:
 
 
 class Generation:
-    def __init__(self, client: AsyncEngineClient, tokenizer: Any, request_id: str, prompt: str | None,
-                 prompt_token_ids: list[int], params: SamplingParams, stream_interval: int = 1) -> None:
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        tokenizer: Any,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream_interval: int = 1,
+    ) -> None:
         self.client = client
         self.stream_interval = stream_interval
         self.request_id = request_id
@@ -114,9 +123,12 @@ class Generation:
         """Whether to send now (serve.stream_interval): the first token, an end, or a full interval."""
         if self.stream_interval == 1 or not any(self._sent_tokens):
             return True
-        return any(state.finished and not self._sent_finish[k]
-                   or len(state.completion.token_ids) - self._sent_tokens[k] >= self.stream_interval
-                   for k, state in enumerate(self.parent.children))
+        return any(
+            state.finished
+            and not self._sent_finish[k]
+            or len(state.completion.token_ids) - self._sent_tokens[k] >= self.stream_interval
+            for k, state in enumerate(self.parent.children)
+        )
 
     def _new(self) -> list[ChoiceDelta]:
         out = []
@@ -131,15 +143,22 @@ class Generation:
         if self._sent_finish[k]:
             return None
         end = len(c.text) if done else max(self._sent_chars[k], len(c.text) - self._hold[k])
-        text = c.text[self._sent_chars[k]:end]
-        tokens = c.token_ids[self._sent_tokens[k]:]
+        text = c.text[self._sent_chars[k] : end]
+        tokens = c.token_ids[self._sent_tokens[k] :]
         rows = state.logprobs.logprobs
-        lps = rows[self._sent_tokens[k]:len(c.token_ids)] if rows is not None else None
+        lps = rows[self._sent_tokens[k] : len(c.token_ids)] if rows is not None else None
         if not text and not tokens and not done:
             return None
         self._sent_chars[k], self._sent_tokens[k], self._sent_finish[k] = end, len(c.token_ids), done
-        return ChoiceDelta(k, text, tokens, lps, c.finish_reason if done else None,
-                           c.stop_reason if done else None, state.error if done else None)
+        return ChoiceDelta(
+            k,
+            text,
+            tokens,
+            lps,
+            c.finish_reason if done else None,
+            c.stop_reason if done else None,
+            state.error if done else None,
+        )
 
     def close(self) -> None:
         """Stop reading; engine requests still running are aborted (a client that went away)."""

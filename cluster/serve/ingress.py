@@ -34,15 +34,17 @@ from cluster.serve.responses import DONE, ChunkWriter, full_response, sse
 logger = logging.getLogger(__name__)
 
 # FastAPI's own OpenTelemetry hooks look their providers up on every request; Serve traces on its own.
-app = FastAPI(title="kvray", docs_url=None, redoc_url=None,
-              telemetry={"tracing": False, "metrics": False, "logs": False})
+app = FastAPI(
+    title="kvray", docs_url=None, redoc_url=None, telemetry={"tracing": False, "metrics": False, "logs": False}
+)
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     # An unknown route or method: OpenAI-shaped too.
-    return JSONResponse(error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
-                        status_code=exc.status_code)
+    return JSONResponse(
+        error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"), status_code=exc.status_code
+    )
 
 
 @app.exception_handler(Exception)
@@ -81,8 +83,18 @@ class OpenAIServer:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "kvray", "max_model_len": self.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "kvray",
+                    "max_model_len": self.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -93,8 +105,9 @@ class OpenAIServer:
     @app.get("/metrics")
     async def metrics(self) -> Response:
         stats = await self.client.engine_stats()
-        return Response(self.server_metrics.render(self.client.books, stats),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            self.server_metrics.render(self.client.books, stats), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     # ---- one request ------------------------------------------------------------------------
     async def _answer(self, endpoint: str, request: Request) -> Response:
@@ -123,17 +136,30 @@ class OpenAIServer:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
         req = parse_request(endpoint, body, self.defaults)
         if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
-                                f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{req.model}` does not exist; this server serves {self.model_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         text, ids = self._encode(req)
         if len(ids) >= self.max_model_len:
-            raise bad_request(f"the prompt has {len(ids)} tokens: it must be shorter than max_model_len="
-                              f"{self.max_model_len}", param="messages" if req.chat else "prompt")
+            raise bad_request(
+                f"the prompt has {len(ids)} tokens: it must be shorter than max_model_len={self.max_model_len}",
+                param="messages" if req.chat else "prompt",
+            )
         if req.chat and not req.max_tokens_given:
             req.params = _with_max_tokens(req.params, self.max_model_len - len(ids))
         prefix = "chatcmpl-" if req.chat else "cmpl-"
-        gen = Generation(self.client, self.tokenizer, prefix + uuid.uuid4().hex, text, ids, req.params,
-                         self.config.serve.stream_interval if req.stream else 1)
+        gen = Generation(
+            self.client,
+            self.tokenizer,
+            prefix + uuid.uuid4().hex,
+            text,
+            ids,
+            req.params,
+            self.config.serve.stream_interval if req.stream else 1,
+        )
         try:
             await gen.start()
         except Overloaded as e:
@@ -170,15 +196,15 @@ class OpenAIServer:
         errors = [c for c in gen.parent.children if c.error is not None]
         if errors:
             msg = str(errors[0].error)
-            status = 400 if "rejected:" in msg and not any(c.completion.token_ids for c in gen.parent.children) \
-                else 500
+            status = 400 if "rejected:" in msg and not any(c.completion.token_ids for c in gen.parent.children) else 500
             return self._error(req.endpoint, APIError(status, msg))
         self.server_metrics.requests.labels(req.endpoint, "200").inc()
         return JSONResponse(full_response(gen.request_id, self.model_name, out, req.chat, req.return_token_ids))
 
     async def _stream(self, gen: Generation, req: ParsedRequest) -> AsyncIterator[str]:
-        writer = ChunkWriter(gen.request_id, self.model_name, req.chat, len(gen.specs), req.include_usage,
-                             req.return_token_ids)
+        writer = ChunkWriter(
+            gen.request_id, self.model_name, req.chat, len(gen.specs), req.include_usage, req.return_token_ids
+        )
         try:
             async for deltas in gen.deltas():
                 failed = [d for d in deltas if d.error is not None]

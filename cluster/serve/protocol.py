@@ -5,6 +5,7 @@ ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens). Ea
 SamplingParams itself (kvcore/request.py), so a bad one gets the rule that engine applies, with the
 field named; a field kvray cannot honour is refused by name rather than ignored.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -15,24 +16,53 @@ from kvcore.request import RequestValidationError, SamplingParams, check_text, c
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # OpenAI (and vLLM extra) names that map one-to-one onto SamplingParams.
-_SAMPLING = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "stop",
-             "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
-             "include_stop_str_in_output", "skip_special_tokens")
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "top_k",
+    "min_tokens",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "user", "logprobs", "return_token_ids", *_SAMPLING}
-_KNOWN = {COMPLETIONS: _COMMON | {"prompt", "echo", "best_of", "logit_bias", "suffix"},
-          CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "logit_bias", "tools",
-                           "tool_choice", "response_format", "add_generation_prompt"}}
+_KNOWN = {
+    COMPLETIONS: _COMMON | {"prompt", "echo", "best_of", "logit_bias", "suffix"},
+    CHAT: _COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "logit_bias",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "add_generation_prompt",
+    },
+}
 # Accepted only with their "off" value: anything else would be silently ignored.
-_OFF_VALUES: dict[str, tuple[Any, ...]] = {"echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}),
-                                           "tools": (None, []), "tool_choice": (None, "none"),
-                                           "response_format": (None, {"type": "text"})}
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "echo": (False, None),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 @dataclass
 class ParsedRequest:
     endpoint: str
     model: str | None
-    prompt: str | None               # the text (chat: rendered later from messages)
+    prompt: str | None  # the text (chat: rendered later from messages)
     prompt_token_ids: list[int] | None
     messages: list[Any] | None
     params: SamplingParams
@@ -52,8 +82,7 @@ def parse_request(endpoint: str, body: Any, defaults: SamplingParams) -> ParsedR
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - _KNOWN[endpoint])
     if unknown:
-        raise bad_request(f"unknown field(s) {unknown}; {endpoint} takes {sorted(_KNOWN[endpoint])}",
-                          param=unknown[0])
+        raise bad_request(f"unknown field(s) {unknown}; {endpoint} takes {sorted(_KNOWN[endpoint])}", param=unknown[0])
     for name, allowed in _OFF_VALUES.items():
         if name in body and body[name] not in allowed:
             raise bad_request(f"body.{name}={str(body[name])[:80]!r} is not supported by kvray serve")
@@ -65,8 +94,9 @@ def parse_request(endpoint: str, body: Any, defaults: SamplingParams) -> ParsedR
     fields = {k: body[k] for k in _SAMPLING if k in body and body[k] is not None}
     if isinstance(fields.get("n"), int) and "best_of" in body and body["best_of"] not in (None, fields["n"]):
         raise bad_request(f"body.best_of={body['best_of']!r}: only best_of == n (or null) is supported")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if endpoint == CHAT \
-        else body.get("max_tokens")
+    max_tokens = (
+        body.get("max_completion_tokens", body.get("max_tokens")) if endpoint == CHAT else body.get("max_tokens")
+    )
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
     fields.update(_logprobs(endpoint, body))
@@ -80,8 +110,9 @@ def parse_request(endpoint: str, body: Any, defaults: SamplingParams) -> ParsedR
     for name, v in (("add_generation_prompt", agp), ("return_token_ids", rti)):
         if not isinstance(v, bool):
             raise bad_request(f"body.{name}={v!r}: must be a bool")
-    return ParsedRequest(endpoint, model, prompt, ids, messages, params, max_tokens is not None, stream,
-                         include_usage, agp, rti)
+    return ParsedRequest(
+        endpoint, model, prompt, ids, messages, params, max_tokens is not None, stream, include_usage, agp, rti
+    )
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -122,8 +153,7 @@ def _prompt(endpoint: str, body: dict[str, Any]) -> tuple[str | None, list[int] 
         if err is not None:
             raise bad_request(err, param="prompt")
         return None, list(p), None
-    raise bad_request("body.prompt must be a string or a list of token ids (one prompt per request)",
-                      param="prompt")
+    raise bad_request("body.prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
 
 
 def _logprobs(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -137,8 +167,7 @@ def _logprobs(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         return {"logprobs": lp}
     top = body.get("top_logprobs")
     if lp is not None and not isinstance(lp, bool):
-        raise bad_request(f"body.logprobs={lp!r}: must be a bool for /v1/chat/completions (top_logprobs "
-                          f"is the count)")
+        raise bad_request(f"body.logprobs={lp!r}: must be a bool for /v1/chat/completions (top_logprobs is the count)")
     if not lp:
         if top not in (None, 0):
             raise bad_request("body.top_logprobs: needs logprobs=true", param="top_logprobs")

@@ -3,6 +3,7 @@
 Logprobs take OpenAI's shapes through the batch job's formatter (cluster/job_batch.py), so
 `kvray run` on an OpenAI batch file and the server answer alike.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,12 +51,17 @@ def _lp(token_ids: list[int], rows: Any, chat: bool) -> dict[str, Any] | None:
     return openai_logprobs(SimpleNamespace(token_ids=token_ids, logprobs=rows), chat)
 
 
-def full_response(request_id: str, model: str, out: RequestOutput, chat: bool,
-                  return_token_ids: bool = False) -> dict[str, Any]:
+def full_response(
+    request_id: str, model: str, out: RequestOutput, chat: bool, return_token_ids: bool = False
+) -> dict[str, Any]:
     choices = []
     for c in out.outputs:
-        choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                  "logprobs": _lp(c.token_ids, c.logprobs, chat)}
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "logprobs": _lp(c.token_ids, c.logprobs, chat),
+        }
         if return_token_ids:
             choice["token_ids"] = list(c.token_ids)
         if chat:
@@ -64,15 +70,22 @@ def full_response(request_id: str, model: str, out: RequestOutput, chat: bool,
             choice["text"] = c.text
         choices.append(choice)
     n_out = sum(len(c.token_ids) for c in out.outputs)
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(len(out.prompt_token_ids), n_out)}
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(len(out.prompt_token_ids), n_out),
+    }
 
 
 class ChunkWriter:
     """The SSE chunks of one streamed request (OpenAI's chunk objects, in order)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, n: int, include_usage: bool,
-                 return_token_ids: bool = False) -> None:
+    def __init__(
+        self, request_id: str, model: str, chat: bool, n: int, include_usage: bool, return_token_ids: bool = False
+    ) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids  # then every new token makes a chunk, text or not
@@ -84,9 +97,13 @@ class ChunkWriter:
         self._head, self._tail = "data: " + head[:cut], head[cut:] + "\n\n"
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        obj: dict[str, Any] = {"id": self.request_id,
-                               "object": "chat.completion.chunk" if self.chat else "text_completion",
-                               "created": self.created, "model": self.model, "choices": choices}
+        obj: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             obj["usage"] = None
         return obj
@@ -95,11 +112,15 @@ class ChunkWriter:
         """The chunk of one batch of deltas; None when none of them has anything to show."""
         choices = []
         for d in deltas:
-            if not (d.text or d.finish_reason or d.logprobs or self._pending(d)
-                    or (self.return_token_ids and d.token_ids)):
+            if not (
+                d.text or d.finish_reason or d.logprobs or self._pending(d) or (self.return_token_ids and d.token_ids)
+            ):
                 continue  # tokens that complete no character yet: nothing to show
-            choice: dict[str, Any] = {"index": d.index, "logprobs": _lp(d.token_ids, d.logprobs, self.chat),
-                                      "finish_reason": d.finish_reason}
+            choice: dict[str, Any] = {
+                "index": d.index,
+                "logprobs": _lp(d.token_ids, d.logprobs, self.chat),
+                "finish_reason": d.finish_reason,
+            }
             if self.chat:
                 delta: dict[str, Any] = {}
                 if not self._role_sent[d.index]:

@@ -10,6 +10,7 @@ Each replica's record is an LRU of chained block hashes, as the engine's prefix 
 (kvcore/hashing.py), bounded by the replica's KV pool: what the pool can no longer hold is forgotten.
 Replicas without room (back-pressure) or down are never chosen.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -21,14 +22,20 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     """The chained hash of each full block: block k's hash covers tokens [0, (k+1) * block_size)."""
     out, prev = [], 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash((prev, tuple(token_ids[start:start + block_size])))
+        prev = hash((prev, tuple(token_ids[start : start + block_size])))
         out.append(prev)
     return out
 
 
 class PrefixAffinityRouter:
-    def __init__(self, num_replicas: int, block_size: int, max_blocks_per_replica: int,
-                 imbalance_threshold: int, prefix_affinity: bool = True) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        max_blocks_per_replica: int,
+        imbalance_threshold: int,
+        prefix_affinity: bool = True,
+    ) -> None:
         self.block_size = block_size
         self.max_blocks = max(1, max_blocks_per_replica)
         self.imbalance_threshold = imbalance_threshold

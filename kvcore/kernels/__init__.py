@@ -1,6 +1,7 @@
 """Triton kernels of the KV cache (slot mapping, block-table delta, cache write, paged attention) and
 their torch references. The argument rules every kernel dispatcher shares live here, once; this module
 imports no torch, so a config check can name the backends without loading it."""
+
 from __future__ import annotations
 
 BACKENDS = ("torch", "triton")  # "torch": the plain-torch references; "triton": the kernels

@@ -1,5 +1,6 @@
 """Launch heuristics of the paged attention kernel: tile shapes by query length, the split-KV count,
 and the smaller tiles to fall back to when a device's shared memory cannot hold the first choice."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,7 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                      num_sms: int) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
     """Split the KV range only for decode batches whose (sequence x KV head) grid leaves SMs idle
     (fewer programs than SMs), aiming at ~2 programs per SM, never below _MIN_TOKENS_PER_SPLIT
     context tokens a split. Measured on the H200 (132 SMs): B=32 x 8 KV heads runs best unsplit,

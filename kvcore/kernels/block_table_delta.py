@@ -7,6 +7,7 @@ and the whole delta lands with one fully parallel launch; its cost follows the c
 max_model_len. Index and value travel in one packed buffer, [index[0:n], value[0:n]], which the
 kernel reads straight from pinned host memory on CUDA (or after one contiguous copy).
 """
+
 from __future__ import annotations
 
 from array import array
@@ -29,8 +30,7 @@ def _apply_delta_kernel(table_ptr, packed_ptr, n, TILE: tl.constexpr):
     tl.store(table_ptr + index, value.to(tl.int32), mask=mask)
 
 
-def apply_block_table_delta(table: torch.Tensor, packed: torch.Tensor, n: int,
-                            use_triton: bool) -> None:
+def apply_block_table_delta(table: torch.Tensor, packed: torch.Tensor, n: int, use_triton: bool) -> None:
     """`packed` holds [index[0:n], value[0:n]] (int32, or int64 for tables of 2**31+ cells), on
     the table's device or, for the Triton kernel on CUDA, in pinned host memory the device can
     read; `table` is the contiguous int32 device table."""
@@ -44,7 +44,7 @@ def apply_block_table_delta(table: torch.Tensor, packed: torch.Tensor, n: int,
 
 def apply_block_table_delta_ref(table: torch.Tensor, packed: torch.Tensor, n: int) -> None:
     """Plain-torch reference of the kernel."""
-    table.view(-1)[packed[:n].to(torch.int64)] = packed[n:2 * n].to(torch.int32)
+    table.view(-1)[packed[:n].to(torch.int64)] = packed[n : 2 * n].to(torch.int32)
 
 
 # Entries one delta upload may carry; beyond it a full copy is cheaper anyway for the table sizes
@@ -133,8 +133,7 @@ class BlockTableDeltaUploader:
     itself is never read by the device in this mode, so the host may mutate it at any time.
     """
 
-    def __init__(self, cpu_table: np.ndarray, gpu_table: torch.Tensor, pin_memory: bool,
-                 use_triton: bool) -> None:
+    def __init__(self, cpu_table: np.ndarray, gpu_table: torch.Tensor, pin_memory: bool, use_triton: bool) -> None:
         rows, cols = cpu_table.shape
         self.capacity = max(1, min(rows * cols, MAX_DELTA_ENTRIES))
         self.np_dtype = np.int32 if rows * cols < INDEX32_LIMIT else np.int64
@@ -144,14 +143,12 @@ class BlockTableDeltaUploader:
         self._use_triton = use_triton
         self._cuda = gpu_table.device.type == "cuda"
         pin = pin_memory and torch.cuda.is_available()
-        self._staging = [torch.empty(2 * self.capacity, dtype=torch_dtype, pin_memory=pin)
-                         for _ in range(2)]
+        self._staging = [torch.empty(2 * self.capacity, dtype=torch_dtype, pin_memory=pin) for _ in range(2)]
         self._staging_np = [s.numpy() for s in self._staging]
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._next = 0
         self.zero_copy = self._cuda and pin and use_triton and self._launcher_maps_host()
-        self._device_buf = torch.empty(2 * self.capacity, dtype=torch_dtype,
-                                       device=gpu_table.device)
+        self._device_buf = torch.empty(2 * self.capacity, dtype=torch_dtype, device=gpu_table.device)
 
     def _launcher_maps_host(self) -> bool:
         """Whether the Triton launcher accepts the pinned buffer as a device pointer (it asks the
@@ -178,12 +175,12 @@ class BlockTableDeltaUploader:
         buf = self._staging_np[k]
         at = 0
         for p in parts:
-            buf[at:at + len(p)] = p
+            buf[at : at + len(p)] = p
             at += len(p)
         if buf.dtype == self._flat_cpu.dtype:
-            np.take(self._flat_cpu, buf[:n], out=buf[n:2 * n], mode="clip")  # in range anyway
+            np.take(self._flat_cpu, buf[:n], out=buf[n : 2 * n], mode="clip")  # in range anyway
         else:
-            buf[n:2 * n] = self._flat_cpu[buf[:n]]
+            buf[n : 2 * n] = self._flat_cpu[buf[:n]]
         if self.zero_copy:
             source = self._staging[k]
         else:

@@ -3,6 +3,7 @@
 One program per (token, tile of KV heads): the slot is read once, the head tile is copied for K and
 V. Slot -1 (padding, or tokens whose KV must not be written) makes the program return at once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,11 +13,26 @@ import triton.language as tl
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    num_kv_heads, head_size,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    num_kv_heads,
+    head_size,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -28,20 +44,21 @@ def _reshape_and_cache_kernel(
     dims = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_size)
     t64 = token.to(tl.int64)
-    k = tl.load(key_ptr + t64 * stride_kt + heads[:, None] * stride_kh + dims[None, :],
-                mask=mask)
-    v = tl.load(value_ptr + t64 * stride_vt + heads[:, None] * stride_vh + dims[None, :],
-                mask=mask)
+    k = tl.load(key_ptr + t64 * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + t64 * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs
     vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs
-    tl.store(kc + heads[:, None] * stride_kch + dims[None, :],
-             k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + heads[:, None] * stride_vch + dims[None, :],
-             v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc + heads[:, None] * stride_kch + dims[None, :], k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc + heads[:, None] * stride_vch + dims[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """key/value [T, Hkv, D] (last dim contiguous); caches [num_blocks, block_size, Hkv, D]."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
@@ -51,10 +68,24 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: 
     block_h = max(1, min(triton.next_power_of_2(num_kv_heads), 4096 // block_d))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        num_kv_heads, head_size,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        num_kv_heads,
+        head_size,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )

@@ -19,6 +19,7 @@ Neither kernel takes a host value that changes between steps: the row counts com
 record, the paddings (`num_seqs`, the token count) are the bucket's. So the two launches can sit in a
 CUDA graph replayed for any step of the bucket.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,9 +65,17 @@ class StageLayout:
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
-def _prep_rows_kernel(stage_ptr, qsl_ptr, seq_lens_ptr, logits_idx_ptr, num_seqs,
-                      OFF_SCHED: tl.constexpr, OFF_COMP: tl.constexpr, OFF_SAMPLE: tl.constexpr,
-                      BLOCK_R: tl.constexpr):
+def _prep_rows_kernel(
+    stage_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    logits_idx_ptr,
+    num_seqs,
+    OFF_SCHED: tl.constexpr,
+    OFF_COMP: tl.constexpr,
+    OFF_SAMPLE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     num_reqs = tl.load(stage_ptr)
     num_sample = tl.load(stage_ptr + 1)
     r = tl.arange(0, BLOCK_R)
@@ -87,10 +96,20 @@ def _prep_rows_kernel(stage_ptr, qsl_ptr, seq_lens_ptr, logits_idx_ptr, num_seqs
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens_pad", "search_steps"])
-def _prep_tokens_kernel(stage_ptr, qsl_ptr, fed_ptr, input_ids_ptr, positions_ptr,
-                        num_seqs, num_tokens_pad, search_steps,
-                        OFF_COMP: tl.constexpr, OFF_FEED: tl.constexpr, OFF_TOK: tl.constexpr,
-                        TILE: tl.constexpr):
+def _prep_tokens_kernel(
+    stage_ptr,
+    qsl_ptr,
+    fed_ptr,
+    input_ids_ptr,
+    positions_ptr,
+    num_seqs,
+    num_tokens_pad,
+    search_steps,
+    OFF_COMP: tl.constexpr,
+    OFF_FEED: tl.constexpr,
+    OFF_TOK: tl.constexpr,
+    TILE: tl.constexpr,
+):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     in_buf = offs < num_tokens_pad
     num_tokens = tl.load(qsl_ptr + num_seqs)
@@ -123,49 +142,75 @@ class PrepOutputs:
     """The device buffers the kernels write (persistent: CUDA graphs read them by address)."""
 
     query_start_loc: torch.Tensor  # int32 [max_num_reqs + 1]
-    seq_lens: torch.Tensor         # int32 [max_num_reqs]
-    logits_indices: torch.Tensor   # int64 [max_num_reqs]
-    input_ids: torch.Tensor        # int64 [max_num_tokens]
-    positions: torch.Tensor        # int64 [max_num_tokens]
+    seq_lens: torch.Tensor  # int32 [max_num_reqs]
+    logits_indices: torch.Tensor  # int64 [max_num_reqs]
+    input_ids: torch.Tensor  # int64 [max_num_tokens]
+    positions: torch.Tensor  # int64 [max_num_tokens]
 
 
-def prepare_inputs(stage: torch.Tensor, layout: StageLayout, fed: torch.Tensor, out: PrepOutputs,
-                   num_seqs: int, num_tokens_pad: int, use_triton: bool) -> None:
+def prepare_inputs(
+    stage: torch.Tensor,
+    layout: StageLayout,
+    fed: torch.Tensor,
+    out: PrepOutputs,
+    num_seqs: int,
+    num_tokens_pad: int,
+    use_triton: bool,
+) -> None:
     """Fill `out` for a step padded to `num_seqs` sequences and `num_tokens_pad` tokens from the
     staged record `stage` (device int32 [layout.size]) and the previous step's sampled tokens `fed`."""
     if use_triton:
-        _prep_rows_kernel[(1,)](stage, out.query_start_loc, out.seq_lens, out.logits_indices, num_seqs,
-                                OFF_SCHED=layout.sched, OFF_COMP=layout.computed, OFF_SAMPLE=layout.sample,
-                                BLOCK_R=max(16, triton.next_power_of_2(layout.max_num_reqs + 1)))
+        _prep_rows_kernel[(1,)](
+            stage,
+            out.query_start_loc,
+            out.seq_lens,
+            out.logits_indices,
+            num_seqs,
+            OFF_SCHED=layout.sched,
+            OFF_COMP=layout.computed,
+            OFF_SAMPLE=layout.sample,
+            BLOCK_R=max(16, triton.next_power_of_2(layout.max_num_reqs + 1)),
+        )
         _prep_tokens_kernel[(triton.cdiv(num_tokens_pad, TOKEN_TILE),)](
-            stage, out.query_start_loc, fed, out.input_ids, out.positions, num_seqs, num_tokens_pad,
-            max(1, (num_seqs + 1).bit_length()), OFF_COMP=layout.computed, OFF_FEED=layout.feed,
-            OFF_TOK=layout.tokens, TILE=TOKEN_TILE)
+            stage,
+            out.query_start_loc,
+            fed,
+            out.input_ids,
+            out.positions,
+            num_seqs,
+            num_tokens_pad,
+            max(1, (num_seqs + 1).bit_length()),
+            OFF_COMP=layout.computed,
+            OFF_FEED=layout.feed,
+            OFF_TOK=layout.tokens,
+            TILE=TOKEN_TILE,
+        )
         return
     prepare_inputs_ref(stage, layout, fed, out, num_seqs, num_tokens_pad)
 
 
-def prepare_inputs_ref(stage: torch.Tensor, layout: StageLayout, fed: torch.Tensor, out: PrepOutputs,
-                       num_seqs: int, num_tokens_pad: int) -> None:
+def prepare_inputs_ref(
+    stage: torch.Tensor, layout: StageLayout, fed: torch.Tensor, out: PrepOutputs, num_seqs: int, num_tokens_pad: int
+) -> None:
     """Plain-torch reference of the two kernels (reads device values: a host sync)."""
     num_reqs, num_sample = int(stage[0]), int(stage[1])
-    sched = stage[layout.sched:layout.sched + num_reqs].to(torch.int64)
-    comp = stage[layout.computed:layout.computed + num_reqs].to(torch.int64)
-    feed = stage[layout.feed:layout.feed + num_reqs].to(torch.int64)
+    sched = stage[layout.sched : layout.sched + num_reqs].to(torch.int64)
+    comp = stage[layout.computed : layout.computed + num_reqs].to(torch.int64)
+    feed = stage[layout.feed : layout.feed + num_reqs].to(torch.int64)
     ends = torch.cumsum(sched, 0)
     total = int(ends[-1]) if num_reqs else 0
     qsl = torch.full((num_seqs + 1,), total, dtype=torch.int64, device=stage.device)
     qsl[0] = 0
-    qsl[1:num_reqs + 1] = ends
-    out.query_start_loc[:num_seqs + 1] = qsl.to(torch.int32)
+    qsl[1 : num_reqs + 1] = ends
+    out.query_start_loc[: num_seqs + 1] = qsl.to(torch.int32)
     seq_lens = torch.zeros(num_seqs, dtype=torch.int64, device=stage.device)
     seq_lens[:num_reqs] = comp + sched
     out.seq_lens[:num_seqs] = seq_lens.to(torch.int32)
-    rows = stage[layout.sample:layout.sample + num_sample].to(torch.int64)
+    rows = stage[layout.sample : layout.sample + num_sample].to(torch.int64)
     out.logits_indices[:num_sample] = qsl[rows + 1] - 1
     row = torch.repeat_interleave(torch.arange(num_reqs, device=stage.device), sched)
     j = torch.arange(total, device=stage.device) - qsl[row]
-    ids = stage[layout.tokens:layout.tokens + total].to(torch.int64)
+    ids = stage[layout.tokens : layout.tokens + total].to(torch.int64)
     use_fed = (feed[row] >= 0) & (j == 0)
     if bool(use_fed.any()):
         ids = torch.where(use_fed, fed[feed[row].clamp(min=0)].to(torch.int64), ids)

@@ -23,6 +23,7 @@ Design
   uncapped kernel compiles to exactly what it was.
 - Host ints max_query_len / max_seq_len only size the grid and pick heuristics: no device sync.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,7 @@ def _interpreting() -> bool:
 _FITTED: dict[tuple, _Tiles] = {}  # tiles too big for the device -> the smaller ones that fitted
 
 
-def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int,
-            max_query_len: int) -> None:
+def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int, max_query_len: int) -> None:
     """_launch_tiles with tiles the device holds: head 256 in fp32 (Gemma) needed 281 KiB of shared
     memory on the H200 (227 there), so smaller tiles are tried once per shape and remembered.
     Warm-up launches before any capture, so a CUDA graph never records a failed try."""
@@ -70,8 +70,7 @@ def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int
             tiles = _FITTED[key] = smaller
 
 
-def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int,
-                  max_query_len: int) -> None:
+def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int, max_query_len: int) -> None:
     """One kernel launch over the batch. q_filter 1 serves only sequences with q_len <= small_q,
     2 only the others, 0 all of them."""
     query, key_cache, value_cache, out = a["query"], a["key_cache"], a["value_cache"], a["out"]
@@ -91,30 +90,73 @@ def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_
         num_q_tiles = 1
         grid = (num_q_tiles, num_seqs, key_cache.shape[2] * num_splits)
     paged_attention_kernel[grid](
-        query, key_cache, value_cache, out, part_o, part_lse,
-        a["query_start_loc"], a["seq_lens"], block_table,
-        a["scale_log2"], a["softcap"], a["window"], num_q_tiles,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        query.shape[2], small_q, num_seqs, max(1, num_seqs.bit_length()),
-        GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_SIZE=key_cache.shape[1], HEAD_PAD=a["head_pad"],
-        USE_WINDOW=a["window"] > 0, NUM_SPLITS=num_splits, Q_FILTER=q_filter,
-        DOT_PRECISION=a["precision"], UPCAST_DOT=a["upcast"], SOFTCAP=a["softcap"] > 0, FLAT=flat,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part_o,
+        part_lse,
+        a["query_start_loc"],
+        a["seq_lens"],
+        block_table,
+        a["scale_log2"],
+        a["softcap"],
+        a["window"],
+        num_q_tiles,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        query.shape[2],
+        small_q,
+        num_seqs,
+        max(1, num_seqs.bit_length()),
+        GROUP=group,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_SIZE=key_cache.shape[1],
+        HEAD_PAD=a["head_pad"],
+        USE_WINDOW=a["window"] > 0,
+        NUM_SPLITS=num_splits,
+        Q_FILTER=q_filter,
+        DOT_PRECISION=a["precision"],
+        UPCAST_DOT=a["upcast"],
+        SOFTCAP=a["softcap"] > 0,
+        FLAT=flat,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
 
-def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, out: torch.Tensor,
-                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                           block_table: torch.Tensor, scale: float,
-                           sliding_window: int | None, max_query_len: int, max_seq_len: int,
-                           num_splits: int | None = None, block_m: int | None = None,
-                           block_n: int | None = None, softcap: float | None = None) -> None:
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    softcap: float | None = None,
+) -> None:
     """See kvcore.kernels.ops.paged_attention. num_splits / block_m / block_n override the
     heuristics (tests force the split path and small tiles with them).
 
@@ -134,23 +176,34 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError(f"block_m={small.block_m} must be >= query heads per KV head ({group})")
     small_q = small.block_m // group
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, key_cache.shape[2], max_query_len, max_seq_len,
-                                       num_sms(query.device))
+        num_splits = choose_num_splits(num_seqs, key_cache.shape[2], max_query_len, max_seq_len, num_sms(query.device))
     # Triton's CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): there the
     # operands are widened to fp32 first, after the same bf16 rounding of P as on the GPU.
     upcast = _interpreting() and query.dtype == torch.bfloat16
-    a: dict[str, Any] = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out,
-             query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-             num_seqs=num_seqs, group=group, scale_log2=scale if softcap else scale * _LOG2E,
-             softcap=float(softcap or 0.0),
-             window=sliding_window or 0, head_pad=head_pad(head_size),
-             precision="ieee" if query.dtype == torch.float32 or upcast else "tf32",
-             upcast=upcast, part_o=out, part_lse=out)  # partials unused when NUM_SPLITS == 1
+    a: dict[str, Any] = dict(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        out=out,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        num_seqs=num_seqs,
+        group=group,
+        scale_log2=scale if softcap else scale * _LOG2E,
+        softcap=float(softcap or 0.0),
+        window=sliding_window or 0,
+        head_pad=head_pad(head_size),
+        precision="ieee" if query.dtype == torch.float32 or upcast else "tf32",
+        upcast=upcast,
+        part_o=out,
+        part_lse=out,
+    )  # partials unused when NUM_SPLITS == 1
     if num_splits > 1:
-        a["part_o"] = torch.empty(num_tokens, num_heads, num_splits, head_size,
-                                  dtype=torch.float32, device=query.device)
-        a["part_lse"] = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
-                                    device=query.device)
+        a["part_o"] = torch.empty(
+            num_tokens, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device
+        )
+        a["part_lse"] = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
     if max_query_len <= small_q or block_m is not None:
         _launch(a, small, num_splits, 0, small_q, max_query_len)
     else:
@@ -159,9 +212,21 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
     if num_splits > 1:
         part_o, part_lse = a["part_o"], a["part_lse"]
         split_reduce_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, out, query_start_loc, num_seqs,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2),
-            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), head_size,
-            NUM_SPLITS=num_splits, SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)),
-            HEAD_PAD=a["head_pad"], num_warps=4,
+            part_o,
+            part_lse,
+            out,
+            query_start_loc,
+            num_seqs,
+            part_o.stride(0),
+            part_o.stride(1),
+            part_o.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            head_size,
+            NUM_SPLITS=num_splits,
+            SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)),
+            HEAD_PAD=a["head_pad"],
+            num_warps=4,
         )

@@ -1,6 +1,7 @@
 """The Triton kernels of paged attention: the tiled online-softmax attention over the paged KV cache,
 and the reduce of split-KV partials. Their design and how they are launched: paged_attention.py.
 """
+
 from __future__ import annotations
 
 import triton
@@ -8,27 +9,55 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend_tiles(acc, l_i, m_i, q, t_lo, t_hi, kv_lo, kv_hi, pos, window,
-                  k_base, v_base, bt_row, dims, dmask, scale_log2, softcap,
-                  stride_kb, stride_ks, stride_vb, stride_vs,
-                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                  USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  UPCAST_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+def _attend_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    t_lo,
+    t_hi,
+    kv_lo,
+    kv_hi,
+    pos,
+    window,
+    k_base,
+    v_base,
+    bt_row,
+    dims,
+    dmask,
+    scale_log2,
+    softcap,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     for t in range(t_lo, t_hi):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (cols >= kv_lo) & (cols < kv_hi)
         page = tl.load(bt_row + cols // BLOCK_SIZE, mask=col_ok, other=0).to(tl.int64)
         in_page = (cols % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(k_base + (page * stride_kb + in_page * stride_ks)[None, :] + dims[:, None],
-                    mask=col_ok[None, :] & dmask[:, None], other=0.0)
+        k = tl.load(
+            k_base + (page * stride_kb + in_page * stride_ks)[None, :] + dims[:, None],
+            mask=col_ok[None, :] & dmask[:, None],
+            other=0.0,
+        )
         if UPCAST_DOT:
             k = k.to(tl.float32)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP:
             # Gemma-2: cap * tanh(score / cap), with the score scaled by `scale` alone (the host
             # passes it without log2(e)); tanh(x) = 1 - 2 / (e^2x + 1) saturates cleanly at +-1.
-            qk = (1.0 - 2.0 / (tl.math.exp2(qk * (2.0 * 1.4426950408889634 / softcap)) + 1.0)) \
-                * (softcap * 1.4426950408889634)
+            qk = (1.0 - 2.0 / (tl.math.exp2(qk * (2.0 * 1.4426950408889634 / softcap)) + 1.0)) * (
+                softcap * 1.4426950408889634
+            )
         if MASKED:
             visible = col_ok[None, :] & (cols[None, :] <= pos[:, None])
             if USE_WINDOW:
@@ -38,8 +67,11 @@ def _attend_tiles(acc, l_i, m_i, q, t_lo, t_hi, kv_lo, kv_hi, pos, window,
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + dims[None, :],
-                    mask=col_ok[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(
+            v_base + (page * stride_vb + in_page * stride_vs)[:, None] + dims[None, :],
+            mask=col_ok[:, None] & dmask[None, :],
+            other=0.0,
+        )
         p_in = p.to(v.dtype)
         if UPCAST_DOT:
             # Same rounding of P as on the GPU, then an fp32 product (see paged_attention_triton).
@@ -54,17 +86,51 @@ def _attend_tiles(acc, l_i, m_i, q, t_lo, t_hi, kv_lo, kv_hi, pos, window,
 # multiples of 16): a variant compiled at start-up then serves every later step.
 @triton.jit(do_not_specialize=["num_q_tiles", "small_q", "num_seqs", "search_steps"])
 def paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    qsl_ptr, seq_lens_ptr, bt_ptr,
-    scale_log2, softcap, window, num_q_tiles,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    head_size, small_q, num_seqs, search_steps,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, Q_FILTER: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    SOFTCAP: tl.constexpr, FLAT: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    scale_log2,
+    softcap,
+    window,
+    num_q_tiles,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    head_size,
+    small_q,
+    num_seqs,
+    search_steps,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    Q_FILTER: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     # Heaviest (latest) query tiles first: under causal masking they have the most KV to read.
@@ -112,8 +178,11 @@ def paged_attention_kernel(
     dims = tl.arange(0, HEAD_PAD)
     dmask = dims < head_size
     tok64 = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dmask[None, :],
+        other=0.0,
+    )
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -144,41 +213,134 @@ def paged_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, tl.maximum(s_lo, t_first), tl.minimum(s_hi, t_a), kv_lo, kv_hi, pos,
-        window, k_base, v_base, bt_row, dims, dmask, scale_log2, softcap,
-        stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW,
-        DOT_PRECISION, UPCAST_DOT, SOFTCAP)
+        acc,
+        l_i,
+        m_i,
+        q,
+        tl.maximum(s_lo, t_first),
+        tl.minimum(s_hi, t_a),
+        kv_lo,
+        kv_hi,
+        pos,
+        window,
+        k_base,
+        v_base,
+        bt_row,
+        dims,
+        dmask,
+        scale_log2,
+        softcap,
+        stride_kb,
+        stride_ks,
+        stride_vb,
+        stride_vs,
+        BLOCK_N,
+        BLOCK_SIZE,
+        True,
+        USE_WINDOW,
+        DOT_PRECISION,
+        UPCAST_DOT,
+        SOFTCAP,
+    )
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, tl.maximum(s_lo, t_a), tl.minimum(s_hi, t_b), kv_lo, kv_hi, pos,
-        window, k_base, v_base, bt_row, dims, dmask, scale_log2, softcap,
-        stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW,
-        DOT_PRECISION, UPCAST_DOT, SOFTCAP)
+        acc,
+        l_i,
+        m_i,
+        q,
+        tl.maximum(s_lo, t_a),
+        tl.minimum(s_hi, t_b),
+        kv_lo,
+        kv_hi,
+        pos,
+        window,
+        k_base,
+        v_base,
+        bt_row,
+        dims,
+        dmask,
+        scale_log2,
+        softcap,
+        stride_kb,
+        stride_ks,
+        stride_vb,
+        stride_vs,
+        BLOCK_N,
+        BLOCK_SIZE,
+        False,
+        USE_WINDOW,
+        DOT_PRECISION,
+        UPCAST_DOT,
+        SOFTCAP,
+    )
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, tl.maximum(s_lo, t_b), tl.minimum(s_hi, t_last), kv_lo, kv_hi, pos,
-        window, k_base, v_base, bt_row, dims, dmask, scale_log2, softcap,
-        stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW,
-        DOT_PRECISION, UPCAST_DOT, SOFTCAP)
+        acc,
+        l_i,
+        m_i,
+        q,
+        tl.maximum(s_lo, t_b),
+        tl.minimum(s_hi, t_last),
+        kv_lo,
+        kv_hi,
+        pos,
+        window,
+        k_base,
+        v_base,
+        bt_row,
+        dims,
+        dmask,
+        scale_log2,
+        softcap,
+        stride_kb,
+        stride_ks,
+        stride_vb,
+        stride_vs,
+        BLOCK_N,
+        BLOCK_SIZE,
+        True,
+        USE_WINDOW,
+        DOT_PRECISION,
+        UPCAST_DOT,
+        SOFTCAP,
+    )
 
     # Rows that saw nothing (padding rows, or an empty split) keep l == 0: divide by 1 instead.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     omask = row_ok[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(
+            out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=omask,
+        )
     else:
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)),
-                       float("-inf"))
-        tl.store(part_o_ptr + tok64[:, None] * stride_pt + head[:, None] * stride_ph
-                 + split * stride_ps + dims[None, :], o, mask=omask)
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(
+            part_o_ptr + tok64[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps + dims[None, :],
+            o,
+            mask=omask,
+        )
         tl.store(part_lse_ptr + tok64 * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
-def split_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_seqs,
-                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                         stride_ot, stride_oh, head_size,
-                         NUM_SPLITS: tl.constexpr, SPLIT_PAD: tl.constexpr,
-                         HEAD_PAD: tl.constexpr):
+def split_reduce_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    qsl_ptr,
+    num_seqs,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    head_size,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
     tok = tl.program_id(0)
     head = tl.program_id(1)
     if tok >= tl.load(qsl_ptr + num_seqs):
@@ -188,11 +350,12 @@ def split_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_seqs,
     smask = splits < NUM_SPLITS
     dims = tl.arange(0, HEAD_PAD)
     dmask = dims < head_size
-    lse = tl.load(part_lse_ptr + tok64 * stride_lt + head * stride_lh + splits, mask=smask,
-                  other=float("-inf"))
+    lse = tl.load(part_lse_ptr + tok64 * stride_lt + head * stride_lh + splits, mask=smask, other=float("-inf"))
     weight = tl.math.exp2(lse - tl.max(lse, 0))
-    o = tl.load(part_o_ptr + tok64 * stride_pt + head * stride_ph + splits[:, None] * stride_ps
-                + dims[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    o = tl.load(
+        part_o_ptr + tok64 * stride_pt + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
+        mask=smask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     res = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + tok64 * stride_ot + head * stride_oh + dims,
-             res.to(out_ptr.dtype.element_ty), mask=dmask)
+    tl.store(out_ptr + tok64 * stride_ot + head * stride_oh + dims, res.to(out_ptr.dtype.element_ty), mask=dmask)

@@ -8,6 +8,7 @@ written in `out.dtype`.
 Layout (see DESIGN.md): key/value caches are [num_blocks, block_size, num_kv_heads, head_size];
 sequence b's query tokens are its LAST q_len positions: pos = seq_len - q_len + i.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,13 @@ import torch
 _MAX_SCORE_ELEMS = 1 << 25
 
 
-def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                          value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write key/value [T, Hkv, D] at slot_mapping[:T] of the paged caches; slot -1 writes nothing."""
     num_tokens = key.shape[0]
     slots = slot_mapping[:num_tokens].to(torch.int64)
@@ -55,8 +61,9 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | Non
     return allowed
 
 
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                      scale: float, softcap: float | None = None) -> torch.Tensor:
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, softcap: float | None = None
+) -> torch.Tensor:
     """q [N, Hkv, G*Lq, D], k/v [N, Hkv, Lk, D], allowed [N, 1, G*Lq, Lk] -> [N, Hkv, G*Lq, D].
     `softcap`: Gemma-2's cap * tanh(score / cap), in HF's order (scale first, mask after)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -66,9 +73,16 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_row: torch.Tensor, seq_len: int, scale: float,
-                 sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+def _prefill_one(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Attention for one sequence's chunk: query [Lq, Hq, D] -> [Lq, Hq, D] float32."""
     q_len, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -83,7 +97,7 @@ def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         e = min(q_len, s + rows)
         start = _kv_start(first_pos + s, sliding_window, block_size)
         end = first_pos + e
-        k = _gather(key_cache, block_row, start, end).permute(1, 0, 2)    # [Hkv, Lk, D]
+        k = _gather(key_cache, block_row, start, end).permute(1, 0, 2)  # [Hkv, Lk, D]
         v = _gather(value_cache, block_row, start, end).permute(1, 0, 2)
         q = query[s:e].float().view(e - s, num_kv_heads, group, head_size)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * (e - s), head_size)
@@ -91,14 +105,22 @@ def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         k_pos = torch.arange(start, end, device=query.device)
         allowed = _visible(q_pos, k_pos, sliding_window)
         o = _masked_attention(q[None], k[None], v[None], allowed[None, None], scale, softcap)[0]
-        out[s:e] = o.view(num_kv_heads, group, e - s, head_size).permute(2, 0, 1, 3).reshape(
-            e - s, num_heads, head_size)
+        out[s:e] = (
+            o.view(num_kv_heads, group, e - s, head_size).permute(2, 0, 1, 3).reshape(e - s, num_heads, head_size)
+        )
     return out
 
 
-def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  block_rows: torch.Tensor, seq_lens: list[int], scale: float,
-                  sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+def _decode_batch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_rows: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """One token per sequence, all sequences at once, padded to the longest gathered range:
     query [N, Hq, D] -> [N, Hq, D] float32."""
     n, num_heads, head_size = query.shape
@@ -118,21 +140,29 @@ def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     in_range = k_pos < seq_t[:, None]
     pages = torch.gather(block_rows.to(torch.int64), 1, page_idx)
     pages = torch.where(in_range[:, ::block_size], pages, torch.zeros_like(pages))
-    k = key_cache[pages].flatten(1, 2).float()      # [N, Lk, Hkv, D]
+    k = key_cache[pages].flatten(1, 2).float()  # [N, Lk, Hkv, D]
     v = value_cache[pages].flatten(1, 2).float()
     # Padding positions may hold anything (even NaN): zero them so 0-weight * garbage stays 0.
-    k = k.masked_fill(~in_range[:, :, None, None], 0.0).permute(0, 2, 1, 3)   # [N, Hkv, Lk, D]
+    k = k.masked_fill(~in_range[:, :, None, None], 0.0).permute(0, 2, 1, 3)  # [N, Hkv, Lk, D]
     v = v.masked_fill(~in_range[:, :, None, None], 0.0).permute(0, 2, 1, 3)
     q = query.float().view(n, num_kv_heads, group, head_size)
     allowed = _visible((seq_t - 1)[:, None], k_pos, sliding_window) & in_range[:, None, :]
-    o = _masked_attention(q, k, v, allowed[:, None], scale, softcap)   # [N, Hkv, G, D]
+    o = _masked_attention(q, k, v, allowed[:, None], scale, softcap)  # [N, Hkv, G, D]
     return o.reshape(n, num_heads, head_size)
 
 
-def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        block_table: torch.Tensor, scale: float,
-                        sliding_window: int | None = None, softcap: float | None = None) -> None:
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> None:
     """Causal (optionally sliding-window) GQA attention of a mixed batch over the paged cache.
     Writes out[:query_start_loc[B]]; rows beyond are left untouched."""
     starts = query_start_loc.tolist()
@@ -141,13 +171,20 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     if decode_ids:
         tok = torch.tensor([starts[b] for b in decode_ids], device=query.device)
         rows = torch.tensor(decode_ids, device=query.device)
-        o = _decode_batch(query[tok], key_cache, value_cache, block_table[rows],
-                          [lens[b] for b in decode_ids], scale, sliding_window, softcap)
+        o = _decode_batch(
+            query[tok],
+            key_cache,
+            value_cache,
+            block_table[rows],
+            [lens[b] for b in decode_ids],
+            scale,
+            sliding_window,
+            softcap,
+        )
         out[tok] = o.to(out.dtype)
     for b in range(len(lens)):
         s, e = starts[b], starts[b + 1]
         if e - s <= 1:
             continue
-        o = _prefill_one(query[s:e], key_cache, value_cache, block_table[b], lens[b], scale,
-                         sliding_window, softcap)
+        o = _prefill_one(query[s:e], key_cache, value_cache, block_table[b], lens[b], scale, sliding_window, softcap)
         out[s:e] = o.to(out.dtype)

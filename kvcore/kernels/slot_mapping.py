@@ -16,6 +16,7 @@ never synchronises and a captured graph stays valid for every step of its bucket
 buffer instead made a 16-token decode step launch 32 programs a group on an 8k buffer, and under the
 CPU interpreter most of a small engine step's time.)
 """
+
 from __future__ import annotations
 
 import torch
@@ -83,6 +84,7 @@ def triton_runs_on(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     from triton.runtime.interpreter import InterpretedFunction
+
     return isinstance(_slot_mapping_kernel, InterpretedFunction)
 
 
@@ -90,11 +92,17 @@ class SlotMappingLaunch:
     """The per-group device arrays of one set of block tables, gathered once; `__call__` launches
     the kernel for all groups at once."""
 
-    def __init__(self, block_tables: list[torch.Tensor], slot_mappings: list[torch.Tensor],
-                 block_sizes: list[int], max_num_reqs: int) -> None:
+    def __init__(
+        self,
+        block_tables: list[torch.Tensor],
+        slot_mappings: list[torch.Tensor],
+        block_sizes: list[int],
+        max_num_reqs: int,
+    ) -> None:
         if not (len(block_tables) == len(slot_mappings) == len(block_sizes) >= 1):
-            raise ValueError("SlotMappingLaunch: block_tables, slot_mappings and block_sizes must "
-                             "have the same non-zero length")
+            raise ValueError(
+                "SlotMappingLaunch: block_tables, slot_mappings and block_sizes must have the same non-zero length"
+            )
         device = block_tables[0].device
         lengths = {sm.numel() for sm in slot_mappings}
         if len(lengths) != 1:
@@ -103,33 +111,42 @@ class SlotMappingLaunch:
             if bt.dtype != torch.int32 or sm.dtype != torch.int64:
                 raise ValueError("SlotMappingLaunch: block tables must be int32, slot mappings int64")
             if bt.stride(1) != 1 or not sm.is_contiguous():
-                raise ValueError("SlotMappingLaunch: block-table rows and slot mappings must be "
-                                 "contiguous")
+                raise ValueError("SlotMappingLaunch: block-table rows and slot mappings must be contiguous")
         self.buffer_len = lengths.pop()
         self.num_groups = len(block_tables)
         self.search_steps = search_steps(max_num_reqs)
         # Keep the tensors alive: the kernel holds only their addresses.
         self._tensors = (list(block_tables), list(slot_mappings))
-        self.table_ptrs = torch.tensor([t.data_ptr() for t in block_tables], dtype=torch.int64,
-                                       device=device)
-        self.table_strides = torch.tensor([t.stride(0) for t in block_tables], dtype=torch.int64,
-                                          device=device)
+        self.table_ptrs = torch.tensor([t.data_ptr() for t in block_tables], dtype=torch.int64, device=device)
+        self.table_strides = torch.tensor([t.stride(0) for t in block_tables], dtype=torch.int64, device=device)
         self.block_sizes = torch.tensor(block_sizes, dtype=torch.int64, device=device)
-        self.out_ptrs = torch.tensor([s.data_ptr() for s in slot_mappings], dtype=torch.int64,
-                                     device=device)
+        self.out_ptrs = torch.tensor([s.data_ptr() for s in slot_mappings], dtype=torch.int64, device=device)
 
-    def __call__(self, num_reqs: int, query_start_loc: torch.Tensor,
-                 positions: torch.Tensor) -> None:
+    def __call__(self, num_reqs: int, query_start_loc: torch.Tensor, positions: torch.Tensor) -> None:
         num_out = min(positions.numel(), self.buffer_len)
         grid = (max(1, triton.cdiv(num_out, TOKEN_TILE)), self.num_groups)
         _slot_mapping_kernel[grid](
-            query_start_loc, positions, num_reqs, self.table_ptrs, self.table_strides,
-            self.block_sizes, self.out_ptrs, num_out,
-            TILE=TOKEN_TILE, SEARCH_STEPS=self.search_steps)
+            query_start_loc,
+            positions,
+            num_reqs,
+            self.table_ptrs,
+            self.table_strides,
+            self.block_sizes,
+            self.out_ptrs,
+            num_out,
+            TILE=TOKEN_TILE,
+            SEARCH_STEPS=self.search_steps,
+        )
 
 
-def slot_mapping_ref(block_table: torch.Tensor, block_size: int, query_start_loc: torch.Tensor,
-                     positions: torch.Tensor, num_reqs: int, buffer_len: int) -> torch.Tensor:
+def slot_mapping_ref(
+    block_table: torch.Tensor,
+    block_size: int,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    num_reqs: int,
+    buffer_len: int,
+) -> torch.Tensor:
     """Plain-torch reference: returns the int64 [buffer_len] slot mapping of one group.
     Reads device values (host sync); for tests and for CPU runs without the Triton interpreter."""
     qsl = query_start_loc[: num_reqs + 1].to(torch.int64)

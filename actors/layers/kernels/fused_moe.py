@@ -14,6 +14,7 @@ Rounding follows HF's expert loop: each GEMM's output is rounded to the activati
 routing weight multiplies it (in the weight's dtype: float32 for Mixtral, the model dtype for
 Qwen3-MoE) and the product is rounded again.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,7 @@ import triton.language as tl
 from actors.layers.kernels.rounding import round_to
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, top_k] -> (sorted_ids [max_blocks * block_m] int32: pair ids (t * top_k + j)
     grouped by expert, padding = T * top_k; expert_ids [max_blocks] int32: each tile's expert or -1)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -50,11 +50,29 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
-                     N, K, num_pairs, a_row_div,
-                     stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                     MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+def _moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    N,
+    K,
+    num_pairs,
+    a_row_div,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     expert = tl.load(expert_ids_ptr + pid_m)
     if expert < 0:
@@ -70,8 +88,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_i
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_base + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0)
+        b = tl.load(
+            w_base + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0
+        )
         if UPCAST_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -88,21 +107,48 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
-             expert_ids: torch.Tensor, num_pairs: int, a_row_div: int, topk_weights: torch.Tensor | None,
-             block_m: int, block_n: int = 64, block_k: int = 64) -> None:
+def moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_pairs: int,
+    a_row_div: int,
+    topk_weights: torch.Tensor | None,
+    block_m: int,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> None:
     """out[pair] = A[pair // a_row_div] @ w[expert(pair)]^T (x routing weight when given).
     a [rows, K], w [E, N, K], out [num_pairs, N]; all with unit stride on the last dim."""
     n, k = w.shape[1], w.shape[2]
     upcast = _interpreting() and a.dtype != torch.float32
     grid = (expert_ids.shape[0], triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
-        a, w, out, topk_weights if topk_weights is not None else out, sorted_ids, expert_ids,
-        n, k, num_pairs, a_row_div,
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        MUL_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
-        num_warps=4, num_stages=3,
+        a,
+        w,
+        out,
+        topk_weights if topk_weights is not None else out,
+        sorted_ids,
+        expert_ids,
+        n,
+        k,
+        num_pairs,
+        a_row_div,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        MUL_WEIGHT=topk_weights is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 or upcast else "tf32",
+        UPCAST_DOT=upcast,
+        num_warps=4,
+        num_stages=3,
     )
 
 
@@ -113,11 +159,19 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
 
 
-def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, block_m: int | None = None, block_n: int = 64,
-                     block_k: int = 64) -> torch.Tensor:
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk [T, top_k] -> [T, H]."""
     from actors.layers.kernels import layer_ops
+
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -128,6 +182,5 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     moe_gemm(x, w13, gate_up, sorted_ids, expert_ids, num_pairs, top_k, None, bm, block_n, block_k)
     act = layer_ops.silu_and_mul(gate_up, backend="triton")
     out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    moe_gemm(act, w2, out, sorted_ids, expert_ids, num_pairs, 1, topk_weights.reshape(-1), bm, block_n,
-             block_k)
+    moe_gemm(act, w2, out, sorted_ids, expert_ids, num_pairs, 1, topk_weights.reshape(-1), bm, block_n, block_k)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -3,6 +3,7 @@ against. They restate the torch layers of actors/layers (norm.py, rotary.py, act
 op, so they round exactly where those layers (and HF) round; tests check that they agree with the
 layers bit for bit.
 """
+
 from __future__ import annotations
 
 from typing import overload
@@ -12,14 +13,16 @@ import torch.nn.functional as F
 
 
 @overload
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: None = None, gemma: bool = False) -> torch.Tensor: ...
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None, gemma: bool = False
+) -> torch.Tensor: ...
 @overload
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None, gemma: bool = False
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, gemma: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, gemma: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x), or (norm(x + residual), x + residual); the norm is over the last dimension.
     `gemma`: Gemma's scale (1 + w), multiplied in float32 before the one rounding to x's dtype."""
     if residual is not None:
@@ -41,10 +44,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
-def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None,
-                     k_weight: torch.Tensor | None, eps: float, gemma: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hkv, D] -> (q [T, Hq*D], k [T, Hkv*D]): optional per-head RMSNorm
     (Qwen3's q_norm/k_norm), then neox rotary at `positions` from the fp32 cos | sin table."""
     if q_weight is not None and k_weight is not None:

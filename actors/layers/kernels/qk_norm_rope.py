@@ -11,6 +11,7 @@ product x*cos and rotate_half(x)*sin, and their sum, is rounded to the activatio
 products of two bf16 values are exact in fp32, rotary alone is bit-exact; only the fp32 norm
 statistic (summation order) can differ from torch, by a few fp32 ulps.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,24 @@ TILE_ELEMS = 2048  # elements of one program's tile: enough bytes in flight, few
 
 
 @triton.jit
-def _norm_rope_tile(src_ptr, dst_ptr, w_ptr, stride_st, stride_sh, stride_dt, token, heads,
-                    num_heads, cos, sin, eps,
-                    HEAD_SIZE: tl.constexpr, HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
-                    GEMMA: tl.constexpr):
+def _norm_rope_tile(
+    src_ptr,
+    dst_ptr,
+    w_ptr,
+    stride_st,
+    stride_sh,
+    stride_dt,
+    token,
+    heads,
+    num_heads,
+    cos,
+    sin,
+    eps,
+    HEAD_SIZE: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    GEMMA: tl.constexpr,
+):
     half: tl.constexpr = HEAD_SIZE // 2
     dims = tl.arange(0, HALF_BLOCK)
     dim_ok = dims < half
@@ -58,11 +73,29 @@ def _norm_rope_tile(src_ptr, dst_ptr, w_ptr, stride_st, stride_sh, stride_dt, to
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, qw_ptr, kw_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_kot, stride_cache,
-    num_q_heads, num_kv_heads, eps,
-    HEAD_SIZE: tl.constexpr, HALF_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_NORM: tl.constexpr, GEMMA: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    pos_ptr,
+    cache_ptr,
+    qw_ptr,
+    kw_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_kot,
+    stride_cache,
+    num_q_heads,
+    num_kv_heads,
+    eps,
+    HEAD_SIZE: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    GEMMA: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -76,12 +109,44 @@ def _qk_norm_rope_kernel(
     sin = round_to(tl.load(row + HEAD_SIZE // 2 + dims, mask=dim_ok, other=0.0), dtype)[None, :]
     if tile < num_q_tiles:
         heads = tile * BLOCK_H + tl.arange(0, BLOCK_H)
-        _norm_rope_tile(q_ptr, q_out_ptr, qw_ptr, stride_qt, stride_qh, stride_qot, token, heads,
-                        num_q_heads, cos, sin, eps, HEAD_SIZE, HALF_BLOCK, HAS_NORM, GEMMA)
+        _norm_rope_tile(
+            q_ptr,
+            q_out_ptr,
+            qw_ptr,
+            stride_qt,
+            stride_qh,
+            stride_qot,
+            token,
+            heads,
+            num_q_heads,
+            cos,
+            sin,
+            eps,
+            HEAD_SIZE,
+            HALF_BLOCK,
+            HAS_NORM,
+            GEMMA,
+        )
     else:
         heads = (tile - num_q_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
-        _norm_rope_tile(k_ptr, k_out_ptr, kw_ptr, stride_kt, stride_kh, stride_kot, token, heads,
-                        num_kv_heads, cos, sin, eps, HEAD_SIZE, HALF_BLOCK, HAS_NORM, GEMMA)
+        _norm_rope_tile(
+            k_ptr,
+            k_out_ptr,
+            kw_ptr,
+            stride_kt,
+            stride_kh,
+            stride_kot,
+            token,
+            heads,
+            num_kv_heads,
+            cos,
+            sin,
+            eps,
+            HEAD_SIZE,
+            HALF_BLOCK,
+            HAS_NORM,
+            GEMMA,
+        )
 
 
 def _block_heads(num_q_heads: int, num_kv_heads: int, head_size: int) -> int:
@@ -91,10 +156,16 @@ def _block_heads(num_q_heads: int, num_kv_heads: int, head_size: int) -> int:
     return max(1, min(divisor, TILE_ELEMS // triton.next_power_of_2(head_size)))
 
 
-def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                        cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None,
-                        k_weight: torch.Tensor | None, eps: float, gemma: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D] / k [T, Hkv, D] (unit stride on D, any token/head strides); positions [T];
     cos_sin_cache [max_pos, D] fp32 (cos | sin). Norm weights [D] or both None.
     Returns contiguous q [T, Hq*D], k [T, Hkv*D]."""
@@ -108,11 +179,30 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     block_h = _block_heads(num_q_heads, num_kv_heads, head_size)
     grid = (num_tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
     _qk_norm_rope_kernel[grid](
-        q, k, q_out, k_out, positions, cos_sin_cache,
-        q_weight if has_norm else q, k_weight if has_norm else k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), k_out.stride(0),
-        cos_sin_cache.stride(0), num_q_heads, num_kv_heads, eps,
-        HEAD_SIZE=head_size, HALF_BLOCK=triton.next_power_of_2(head_size // 2), BLOCK_H=block_h,
-        HAS_NORM=has_norm, GEMMA=gemma, num_warps=4, enable_fp_fusion=False,
+        q,
+        k,
+        q_out,
+        k_out,
+        positions,
+        cos_sin_cache,
+        q_weight if has_norm else q,
+        k_weight if has_norm else k,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        k_out.stride(0),
+        cos_sin_cache.stride(0),
+        num_q_heads,
+        num_kv_heads,
+        eps,
+        HEAD_SIZE=head_size,
+        HALF_BLOCK=triton.next_power_of_2(head_size // 2),
+        BLOCK_H=block_h,
+        HAS_NORM=has_norm,
+        GEMMA=gemma,
+        num_warps=4,
+        enable_fp_fusion=False,
     )
     return q_out, k_out

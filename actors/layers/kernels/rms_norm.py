@@ -5,6 +5,7 @@ graph captures it like any launch). Rounding follows HF/the torch layer exactly:
 rounded to the activation dtype, the statistics are fp32, the normalised value is rounded to the
 activation dtype and only then multiplied by the weight, that product rounded to the output dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,10 +17,21 @@ from actors.layers.kernels.rounding import round_to
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_res, stride_out, stride_res_out,
-    n_cols, inv_n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    n_cols,
+    inv_n,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GEMMA: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -45,9 +57,9 @@ def _num_warps(block_n: int) -> int:
     return max(1, min(16, block_n // 256))
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None, gemma: bool = False
-                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, gemma: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x (and residual) [M, N] with unit column stride, any row stride; weight [N].
     Returns norm(x) or, with residual, (norm(x + residual), x + residual), both contiguous."""
     num_rows, n_cols = x.shape
@@ -59,10 +71,22 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_in = residual if residual is not None else x
     block_n = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(num_rows,)](
-        x, res_in, weight, out, res_out,
-        x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-        n_cols, 1.0 / n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, GEMMA=gemma,
-        num_warps=_num_warps(block_n), enable_fp_fusion=False,
+        x,
+        res_in,
+        weight,
+        out,
+        res_out,
+        x.stride(0),
+        res_in.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        n_cols,
+        1.0 / n_cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_N=block_n,
+        GEMMA=gemma,
+        num_warps=_num_warps(block_n),
+        enable_fp_fusion=False,
     )
     return out if residual is None else (out, res_out)

@@ -7,6 +7,7 @@ bf16 is rounded with integer arithmetic (round to nearest, ties to even) rather 
 because the Triton interpreter truncates fp32 -> bf16 casts while the GPU rounds them; the bit
 trick gives the GPU's answer in both places, so the CPU tests check what the GPU computes.
 """
+
 from __future__ import annotations
 
 import os

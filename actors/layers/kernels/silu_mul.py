@@ -6,6 +6,7 @@ CUDA kernel does, x / (1 + expf(-x)) with an IEEE division; on the GPU expf is l
 accurate one (not Triton's approximate tl.exp), so bf16 results should match torch's bit for bit
 (benchmarks/bench_layer_kernels.py reports the match rate).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d,
-                         BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -43,7 +43,15 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(BLOCK, triton.next_power_of_2(d))
     grid = (num_rows, triton.cdiv(d, block))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
-                               PRECISE_EXP=not interpreting(), num_warps=4,
-                               enable_fp_fusion=False)
+    _silu_and_mul_kernel[grid](
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        d,
+        BLOCK=block,
+        PRECISE_EXP=not interpreting(),
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
     return out
