@@ -31,7 +31,7 @@ from actors.forward_context import AttentionMetadata, ForwardContext, set_forwar
 from actors.layers.attention import Attention  # noqa: E402
 from actors.layers.rotary import RotaryEmbedding  # noqa: E402
 from actors.models.args import parse_args  # noqa: E402
-from actors.models.decoder import DecoderLayer, attention_layer_name  # noqa: E402
+from actors.models.decoder import DecoderLayer, DecoderMLP, attention_layer_name  # noqa: E402
 
 SCRIPT = "bench_layer_kernels"
 TINY = {  # smoke-mode stand-ins of the two shapes
@@ -91,7 +91,7 @@ def build_layer(cfg: dict, device: str, dtype: torch.dtype) -> DecoderLayer:
     gen = torch.Generator(device="cpu").manual_seed(0)
     with torch.device(device):
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope, "triton")
-        layer = DecoderLayer(args, 0, rotary, dtype, "triton")
+        layer = DecoderLayer(args, 0, rotary, dtype, "triton", DecoderMLP(args, dtype, "triton"))
     with torch.no_grad():
         for name, p in layer.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
