@@ -28,6 +28,7 @@ from actors.driver_debug import DriverDebug
 from actors.driver_recovery import DriverRecovery
 from actors.engine_config import DEFAULT_WORKER_CLS, EngineConfig
 from actors.executor_base import WorkerFailure
+from actors.gc_heap import freeze_startup_heap
 from actors.live_requests import LiveRequests, make_request
 from actors.messages import (  # noqa: F401 - re-exported
     DOWN,
@@ -92,6 +93,7 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
             self._release()
             raise
         self._metrics = EngineMetrics(self.replica)
+        freeze_startup_heap()
         self._thread = threading.Thread(target=self._loop, name=f"kvray-step-loop-{self.replica}", daemon=True)
         self._thread.start()
         return self.info

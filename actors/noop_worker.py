@@ -38,8 +38,11 @@ class NoopWorker(ShmLoopMixin):
         self._held: ModelRunnerOutput | None = None
 
     # ---- the Worker contract ----------------------------------------------------------------
-    def init_device(self) -> None:
+    def init_device(self, dist_init_method: str | None = None) -> None:
         pass
+
+    def start_phases(self, requested: float) -> dict[str, float]:
+        return {}
 
     def load_model(self) -> None:
         pass

@@ -49,18 +49,25 @@ class RayExecutor(Executor):
         self.transport: Any = None
         self._closed = False
         t0 = time.perf_counter()
-        self.probe = self._run_probe(probe_model)
-        t1 = time.perf_counter()
         try:
+            # The worker processes boot (Python, Ray, torch: seconds) while the probe finds the TP group's
+            # port; only init_device needs that.
+            probe_ref = self._probe_ref(probe_model)
+            requested = time.time()
             self._start_workers(worker_cls)
-            self.collective_rpc("init_device")
+            self.probe: NodeProbe = ray.get(probe_ref, timeout=self.setup_timeout_s)
+            t1 = time.perf_counter()
+            self.collective_rpc("init_device", self._init_method())
             t2 = time.perf_counter()
+            phases = ray.get(self.workers[0].start_phases.remote(requested), timeout=self.setup_timeout_s)
             self.collective_rpc("load_model")
             # Where start-up time goes (the engine stats carry it; benchmarks/bench_startup.py prints it).
+            # The probe runs inside the workers' start, so probe_s is part of workers_start_s.
             self.startup_s = {
                 "probe_s": round(t1 - t0, 2),
-                "workers_start_s": round(t2 - t1, 2),
+                "workers_start_s": round(t2 - t0, 2),
                 "load_model_s": round(time.perf_counter() - t2, 2),
+                **phases,
             }
         except BaseException:
             self.shutdown()
@@ -69,9 +76,12 @@ class RayExecutor(Executor):
     def _strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
 
-    def _run_probe(self, probe_model: bool) -> NodeProbe:
+    def _probe_ref(self, probe_model: bool) -> Any:
         task = ray.remote(num_cpus=0)(probe_node).options(scheduling_strategy=self._strategy(0))
-        return ray.get(task.remote(self.config.model.model if probe_model else None), timeout=self.setup_timeout_s)
+        return task.remote(self.config.model.model if probe_model else None)
+
+    def _init_method(self) -> str | None:
+        return f"tcp://{self.probe.node_ip}:{self.probe.port}" if self.world_size > 1 else None
 
     def _start_workers(self, worker_cls: str | type[Any]) -> None:
         cls = import_class(worker_cls) if isinstance(worker_cls, str) else worker_cls
@@ -80,16 +90,13 @@ class RayExecutor(Executor):
             opts = {"num_cpus": 0, "num_gpus": p.gpus_per_worker}
         else:
             opts = {"num_cpus": 1}
-        init_method = f"tcp://{self.probe.node_ip}:{self.probe.port}" if self.world_size > 1 else None
         remote_cls = ray.remote(cls)
         for rank in range(self.world_size):
             actor = remote_cls.options(
                 **opts, scheduling_strategy=self._strategy(rank), name=None, max_restarts=0
-            ).remote(self.config, rank, self.world_size, init_method)
+            ).remote(self.config, rank, self.world_size, None)
             self.workers.append(actor)
-        logger.info(
-            "RayExecutor: %d worker(s), TP group at %s, backend %s", self.world_size, init_method, p.collective_backend
-        )
+        logger.info("RayExecutor: %d worker(s), backend %s", self.world_size, p.collective_backend)
 
     # ---- calls ------------------------------------------------------------------------------
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

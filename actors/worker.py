@@ -9,12 +9,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any
 
+# First: the time of its import is when this module's import began (torch is most of it).
+from actors import start_timeline
+
+# isort: split
 import torch
 
 from actors import compile_log, parallel_state
 from actors.engine_config import EngineConfig
+from actors.gc_heap import freeze_startup_heap
 from actors.model_runner import ModelRunner
 from actors.shm_worker import ShmLoopMixin
 from actors.step_profiler import StepProfiler
@@ -22,6 +28,7 @@ from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
 
 logger = logging.getLogger(__name__)
+_IMPORTED = time.time()
 
 
 def _ray_module() -> Any | None:
@@ -52,8 +59,6 @@ class Worker(ShmLoopMixin):
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"Worker: rank={rank} must be in [0, world_size={world_size})")
-        if world_size > 1 and not dist_init_method:
-            raise ValueError("Worker: dist_init_method is required when world_size > 1")
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -66,6 +71,7 @@ class Worker(ShmLoopMixin):
         self._fail_before = False
         # KVRAY_LOG_COMPILES=1: record every Triton compile (benchmarks/bench_startup.py reads it).
         self.compile_log = compile_log.install() if os.environ.get("KVRAY_LOG_COMPILES") == "1" else None
+        self._marks = {"imported": _IMPORTED, "constructed": time.time()}
 
     # ---- set-up -----------------------------------------------------------------------------
     def _cuda_index(self) -> int:
@@ -80,7 +86,13 @@ class Worker(ShmLoopMixin):
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         return local_rank % max(torch.cuda.device_count(), 1)
 
-    def init_device(self) -> None:
+    def init_device(self, dist_init_method: str | None = None) -> None:
+        """Picks the device, joins the TP group and builds the ModelRunner. The group's address may come
+        only now: the Ray executor starts the worker processes while its probe finds a free port."""
+        if dist_init_method is not None:
+            self.dist_init_method = dist_init_method
+        if self.world_size > 1 and not self.dist_init_method:
+            raise ValueError("Worker: dist_init_method is required when world_size > 1")
         device_kind = self.config.parallel.resolved_device()
         if device_kind == "cuda":
             if not torch.cuda.is_available():
@@ -90,6 +102,7 @@ class Worker(ShmLoopMixin):
             self.device = torch.device("cuda", index)
         else:  # resolved_device() is cpu or cuda; the config rejected any other name
             self.device = torch.device("cpu")
+        self._marks["device"] = time.time()
         parallel_state.init_tensor_parallel(
             self.rank,
             self.world_size,
@@ -98,8 +111,14 @@ class Worker(ShmLoopMixin):
             timeout_s=self.config.parallel.step_timeout_s,
             collective_timeout_s=self.config.parallel.resolved_collective_timeout_s,
         )
+        self._marks["tp_group"] = time.time()
         torch.manual_seed(self.config.model.seed)
         self.model_runner = ModelRunner(self.config, self.device, self.rank)
+        self._marks["runner"] = time.time()
+
+    def start_phases(self, requested: float) -> dict[str, float]:
+        """Where this worker's start went since the executor asked for it (engine stats, bench_startup)."""
+        return start_timeline.worker_phases(requested, self._marks)
 
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:
@@ -121,6 +140,8 @@ class Worker(ShmLoopMixin):
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self._runner().initialize_kv_cache(kv_cache_config)
+        if _ray_module() is not None:  # a process of its own; in-process (tests, LocalExecutor) it is the user's
+            logger.info("worker rank %d: %d start-up objects frozen", self.rank, freeze_startup_heap())
 
     # ---- the step ---------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -3,11 +3,16 @@
 Each measurement runs in a fresh process (Triton also caches compiled kernels in memory): cold with an
 empty TRITON_CACHE_DIR, then warm with the cache the cold run filled. In the warm process, a workload
 of 128 requests (prompts of 128-512 tokens, 64 greedy tokens) runs twice with no warm-up call before,
-with the same lengths but fresh token ids the second time (no prefix-cache hits):
-first_run_ttft_ratio = TTFT p50 of the first run / of the second (target <= 1.2: nothing compiles on
-the first requests).
+with the same lengths but fresh token ids the second time (no prefix-cache hits), and a third time
+after a pause of PAUSE_S: first_run_ttft_ratio = TTFT p50 of the first run / of the second (target
+<= 1.2: nothing compiles on the first requests); the third tells a first-run cost from a cost of
+starting after idle. Last, a start with Ray already running (RAY_ADDRESS, as under `ray job submit`):
+the engine's own start without Ray's (init_s_*_attached). The engine stats split the start into ray
+connect / placement / probe / workers (and the worker processes' phases, worker_*_s) / model load /
+KV sizing / KV + capture.
 
   python benchmarks/bench_startup.py --shape qwen3-0.6b
+  python benchmarks/bench_startup.py --warm-only    # the Triton cache as it is (warm after other runs)
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, make_random_model, record  # noqa: E402
 
 STARTUP_KEYS = ("probe_s", "workers_start_s", "load_model_s", "kv_sizing_s", "kv_init_capture_s", "step_path_s")
+PAUSE_S = 5.0
 TAGS = {"qwen3-0.6b": "qwen3_0p6b", "llama-3.1-8b": "llama8b"}
 
 
@@ -45,7 +51,7 @@ def child(model_dir: str, runs: int) -> dict:
     driver = llm.engines.drivers[0]
     stats = llm.engines.stats()[0]
     out.update(llm.engines.startup_s)
-    out.update({k: v for k, v in stats.items() if k.endswith("_s") and k in STARTUP_KEYS})
+    out.update({k: v for k, v in stats.items() if k in STARTUP_KEYS or k.startswith("worker_")})
     compiles = ray.get(driver.worker_call.remote(0, "compile_events", 0))
     out["compiles_at_start"] = len(compiles)
     out["compile_s_at_start"] = round(sum(e["took_s"] for e in compiles), 2)
@@ -58,6 +64,10 @@ def child(model_dir: str, runs: int) -> dict:
     sp = SamplingParams(max_tokens=64, ignore_eos=True)
     try:
         for r in range(runs):
+            if r == 2:
+                # An idle gap before the third run: if it is as slow as the first, what the first run
+                # pays is the wake-up after idle (clocks, sleeping loops), not a missing warm-up.
+                time.sleep(PAUSE_S)
             # Same lengths, fresh tokens: a repeated prompt would hit the prefix cache and flatter the later run.
             rng = np.random.default_rng(100 + r)
             prompts = [{"prompt_token_ids": rng.integers(0, 10000, int(n)).tolist()} for n in lens]
@@ -76,22 +86,39 @@ def child(model_dir: str, runs: int) -> dict:
     return out
 
 
+def running_ray() -> str:
+    """A local Ray this process keeps up for the attached run; its GCS address for RAY_ADDRESS."""
+    import ray
+
+    from cluster.placement import start_local_ray
+
+    if not ray.is_initialized():
+        start_local_ray(num_cpus=os.cpu_count() or 1)
+    return str(ray.get_runtime_context().gcs_address)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--runs", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--runs", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--warm-only", action="store_true", help="skip the cold-cache start (about a minute)")
     args = ap.parse_args()
     if args.child:
         print("CHILD " + json.dumps(child(args.child, args.runs)), flush=True)
         return
     model_dir = make_random_model(args.shape, args.model_dir)
     tag = TAGS[args.shape]
-    cache = tempfile.mkdtemp(prefix="kvray-triton-cache-")
+    cache = None if args.warm_only else tempfile.mkdtemp(prefix="kvray-triton-cache-")
     results = {}
-    for name, runs in (("cold", 1), ("warm", 2)):
-        env = {**os.environ, "TRITON_CACHE_DIR": cache, "KVRAY_LOG_COMPILES": "1"}
+    for name, runs in (("cold", 1), ("warm", 3), ("attached", 1)):
+        if name == "cold" and args.warm_only:
+            continue
+        env = {**os.environ, "KVRAY_LOG_COMPILES": "1", **({"TRITON_CACHE_DIR": cache} if cache else {})}
+        if name == "attached":
+            # Ray already up (`ray start`, or the cluster `ray job submit` targets): the engine's own start.
+            env["RAY_ADDRESS"] = running_ray()
         p = subprocess.run(
             [sys.executable, __file__, "--child", model_dir, "--runs", str(runs)],
             env=env,
@@ -104,8 +131,10 @@ def main() -> None:
             raise RuntimeError(f"{name} start-up run failed (rc={p.returncode}): {p.stdout[-2000:]}")
         results[name] = json.loads(line[6:])
         print(f"start-up [{name} Triton cache]: {results[name]}", flush=True)
+    record("bench_startup", f"init_s_{tag}_attached", results["attached"]["init_s"], "s")
+    if "cold" in results:
+        record("bench_startup", f"init_s_{tag}_cold", results["cold"]["init_s"], "s")
     record("bench_startup", f"init_s_{tag}", results["warm"]["init_s"], "s")
-    record("bench_startup", f"init_s_{tag}_cold", results["cold"]["init_s"], "s")
     w = results["warm"]
     record(
         "bench_startup",
