@@ -61,6 +61,8 @@ CONFIGS = {
     "cap512": dict(cudagraph_max_tokens=512),
     "cap2048": dict(cudagraph_max_tokens=2048),
     "big": dict(max_num_seqs=512, max_num_batched_tokens=16384),
+    # vLLM's own defaults for LLM() on a GPU of >= 70 GiB that is not an A100 (H100, H200).
+    "seqs1024": dict(max_num_seqs=1024, max_num_batched_tokens=16384),
     "big_cap512": dict(max_num_seqs=512, max_num_batched_tokens=16384, cudagraph_max_tokens=512),
     "shm": dict(transport="shm"),
     "compiled_graph": dict(transport="compiled_graph"),
