@@ -86,15 +86,16 @@ def child(model_dir: str, runs: int) -> dict:
     return out
 
 
-def running_ray() -> str:
-    """A local Ray this process keeps up for the attached run; its GCS address for RAY_ADDRESS."""
+def running_ray() -> dict[str, str]:
+    """A local Ray this process keeps up for the attached run, and the environment a client needs to
+    join it: its GCS address, and token auth on (a local Ray 2.60 starts with a token in ~/.ray, which
+    a joining client reads only when told to)."""
     import ray
 
     from cluster.placement import start_local_ray
 
-    if not ray.is_initialized():
-        start_local_ray(num_cpus=os.cpu_count() or 1)
-    return str(ray.get_runtime_context().gcs_address)
+    start_local_ray(num_cpus=os.cpu_count() or 1)
+    return {"RAY_AUTH_MODE": "token", "RAY_ADDRESS": str(ray.get_runtime_context().gcs_address)}
 
 
 def main() -> None:
@@ -118,7 +119,7 @@ def main() -> None:
         env = {**os.environ, "KVRAY_LOG_COMPILES": "1", **({"TRITON_CACHE_DIR": cache} if cache else {})}
         if name == "attached":
             # Ray already up (`ray start`, or the cluster `ray job submit` targets): the engine's own start.
-            env["RAY_ADDRESS"] = running_ray()
+            env.update(running_ray())
         p = subprocess.run(
             [sys.executable, __file__, "--child", model_dir, "--runs", str(runs)],
             env=env,
