@@ -71,9 +71,15 @@ def child(model_dir: str, runs: int) -> dict:
             # Same lengths, fresh tokens: a repeated prompt would hit the prefix cache and flatter the later run.
             rng = np.random.default_rng(100 + r)
             prompts = [{"prompt_token_ids": rng.integers(0, 10000, int(n)).tolist()} for n in lens]
+            timing = ray.get(driver.worker_call.remote(0, "start_step_timing"))
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp)
             wall = time.perf_counter() - t0
+            if timing:
+                host = ray.get(driver.worker_call.remote(0, "collect_host_phases"))
+                out[f"run{r}_steps"] = step_summary(
+                    ray.get(driver.worker_call.remote(0, "collect_step_timing")), host, wall
+                )
             ttft = statistics.median(o.metrics.ttft_s for o in outs if o.metrics and o.metrics.ttft_s is not None)
             out[f"run{r}_ttft_p50_ms"] = ttft * 1e3
             out[f"run{r}_wall_s"] = wall
@@ -84,6 +90,30 @@ def child(model_dir: str, runs: int) -> dict:
     finally:
         llm.shutdown()
     return out
+
+
+def step_summary(steps: list[dict], host: list[dict], wall_s: float) -> dict:
+    """Where a run's wall time went on rank 0: GPU busy, GPU gaps between steps, the worker's host phases,
+    and what lies outside every step (the client and driver before the first step and after the last),
+    plus the first steps one by one: a first-run cost shows as a slower first step or a late start."""
+    busy = sum(st["busy_ms"] or 0.0 for st in steps)
+    gaps = sum(st["gap_ms"] or 0.0 for st in steps)
+    phases = {k: round(sum(h[k] for h in host), 1) for k in ("prepare_ms", "wait_ms", "complete_ms", "outside_ms")}
+    first = [
+        {
+            k: (round(v, 2) if isinstance(v, float) else v)
+            for k, v in {**st, **(host[i] if i < len(host) else {})}.items()
+        }
+        for i, st in enumerate(steps[:6])
+    ]
+    return {
+        "n": len(steps),
+        "busy_ms": round(busy, 1),
+        "gaps_ms": round(gaps, 1),
+        "outside_steps_ms": round(wall_s * 1e3 - busy - gaps, 1),
+        **phases,
+        "first": first,
+    }
 
 
 def running_ray() -> dict[str, str]:
