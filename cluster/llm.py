@@ -41,7 +41,8 @@ class PromptError(ValueError):
 
 def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]:
     """The tokenizer and config.json as this client sees them (None where the model is not local)."""
-    from actors.loader import read_hf_config, resolve_model_dir
+    from actors.hf_config import read_config_json
+    from actors.node_probe import resolve_model_dir
     from cluster.tokenizer import load_tokenizer_if_present
 
     try:
@@ -50,11 +51,11 @@ def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]
         # The model may live only on the cluster's nodes: token-id prompts still work.
         logger.warning("model %r is not on this machine: text prompts need a tokenizer", config.model.model)
         return None, None
-    return load_tokenizer_if_present(model_dir), read_hf_config(model_dir)
+    return load_tokenizer_if_present(model_dir), read_config_json(model_dir)
 
 
 def client_model_dir(config: EngineConfig) -> str | None:
-    from actors.loader import resolve_model_dir
+    from actors.node_probe import resolve_model_dir
 
     try:
         return resolve_model_dir(config.model.model)
@@ -64,10 +65,10 @@ def client_model_dir(config: EngineConfig) -> str | None:
 
 def check_client_model(config: EngineConfig, hf_config: dict[str, Any]) -> None:
     """Fail on this machine, before any actor starts, when the config cannot run this model."""
-    from actors.models.registry import resolve_architecture
+    from actors.models.architectures import supported_architecture
 
     validate_for_model(config, hf_config)
-    resolve_architecture(hf_config)  # an unsupported architecture names itself and the supported ones
+    supported_architecture(hf_config)  # an unsupported architecture names itself and the supported ones
 
 
 class LLM:

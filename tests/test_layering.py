@@ -71,9 +71,10 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
     assert [m for _, m in imported_modules(pkg / "m.py")] == ["ray.util", "kvcore", "kvcore.x"]
 
 
-def loaded_tensor_libs(modules: str) -> str:
-    """Which of torch and triton importing `modules` (comma-separated) pulls in, in a fresh process."""
-    code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+def loaded_tensor_libs(modules: str, then: str = "") -> str:
+    """Which of torch and triton importing `modules` (comma-separated) and running `then` pulls in, in
+    a fresh process."""
+    code = f"import sys, {modules}; {then or 'pass'}; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
@@ -101,3 +102,22 @@ def test_the_driver_process_never_loads_torch():
     # The driver actor (scheduler, KV-cache manager, transport) holds no tensor: importing torch there
     # cost seconds of every engine start and rebuild.
     assert loaded_tensor_libs("actors.driver, actors.engine_core, actors.ray_executor, actors.shm_transport") == "[]"
+
+
+def test_the_client_checks_a_model_without_torch(tmp_path):
+    # What LLM(...) and `kvray run` do on the client before Ray starts: find the model, read config.json,
+    # the tokenizer and generation_config.json, and check the architecture. Lazy imports there once
+    # pulled torch into every client (~3 s of each start-up on the H200 host).
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 16, '
+        '"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, '
+        '"intermediate_size": 32, "max_position_embeddings": 128}'
+    )
+    then = (
+        "from cluster.config import EngineConfig; from cluster.cli import check_model; "
+        f"c = EngineConfig().replace(model={str(tmp_path)!r}); "
+        "tok, hf = cluster.llm.load_client_model(c); cluster.llm.check_client_model(c, hf); "
+        "cluster.llm.client_model_dir(c); cluster.llm.default_sampling_params(cluster.llm.client_model_dir(c)); "
+        "check_model(c); assert hf['model_type'] == 'qwen3'"
+    )
+    assert loaded_tensor_libs("cluster.llm, cluster.cli", then) == "[]"

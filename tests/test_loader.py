@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from actors.loader import load_model, read_hf_config, resolve_dtype, resolve_model_dir
+from actors.models.architectures import SUPPORTED_ARCHITECTURES
 from actors.models.args import qwen_layer_windows
 from actors.models.checkpoint import CorruptCheckpointError, MissingTensorError, TensorShapeError, UnexpectedTensorError
-from actors.models.registry import UnsupportedArchitectureError
+from actors.models.registry import MODEL_REGISTRY, UnsupportedArchitectureError
 from actors.models.tiny_random import VERSION, ensure_tiny_random
 from cluster.tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer_if_present
 
@@ -281,3 +282,8 @@ def test_tokenizer(tmp_path) -> None:
     with pytest.raises(TokenizerNotFoundError, match="no tokenizer.json"):
         Tokenizer.from_dir(path)
     assert load_tokenizer_if_present(path) is None
+
+
+def test_the_client_list_of_architectures_is_the_registry():
+    # The client checks names without importing the models (actors/models/architectures.py).
+    assert list(SUPPORTED_ARCHITECTURES) == sorted(MODEL_REGISTRY)

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from actors.models.architectures import UnsupportedArchitectureError, supported_architecture
 from actors.models.decoder import DecoderForCausalLM
 from actors.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from actors.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -29,22 +30,11 @@ MODEL_REGISTRY: dict[str, ModelClass] = {
 }
 
 
-class UnsupportedArchitectureError(ValueError):
-    pass
+__all__ = ["MODEL_REGISTRY", "UnsupportedArchitectureError", "build_model", "resolve_architecture"]
 
 
 def resolve_architecture(hf_config: dict[str, Any]) -> ModelClass:
-    archs = hf_config.get("architectures") or []
-    if not isinstance(archs, list) or not archs:
-        raise UnsupportedArchitectureError(
-            f"config.json: 'architectures' is missing or empty; supported: {sorted(MODEL_REGISTRY)}"
-        )
-    for arch in archs:
-        if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
-    raise UnsupportedArchitectureError(
-        f"config.json: architecture {', '.join(map(repr, archs))} is not supported; supported: {sorted(MODEL_REGISTRY)}"
-    )
+    return MODEL_REGISTRY[supported_architecture(hf_config)]
 
 
 def build_model(hf_config: dict[str, Any], dtype: torch.dtype, attention_backend: str = "torch") -> DecoderForCausalLM:
