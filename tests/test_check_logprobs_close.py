@@ -1,0 +1,82 @@
+"""benchmarks/check_logprobs_close.py: vLLM's logprobs comparison rule on hand-made outputs, and the
+script's CPU smoke end to end (kvray and HF in float32 on a tiny hybrid-attention Gemma-3)."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from check_logprobs_close import check_sequence, kvray_topk, main  # noqa: E402
+
+from cluster.outputs import Logprob  # noqa: E402
+
+K = 5
+# Three positions; HF's greedy token at each is its top-1.
+HF_TOKENS = [10, 20, 30]
+HF_TOP = [
+    {10: -0.1, 11: -2.0, 12: -3.0, 13: -4.0, 14: -5.0},
+    {20: -0.5, 21: -0.9, 22: -3.0, 23: -4.0, 24: -5.0},
+    {30: -0.2, 31: -2.0, 32: -3.0, 33: -4.0, 34: -5.0},
+]
+
+
+def test_identical_sequences_pass_and_measure_the_shared_logprob():
+    kv_top = [dict(d) for d in HF_TOP]
+    kv_top[1][20] = -0.5 + 0.03
+    got = check_sequence(0, list(HF_TOKENS), kv_top, HF_TOKENS, HF_TOP, K)
+    assert got.ok and got.first_div is None and got.reason == ""
+    assert abs(got.max_lp_diff - 0.03) < 1e-9
+
+
+def test_divergence_inside_both_top_k_passes_and_stops_there():
+    # kvray picks 21 at position 1 (HF's second); HF's 20 is kvray's second. Position 2 differs wildly
+    # afterwards: the continuation is not compared.
+    kv_top = [HF_TOP[0], {21: -0.6, 20: -0.8, 22: -3.0, 23: -4.0, 24: -5.0}, {99: -0.1}]
+    got = check_sequence(3, [10, 21, 99], kv_top, HF_TOKENS, HF_TOP, K)
+    assert got.ok and got.first_div == 1 and got.reason == ""
+
+
+def test_kvray_token_outside_hf_top_k_fails():
+    kv_top = [HF_TOP[0], {77: -0.4, 20: -0.7, 22: -3.0, 23: -4.0, 24: -5.0}, HF_TOP[2]]
+    got = check_sequence(2, [10, 77, 30], kv_top, HF_TOKENS, HF_TOP, K)
+    assert not got.ok and got.first_div == 1
+    assert "kvray's token 77 is not in HF's top-5" in got.reason and "HF's token" not in got.reason
+    assert "prompt 2, position 1" in got.reason and "matched tokens [10]" in got.reason
+
+
+def test_hf_token_outside_kvray_top_k_fails():
+    kv_top = [HF_TOP[0], {21: -0.4, 22: -0.7, 23: -3.0, 24: -4.0, 25: -5.0}, HF_TOP[2]]
+    got = check_sequence(0, [10, 21, 30], kv_top, HF_TOKENS, HF_TOP, K)
+    assert not got.ok and got.first_div == 1
+    assert "HF's token 20 is not in kvray's top-5" in got.reason and "kvray's token" not in got.reason
+
+
+def test_lengths_or_missing_logprobs_fail():
+    assert not check_sequence(0, [10, 20], HF_TOP[:2], HF_TOKENS, HF_TOP, K).ok
+    got = check_sequence(0, [10, 21, 30], HF_TOP[:1], HF_TOKENS, HF_TOP, K)
+    assert not got.ok and "no logprobs" in got.reason
+
+
+def test_kvray_topk_keeps_ranks_up_to_k():
+    # vLLM's dict also holds the sampled token when it ranks below k.
+    pos = {9: Logprob(-7.0, 12), 1: Logprob(-0.1, 1), 2: Logprob(-1.0, 2)}
+    assert kvray_topk(pos, 2) == {1: -0.1, 2: -1.0}
+    assert kvray_topk(pos, 1) == {1: -0.1}
+
+
+def test_smoke_end_to_end(tmp_path, capsys):
+    res = tmp_path / "results"
+    rc = main(["--smoke", "--shapes", "gemma-3-12b", "--model-dir", str(tmp_path), "--results-dir", str(res)])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    assert "gemma-3-12b: PASS" in out and out.rstrip().splitlines()[-1].startswith("PASS"), out[-3000:]
+    assert "window 16" in out  # the tiny hybrid slides, and its prompts straddle the window
+    recs = {r["metric"]: r for r in map(json.loads, (res / "check_logprobs_close.jsonl").read_text().splitlines())}
+    assert recs["logprobs_close_pass_gemma_3_12b"]["value"] == 1.0
+    assert recs["logprobs_close_pass"]["value"] == 1.0
+    assert recs["logprobs_close_divergent_gemma_3_12b"]["unit"] == "sequences"
+    assert 0 <= recs["logprobs_close_divergent_gemma_3_12b"]["value"] <= 4
+    # float32 on both sides: the shared token's logprob agrees to float32 noise.
+    assert recs["logprobs_close_max_lp_diff_gemma_3_12b"]["value"] < 1e-3
+    assert all(r["device"] == "cpu" for r in recs.values())
