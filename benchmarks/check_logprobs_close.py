@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import sys
 import time
@@ -45,8 +46,11 @@ DEFAULT_SHAPES = ["llama-3.1-8b", "qwen3-0.6b", "mistral-7b", "gemma-3-12b"]
 # Layers kept on the GPU: the checkpoint is written on the device, a few GB at most. Gemma-3's 8 hold
 # its sixth (global) layer between sliding ones; Qwen3-0.6B is small enough to keep whole.
 DEFAULT_LAYERS = {"llama-3.1-8b": 4, "qwen3-0.6b": 28, "mistral-7b": 4, "gemma-3-12b": 8, "gemma-2-2b": 4}
+HF_RANKS = 20  # HF's side keeps this many ranks: a failure names how far outside the top-k a token was
 
-TopK = dict[int, float]  # token id -> logprob, the k most likely tokens of one position
+# token id -> logprob of one position, best first (insertion order); the rule reads its first k entries,
+# a wider dict (HF's) only adds the rank of a token that fell outside them to a failure's message.
+TopK = dict[int, float]
 
 
 # ---- the rule ----------------------------------------------------------------------------------
@@ -55,20 +59,31 @@ class SeqCheck:
     index: int
     first_div: int | None  # position of the first mismatch; None: identical
     ok: bool
-    reason: str = ""  # why it failed, with both sides' tokens and top-k there
+    reason: str = ""  # at the divergence: each token's rank on the other side; on a failure both top-k
     max_lp_diff: float = 0.0  # |kvray - HF| logprob of the shared token, over the matched positions
 
 
-def _fmt_top(top: TopK | None) -> str:
-    if top is None:
-        return "None"
-    return "{" + ", ".join(f"{t}: {lp:.4f}" for t, lp in sorted(top.items(), key=lambda x: -x[1])) + "}"
+def _first(top: TopK, k: int) -> TopK:
+    return dict(itertools.islice(top.items(), k))
+
+
+def _fmt(top: TopK) -> str:
+    return "{" + ", ".join(f"{t}: {lp:.4f}" for t, lp in top.items()) + "}"
+
+
+def _rank(top: TopK, token: int) -> str:
+    """`token`'s rank in a best-first dict, or how far the dict goes."""
+    for r, t in enumerate(top, 1):
+        if t == token:
+            return f"#{r} ({top[t]:.4f})"
+    return f"below #{len(top)}"
 
 
 def check_sequence(
     index: int, kv_tokens: list[int], kv_top: list[TopK], hf_tokens: list[int], hf_top: list[TopK], k: int
 ) -> SeqCheck:
-    """vLLM's check_logprobs_close for one prompt; kv_top/hf_top hold each position's top-k dict."""
+    """vLLM's check_logprobs_close for one prompt: the first mismatch must have each side's token in the
+    other side's top-k (the first k entries of its best-first dict there); the rest is not compared."""
     if len(kv_tokens) != len(hf_tokens):
         return SeqCheck(index, None, False, f"lengths differ: kvray {len(kv_tokens)}, HF {len(hf_tokens)} tokens")
     lp_diff = 0.0
@@ -79,21 +94,22 @@ def check_sequence(
             if kv_at is not None and hf_at is not None and a in kv_at and a in hf_at:
                 lp_diff = max(lp_diff, abs(kv_at[a] - hf_at[a]))
             continue
-        problems = []
+        where = f"prompt {index}, position {pos}"
         if kv_at is None or hf_at is None:
-            problems.append("no logprobs at this position")
-        else:
-            if a not in hf_at:
-                problems.append(f"kvray's token {a} is not in HF's top-{k}")
-            if b not in kv_at:
-                problems.append(f"HF's token {b} is not in kvray's top-{k}")
-        reason = ""
+            return SeqCheck(index, pos, False, f"{where}: no logprobs (kvray {kv_at}, HF {hf_at})", lp_diff)
+        problems = []
+        if a not in _first(hf_at, k):
+            problems.append(f"kvray's token {a} is not in HF's top-{k} (HF: {_rank(hf_at, a)})")
+        if b not in _first(kv_at, k):
+            problems.append(f"HF's token {b} is not in kvray's top-{k} (kvray: {_rank(kv_at, b)})")
         if problems:
             reason = (
-                f"prompt {index}, position {pos}: {'; '.join(problems)}; matched tokens {kv_tokens[:pos]}; "
-                f"kvray token {a} top-{k} {_fmt_top(kv_at)}; HF token {b} top-{k} {_fmt_top(hf_at)}"
+                f"{where}: {'; '.join(problems)}; matched tokens {kv_tokens[:pos]}; "
+                f"kvray token {a}, top-{k} {_fmt(_first(kv_at, k))}; HF token {b}, top-{k} {_fmt(_first(hf_at, k))}"
             )
-        return SeqCheck(index, pos, not problems, reason, lp_diff)
+            return SeqCheck(index, pos, False, reason, lp_diff)
+        note = f"{where}: kvray {a} is HF's {_rank(hf_at, a)}, HF {b} is kvray's {_rank(kv_at, b)}"
+        return SeqCheck(index, pos, True, note, lp_diff)
     return SeqCheck(index, None, True, "", lp_diff)
 
 
@@ -128,12 +144,14 @@ class ShapeReport:
 def kvray_topk(position: dict, k: int) -> TopK:
     """vLLM's per-position dict {token_id: Logprob} -> the top-k by rank (the sampled token, when ranked
     below k, is left out)."""
-    return {t: lp.logprob for t, lp in position.items() if lp.rank is not None and lp.rank <= k}
+    ranked = sorted((lp.rank, t, lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= k)
+    return {t: v for _, t, v in ranked}
 
 
 # ---- the two runs ------------------------------------------------------------------------------
 def run_hf(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str, device: str):
-    """Greedy tokens and every step's top-k log_softmax (float32), one batch per equal-length group."""
+    """Greedy tokens and every step's top log_softmax (float32, HF_RANKS of them, at least k), one batch
+    per equal-length group."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -164,7 +182,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str,
                 top_k=None,
             )
             logits = torch.stack(out.logits, dim=1).float()  # batch, step, vocab
-            vals, idx = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+            vals, idx = torch.log_softmax(logits, dim=-1).topk(max(k, HF_RANKS), dim=-1)
         tokens += out.sequences[:, ids.shape[1] :].tolist()
         for v_row, i_row in zip(vals.tolist(), idx.tolist()):
             tops.append([dict(zip(ii, vv)) for vv, ii in zip(v_row, i_row)])
@@ -239,8 +257,8 @@ def prompt_lengths(fields: dict, args) -> tuple[int, int]:
     return args.min_len, args.max_len
 
 
-def check_shape(shape: str, args, baseline_mib: int | None) -> ShapeReport:
-    t0 = time.perf_counter()
+def prepare_shape(shape: str, args) -> tuple[str, list[list[int]]]:
+    """The shape's random checkpoint (written once per layer count and dtype) and its prompts."""
     layers = None if args.smoke else (args.num_layers or DEFAULT_LAYERS.get(shape))
     fields = tiny_shape(shape) if args.smoke else dict(SHAPES[shape])
     model_dir = make_random_model(shape, args.model_dir, dtype=args.dtype, num_layers=layers, tiny=args.smoke)
@@ -254,6 +272,12 @@ def check_shape(shape: str, args, baseline_mib: int | None) -> ShapeReport:
         f"top-{args.top_k}, {args.dtype} on {args.device} ({model_dir})",
         flush=True,
     )
+    return model_dir, prompts
+
+
+def check_shape(shape: str, args, baseline_mib: int | None) -> ShapeReport:
+    t0 = time.perf_counter()
+    model_dir, prompts = prepare_shape(shape, args)
     t1 = time.perf_counter()
     hf_tokens, hf_tops = run_hf(model_dir, prompts, args.new_tokens, args.top_k, args.dtype, args.device)
     t2 = time.perf_counter()
@@ -267,8 +291,9 @@ def check_shape(shape: str, args, baseline_mib: int | None) -> ShapeReport:
     print(f"   checkpoint {t1 - t0:.1f}s, HF {t2 - t1:.1f}s, kvray {t3 - t2:.1f}s", flush=True)
     print("   " + report.summary(), flush=True)
     for s in report.seqs:
-        if not s.ok:
-            print(f"   !!! FAIL {s.reason}", flush=True)
+        if s.reason:
+            print(f"   {'divergence' if s.ok else '!!! FAIL'}: {s.reason}", flush=True)
+    record_report(report)  # now: a later shape that runs past the step's limit keeps this one's records
     return report
 
 
@@ -276,12 +301,10 @@ def tag(shape: str) -> str:
     return shape.replace("-", "_").replace(".", "p")
 
 
-def record_reports(reports: list[ShapeReport]) -> None:
-    for r in reports:
-        record(SCRIPT, f"logprobs_close_pass_{tag(r.shape)}", 1.0 if r.passed else 0.0, "bool")
-        record(SCRIPT, f"logprobs_close_divergent_{tag(r.shape)}", r.divergent, "sequences")
-        record(SCRIPT, f"logprobs_close_max_lp_diff_{tag(r.shape)}", max(s.max_lp_diff for s in r.seqs), "nats")
-    record(SCRIPT, "logprobs_close_pass", 1.0 if all(r.passed for r in reports) else 0.0, "bool")
+def record_report(r: ShapeReport) -> None:
+    record(SCRIPT, f"logprobs_close_pass_{tag(r.shape)}", 1.0 if r.passed else 0.0, "bool")
+    record(SCRIPT, f"logprobs_close_divergent_{tag(r.shape)}", r.divergent, "sequences")
+    record(SCRIPT, f"logprobs_close_max_lp_diff_{tag(r.shape)}", max(s.max_lp_diff for s in r.seqs), "nats")
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -341,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nvLLM's rule, {args.num_prompts} prompts x {args.new_tokens} tokens, top-{args.top_k}, {args.dtype}:")
     for r in reports:
         print("  " + r.summary())
-    record_reports(reports)
+    record(SCRIPT, "logprobs_close_pass", 1.0 if all(r.passed for r in reports) else 0.0, "bool")
     failed = [r.shape for r in reports if not r.passed]
     print(f"{'FAIL: ' + ', '.join(failed) if failed else 'PASS'} ({time.perf_counter() - t_start:.1f}s)")
     return 1 if failed else 0

@@ -34,7 +34,8 @@ def test_divergence_inside_both_top_k_passes_and_stops_there():
     # afterwards: the continuation is not compared.
     kv_top = [HF_TOP[0], {21: -0.6, 20: -0.8, 22: -3.0, 23: -4.0, 24: -5.0}, {99: -0.1}]
     got = check_sequence(3, [10, 21, 99], kv_top, HF_TOKENS, HF_TOP, K)
-    assert got.ok and got.first_div == 1 and got.reason == ""
+    assert got.ok and got.first_div == 1
+    assert got.reason == "prompt 3, position 1: kvray 21 is HF's #2 (-0.9000), HF 20 is kvray's #2 (-0.8000)"
 
 
 def test_kvray_token_outside_hf_top_k_fails():
@@ -43,6 +44,15 @@ def test_kvray_token_outside_hf_top_k_fails():
     assert not got.ok and got.first_div == 1
     assert "kvray's token 77 is not in HF's top-5" in got.reason and "HF's token" not in got.reason
     assert "prompt 2, position 1" in got.reason and "matched tokens [10]" in got.reason
+
+
+def test_only_the_first_k_of_a_wider_dict_count():
+    # HF keeps 7 ranks; kvray's token is HF's 6th: outside the top-5, and the message says how far.
+    hf_wide = [HF_TOP[0], {**HF_TOP[1], 25: -5.5, 26: -6.0}, HF_TOP[2]]
+    kv_top = [HF_TOP[0], {25: -0.4, 20: -0.7, 22: -3.0, 23: -4.0, 24: -5.0}, HF_TOP[2]]
+    got = check_sequence(0, [10, 25, 30], kv_top, HF_TOKENS, hf_wide, K)
+    assert not got.ok and "kvray's token 25 is not in HF's top-5 (HF: #6 (-5.5000))" in got.reason
+    assert check_sequence(0, [10, 25, 30], kv_top, HF_TOKENS, hf_wide, 6).ok
 
 
 def test_hf_token_outside_kvray_top_k_fails():
@@ -60,8 +70,8 @@ def test_lengths_or_missing_logprobs_fail():
 
 def test_kvray_topk_keeps_ranks_up_to_k():
     # vLLM's dict also holds the sampled token when it ranks below k.
-    pos = {9: Logprob(-7.0, 12), 1: Logprob(-0.1, 1), 2: Logprob(-1.0, 2)}
-    assert kvray_topk(pos, 2) == {1: -0.1, 2: -1.0}
+    pos = {9: Logprob(-7.0, 12), 2: Logprob(-1.0, 2), 1: Logprob(-0.1, 1)}
+    assert list(kvray_topk(pos, 2).items()) == [(1, -0.1), (2, -1.0)]  # best first
     assert kvray_topk(pos, 1) == {1: -0.1}
 
 
