@@ -8,7 +8,8 @@ fails the shape. Both sides greedy (EOS ignored), same random-weight checkpoint,
 
   kvray  LLM.generate, temperature 0, SamplingParams(logprobs=k): the vLLM-shaped per-position dicts
   HF     generate(do_sample=False, output_logits=True), eager attention, no padding (prompts come in
-         equal-length groups, one batch each); top-k of log_softmax in float32 of every step's logits
+         equal-length groups, one batch each); the top of log_softmax in float32 of every step's logits
+         (20 ranks kept: the rule reads the first k, a failure says how far outside them a token was)
 
 Shapes: Llama-3.1-8B, Qwen3-0.6B, Mistral-7B (one sliding window on every layer) and Gemma-3-12B
 (hybrid: sliding-window and full-attention layers), at reduced layer counts so that writing the checkpoint
@@ -33,11 +34,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+from bf16_divergence import make_prompts  # noqa: E402
 from check_tp import gpu_used_mib, wait_gpu_released  # noqa: E402
 from common import SHAPES, make_random_model, record, tiny_shape  # noqa: E402
 
@@ -241,14 +241,6 @@ def free_device_memory(device: str) -> None:
 
 
 # ---- one shape ---------------------------------------------------------------------------------
-def make_prompts(n: int, groups: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """n prompts in `groups` groups of equal length (consecutive), lengths uniform in [lo, hi]."""
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(lo, hi + 1, groups)
-    per = -(-n // groups)
-    return [rng.integers(0, min(vocab, 100_000), int(lens[i // per])).tolist() for i in range(n)]
-
-
 def prompt_lengths(fields: dict, args) -> tuple[int, int]:
     """[lo, hi]: straddling the sliding window where the shape has one, else --min-len..--max-len."""
     window = fields.get("sliding_window")
@@ -336,6 +328,11 @@ def parse_args(argv: list[str] | None):
         p.set_defaults(device="cpu", dtype="float32", num_prompts=4, length_groups=2, min_len=16, max_len=40)
         p.set_defaults(new_tokens=8, max_num_batched_tokens=256)
     args = p.parse_args(argv)
+    for name, lo in (("num_prompts", 1), ("length_groups", 1), ("min_len", 1), ("new_tokens", 1), ("top_k", 1)):
+        if getattr(args, name) < lo:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= {lo}")
+    if args.length_groups > args.num_prompts or args.max_len < args.min_len:
+        p.error("--length-groups must be <= --num-prompts and --max-len >= --min-len")
     if args.results_dir:
         common.RESULTS_DIR = Path(args.results_dir)
     return args

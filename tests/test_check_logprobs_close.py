@@ -90,3 +90,17 @@ def test_smoke_end_to_end(tmp_path, capsys):
     # float32 on both sides: the shared token's logprob agrees to float32 noise.
     assert recs["logprobs_close_max_lp_diff_gemma_3_12b"]["value"] < 1e-3
     assert all(r["device"] == "cpu" for r in recs.values())
+
+
+def test_mistral_shape_is_served_with_its_window(tmp_path):
+    from common import SHAPES, make_random_model
+
+    from actors.models.args import mistral_layer_windows
+    from actors.models.registry import resolve_architecture
+
+    assert SHAPES["mistral-7b"]["sliding_window"] == 4096  # Mistral-7B-v0.1's config
+    cfg = json.loads(
+        (Path(make_random_model("mistral-7b", str(tmp_path), "float32", tiny=True)) / "config.json").read_text()
+    )
+    assert resolve_architecture(cfg).__name__ == "MistralForCausalLM"
+    assert mistral_layer_windows(cfg) == [16] * 4  # the tiny window every layer slides by
