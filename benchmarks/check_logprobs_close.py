@@ -4,7 +4,10 @@ transformers, greedy, in bfloat16 on the GPU.
 For each prompt the two greedy outputs are walked together; while the tokens match nothing is checked.
 At the first mismatch kvray's token must be in HF's top-k logprobs at that position AND HF's token in
 kvray's top-k; then that sequence stops being compared (its continuations differ). Any other outcome
-fails the shape. Both sides greedy (EOS ignored), same random-weight checkpoint, same prompts:
+fails the shape. One refinement over vLLM's dict lookup: a token whose logprob equals the k-th's counts
+as inside (bf16 logits tie often, and which of a tie topk keeps is arbitrary).
+
+Both sides greedy (EOS ignored), same random-weight checkpoint, same prompts:
 
   kvray  LLM.generate, temperature 0, SamplingParams(logprobs=k): the vLLM-shaped per-position dicts
   HF     generate(do_sample=False, output_logits=True), eager attention, no padding (prompts come in
@@ -63,8 +66,21 @@ class SeqCheck:
     max_lp_diff: float = 0.0  # |kvray - HF| logprob of the shared token, over the matched positions
 
 
+def best_first(pairs) -> TopK:
+    """(token, logprob) pairs best first, a tie to the lower id: the token argmax (greedy) picks leads
+    (topk orders ties arbitrarily, and bf16 logits tie often)."""
+    return dict(sorted(pairs, key=lambda p: (-p[1], p[0])))
+
+
 def _first(top: TopK, k: int) -> TopK:
     return dict(itertools.islice(top.items(), k))
+
+
+def in_top(top: TopK, token: int, k: int) -> bool:
+    """`token` among the first k entries, or tied with the k-th (the same logprob): which of a tie topk
+    keeps is arbitrary, so a tie at the boundary counts as inside."""
+    first = list(itertools.islice(top.values(), k))
+    return token in _first(top, k) or (len(first) == k and token in top and top[token] == first[-1])
 
 
 def _fmt(top: TopK) -> str:
@@ -83,7 +99,8 @@ def check_sequence(
     index: int, kv_tokens: list[int], kv_top: list[TopK], hf_tokens: list[int], hf_top: list[TopK], k: int
 ) -> SeqCheck:
     """vLLM's check_logprobs_close for one prompt: the first mismatch must have each side's token in the
-    other side's top-k (the first k entries of its best-first dict there); the rest is not compared."""
+    other side's top-k (in_top: the first k entries of its best-first dict there, or tied with the k-th);
+    the rest is not compared."""
     if len(kv_tokens) != len(hf_tokens):
         return SeqCheck(index, None, False, f"lengths differ: kvray {len(kv_tokens)}, HF {len(hf_tokens)} tokens")
     lp_diff = 0.0
@@ -98,9 +115,9 @@ def check_sequence(
         if kv_at is None or hf_at is None:
             return SeqCheck(index, pos, False, f"{where}: no logprobs (kvray {kv_at}, HF {hf_at})", lp_diff)
         problems = []
-        if a not in _first(hf_at, k):
+        if not in_top(hf_at, a, k):
             problems.append(f"kvray's token {a} is not in HF's top-{k} (HF: {_rank(hf_at, a)})")
-        if b not in _first(kv_at, k):
+        if not in_top(kv_at, b, k):
             problems.append(f"HF's token {b} is not in kvray's top-{k} (kvray: {_rank(kv_at, b)})")
         if problems:
             reason = (
@@ -144,8 +161,7 @@ class ShapeReport:
 def kvray_topk(position: dict, k: int) -> TopK:
     """vLLM's per-position dict {token_id: Logprob} -> the top-k by rank (the sampled token, when ranked
     below k, is left out)."""
-    ranked = sorted((lp.rank, t, lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= k)
-    return {t: v for _, t, v in ranked}
+    return best_first((t, lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= k)
 
 
 # ---- the two runs ------------------------------------------------------------------------------
@@ -185,7 +201,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str,
             vals, idx = torch.log_softmax(logits, dim=-1).topk(max(k, HF_RANKS), dim=-1)
         tokens += out.sequences[:, ids.shape[1] :].tolist()
         for v_row, i_row in zip(vals.tolist(), idx.tolist()):
-            tops.append([dict(zip(ii, vv)) for vv, ii in zip(v_row, i_row)])
+            tops.append([best_first(zip(ii, vv)) for vv, ii in zip(v_row, i_row)])
         i = j
     del model, out, logits
     free_device_memory(device)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from check_logprobs_close import check_sequence, kvray_topk, main  # noqa: E402
+from check_logprobs_close import best_first, check_sequence, in_top, kvray_topk, main  # noqa: E402
 
 from cluster.outputs import Logprob  # noqa: E402
 
@@ -104,3 +104,16 @@ def test_mistral_shape_is_served_with_its_window(tmp_path):
     )
     assert resolve_architecture(cfg).__name__ == "MistralForCausalLM"
     assert mistral_layer_windows(cfg) == [16] * 4  # the tiny window every layer slides by
+
+
+def test_a_tie_with_the_kth_counts_as_inside():
+    # HF's 5th and 6th share a logprob (bf16 logits tie): either may be the one topk kept.
+    hf_wide = [HF_TOP[0], {**HF_TOP[1], 25: -5.0}, HF_TOP[2]]
+    kv_top = [HF_TOP[0], {25: -0.4, 20: -0.7, 22: -3.0, 23: -4.0, 24: -5.0}, HF_TOP[2]]
+    assert check_sequence(0, [10, 25, 30], kv_top, HF_TOKENS, hf_wide, K).ok
+    assert in_top({1: -1.0, 2: -2.0, 3: -2.0}, 3, 2) and not in_top({1: -1.0, 2: -2.0, 3: -2.5}, 3, 2)
+
+
+def test_best_first_puts_the_greedy_token_of_a_tie_first():
+    # argmax takes the lowest id of a tie; topk may list another first.
+    assert list(best_first([(137294, -9.44), (71600, -9.44), (5, -9.5)])) == [71600, 137294, 5]
