@@ -51,6 +51,23 @@ SHAPES = {
             "rope_type": "llama3",
         },
     ),
+    # Mistral-7B-v0.1: Llama's layout with one sliding window (4096) on every layer (v0.3 drops it).
+    "mistral-7b": dict(
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        sliding_window=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+    ),
     # Hybrid attention: 40 local (window 1024, base 1e4) and 8 global layers (base 1e6, linear x8).
     "gemma-3-12b": dict(
         architectures=["Gemma3ForCausalLM"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, batched into few device calls because device time is scarce.
 # Run from the repo root after `source .gpu/bootstrap.sh`; logs and JSON lines go to $OUT, one log per
-# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | graphs | diag | warm | final | open | divergence | transport | families | logprobs | round5 | multigpu | all)
+# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | graphs | diag | warm | final | open | divergence | transport | families | logprobs | round5 | round6 | multigpu | all)
 #   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
 #          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
 #          shape; the cost of logprobs=5, n=4 and stop strings (bench_api_features); the control plane on
@@ -13,6 +13,8 @@
 #          offline throughput defaults vs tuned on both workloads (Qwen3-0.6B nano recipe with the
 #          all-steps idle share and `kvray run`; Llama-3.1-8B ShareGPT-like with a profile of a few
 #          steps); start-up with a cold and a warm Triton cache and the first run's TTFT.
+#   round6: vLLM's logprobs rule (check_logprobs_close: 8 prompts x 32 tokens, top-5) against HF bf16 on the
+#          Llama-3.1-8B, Qwen3-0.6B, Mistral-7B and Gemma-3-12B (hybrid) shapes.
 #   multigpu: (2+ GPUs) TP=2/4 over NCCL against TP=1, decode scaling TP 1/2/4 and DP2xTP2, control
 #          plane at TP 2/4/8. The fault run at TP=2 is `kvray stress --config configs/gpu-tp2.yaml
 #          --kill-workers 2`.
@@ -170,6 +172,11 @@ phase_round5() {  # the fifth session's merge: greedy = HF in every mode, logpro
     --compare default serve.stream_interval=4
 }
 
+phase_round6() {  # [api] vLLM's logprobs rule against HF bf16: Llama, Qwen3, Mistral, Gemma-3 (hybrid); ~4 minutes
+  TAIL=30 step logprobs_close 360 python3 benchmarks/check_logprobs_close.py
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
 phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and scaling
   TAIL=30 step check_tp_nccl 300 python3 benchmarks/check_tp.py --gpus-per-worker 1 --tp 2,4
   TAIL=30 step tp_scaling 600 python3 benchmarks/bench_tp_scaling.py
@@ -193,7 +200,8 @@ case "${1:-all}" in
   families) phase_families ;;
   logprobs) phase_logprobs ;;
   round5) phase_round5 ;;
+  round6) phase_round6 ;;
   multigpu) phase_multigpu ;;
   all) phase_qwen; phase_checks; phase_llama ;;
-  *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|multigpu|all"; exit 2 ;;
+  *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac
