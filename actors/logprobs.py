@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from actors.logprobs_kernel import topk_logprobs
 from kvcore.messages import Logprobs, LogprobsBatch
 
 MAX_LOGPROBS = 20
@@ -43,8 +44,27 @@ class LogprobsTensors:
         )
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int) -> LogprobsTensors:
-    """logits [N, V] (raw), token_ids [N] -> the tokens' logprobs and ranks and the top num_topk."""
+def kernel_runs(device: torch.device, use_triton: bool | None = None) -> bool:
+    """The one rule for the sampler's and the logprobs' Triton kernels: use_triton when given, else the
+    kernel on CUDA and the torch reference on the CPU, interpreter or not (as a CPU deployment runs; the
+    tests hold each kernel to its reference under the interpreter, where a kernel step costs seconds)."""
+    return use_triton if use_triton is not None else device.type == "cuda"
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int, use_triton: bool | None = None
+) -> LogprobsTensors:
+    """logits [N, V] (raw), token_ids [N] -> the tokens' logprobs and ranks and the top num_topk, by the
+    Triton kernel (actors/logprobs_kernel.py) or the torch reference as kernel_runs decides. Sampled and
+    prompt logprobs both come through here. Ties in the top-k: the kernel names the lowest token ids,
+    torch.topk any of them (the values agree)."""
+    if kernel_runs(logits.device, use_triton):
+        return LogprobsTensors(*topk_logprobs(logits, token_ids, num_topk))
+    return logprobs_reference(logits, token_ids, num_topk)
+
+
+def logprobs_reference(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int) -> LogprobsTensors:
+    """The torch path: a float32 log_softmax over the vocabulary, a >= count and a topk."""
     lp = logits.float().log_softmax(dim=-1)
     tok = token_ids.to(torch.int64).unsqueeze(1)
     tok_lp = lp.gather(1, tok)

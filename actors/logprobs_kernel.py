@@ -5,9 +5,13 @@ tensor) took 1.02 ms a step at 256 rows of a 151,936 vocabulary, topk alone 0.60
 decode step. Here the logits are read once:
 - `_chunk_kernel`, one program per (row, chunk of BLOCK logits): the chunk's max and sum of exp (an
   online log-sum-exp, as flash attention combines its tiles), how many logits are >= the token's, and
-  the chunk's own top-k by k rounds of argmax;
+  the chunk's own top-k by k rounds of one (value, index) max each, the first round's being the chunk's
+  max itself (k + 2 reductions a chunk; 2k + 3 before, an argmax and a max a round);
 - `_combine_kernel`, one program per row: the row's log-sum-exp from the chunks', the rank, and the
-  top-k of the chunks' candidates (at most chunks * k of them, not the vocabulary).
+  top-k of the chunks' candidates (at most chunks * k of them, not the vocabulary), one (value, id)
+  reduction a round.
+With k = 0 the chunk kernel does only the three reductions every row needs (the token's logprob and
+rank). Rows of one call share k: a row that asked fewer (or none) still gets the step's largest k.
 The rank counts raw logits >= the token's logit, which orders exactly as the reference's logprobs
 (both subtract one row constant), without the float rounding of that subtraction. Ties in the top-k
 take the lowest token id; torch.topk leaves their order unspecified.
@@ -18,8 +22,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from actors.logprobs import LogprobsTensors
 
 BLOCK = 4096
 
@@ -36,15 +38,26 @@ def _chunk_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     t = tl.load(row_ptr + tl.load(tok_ptr + row)).to(tl.float32)
-    m = tl.max(x, axis=0)
-    tl.store(max_ptr + base, m)
-    tl.store(sum_ptr + base, tl.sum(tl.exp(x - m), axis=0))
+    # One reduction gives the chunk's max and its lowest index: the max is also the first round's pick.
+    top, j = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(max_ptr + base, top)
+    tl.store(sum_ptr + base, tl.sum(tl.exp(x - top), axis=0))
     tl.store(cnt_ptr + base, tl.sum((x >= t).to(tl.int32), axis=0))
-    for i in range(K):
-        j = tl.argmax(x, axis=0, tie_break_left=True)
-        tl.store(cand_val_ptr + base * K + i, tl.max(x, axis=0))
-        tl.store(cand_idx_ptr + base * K + i, chunk * BLOCK + j)
+    if K > 0:
+        tl.store(cand_val_ptr + base * K, top)
+        tl.store(cand_idx_ptr + base * K, chunk * BLOCK + j)
+    for i in range(1, K):
         x = tl.where(lane == j, float("-inf"), x)
+        top, j = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(cand_val_ptr + base * K + i, top)
+        tl.store(cand_idx_ptr + base * K + i, chunk * BLOCK + j)
+
+
+@triton.jit
+def _max_lowest_id(v1, i1, v2, i2):
+    """(value, token id) pairs: the larger value, the lower id among equal values."""
+    left = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(left, v1, v2), tl.where(left, i1, i2)
 
 
 @triton.jit(do_not_specialize=["K"])
@@ -82,16 +95,19 @@ def _combine_kernel(
     v = tl.load(cand_val_ptr + row * n + lane, mask=lane < n, other=float("-inf"))
     idx = tl.load(cand_idx_ptr + row * n + lane, mask=lane < n, other=0)
     for i in range(K):
-        # Lowest token id among equal values: candidates are not in id order across chunks' rounds.
-        best = tl.max(v, axis=0)
-        pick = tl.min(tl.where(v == best, idx, 2147483647), axis=0)
+        # Lowest token id among equal values, in one reduction over (value, id) pairs: the candidates'
+        # lanes are not in id order across chunks' rounds.
+        best, pick = tl.reduce((v, idx), 0, _max_lowest_id)
         tl.store(ids_ptr + out + 1 + i, pick)
         tl.store(lps_ptr + out + 1 + i, best - lse)
         v = tl.where((v == best) & (idx == pick), float("-inf"), v)
 
 
-def topk_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int, block: int = BLOCK) -> LogprobsTensors:
-    """logits [N, V] (raw, any float dtype, unit stride along V), token_ids [N] -> as compute_logprobs."""
+def topk_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [N, V] (raw, any float dtype), token_ids [N] -> (ids int32 [N, 1 + k], logprobs float32
+    [N, 1 + k], ranks int32 [N]): the fields of actors/logprobs.LogprobsTensors, which wraps them."""
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -107,7 +123,7 @@ def topk_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int, 
     lps = torch.empty(n, 1 + k, dtype=torch.float32, device=dev)
     ranks = torch.empty(n, dtype=torch.int32, device=dev)
     if n == 0:
-        return LogprobsTensors(ids, lps, ranks)
+        return ids, lps, ranks
     tokens = token_ids.to(torch.int64)
     _chunk_kernel[(n, chunks)](
         logits,
@@ -141,4 +157,4 @@ def topk_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int, 
         CK_PAD=triton.next_power_of_2(chunks * max(k, 1)),
         num_warps=4,
     )
-    return LogprobsTensors(ids, lps, ranks)
+    return ids, lps, ranks

@@ -290,7 +290,9 @@ class ModelRunner(RunnerGraphs):
             tokens, sample_lp = sampled.token_ids, sampled.logprobs
             self.stager.keep_sampled(tokens)
         if staged.prompt_plan is not None:
-            prompt_lp = compute_prompt_logprobs(self._model().compute_logits, hidden, staged.prompt_plan)
+            prompt_lp = compute_prompt_logprobs(
+                self._model().compute_logits, hidden, staged.prompt_plan, self.sampler.use_triton
+            )
         step_lp = launch_copies(
             sample_lp,
             None if sample_lp is None else batch.num_logprobs[rows],

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.logprobs import LogprobsTensors, compute_logprobs
-from actors.logprobs_kernel import topk_logprobs
+from actors.logprobs import LogprobsTensors, compute_logprobs, kernel_runs
 from actors.penalty_state import PenaltyState
 from actors.sample_kernel import launch_sample
 from actors.sample_reference import sample_reference
@@ -68,9 +67,8 @@ def request_seed(seed: int | None, engine_seed: int, req_id: str) -> int:
 
 class Sampler:
     def __init__(self, penalty_state: PenaltyState | None = None, use_triton: bool | None = None) -> None:
-        """use_triton None: the kernel on CUDA, the torch reference on the CPU, interpreter or not (as
-        a CPU deployment runs; tests/test_sampler.py holds the kernel to the reference under the
-        interpreter, where one step's sampling cost seconds inside every CPU engine test)."""
+        """use_triton None: the kernels on CUDA, the torch references on the CPU (actors/logprobs.py's
+        kernel_runs: the rule of the sampled and the prompt logprobs too)."""
         self.penalty_state = penalty_state
         self.use_triton = use_triton
 
@@ -84,12 +82,8 @@ class Sampler:
             self.penalty_state.record(md.penalty_slots, tokens)
         lp = None
         if md.num_logprobs >= 0:
-            fn = topk_logprobs if self._triton(logits.device) else compute_logprobs
-            lp = fn(logits, tokens, md.num_logprobs)
+            lp = compute_logprobs(logits, tokens, md.num_logprobs, self.use_triton)
         return SamplerOutput(tokens, lp)
-
-    def _triton(self, dev: torch.device) -> bool:
-        return self.use_triton if self.use_triton is not None else dev.type == "cuda"
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         n = logits.shape[0]
@@ -100,7 +94,7 @@ class Sampler:
         seeds = md.seeds if md.seeds is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         positions = md.positions if md.positions is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         slots, penalties, counts, prompt_mask = self._penalty_inputs(md)
-        if self._triton(dev):
+        if kernel_runs(dev, self.use_triton):
             # The interpreter vectorises one program's rows; a GPU program owns one row.
             rows = 1 if dev.type == "cuda" else 16
             return launch_sample(

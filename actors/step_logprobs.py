@@ -55,14 +55,18 @@ def prompt_plan(
     return PromptPlan(np.concatenate(index), np.concatenate(targets), segments, max(k for _, _, k in segments))
 
 
-def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor, plan: PromptPlan) -> LogprobsTensors:
+def compute_prompt_logprobs(
+    compute_logits, hidden: torch.Tensor, plan: PromptPlan, use_triton: bool | None = None
+) -> LogprobsTensors:
+    """The plan's rows in slices of PROMPT_SLICE, through compute_logprobs as the sampled rows go (the
+    kernel on CUDA unless use_triton says otherwise; the runner passes its sampler's)."""
     dev = hidden.device
     index = torch.from_numpy(plan.token_index).to(dev)
     targets = torch.from_numpy(plan.targets).to(dev)
     parts = []
     for a in range(0, len(plan.token_index), PROMPT_SLICE):
         logits = compute_logits(hidden[index[a : a + PROMPT_SLICE]])
-        parts.append(compute_logprobs(logits, targets[a : a + PROMPT_SLICE], plan.max_k))
+        parts.append(compute_logprobs(logits, targets[a : a + PROMPT_SLICE], plan.max_k, use_triton))
     if len(parts) == 1:
         return parts[0]
     return LogprobsTensors(

@@ -8,7 +8,15 @@ sync, fixed shapes); the old one (a torch.Generator per row, a full sort for top
 Median microseconds per step. The floor is reading the logits once: rows x vocab x 4 bytes at the
 GPU's bandwidth (~32 us for 256 x 151,936 on an H200), which the figures report beside the times.
 
+Then the logprobs alone (bf16-valued float32 logits, as the LM head makes them, full of ties): the torch
+path, the kernel before one reduction per top-k round (benchmarks/logprobs_kernel_before.py) and the
+kernel now, at rows x vocab for k in --ks; and prompt logprobs of --prompt-rows positions through
+compute_prompt_logprobs (slices of PROMPT_SLICE rows; compute_logits is the identity over precomputed
+logits, so the figure holds the slices' row gather but no LM head), torch against the kernel. The
+kernel before and now must agree exactly; both must agree with torch (values; ties may name other ids).
+
   python benchmarks/bench_sampler.py            # GPU, appends to results/bench_sampler.jsonl
+  python benchmarks/bench_sampler.py --logprobs-only   # GPU, the logprobs part only
   python benchmarks/bench_sampler.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
 """
 
@@ -25,12 +33,16 @@ if "--smoke" in sys.argv:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 import torch
 from common import record
+from logprobs_kernel_before import topk_logprobs_before
 
+from actors.logprobs import LogprobsTensors, compute_logprobs, logprobs_reference
 from actors.penalty_state import PenaltyState
 from actors.sample_reference import sample_reference
 from actors.sampler import Sampler, SamplingMetadata
+from actors.step_logprobs import PromptPlan, compute_prompt_logprobs
 
 SCRIPT = "bench_sampler"
 
@@ -114,10 +126,85 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 5, 20], help="logprobs k of the logprobs part")
+    ap.add_argument("--prompt-rows", type=int, default=4096)
+    ap.add_argument("--prompt-k", type=int, default=5)
+    ap.add_argument("--logprobs-only", action="store_true", help="skip the sampler cases")
     args = ap.parse_args()
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
     rows, vocab = (4, 64) if smoke else (args.rows, args.vocab)
+    if not args.logprobs_only:
+        bench_sampler_cases(rows, vocab, dev, smoke)
+    lp_rows, lp_vocab, prompt_rows = (3, 5000, 4) if smoke else (rows, vocab, args.prompt_rows)
+    bench_logprobs(lp_rows, lp_vocab, args.ks, dev, smoke)
+    bench_prompt_logprobs(prompt_rows, lp_vocab, args.prompt_k, dev, smoke)
+
+
+def lm_logits(rows: int, vocab: int, dev: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(dev).manual_seed(seed)
+    logits = (torch.randn(rows, vocab, device=dev, generator=g) * 3).bfloat16().float()
+    return logits, torch.randint(0, vocab, (rows,), device=dev, generator=g)
+
+
+def check_logprobs(got: LogprobsTensors, ref: LogprobsTensors, what: str) -> None:
+    """Own token, rank and logprob values as the torch path's (the top-k ids of tied values may differ)."""
+    ok = torch.equal(got.token_ids[:, 0], ref.token_ids[:, 0]) and torch.equal(got.ranks, ref.ranks)
+    ok = ok and torch.allclose(got.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    if not ok:
+        raise SystemExit(f"{what}: the kernel's logprobs differ from the torch path's")
+
+
+def bench_logprobs(rows: int, vocab: int, ks: list[int], dev: torch.device, smoke: bool) -> None:
+    logits, tokens = lm_logits(rows, vocab, dev, 1)
+    floor_us = rows * vocab * 4 / 4.8e12 * 1e6
+    print(f"logprobs, {rows} x {vocab} bf16-valued logits (one read at 4.8 TB/s: {floor_us:.1f} us)", flush=True)
+    for k in ks:
+        before = topk_logprobs_before(logits, tokens, k)
+        now = compute_logprobs(logits, tokens, k, use_triton=True)
+        # Reported, not fatal: the timing still comes back if a compiler's rounding moved one ulp.
+        same = all(torch.equal(a, b) for a, b in zip(before, (now.token_ids, now.logprobs, now.ranks)))
+        diff = "exact" if same else f"DIFFER, max |logprob diff| {float((before[1] - now.logprobs).abs().max()):.2e}"
+        check_logprobs(now, logprobs_reference(logits, tokens, k), f"k={k}")
+        torch_us = bench(lambda: logprobs_reference(logits, tokens, k), smoke)
+        before_us = bench(lambda: topk_logprobs_before(logits, tokens, k), smoke)
+        now_us = bench(lambda: compute_logprobs(logits, tokens, k, use_triton=True), smoke)
+        print(
+            f"  k={k:<3d} torch {torch_us:9.1f} us  kernel before {before_us:9.1f} us  now {now_us:9.1f} us  "
+            f"before/now {before_us / now_us:5.2f}x  torch/now {torch_us / now_us:5.1f}x  (before vs now: {diff})",
+            flush=True,
+        )
+        if not smoke:
+            name = f"logprobs_k{k}_{rows}x{vocab}"
+            record(SCRIPT, f"{name}_torch_us", torch_us, "us")
+            record(SCRIPT, f"{name}_kernel_before_us", before_us, "us")
+            record(SCRIPT, f"{name}_kernel_us", now_us, "us")
+            record(SCRIPT, f"{name}_before_vs_now_ratio", before_us / now_us, "x")
+
+
+def bench_prompt_logprobs(rows: int, vocab: int, k: int, dev: torch.device, smoke: bool) -> None:
+    logits, targets = lm_logits(rows, vocab, dev, 2)
+    plan = PromptPlan(np.arange(rows, dtype=np.int64), targets.cpu().numpy(), [("p", rows, k)], k)
+
+    def run(use_triton: bool) -> LogprobsTensors:
+        return compute_prompt_logprobs(lambda h: h, logits, plan, use_triton)
+
+    kern, ref = run(True), run(False)
+    check_logprobs(kern, ref, f"prompt logprobs, {rows} rows")
+    torch_us, kern_us = bench(lambda: run(False), smoke), bench(lambda: run(True), smoke)
+    print(
+        f"prompt logprobs, {rows} positions x {vocab}, k={k}: torch {torch_us / 1e3:8.3f} ms  "
+        f"kernel {kern_us / 1e3:8.3f} ms  torch/kernel {torch_us / kern_us:5.1f}x",
+        flush=True,
+    )
+    if not smoke:
+        name = f"prompt_logprobs_k{k}_{rows}x{vocab}"
+        record(SCRIPT, f"{name}_torch_us", torch_us, "us")
+        record(SCRIPT, f"{name}_kernel_us", kern_us, "us")
+        record(SCRIPT, f"{name}_torch_vs_kernel_ratio", torch_us / kern_us, "x")
+
+
+def bench_sampler_cases(rows: int, vocab: int, dev: torch.device, smoke: bool) -> None:
     logits = torch.randn(rows, vocab, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 4
     floor_us = rows * vocab * 4 / 4.8e12 * 1e6
     print(f"{rows} rows x {vocab} vocab; one read of the logits at 4.8 TB/s: {floor_us:.1f} us", flush=True)

@@ -1,8 +1,8 @@
 """Where a logprobs step's time goes, stage by stage, on this machine (no GPU, no Ray needed).
 
 One decode step of `--rows` requests over a `--vocab` vocabulary, through the real code of each stage:
-  device          compute_logprobs on [rows, vocab] float32 logits (on the CPU here: a GPU runs it as kernels,
-                  so this figure only says how much work the kernels have, not their GPU time)
+  device          compute_logprobs on [rows, vocab] float32 logits (on the CPU here the torch path: a GPU runs
+                  the Triton kernel, so this figure only says how much work there is, not its GPU time)
   worker_collect  the host copies and LogprobsCollector.collect: the per-request Logprobs messages
   worker_dumps    ModelRunnerOutput pickled (protocol 5, out-of-band buffers, as Ray does) ...
   driver_loads    ... and unpickled by the driver
@@ -38,8 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from actors.logprobs import compute_logprobs  # noqa: E402
-from actors.logprobs_kernel import topk_logprobs  # noqa: E402
+from actors.logprobs import compute_logprobs, logprobs_reference  # noqa: E402
 from actors.messages import PollResult  # noqa: E402
 from actors.step_logprobs import LogprobsCollector, launch_copies  # noqa: E402
 from kvcore.logprob_outputs import attach_logprobs  # noqa: E402
@@ -174,21 +173,22 @@ def profile_stage(step: Step, stage: str, steps: int) -> None:
 
 
 def device_breakdown(rows: int, vocab: int, k: int, device: str, reps: int) -> None:
-    """compute_logprobs and its parts on `device` (ms per step; CUDA events on a GPU): what a fused kernel
-    could save. The logits are float32 with bf16 values, as the LM head makes them."""
+    """The torch path (logprobs_reference) and its parts on `device` (ms per step; CUDA events on a GPU),
+    and on a GPU the kernel compute_logprobs runs there. The logits are float32 with bf16 values, as the
+    LM head makes them. (bench_sampler.py times the kernel before/after and the prompt logprobs.)"""
     dev = torch.device(device)
     logits = (torch.randn(rows, vocab, device=dev) * 3).bfloat16().float()
     tokens = torch.randint(0, vocab, (rows,), device=dev)
     lp = logits.log_softmax(-1)
     tok_lp = lp.gather(1, tokens.unsqueeze(1))
     parts: dict[str, Callable[[], object]] = {
-        "compute_logprobs": lambda: compute_logprobs(logits, tokens, k),
+        "logprobs_reference (torch)": lambda: logprobs_reference(logits, tokens, k),
         "  log_softmax": lambda: logits.log_softmax(-1),
         "  rank (lp >= tok).sum": lambda: (lp >= tok_lp).sum(-1),
         f"  topk({k})": lambda: lp.topk(k, dim=-1),
     }
     if dev.type == "cuda":  # what the sampler runs on a GPU
-        parts["topk_logprobs (2 Triton launches)"] = lambda: topk_logprobs(logits, tokens, k)
+        parts["compute_logprobs (2 Triton launches)"] = lambda: compute_logprobs(logits, tokens, k)
     for name, fn in parts.items():
         fn()  # warm-up
         if dev.type == "cuda":

@@ -38,7 +38,8 @@ def model(tmp_path_factory):
     return path, H.save_hf_model("qwen3", path)
 
 
-def run(path: str, requests: dict[str, tuple[list[int], SamplingParams]], async_scheduling=False):
+def run(path: str, requests: dict[str, tuple[list[int], SamplingParams]], async_scheduling=False, use_triton=None):
+    """use_triton: the runner's sampler and logprobs kernels (None: the torch references on the CPU)."""
     sched = SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=24, debug_invariants=True, async_scheduling=async_scheduling
     )
@@ -50,6 +51,9 @@ def run(path: str, requests: dict[str, tuple[list[int], SamplingParams]], async_
     )
     executor = LocalExecutor(config)
     try:
+        if use_triton is not None:
+            assert executor.worker is not None and executor.worker.model_runner is not None
+            executor.worker.model_runner.sampler.use_triton = use_triton
         engine = EngineCore(config, executor)
         for rid, (prompt, sp) in requests.items():
             engine.add_request(Request(rid, prompt, sp, eos_token_id=EOS))
@@ -84,8 +88,12 @@ def check_rows(rows_ids, rows_lp, ranks, own: list[int], lp: torch.Tensor, k: in
             assert torch.allclose(torch.from_numpy(rows_lp[j, 1:]), top.values, atol=1e-4)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_logprobs_and_prompt_logprobs_equal_hf(model, async_scheduling):
+@pytest.mark.parametrize(
+    "async_scheduling,use_triton", [(False, None), (True, None), (False, True)], ids=["sync", "async", "kernels"]
+)
+def test_logprobs_and_prompt_logprobs_equal_hf(model, async_scheduling, use_triton):
+    """kernels: the sampling and logprobs kernels (interpreted), as a GPU runs them; the prompt logprobs
+    of the 47-token request come from the kernel in every chunk."""
     path, hf = model
     prompts = H.make_prompts()
     reqs = {
@@ -98,7 +106,7 @@ def test_logprobs_and_prompt_logprobs_equal_hf(model, async_scheduling):
         "plain": (prompts[2], SamplingParams(max_tokens=3, ignore_eos=True)),
         "prompt-only": (prompts[0][:4], SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=0)),
     }
-    outs = run(path, reqs, async_scheduling)
+    outs = run(path, reqs, async_scheduling, use_triton)
     for rid, (prompt, sp) in reqs.items():
         tokens = [t for o in outs[rid] for t in o.new_token_ids]
         assert len(tokens) == sp.max_tokens
