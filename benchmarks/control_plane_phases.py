@@ -57,8 +57,10 @@ class Stamps:
     def __init__(self, steps: int, tp: int, shm: shared_memory.SharedMemory | None = None) -> None:
         self.cols = len(DRIVER) + tp * len(RANK)
         self.shm = shm or shared_memory.SharedMemory(create=True, size=8 * steps * self.cols)
+        assert self.shm.buf is not None
         self.table = self.shm.buf.cast("q")
         self.step = 0  # the row being written, in each process (every process sees every step)
+        self.t_recv = 0  # a rank's last receive, written into its row once the step is decoded
 
     def put(self, col: int) -> None:
         self.table[self.step * self.cols + col] = time.perf_counter_ns()
@@ -94,9 +96,10 @@ def driver_transport(tp: int, spin_s: float, timeout_s: float) -> tuple[ShmTrans
     ring = ShmRing.create(tp, BROADCAST_SLOTS, BROADCAST_SLOT_BYTES)
     replies = [ShmRing.create(1, REPLY_SLOTS, REPLY_SLOT_BYTES) for _ in range(tp)]
     t._ring, t._senders, t._owned_rings, t._remote_ranks = ring, [RingSender(ring)], [ring, *replies], []
-    t._replies = [RingReceiver(r, 0) for r in replies]
+    chans = [RingReceiver(r, 0) for r in replies]
+    t._replies = list(chans)
     t._poller = zmq.Poller()
-    for chan in t._replies:
+    for chan in chans:
         t._poller.register(chan.pollable(), zmq.POLLIN)
     return t, replies
 
@@ -131,7 +134,7 @@ def wrap_rank(worker: NoopWorker, stamps: Stamps, rank: int) -> None:
             stamps.t_recv = time.perf_counter_ns()
             return data
 
-        end.recv = stamped  # type: ignore[method-assign]
+        end.recv = stamped  # type: ignore[assignment,method-assign]
         return end
 
     def open_sender(spec: ChannelSpec) -> Any:
@@ -149,7 +152,7 @@ def wrap_rank(worker: NoopWorker, stamps: Stamps, rank: int) -> None:
         return end
 
     worker.execute_model = execute_model  # type: ignore[method-assign]
-    shm_worker.open_receiver, shm_worker.open_sender = open_receiver, open_sender  # type: ignore[assignment]
+    shm_worker.open_receiver, shm_worker.open_sender = open_receiver, open_sender
 
 
 def wrap_driver(t: ShmTransport, stamps: Stamps) -> None:
@@ -169,6 +172,7 @@ def wrap_driver(t: ShmTransport, stamps: Stamps) -> None:
     ring._ring_bells = ring_bells  # type: ignore[method-assign]
     t._senders[0].send = stamped_send  # type: ignore[method-assign]
     for chan in t._replies:
+        assert chan is not None
         try_recv = chan.try_recv
 
         def stamped_recv(timeout_s: float, try_recv: Any = try_recv) -> Any:
