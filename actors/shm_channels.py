@@ -36,7 +36,10 @@ class Receiver(Protocol):
     def recv(self, timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None) -> bytes | None: ...
     def try_recv(self, timeout_s: float) -> bytes | None: ...
     def pollable(self) -> Any: ...  # what zmq.Poller waits on: a file descriptor or a ZMQ socket
-    def drain(self) -> None: ...  # after a wake-up, before looking (try_recv) again
+    # Around a blocking wait on pollable(): begin_block, then try_recv once more, then the wait, then
+    # end_block. A ring's writer rings a doorbell only while its reader is in between.
+    def begin_block(self) -> None: ...
+    def end_block(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -78,8 +81,11 @@ class RingReceiver:
     def pollable(self) -> Any:
         return self.ring.doorbell_fd(self.reader)
 
-    def drain(self) -> None:
-        self.ring.drain_doorbell(self.reader)
+    def begin_block(self) -> None:
+        self.ring.begin_block(self.reader)
+
+    def end_block(self) -> None:
+        self.ring.end_block(self.reader)
 
     def close(self) -> None:
         self.ring.close()
@@ -164,8 +170,11 @@ class ZmqReceiver:
     def pollable(self) -> Any:
         return self.sock
 
-    def drain(self) -> None:
+    def begin_block(self) -> None:
         pass  # the socket's readiness is its queue
+
+    def end_block(self) -> None:
+        pass
 
     def _take(self, flags: int) -> bytes | None:
         try:

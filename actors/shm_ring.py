@@ -1,10 +1,11 @@
 """A one-writer, N-reader ring buffer in shared memory, where every reader acknowledges what it read.
 
 Layout of the segment (int64 words first, then the slots):
-  word 0            closed flag (set by the owner at close: every waiter leaves with RingClosed)
-  word 1            write_seq: chunks published so far
-  words 2 .. 2+N-1  read_seq[r]: chunks reader r has copied out (its acknowledgement)
-  slots             n_slots x slot_bytes; a slot holds [nbytes int64][last int64][payload]
+  word 0              closed flag (set by the owner at close: every waiter leaves with RingClosed)
+  word 1              write_seq: chunks published so far
+  words 2 .. 2+N-1    read_seq[r]: chunks reader r has copied out (its acknowledgement)
+  words 2+N .. 2+2N-1 asleep[r]: reader r is about to block, or blocked, on its doorbell
+  slots               n_slots x slot_bytes; a slot holds [nbytes int64][last int64][payload]
 
 Chunk s lives in slot s % n_slots. The writer publishes chunk s only when every reader has acknowledged
 chunk s - n_slots (s - min(read_seq) < n_slots), so a slot is never reused while any reader may still
@@ -17,10 +18,15 @@ stores, and a fence (a lock round trip, as vLLM does) orders payload and counter
 A reader that does not acknowledge within the writer's timeout (dead or stalled) is named in
 RingTimeout: the caller decides who is at fault. A waiting reader spins spin_s (yielding: the core and
 the GIL are offered to others), then blocks on its doorbell, a FIFO beside the segment that the writer
-rings (one byte) after each chunk: the kernel wakes it at once, where sleeping in a loop costs
-milliseconds on a loaded machine; but a wake-up still costs tens of microseconds, so where cores allow
-the transport spins long enough to cover the other side's turn (actors/shm_transport.py). The writer,
-waiting for acknowledgements (the ring full: rare), polls.
+rings (one byte): the kernel wakes it at once, where sleeping in a loop costs milliseconds on a loaded
+machine; but a wake-up still costs tens of microseconds, so where cores allow the transport spins long
+enough to cover the other side's turn (actors/shm_transport.py). The writer rings only the readers whose
+asleep flag is set: a spinning reader sees the counter without a system call. The handshake is Dekker's:
+the reader sets its flag, fences, then looks at write_seq once more before it blocks; the writer stores
+write_seq, fences, then reads the flags. With both fences one of the two sees the other's store, so a
+reader never blocks on a chunk whose bell was skipped. (A lock round trip is a full barrier on x86; where
+it orders less, a missed bell costs at most BELL_POLL_S, the blocked reader's own look-again interval.)
+The writer, waiting for acknowledgements (the ring full: rare), polls.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ class RingHandle:
 
     @property
     def size(self) -> int:
-        return 8 * (2 + self.n_readers) + self.n_slots * self.slot_bytes
+        return 8 * (2 + 2 * self.n_readers) + self.n_slots * self.slot_bytes
 
 
 class Waiter:
@@ -106,8 +112,12 @@ class ShmRing:
         self._owner = owner
         self._closed = False
         n = handle.n_readers
-        self._words = self._buf[: 8 * (2 + n)].cast("q")
-        self._slots_at = 8 * (2 + n)
+        self._words = self._buf[: 8 * (2 + 2 * n)].cast("q")
+        self._asleep_at = 2 + n  # the word index of asleep[0]
+        self._asleep = self._buf[8 * (2 + n) : 8 * (2 + 2 * n)]  # the flags as bytes: one compare for all
+        self._nobody_asleep = bytes(8 * n)
+        self._slots_at = 8 * (2 + 2 * n)
+        self._acked = 0  # a lower bound of min(read_seq): acknowledgements only grow
         self._payload = handle.slot_bytes - _HEAD.size
         self._broken: str | None = None
         self._bells_out: list[int] | None = None  # the writer's ends, opened on first write
@@ -150,8 +160,11 @@ class ShmRing:
         After a RingTimeout part of a message may be out: the ring refuses later writes."""
         if self._broken is not None:
             raise RingClosed(f"ring {self.handle.name} is unusable after an earlier timeout: {self._broken}")
-        view = memoryview(data).cast("B")
         deadline = time.monotonic() + timeout_s
+        if len(data) <= self._payload:  # one chunk: the common case, without the slicing below
+            self._put(data, True, deadline)
+            return
+        view = memoryview(data).cast("B")
         n, off = len(view), 0
         while True:
             part = min(self._payload, n - off)
@@ -160,12 +173,28 @@ class ShmRing:
             if off == n:
                 return
 
-    def _put(self, chunk: memoryview, last: bool, deadline: float) -> None:
+    def _put(self, chunk: bytes | memoryview, last: bool, deadline: float) -> None:
         words, n_slots = self._words, self.handle.n_slots
         seq = words[1]
+        if seq - self._acked >= n_slots:  # the bound says full: look at the acknowledgements themselves
+            self._wait_for_slot(seq, deadline)
+        at = self._slots_at + (seq % n_slots) * self.handle.slot_bytes
+        buf = self._buf
+        _HEAD.pack_into(buf, at, len(chunk), int(last))
+        buf[at + _HEAD.size : at + _HEAD.size + len(chunk)] = chunk
+        fence()  # the payload is visible before the counter that publishes it
+        words[1] = seq + 1
+        fence()  # the counter is visible before the asleep flags are read (the handshake's writer half)
+        self._ring_bells(sleepers_only=True)
+
+    def _wait_for_slot(self, seq: int, deadline: float) -> None:
+        words, n_slots = self._words, self.handle.n_slots
         read = range(2, 2 + self.handle.n_readers)
         waiter: Waiter | None = None
-        while seq - min(words[i] for i in read) >= n_slots:
+        while True:
+            self._acked = min(words[i] for i in read)
+            if seq - self._acked < n_slots:
+                return
             self._check_open()
             waiter = waiter or Waiter()
             waiter.pause()
@@ -175,15 +204,20 @@ class ShmRing:
                     f"reader(s) {slow} did not acknowledge chunk {seq - n_slots} of ring {self.handle.name} in time"
                 )
                 raise RingTimeout(self._broken, slow)
-        at = self._slots_at + (seq % n_slots) * self.handle.slot_bytes
-        buf = self._buf
-        _HEAD.pack_into(buf, at, len(chunk), int(last))
-        buf[at + _HEAD.size : at + _HEAD.size + len(chunk)] = chunk
-        fence()  # the payload is visible before the counter that publishes it
-        words[1] = seq + 1
-        self._ring_bells()
 
-    def _ring_bells(self) -> None:
+    def _ring_bells(self, sleepers_only: bool = False) -> None:
+        if sleepers_only and bytes(self._asleep) == self._nobody_asleep:
+            return  # every reader is awake (spinning or busy): each looks at write_seq before it blocks
+        words, first = self._words, self._asleep_at
+        for r in range(self.handle.n_readers):
+            if sleepers_only and not words[first + r]:
+                continue  # awake (spinning or busy): it looks at write_seq before it blocks
+            try:
+                os.write(self._bell_out(r), b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full of rings the reader has not drained: it will wake anyway
+
+    def _bell_out(self, reader: int) -> int:
         if self._bells_out is None:
             # O_RDWR: opening a FIFO so never blocks, whether or not its reader has it open yet.
             try:
@@ -192,11 +226,7 @@ class ShmRing:
                 ]
             except FileNotFoundError:
                 raise RingClosed(f"ring {self.handle.name} was removed by its owner") from None
-        for fd in self._bells_out:
-            try:
-                os.write(fd, b"\0")
-            except BlockingIOError:
-                pass  # the pipe is full of rings the reader has not drained: it will wake anyway
+        return self._bells_out[reader]
 
     # ---- readers ----------------------------------------------------------------------------
     def read(
@@ -216,9 +246,9 @@ class ShmRing:
             if not self._wait_chunk(reader, deadline, should_stop, spin_s):
                 return None
             chunk, last = self._take(reader)
-            parts.append(chunk)
             if last:
-                return parts[0] if len(parts) == 1 else b"".join(parts)
+                return b"".join((*parts, chunk)) if parts else chunk
+            parts.append(chunk)
 
     def try_read(self, reader: int, timeout_s: float) -> bytes | None:
         """The next message if its first chunk is there now (else None at once); the rest of a multi-chunk
@@ -226,14 +256,32 @@ class ShmRing:
         if self._words[1] <= self._words[2 + reader]:
             self._check_open()
             return None
-        return self.read(reader, timeout_s)
+        chunk, last = self._take(reader)
+        if last:
+            return chunk
+        rest = self.read(reader, timeout_s)
+        assert rest is not None  # no should_stop: read returns a message or raises
+        return chunk + rest
 
     def doorbell_fd(self, reader: int) -> int:
-        """The reader's end of its doorbell: readable once a chunk may have come (drain_doorbell, then look)."""
+        """The reader's end of its doorbell: readable once a chunk may have come. Before blocking on it,
+        begin_block (then look once more); after, end_block."""
         fd = self._bells_in.get(reader)
         if fd is None:
             fd = self._bells_in[reader] = os.open(self.handle.doorbell(reader), os.O_RDWR | os.O_NONBLOCK)
         return fd
+
+    def begin_block(self, reader: int) -> None:
+        """Announce that `reader` is about to block on its doorbell, and empty it: from here the writer
+        rings for every chunk. The caller looks at the ring once more before blocking (the handshake's
+        reader half: a chunk published before the flag was seen is found by that look)."""
+        self._words[self._asleep_at + reader] = 1
+        fence()  # the flag is visible before the look at write_seq that follows
+        self.drain_doorbell(reader)
+
+    def end_block(self, reader: int) -> None:
+        """`reader` is awake again: the writer may skip its doorbell (a stale flag only costs a bell)."""
+        self._words[self._asleep_at + reader] = 0
 
     def drain_doorbell(self, reader: int) -> None:
         try:
@@ -246,23 +294,33 @@ class ShmRing:
         self, reader: int, deadline: float | None, should_stop: Callable[[], bool] | None, spin_s: float
     ) -> bool:
         words, mine = self._words, 2 + reader
+        if words[1] > words[mine]:
+            return True
         spin_until = time.monotonic() + spin_s
-        while words[1] <= words[mine]:
-            self._check_open()
-            if should_stop is not None and should_stop():
-                return False
-            now = time.monotonic()
-            if deadline is not None and now > deadline:
-                raise RingTimeout(f"reader {reader}: no message on ring {self.handle.name} in time")
-            if now < spin_until:
-                os.sched_yield()  # releases the GIL too: the actor's other threads (pings) still run
-                continue
-            # Drain first, then look again: a ring that comes after the look stays in the pipe.
-            self.drain_doorbell(reader)
-            if words[1] > words[mine]:
-                break
-            wait = BELL_POLL_S if deadline is None else max(0.0, min(BELL_POLL_S, deadline - now))
-            select.select([self.doorbell_fd(reader)], [], [], wait)
+        blocking = False
+        try:
+            while words[1] <= words[mine]:
+                self._check_open()
+                if should_stop is not None and should_stop():
+                    return False
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    raise RingTimeout(f"reader {reader}: no message on ring {self.handle.name} in time")
+                if now < spin_until:
+                    os.sched_yield()  # releases the GIL too: the actor's other threads (pings) still run
+                    continue
+                if not blocking:
+                    self.begin_block(reader)
+                    blocking = True
+                else:
+                    self.drain_doorbell(reader)  # a bell that came while looking: the look below sees its chunk
+                if words[1] > words[mine]:
+                    break
+                wait = BELL_POLL_S if deadline is None else max(0.0, min(BELL_POLL_S, deadline - now))
+                select.select([self.doorbell_fd(reader)], [], [], wait)
+        finally:
+            if blocking:
+                self.end_block(reader)
         return True
 
     def _take(self, reader: int) -> tuple[bytes, bool]:
@@ -285,13 +343,14 @@ class ShmRing:
         if self._owner:
             self._words[0] = 1
             try:
-                self._ring_bells()  # wake blocked readers: they see the closed flag
+                self._ring_bells()  # every reader, asleep or not: a blocked one wakes to see the closed flag
             except OSError:
                 pass
         for fd in [*(self._bells_out or []), *self._bells_in.values()]:
             os.close(fd)
         self._bells_out, self._bells_in = [], {}
         self._words.release()
+        self._asleep.release()
         self._shm.close()
         if self._owner:
             for path in [self.handle.doorbell(r) for r in range(self.handle.n_readers)]:

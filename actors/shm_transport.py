@@ -13,14 +13,13 @@ rank (diagnosed with Ray pings, which the actor's free main thread answers); whi
 liveness check runs every LIVENESS_S so a death is reported in about that long, not at the timeout. A
 rank whose step raised gives StepError once every rank has answered (WorkerFailure if a collective failed:
 actors.transport.step_failure). After a failure the transport stays
-broken, as the others do. SchedulerOutput is pickled with protocol 5, as (class, fields) (kvcore.messages).
+broken, as the others do. Steps and answers travel in actors/shm_codec.py's wire form (marshal).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
 from typing import Any, Sequence
 
@@ -30,8 +29,9 @@ from ray.exceptions import RayActorError
 
 from actors.executor_base import WorkerFailure
 from actors.shm_channels import ChannelSpec, Receiver, RingReceiver, RingSender, Sender, ZmqReceiver, ZmqSender, bind
+from actors.shm_codec import decode_answer, encode_step
 from actors.shm_ring import RingClosed, RingTimeout, ShmRing
-from actors.shm_worker import ShmLoopSpec, dumps
+from actors.shm_worker import ShmLoopSpec
 from actors.transport import _first_line, _Transport, diagnose, step_failure
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -118,7 +118,7 @@ class ShmTransport(_Transport):
 
     # ---- the step ---------------------------------------------------------------------------
     def _submit(self, so: SchedulerOutput) -> Any:
-        data = dumps(so)
+        data = encode_step(so)
         deadline = time.monotonic() + self.step_timeout_s
         for sender in self._senders:
             try:
@@ -168,13 +168,18 @@ class ShmTransport(_Transport):
 
     def _block(self, answers: dict[int, Any], deadline: float, until: float, step_id: int) -> None:
         """Sleep in the kernel until an answer channel may have something, or `until`."""
-        # Every channel, the answered ones too: a bell left in one would wake the poller at once, for ever.
-        for chan in self._replies:
-            if chan is not None:
-                chan.drain()
-        # Look once more after draining: an answer that came before the drain would not wake the poller.
-        if not self._poll(answers, deadline, step_id):
-            self._poller.poll(max(1, int((until - time.monotonic()) * 1000)))
+        # Every channel, the answered ones too (begin_block empties its doorbell): a bell left in one
+        # would wake the poller at once, for ever.
+        chans = [chan for chan in self._replies if chan is not None]
+        for chan in chans:
+            chan.begin_block()
+        try:
+            # Look once more: an answer written before its writer saw the flag rang no bell.
+            if not self._poll(answers, deadline, step_id):
+                self._poller.poll(max(1, int((until - time.monotonic()) * 1000)))
+        finally:
+            for chan in chans:
+                chan.end_block()
 
     def _fail_late(self, step_id: int, pending: list[int]) -> WorkerFailure:
         rank, why = diagnose(self.workers)
@@ -196,7 +201,7 @@ class ShmTransport(_Transport):
             except (RingClosed, RingTimeout) as e:
                 raise WorkerFailure(rank, f"its answer channel broke during step {step_id} ({e})") from None
             if data is not None:
-                answers[rank] = pickle.loads(data)
+                answers[rank] = decode_answer(data)
                 got = True
         return got
 

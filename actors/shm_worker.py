@@ -7,21 +7,21 @@ beside the actor's thread). The driver waits for every rank's answer before it s
 so a plain call never runs while a step does.
 
 Every rank answers every step: rank 0 with its ModelRunnerOutput, the others with None, and a rank
-whose step raised with (the error's repr, whether it is a CollectiveError). Answers are pickled
-(protocol 5) tuples (ok, payload).
+whose step raised with (the error's repr, whether it is a CollectiveError): (ok, payload) in
+actors/shm_codec.py's wire form.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from actors.executor_base import CollectiveError
 from actors.shm_channels import ChannelSpec, Receiver, Sender, open_receiver, open_sender
+from actors.shm_codec import decode_step, encode_answer
 from actors.shm_ring import RingClosed, RingTimeout
 
 logger = logging.getLogger(__name__)
@@ -35,10 +35,6 @@ class ShmLoopSpec:
     steps: ChannelSpec  # the driver's broadcast, for this rank
     replies: ChannelSpec  # this rank's answers, to the driver
     reply_timeout_s: float
-
-
-def dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class ShmWorkerLoop:
@@ -57,7 +53,7 @@ class ShmWorkerLoop:
                 data = self._steps.recv(None, self._stop.is_set)
                 if data is None:
                     return
-                self._replies.send(dumps(self._step(pickle.loads(data))), self.spec.reply_timeout_s)
+                self._replies.send(encode_answer(*self._step(decode_step(data))), self.spec.reply_timeout_s)
         except RingClosed:
             pass  # the driver closed the transport
         except RingTimeout as e:  # the driver stopped reading: it has given up on this group

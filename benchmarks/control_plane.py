@@ -8,7 +8,7 @@ decoding, and reports the median. Appends JSON lines to benchmarks/results/contr
 `control_plane_us_tp<N>_<transport>` for each, and `control_plane_us_tp<N>` (the headline at TP=2) for
 the default transport (ray.transport's default in actors/engine_config.py).
 
-  python benchmarks/control_plane.py [--tp 1 2 4] [--steps 300] [--num-reqs 32] [--device cpu]
+  python benchmarks/control_plane.py [--tp 1 2 4] [--steps 300] [--num-reqs 32] [--device cpu] [--shm-spin-s 0.001]
 """
 
 from __future__ import annotations
@@ -84,7 +84,19 @@ def main() -> None:
     ap.add_argument("--num-reqs", type=int, default=32)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument(
+        "--shm-spin-s",
+        type=float,
+        default=None,
+        help="how long every shm party spins before it blocks (default: actors.shm_transport.default_spin_s, "
+        "which spins only where the host has >= 2 x (ranks + 1) cores); set it to measure spinning on a small host",
+    )
     args = ap.parse_args()
+    if args.shm_spin_s is not None:
+        import actors.shm_transport as shm_transport
+
+        spin_s = args.shm_spin_s
+        shm_transport.default_spin_s = lambda n_workers: spin_s
     need = max(args.tp) + 2
     if args.device == "cuda":
         ray.init(include_dashboard=False)

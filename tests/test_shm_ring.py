@@ -197,3 +197,72 @@ def test_zmq_sender_times_out_on_a_reader_that_stops_reading():
                 sender.send(message(1, 64 * 1024), 0.2)
     finally:
         pull.close(linger=0), push.close(linger=0)
+
+
+def _bell_pending(ring: ShmRing, reader: int) -> bool:
+    import select
+
+    return bool(select.select([ring.doorbell_fd(reader)], [], [], 0)[0])
+
+
+def test_the_writer_rings_only_readers_that_announced_they_block():
+    ring = ShmRing.create(n_readers=2, n_slots=4, slot_bytes=64)
+    readers = [ShmRing.attach(ring.handle), ShmRing.attach(ring.handle)]
+    try:
+        ring.write(message(1, 10), 1.0)  # both awake (spinning or busy): no system call, no bell
+        assert not _bell_pending(readers[0], 0) and not _bell_pending(readers[1], 1)
+        assert readers[0].read(0, 1.0) == message(1, 10) and readers[1].read(1, 1.0) == message(1, 10)
+        readers[1].begin_block(1)  # reader 1 is about to block: from now on it is rung
+        ring.write(message(2, 10), 1.0)
+        assert not _bell_pending(readers[0], 0) and _bell_pending(readers[1], 1)
+        readers[1].end_block(1)
+        assert readers[1].read(1, 1.0) == message(2, 10) and readers[0].read(0, 1.0) == message(2, 10)
+        readers[1].begin_block(1)  # the flag set after the write: the look that follows finds it
+        assert not _bell_pending(readers[1], 1)  # begin_block emptied the doorbell
+        readers[1].end_block(1)
+        ring.write(message(3, 10), 1.0)
+        readers[1].begin_block(1)
+        assert readers[1].try_read(1, 1.0) == message(3, 10)
+        readers[1].end_block(1)
+        ring.close()  # closing rings every reader, asleep or not: a blocked one must see the flag
+        assert _bell_pending(readers[0], 0)
+    finally:
+        for r in readers:
+            r.close()
+        ring.close()
+
+
+def _write_with_jitter(handle, delays_us):
+    ring = ShmRing.attach(handle)
+    for i, delay in enumerate(delays_us):
+        end = time.perf_counter() + delay * 1e-6
+        while time.perf_counter() < end:  # busy: sleeps this short would all be the timer's slack
+            pass
+        ring.write(message(i, 10), 10.0)
+    ring.close()
+    os._exit(0)
+
+
+def test_a_reader_going_to_sleep_never_misses_a_message(monkeypatch):
+    """Messages land while the reader spins, while it sets its flag, and once it blocks. A blocked
+    reader wakes on its own only every BELL_POLL_S; made longer than the read's timeout here, a bell
+    the writer skipped wrongly would end the read with RingTimeout instead of the message."""
+    import random
+
+    import actors.shm_ring as shm_ring
+
+    monkeypatch.setattr(shm_ring, "BELL_POLL_S", 3600.0)
+    rng = random.Random(0)
+    delays = [rng.choice([0, 5, 20, 40, 80, 300, 2000]) for _ in range(1500)]
+    ring = ShmRing.create(n_readers=1, n_slots=2, slot_bytes=64)
+    proc = CTX.Process(target=_write_with_jitter, args=(ring.handle, delays))
+    proc.start()
+    try:
+        for i in range(len(delays)):
+            assert ring.read(0, 10.0, spin_s=20e-6) == message(i, 10)
+        proc.join(10)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        ring.close()
