@@ -31,7 +31,7 @@ from actors.sampling_inputs import SamplingInputs
 from actors.step_logprobs import LogprobsCollector, compute_prompt_logprobs, launch_copies, prompt_plan
 from actors.step_profiler import StepTimer
 from actors.token_readback import SampledStep, TokenReadback
-from actors.warmup import warm_sampler
+from actors.warmup import warm_logits, warm_sampler
 from kvcore.kernels import check_backend
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
@@ -151,6 +151,8 @@ class ModelRunner(RunnerGraphs):
             kv_cache_config.block_sizes,
         )
         self.capture_graphs()
+        model = self._model()
+        warm_logits(model.compute_logits, int(self._hf("hidden_size")), self.dtype, self.device, self.max_num_reqs)
         warm_sampler(
             self.sampler, int(self._hf("vocab_size")), self.device, self.max_num_reqs, self.sampling_inputs.dummy
         )

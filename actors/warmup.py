@@ -1,5 +1,6 @@
-"""Start-up warm-up outside the CUDA graphs: the sampler's and the logprobs kernel variants compile before
-the first request (graph capture already compiles everything the forward launches; see actors/cuda_graphs.py)."""
+"""Start-up warm-up outside the CUDA graphs: the sampler's and the logprobs kernel variants compile, and the
+LM head's GEMM kernels load, before the first request (graph capture already compiles and loads everything
+the forward launches; see actors/cuda_graphs.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,37 @@ import torch
 from actors.sampler import Sampler, SamplingMetadata
 
 DummySampling = Callable[[int, bool, int], SamplingMetadata]  # (rows, filters, num_logprobs) -> metadata
+# Above this many rows the LM head is warmed at every 16th count only (cuBLAS's choices are coarse there).
+EVERY_COUNT_UP_TO = 256
+
+
+def logits_row_counts(max_rows: int) -> list[int]:
+    """The sampling-row counts whose LM-head GEMM the warm-up runs: every count up to 256, then every 16th."""
+    dense = list(range(1, min(max_rows, EVERY_COUNT_UP_TO) + 1))
+    return (
+        dense + [r for r in range(EVERY_COUNT_UP_TO + 16, max_rows, 16)] + ([max_rows] if max_rows > dense[-1] else [])
+    )
+
+
+@torch.inference_mode()
+def warm_logits(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_rows: int,
+) -> None:
+    """The LM head runs eagerly after the graph, on the step's sampling rows only, and cuBLAS picks its
+    kernel by the row count; CUDA loads a kernel's module at its first launch (lazy loading). On the H200
+    the first run's first three prefill steps (25, 51 and 77 sampling rows) spent ~20 ms more host time
+    each than the same steps of a second run, and the ones after them (102, 125 rows) did not. A TP group
+    runs the same counts on every rank (the head gathers across them)."""
+    if device.type != "cuda":
+        return
+    hidden = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
+    for rows in logits_row_counts(max_rows):
+        compute_logits(hidden[:rows])
+    torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
