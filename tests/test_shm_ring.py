@@ -66,6 +66,18 @@ def test_messages_larger_than_a_slot_arrive_whole_while_readers_keep_up():
         ring.close()
 
 
+def test_try_read_returns_a_multi_chunk_message_whole_or_nothing():
+    ring = ShmRing.create(n_readers=1, n_slots=4, slot_bytes=64)
+    try:
+        assert ring.try_read(0, 1.0) is None
+        ring.write(message(5, 140), 1.0)  # three chunks of at most 48 bytes
+        ring.write(message(6, 20), 1.0)
+        assert ring.try_read(0, 1.0) == message(5, 140) and ring.try_read(0, 1.0) == message(6, 20)
+        assert ring.try_read(0, 1.0) is None
+    finally:
+        ring.close()
+
+
 def _read_and_check(handle, index, expected):
     ring = ShmRing.attach(handle)
     # A reader that attaches later starts from its acknowledgement counter, wherever that stands.
