@@ -56,7 +56,7 @@ class RayExecutor(Executor):
             self.collective_rpc("init_device")
             t2 = time.perf_counter()
             self.collective_rpc("load_model")
-            # Where start-up time goes (the engine stats carry it; benchmarks/bench_startup.py prints it).
+            # Where start-up time goes (the engine stats carry it; benchmarks/e2e/bench_startup.py prints it).
             self.startup_s = {
                 "probe_s": round(t1 - t0, 2),
                 "workers_start_s": round(t2 - t1, 2),

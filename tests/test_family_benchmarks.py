@@ -18,7 +18,7 @@ from common import SHAPES, tiny_shape  # noqa: E402
 def test_bench_moe_kernel_smoke():
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/bench_moe_kernel.py"), "--smoke"],
+        [sys.executable, str(ROOT / "benchmarks/kernels/bench_moe_kernel.py"), "--smoke"],
         env=env,
         capture_output=True,
         text=True,
