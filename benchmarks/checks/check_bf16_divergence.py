@@ -163,7 +163,7 @@ def diverge(name: str, ref: list[list[int]], got: list[list[int]], margins: list
     return Divergence(name, float(np.mean(fd == n)), fd, float(np.mean(fd / n)), at_div)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     p.add_argument("--model-dir", default="/tmp/kvray-models")
@@ -181,7 +181,7 @@ def main() -> int:
         action="store_true",
         help="CPU, 4 prompts, 8 new tokens: tiny-random, or a tiny model of --shape's family if given",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     t_start = time.perf_counter()
     if args.smoke:
         from actors.loader import resolve_model_dir
@@ -210,7 +210,9 @@ def main() -> int:
     )
     hf16, _, t_hf16 = run_hf(model_dir, prompts, n, "bfloat16", args.device, want_margins=False)
     print(f"hf_bf16: {t_hf16:.1f}s", flush=True)
-    if not os.environ.get("RAY_ADDRESS"):
+    import ray
+
+    if not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
         from cluster.placement import start_local_ray  # one local Ray for both kvray runs
 
         start_local_ray(num_cpus=max(os.cpu_count() or 1, 3), namespace="kvray")

@@ -151,12 +151,12 @@ def check(lines: list[bytes], out_path: Path) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lines", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", help="write in.jsonl / out.jsonl here (default: a temporary directory)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = Path(args.keep or tempfile.mkdtemp(prefix="kvray-fuzz-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -52,11 +52,11 @@ def child(kind: str, block_m: int, block_n: int) -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("--child", nargs=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
         child(args.child[0], int(args.child[1]), int(args.child[2]))
         return

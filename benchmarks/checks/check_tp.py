@@ -174,7 +174,7 @@ def report(c: Comparison, strict: bool) -> None:
         print(f"  first mismatch of request {req}: position {pos}, TP=1 token {want}, TP={c.tp} token {got}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("--num-layers", type=int, default=4, help="cut the shape to this many layers")
@@ -204,7 +204,7 @@ def main() -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--no-diagnose", action="store_true", help="skip the HF logit-gap diagnosis of mismatches")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny-random, 6 short prompts, 8 tokens")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     t_start = time.perf_counter()
     tps = sorted({int(x) for x in args.tp.split(",") if x.strip()} - {1})
     if args.smoke:
@@ -223,7 +223,9 @@ def main() -> int:
 
         gc.collect()
         torch.cuda.empty_cache()  # make_random_model built the weights on this process's GPU
-    if not os.environ.get("RAY_ADDRESS"):
+    import ray
+
+    if not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
         # One local Ray for every run (LLM would start and stop one per run); workers take a CPU each
         # on the CPU, none on the GPU.
         from cluster.placement import start_local_ray

@@ -53,7 +53,7 @@ def run_variant(llm, prompts: list[list[int]], sp) -> tuple[float, int]:
     return elapsed, n_out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="tiny-random on the CPU, a few tokens")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from cluster import LLM
 

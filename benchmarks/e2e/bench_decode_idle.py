@@ -123,7 +123,7 @@ def run_config(model_dir: str, name: str, args) -> dict:
     return res
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--model-dir", default="/tmp/kvray-models")
@@ -134,7 +134,7 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny-random model, batch 8: plumbing only")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         args.batch, args.prompt_len, args.output_len = 8, 8, 6
         model_dir = "tiny-random"

@@ -55,7 +55,7 @@ def run_smoke(shape: str, model_dir: str) -> None:
     print(f"{shape} (tiny, CPU): {len(prompts)} requests, {n} tokens in {elapsed:.1f}s")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=FAMILIES, nargs="+", default=list(FAMILIES))
     p.add_argument("--num-layers", type=int, default=None)
@@ -66,7 +66,7 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true")
     p.add_argument("--smoke", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         for shape in args.shape:
             run_smoke(shape, make_random_model(shape, args.model_dir, dtype="float32", tiny=True))

@@ -57,13 +57,13 @@ def run(args: list[str]) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lines", type=int, default=1_000_000)
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="overrides", action="append", default=[])
-    a = p.parse_args()
+    a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvray-million-") as d:
         inp = os.path.join(d, "in")
         os.mkdir(inp)

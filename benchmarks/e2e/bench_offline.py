@@ -219,7 +219,7 @@ def run_job(model_dir: str, prompts, params, out_dir: Path) -> float:
     return float(s["output_tok_per_s"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--workload", choices=["nano", "small", "sharegpt"], default="nano")
@@ -242,7 +242,7 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="torch profiler traces of a few worker steps (defaults run)")
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--profile-skip", type=int, default=40, help="steps of the timed run before the trace")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.environ.setdefault("KVRAY_LOG_COMPILES", "1")  # before Ray starts: the workers inherit it
 
     model_dir = make_random_model(args.shape, args.model_dir)

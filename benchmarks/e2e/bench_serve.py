@@ -240,7 +240,7 @@ def format_row(r: dict) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(TAGS), default="qwen3-0.6b")
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
@@ -270,7 +270,7 @@ def main() -> None:
         "config as it is), each against the offline figure: an A/B of serve settings in one run",
     )
     ap.add_argument("--families-rate", type=float, default=8.0, help="request rate of --families (req/s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from cluster.config import load_config
     from cluster.serve.app import start_server, stop_server
 

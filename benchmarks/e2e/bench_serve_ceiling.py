@@ -137,7 +137,7 @@ def py_spy(out_dir: str, seconds: int, pids: dict[str, int]) -> list[subprocess.
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="K=V", help="config overrides (serve.x=y)")
     ap.add_argument("--profile", default=None, help="a folder: py-spy raw profiles of the last run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from cluster.config import load_config, parse_override
     from cluster.serve.app import start_server, stop_server
 

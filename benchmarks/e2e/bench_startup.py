@@ -78,13 +78,13 @@ def child(model_dir: str, runs: int) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--runs", type=int, default=2, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
         print("CHILD " + json.dumps(child(args.child, args.runs)), flush=True)
         return

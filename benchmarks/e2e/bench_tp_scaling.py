@@ -55,7 +55,7 @@ def run_layout(model_dir: str, tp: int, dp: int, args) -> dict:
     return res
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--model-dir", default="/tmp/kvray-models")
@@ -63,7 +63,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny-random, TP 1 and 2 over gloo, batch 8")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         args.batch, args.prompt_len, args.output_len = 8, 8, 6
         model_dir, num_gpus = "tiny-random", 2

@@ -9,6 +9,7 @@ decoding, and reports the median. Appends JSON lines to benchmarks/results/contr
 the default transport (ray.transport's default in actors/engine_config.py).
 
   python benchmarks/host/bench_control_plane.py [--tp 1 2 4] [--steps 300] [--num-reqs 32] [--device cpu]
+  python benchmarks/host/bench_control_plane.py --smoke     # CPU, TP=2, every transport, 20 steps (CI)
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def measure(
         remove(pg)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--transports", nargs="+", default=["shm", "compiled_graph", "actor_calls"])
@@ -85,11 +86,15 @@ def main() -> None:
     ap.add_argument("--num-reqs", type=int, default=32)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="CPU, TP=2, every transport, 20 steps, nothing written")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.tp, args.steps, args.device, args.no_write = [2], 20, "cpu", True
     need = max(args.tp) + 2
-    if args.device == "cuda":
+    started = not ray.is_initialized()  # a caller's Ray (the CI smoke's) is used as it is, and left up
+    if started and args.device == "cuda":
         ray.init(include_dashboard=False)
-    else:
+    elif started:
         start_local_ray(num_cpus=need, include_dashboard=False)
     results = []
     try:
@@ -106,7 +111,8 @@ def main() -> None:
                 )
                 results.append((tp, transport, r["step_us"]))
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     if args.no_write:
         return
     default = EngineConfig().ray.transport

@@ -4,8 +4,10 @@ engine double of the tests (tests/job_helpers.py, which answers at once); then a
 (the resume pass). Peak RSS of this process before and after: what the job holds, not the model's.
 
   python benchmarks/host/bench_job_client_memory.py 1000000      # prints one JSON line
+  python benchmarks/host/bench_job_client_memory.py --smoke      # 2,000 lines (CI)
 """
 
+import argparse
 import json
 import os
 import resource
@@ -30,7 +32,16 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def main(n: int, shards: int = 8) -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("lines", type=int, nargs="?", default=1_000_000)
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true", help="2,000 lines: the script runs")
+    args = ap.parse_args(argv)
+    measure(2000 if args.smoke else args.lines, args.shards)
+
+
+def measure(n: int, shards: int) -> None:
     d = tempfile.mkdtemp(prefix="kvray-mem-")
     try:
         os.mkdir(f"{d}/in")
@@ -65,4 +76,4 @@ def main(n: int, shards: int = 8) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000)
+    main()

@@ -8,6 +8,7 @@ logprobs cost the engine's processes a step; on the GPU that cost adds to (or hi
 decode step of bench_api_features.py.
 
   python benchmarks/host/bench_logprobs_host_path.py [--num-prompts 256] [--output-len 64] [--vocab 151936]
+  python benchmarks/host/bench_logprobs_host_path.py --smoke     # 8 prompts x 4 tokens, vocab 2,000 (CI)
 """
 
 from __future__ import annotations
@@ -83,13 +84,16 @@ def model_dir(vocab: int) -> str:
     return d
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=151936)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="8 prompts x 4 tokens over a 2,000 vocabulary")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.num_prompts, args.output_len, args.vocab = 8, 4, 2000
     os.environ["KVRAY_BENCH_VOCAB"] = str(args.vocab)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]

@@ -18,6 +18,7 @@ Each stage also runs with logprobs off (the base), so the table shows what logpr
   python benchmarks/host/bench_logprobs_stages.py                 # 256 rows, 151936 vocab, k=5
   python benchmarks/host/bench_logprobs_stages.py --profile client_process   # cProfile of one stage
   python benchmarks/host/bench_logprobs_stages.py --device-breakdown cuda      # the device stage's kernels, GPU
+  python benchmarks/host/bench_logprobs_stages.py --smoke      # 8 rows, vocab 2,000, 2 steps (CI)
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def device_breakdown(rows: int, vocab: int, k: int, device: str, reps: int) -> N
         print(f"{name:34s} {ms:8.3f} ms")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
@@ -221,7 +222,10 @@ def main() -> None:
         metavar="DEVICE",
         help="time the device stage's parts on DEVICE (cuda on the GPU) instead of the host stages",
     )
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="8 rows over a 2,000 vocabulary, 2 steps: the script runs")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.rows, args.vocab, args.steps, args.device_steps = 8, 2000, 2, 1
     if args.device_breakdown:
         device_breakdown(args.rows, args.vocab, args.k, args.device_breakdown, args.steps)
         return

@@ -1,5 +1,6 @@
 """The worker's own host work per decode step, on this CPU: ModelRunner.update_states,
-_prepare (staging the step record), and the rest of execute_model (sampling metadata, token bookkeeping).
+_prepare (staging the step record, the sampling inputs among it), and the rest of execute_model (the
+sampled-token bookkeeping).
 
 256 requests (prompts of 200-800 tokens, so block boundaries are staggered and ~1 in 16 rows gains a
 block per step) run decode steps; the real Scheduler (block_size 16, one KV group, Qwen3-0.6B's 28
@@ -12,11 +13,13 @@ the slot-mapping computation, the input-preparation kernels and the scatter of t
 (the host packing of the delta is still timed). Decode batches are padded to graph buckets as with CUDA graphs.
 
     PYTHONPATH=. python benchmarks/host/bench_runner_host.py [--steps 200] [--profile] [--no-record]
+    python benchmarks/host/bench_runner_host.py --smoke      # 5 steps, nothing recorded (CI)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import random
@@ -102,16 +105,31 @@ def build(max_model_len: int) -> tuple[Scheduler, ModelRunner]:
     )
     runner.input_batch.block_table.commit_mode = "delta"
     runner.pad_to_buckets = True  # the bucket selection a GPU with graphs makes
-    # Device work on a GPU, torch reference kernels here: not the host work this measures.
-    MultiGroupBlockTable.compute_slot_mapping = lambda self, *a: None
-    InputStager.build = lambda self, *a: None
-    delta_mod.apply_block_table_delta = lambda *a: None
 
     spec = FullAttentionSpec(BLOCK_SIZE, 8, 128, torch.bfloat16)
     blocks = NUM_REQS * (max_model_len // BLOCK_SIZE + 2) + 1
     manager = KVCacheManager(KVCacheConfig(blocks, [KVCacheGroupSpec(["l0"], spec)]), max_model_len)
     sched = Scheduler(manager, max_num_seqs=NUM_REQS, max_num_batched_tokens=8192, max_model_len=max_model_len)
     return sched, runner
+
+
+@contextlib.contextmanager
+def device_work_stubbed():
+    """Device work on a GPU, torch reference kernels here: not the host work this measures. Undone on
+    exit (the CI smoke runs in the test process)."""
+    patches = [
+        (MultiGroupBlockTable, "compute_slot_mapping", lambda self, *a: None),
+        (InputStager, "build", lambda self, *a: None),
+        (delta_mod, "apply_block_table_delta", lambda *a: None),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, stub in patches:
+        setattr(obj, name, stub)
+    try:
+        yield
+    finally:
+        for obj, name, original in saved:
+            setattr(obj, name, original)
 
 
 def step(sched: Scheduler, runner: ModelRunner, prof: cProfile.Profile | None = None) -> tuple[float, int]:
@@ -127,13 +145,20 @@ def step(sched: Scheduler, runner: ModelRunner, prof: cProfile.Profile | None = 
     return us, len(out.num_scheduled_tokens)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true", help="also cProfile the measured steps")
     ap.add_argument("--no-record", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="5 measured steps, nothing recorded: the script runs")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.no_record = 5, True
+    with device_work_stubbed():
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     warmup = 20
     max_model_len = 800 + warmup + 2 * args.steps + 64
     sched, runner = build(max_model_len)
@@ -146,12 +171,14 @@ def main() -> None:
     for _ in range(warmup):
         step(sched, runner)
 
-    # Inner pieces: _prepare stages the step's record; _sampling_metadata and _complete (the
-    # sampled-token bookkeeping) are part of the rest.
-    timer = Timer(runner, ["update_states", "_prepare", "_sampling_metadata", "_complete"])
+    # Inner pieces: _prepare stages the step's record, the sampling inputs' build among it; _complete
+    # (the sampled-token bookkeeping) is part of the rest.
+    timer = Timer(runner, ["update_states", "_prepare", "_complete"])
+    sampling = Timer(runner.sampling_inputs, ["build"])
     rows = []
     for _ in range(args.steps):
         timer.reset()
+        sampling.reset()
         total, n = step(sched, runner)
         assert n == NUM_REQS, "every step must run all 256 decodes"
         us = timer.us
@@ -161,7 +188,7 @@ def main() -> None:
                 us["update_states"],
                 us["_prepare"],
                 total - us["update_states"] - us["_prepare"],
-                us["_sampling_metadata"],
+                sampling.us["build"],
                 us["_complete"],
             )
         )
@@ -170,7 +197,7 @@ def main() -> None:
         f"256 decodes, median of {args.steps} steps (us): execute_model {med[0]:.1f} = "
         f"update_states {med[1]:.1f} + _prepare {med[2]:.1f} + rest {med[3]:.1f}"
     )
-    print(f"  inside the rest: _sampling_metadata {med[4]:.1f}, _complete {med[5]:.1f}")
+    print(f"  inside _prepare: sampling inputs {med[4]:.1f}; inside the rest: _complete {med[5]:.1f}")
 
     if args.profile:
         prof = cProfile.Profile()

@@ -7,6 +7,7 @@ Two workloads, each against the real KVCacheManager (prefix caching on, block_si
 The fake model runner's time (building ModelRunnerOutput) is not counted.
 
     PYTHONPATH=. python benchmarks/host/bench_scheduler_step.py [--steps 2000]
+    python benchmarks/host/bench_scheduler_step.py --smoke      # 20 steps, nothing recorded (CI)
 """
 
 from __future__ import annotations
@@ -170,11 +171,14 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="measured steps per workload")
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to the results file")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="20 steps a workload, nothing recorded: the script runs")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.no_record = 20, True
 
     rows = []
     for metric, fn in [

@@ -161,10 +161,10 @@ def bench_commit(device: torch.device, sz: dict) -> dict[str, float]:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (interpreter)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     sz = sizes(smoke)

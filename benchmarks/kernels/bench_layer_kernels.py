@@ -212,15 +212,15 @@ def run_layer(
     attn.kv_cache = None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no results recorded")
     ap.add_argument("--only", choices=["ops", "layer"], default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_layer_kernels needs a CUDA GPU (use --smoke on the CPU)")
     device, dtype = ("cpu" if args.smoke else "cuda"), torch.bfloat16
-    tokens, batch, context = (5, 3, 40) if args.smoke else (256, 256, 128)
+    tokens, batch, context = (2, 2, 24) if args.smoke else (256, 256, 128)
     torch.manual_seed(0)
     for shape in ("qwen3-0.6b", "llama-3.1-8b"):
         cfg = (TINY if args.smoke else SHAPES)[shape]

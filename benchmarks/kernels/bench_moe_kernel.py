@@ -72,13 +72,13 @@ def traffic(x, ids, shape) -> tuple[float, float]:
     return flops, float(bytes_)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=sorted(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: correctness only")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch

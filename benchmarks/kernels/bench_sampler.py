@@ -110,12 +110,12 @@ def make_case(name: str, rows: int, vocab: int, dev: torch.device):
     return SamplingMetadata(**md), state
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
     rows, vocab = (4, 64) if smoke else (args.rows, args.vocab)

@@ -20,6 +20,7 @@ correlation id). A CPU-only trace has no GPU sections, which is said, not failed
 
   python benchmarks/tools/summarize_trace.py /tmp/trace/                    # every *.json(.gz) in the folder
   python benchmarks/tools/summarize_trace.py trace.json --top 40 --steps 5
+  python benchmarks/tools/summarize_trace.py --smoke      # a CPU trace of 3 annotated steps, summarized (CI)
 """
 
 from __future__ import annotations
@@ -320,9 +321,9 @@ def summarize(path: Path, args) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paths", nargs="+", help="trace files (.json or .json.gz) or folders holding them")
+    p.add_argument("paths", nargs="*", help="trace files (.json or .json.gz) or folders holding them")
     p.add_argument("--top", type=int, default=25, help="GPU kernels to list")
     p.add_argument("--top-cpu", type=int, default=25, help="CPU ops to list")
     p.add_argument("--width", type=int, default=70, help="name column width")
@@ -335,7 +336,35 @@ def main() -> int:
     )
     p.add_argument("--step-marker", default=DEFAULT_MARKER, help="regex of the annotations marking steps")
     p.add_argument("--json", help="also write the summaries as JSON to this path")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="profile 3 CPU steps (torch.profiler) and summarize them")
+    args = p.parse_args(argv)
+    if args.smoke:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            args.paths = [write_cpu_trace(Path(d) / "smoke.json", steps=3)]
+            return summarize_paths(args)
+    if not args.paths:
+        p.error("give trace files or folders (or --smoke)")
+    return summarize_paths(args)
+
+
+def write_cpu_trace(path: Path, steps: int) -> str:
+    """A real torch.profiler Chrome trace of `steps` annotated CPU steps (the smoke's input)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function("execute_model"):
+                torch.nn.functional.embedding(torch.tensor([1, 2]), x)
+                (x @ x).relu_()
+    prof.export_chrome_trace(str(path))
+    return str(path)
+
+
+def summarize_paths(args: argparse.Namespace) -> int:
     files: list[Path] = []
     for s in args.paths:
         q = Path(s)
