@@ -10,7 +10,7 @@ One decode step of `--rows` requests over a `--vocab` vocabulary, through the re
   driver_dumps    the driver's PollResult of those outputs pickled (the client's poll) ...
   client_loads    ... and unpickled by the client
   client_process  OutputProcessor.process_output of every output, with a byte-level BPE tokenizer of
-                  the full vocabulary (benchmarks/e2e/bench_api_features.py's), as LLM.generate runs it
+                  the full vocabulary (common.add_byte_tokenizer), as LLM.generate runs it
   client_read     off the engine's path: the user reading every new position's {token_id: Logprob}
                   dict (built on first read, cluster/logprobs.PositionLogprobs)
 Each stage also runs with logprobs off (the base), so the table shows what logprobs add per step.
