@@ -61,7 +61,7 @@ class RayExecutor(Executor):
             t2 = time.perf_counter()
             phases = ray.get(self.workers[0].start_phases.remote(requested), timeout=self.setup_timeout_s)
             self.collective_rpc("load_model")
-            # Where start-up time goes (the engine stats carry it; benchmarks/bench_startup.py prints it).
+            # Where start-up time goes (the engine stats carry it; benchmarks/e2e/bench_startup.py prints it).
             # The probe runs inside the workers' start, so probe_s is part of workers_start_s.
             self.startup_s = {
                 "probe_s": round(t1 - t0, 2),

@@ -69,7 +69,7 @@ class Worker(ShmLoopMixin):
         self.profiler = StepProfiler(rank)
         self._fail_for: set[str] = set()  # fault injection (tests): steps that run these ids raise
         self._fail_before = False
-        # KVRAY_LOG_COMPILES=1: record every Triton compile (benchmarks/bench_startup.py reads it).
+        # KVRAY_LOG_COMPILES=1: record every Triton compile (benchmarks/e2e/bench_startup.py reads it).
         self.compile_log = compile_log.install() if os.environ.get("KVRAY_LOG_COMPILES") == "1" else None
         self._marks = {"imported": _IMPORTED, "constructed": time.time()}
 
@@ -190,7 +190,7 @@ class Worker(ShmLoopMixin):
         return self.profiler.stop()
 
     def start_step_timing(self) -> bool:
-        """Record CUDA events around every step's GPU work (benchmarks/bench_decode_idle.py); False on
+        """Record CUDA events around every step's GPU work (benchmarks/e2e/bench_decode_idle.py); False on
         a CPU worker, which has no device timeline to measure."""
         from actors.step_profiler import StepTimer
 

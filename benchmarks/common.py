@@ -267,3 +267,26 @@ def generate_greedy(llm, prompts: list[list[int]], new_tokens: int, label: str) 
         if len(tokens[-1]) != new_tokens:
             raise RuntimeError(f"{label}: request {i} produced {len(tokens[-1])} tokens, not {new_tokens}")
     return tokens, elapsed
+
+
+def add_byte_tokenizer(model_dir: str, vocab_size: int, seed: int = 0) -> None:
+    """tokenizer.json for a random-weight model: ids 0..255 are bytes, the rest random 2-6 byte tokens."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if os.path.isfile(path):
+        return
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from actors.models.tiny_random import _byte_alphabet
+
+    alphabet = _byte_alphabet()
+    printable = [alphabet[b] for b in range(32, 127)]
+    vocab = {ch: b for b, ch in alphabet.items()}
+    rng = random.Random(seed)
+    while len(vocab) < vocab_size:
+        vocab.setdefault("".join(rng.choice(printable) for _ in range(rng.randint(2, 6))), len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(path)

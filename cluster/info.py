@@ -149,10 +149,12 @@ def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], s
     from cluster.placement import connect, describe_cluster, start_local_ray
 
     short, note = machine_shortfall(config) if embedded else (None, None)
-    if embedded:
+    if embedded and not ray.is_initialized():
         # Sized to this machine, not to the config: the answer is about what the machine has.
         start_local_ray(num_cpus=os.cpu_count() or 1, namespace=config.ray.namespace, include_dashboard=False)
         started = True
+    elif embedded:
+        started = False  # this process talks to a Ray already (a caller's, a test's): that one is looked at
     else:
         started = connect(config)
     try:

@@ -1,6 +1,6 @@
 """Hypothesis strategies for hostile inputs: request fields, prompts and whole input lines.
 
-Shared by tests/test_fuzz_inputs.py (a few hundred examples in CI) and benchmarks/fuzz_long.py (a run of
+Shared by tests/test_fuzz_inputs.py (a few hundred examples in CI) and benchmarks/checks/check_fuzz_long.py (a run of
 10,000+ lines through `kvray run`). Every input line is one line: it never holds b"\\n" or b"\\r", and
 never is blank, so "every line is answered exactly once" can be checked by line number.
 """

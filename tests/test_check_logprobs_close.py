@@ -1,4 +1,4 @@
-"""benchmarks/check_logprobs_close.py: vLLM's logprobs comparison rule on hand-made outputs, and the
+"""benchmarks/checks/check_logprobs_close.py: vLLM's logprobs comparison rule on hand-made outputs, and the
 script's CPU smoke end to end (kvray and HF in float32 on a tiny hybrid-attention Gemma-3)."""
 
 import json
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks" / "checks"), str(ROOT / "benchmarks")]
 from check_logprobs_close import best_first, check_sequence, in_top, kvray_topk, main  # noqa: E402
 
 from cluster.outputs import Logprob  # noqa: E402

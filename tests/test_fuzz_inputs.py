@@ -3,7 +3,7 @@
 Validation-level properties run without Ray, a few hundred examples. The engine-level ones share one
 engine across examples: every prompt of a generate call and every line of a job gets exactly one answer
 (an output or an error), and the good ones next to them are served. The longer run is
-benchmarks/fuzz_long.py.
+benchmarks/checks/check_fuzz_long.py.
 """
 
 import json
@@ -31,7 +31,7 @@ from kvcore.request import (
 )
 
 # Derandomized: CI runs the same examples every time (a red run is reproducible); the random exploration
-# is benchmarks/fuzz_long.py and longer local runs.
+# is benchmarks/checks/check_fuzz_long.py and longer local runs.
 FAST = settings(
     max_examples=200,
     deadline=None,

@@ -16,6 +16,7 @@ import ray
 
 from cluster.cli import EXIT_INTERRUPTED, EXIT_USAGE
 from cluster.cli import main as kvray_main
+from cluster.placement import start_local_ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISE = (
@@ -140,14 +141,26 @@ def test_ctrl_c_ends_with_where_the_output_is_and_how_to_resume(env, tmp_path):
 
 
 def test_info_table_json_and_a_one_line_reason(capsys):
+    # The first look starts an embedded Ray sized to this machine and stops it; the others look at one
+    # local Ray sized the same way, started here (kvray info uses a Ray this process already talks to):
+    # the same answers with two Ray starts instead of four.
     assert kvray_main(["info", "--config", "configs/local.yaml"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:6] == ["node", "ip", "alive", "CPUs", "GPUs", "memory"]
     assert "e0r0" in out and "verdict: fits" in out
+    assert not ray.is_initialized()  # the embedded Ray of the look is stopped after it
+    start_local_ray(num_cpus=os.cpu_count() or 1, include_dashboard=False)
+    try:
+        info_against_a_running_ray(capsys)
+    finally:
+        ray.shutdown()
+
+
+def info_against_a_running_ray(capsys):
     assert kvray_main(["info", "--config", "configs/local.yaml", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["placement"]["fits"] and report["cluster"]["nodes"][0]["resources"]["CPU"] == os.cpu_count()
-    # An embedded Ray sized to this machine: a GPU config does not fit a machine without GPUs.
+    # A Ray sized to this machine: a GPU config does not fit a machine without GPUs.
     code = kvray_main(["info", "--config", "configs/gpu.yaml"])
     captured = capsys.readouterr()
     import torch
@@ -163,3 +176,4 @@ def test_info_table_json_and_a_one_line_reason(capsys):
         assert "verdict: oversubscribed: 4 CPU rank(s) would share this machine's" in out
     else:
         assert "verdict: fits" in out
+    assert ray.is_initialized()  # a Ray the caller started is left up

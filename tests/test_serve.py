@@ -310,8 +310,9 @@ def test_load_with_a_worker_kill_loses_and_duplicates_nothing(server, client):
 
 
 def test_bench_serve_sweep_runs_against_the_server(server):
-    """benchmarks/bench_serve.py's client (the GPU sweep's code) on a few short requests."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_serve.py")
+    """benchmarks/e2e/bench_serve.py's client (the GPU sweep's code) on a few short requests."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", "e2e", "bench_serve.py")
     spec = importlib.util.spec_from_file_location("bench_serve", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules["bench_serve"] = bench  # its dataclasses look their module up there

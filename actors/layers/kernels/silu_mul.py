@@ -4,7 +4,7 @@ Rounding follows the torch layer (HF's act_fn(gate_proj(x)) * up_proj(x)): silu(
 to the activation dtype before the multiply, the product rounded again. silu is computed as torch's
 CUDA kernel does, x / (1 + expf(-x)) with an IEEE division; on the GPU expf is libdevice's
 accurate one (not Triton's approximate tl.exp), so bf16 results should match torch's bit for bit
-(benchmarks/bench_layer_kernels.py reports the match rate).
+(benchmarks/kernels/bench_layer_kernels.py reports the match rate).
 """
 
 from __future__ import annotations

@@ -1,0 +1,218 @@
+"""Paged attention kernels on the GPU: decode bandwidth and prefill against SDPA, side by side.
+
+Decode: bf16, 32 query / 8 KV heads, head 128, block 16, batches 1/32/128/256 x contexts 1k/4k/16k
+(combos over ~40 GB skipped), blocks scattered at random over the pool as a busy engine leaves them.
+Reported as time and as the fraction of the 4,277 GB/s device copy ceiling, counting the bytes of
+K/V read plus Q read plus O written.
+Prefill: 4 sequences x 2,048 new tokens on 2,048 cached, against torch SDPA (flash) on the same
+tokens in contiguous memory with a bottom-right causal mask. Timed with CUDA-graph replay.
+
+  python benchmarks/kernels/bench_attention.py            # GPU, appends to results/bench_attention.jsonl
+  python benchmarks/kernels/bench_attention.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
+# the one import pattern of benchmarks/README.md.
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
+import torch  # noqa: E402
+from common import record  # noqa: E402
+
+from kvcore.kernels.ops import paged_attention  # noqa: E402
+
+COPY_GBPS = 4277.0
+SCRIPT = "bench_attention"
+
+
+def make_paged(
+    q_lens: list[int],
+    seq_lens: list[int],
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+):
+    """Random paged batch: each sequence's blocks are a random subset of the pool (block 0, the
+    null block, never used)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages = [(s + bs - 1) // bs for s in seq_lens]
+    num_blocks = sum(pages) + 1
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[at : at + n].to(torch.int32)
+        at += n
+    kv = torch.randn(2, num_blocks, bs, hkv, d, dtype=dtype, device=device)
+    q = torch.randn(sum(q_lens), hq, d, dtype=dtype, device=device)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return (q, kv[0], kv[1], qsl.to(device), torch.tensor(seq_lens, dtype=torch.int32).to(device), table.to(device))
+
+
+def bench(fn, smoke: bool) -> float:
+    """Median milliseconds of fn (CUDA-graph replay on the GPU; one wall-clock run on the CPU)."""
+    if smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=200)
+
+
+def check(fn_out, ref_out, what: str, tol: float) -> None:
+    err = (fn_out.float() - ref_out.float()).abs().max().item()
+    if not err <= tol:
+        raise SystemExit(f"{what}: max abs error {err} vs the torch reference exceeds {tol}")
+
+
+def run_decode(args, device: str, dtype: torch.dtype) -> None:
+    hq, hkv, d, bs = (4, 2, 32, 16) if args.smoke else (32, 8, 128, 16)  # smoke: the interpreter runs it
+    batches, contexts = ([3], [40]) if args.smoke else ([1, 32, 128, 256], [1024, 4096, 16384])
+    for b in batches:
+        for ctx in contexts:
+            kv_bytes = 2 * b * ctx * hkv * d * dtype.itemsize
+            if kv_bytes > 40e9:
+                print(f"decode B={b} ctx={ctx}: skipped ({kv_bytes / 1e9:.0f} GB of KV)")
+                continue
+            q, kc, vc, qsl, sl, bt = make_paged([1] * b, [ctx] * b, hq, hkv, d, bs, dtype, device)
+            out = torch.empty_like(q)
+            scale = d**-0.5
+
+            def fn():
+                paged_attention(q, kc, vc, out, qsl, sl, bt, scale, None, 1, ctx, backend="triton")
+
+            if b <= 32:
+                ref = torch.empty_like(q)
+                paged_attention(q, kc, vc, ref, qsl, sl, bt, scale, None, backend="torch")
+                fn()
+                check(out, ref, f"decode B={b} ctx={ctx}", 2e-2)
+            ms = bench(fn, args.smoke)
+            moved = kv_bytes + 2 * q.numel() * dtype.itemsize
+            frac = moved / (ms * 1e-3) / 1e9 / COPY_GBPS
+            print(
+                f"decode B={b:4d} ctx={ctx:6d}: {ms * 1e3:9.1f} us  "
+                f"{moved / (ms * 1e-3) / 1e9:7.0f} GB/s  {100 * frac:5.1f}% of copy",
+                flush=True,
+            )
+            if not args.smoke and b == 128 and ctx == 4096:
+                record(SCRIPT, "attn_decode_bw_frac_b128_c4096", frac, "fraction")
+            q = kc = vc = out = None  # free this size's KV before the next (a del would unbind fn's closure)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def sdpa_contiguous(q, k, v):
+    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D]: causal with the queries at the end (bottom right)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    backends = [SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
+
+    def fn():
+        with sdpa_kernel(backends):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return fn
+
+
+def run_prefill(args, device: str, dtype: torch.dtype) -> None:
+    hq, hkv, d, bs = 32, 8, 128, 16
+    nseq, new, cached = (2, 24, 20) if args.smoke else (4, 2048, 2048)
+    if args.smoke:
+        hq, hkv, d = 4, 2, 32
+    total = new + cached
+    q, kc, vc, qsl, sl, bt = make_paged([new] * nseq, [total] * nseq, hq, hkv, d, bs, dtype, device, seed=1)
+    out = torch.empty_like(q)
+    scale = d**-0.5
+
+    def paged():
+        paged_attention(q, kc, vc, out, qsl, sl, bt, scale, None, new, total, backend="triton")
+
+    # The same tokens, gathered into contiguous [B, H, L, D] tensors for SDPA.
+    pages = bt.long()
+    kd = kc[pages].flatten(1, 2)[:, :total].transpose(1, 2).contiguous()
+    vd = vc[pages].flatten(1, 2)[:, :total].transpose(1, 2).contiguous()
+    qd = q.view(nseq, new, hq, d).transpose(1, 2).contiguous()
+    sdpa = sdpa_contiguous(qd, kd, vd)
+    paged()
+    check(out.view(nseq, new, hq, d).transpose(1, 2), sdpa(), "prefill vs SDPA", 3e-2)
+    t_paged, t_sdpa = bench(paged, args.smoke), bench(sdpa, args.smoke)
+    # Multiply-adds of QK^T and PV over the visible (query, key) pairs, bottom-right causal.
+    pairs = sum(cached + i + 1 for i in range(new)) * nseq * hq
+    flop = 4 * d * pairs
+    print(
+        f"prefill {nseq}x{new} on {cached} cached: paged {t_paged:.3f} ms "
+        f"({flop / t_paged / 1e9:.1f} TFLOP/s), SDPA {t_sdpa:.3f} ms "
+        f"({flop / t_sdpa / 1e9:.1f} TFLOP/s), ratio {t_paged / t_sdpa:.2f}",
+        flush=True,
+    )
+    if not args.smoke:
+        record(SCRIPT, "attn_prefill_vs_sdpa_ratio", t_paged / t_sdpa, "ratio")
+        record(SCRIPT, "attn_prefill_tflops", flop / t_paged / 1e9, "TFLOP/s")
+
+
+def run_mixed(args, device: str, dtype: torch.dtype) -> None:
+    """A continuous-batching step: one prefill chunk next to many decodes, against the same work
+    as two separate calls (the kernel should not lose by mixing them)."""
+    hq, hkv, d, bs = (4, 2, 32, 16) if args.smoke else (32, 8, 128, 16)
+    new, ndec, ctx = (24, 3, 50) if args.smoke else (2048, 127, 4096)
+    scale = d**-0.5
+    calls = {}
+    for name, q_lens, seq_lens in (
+        ("mixed", [new] + [1] * ndec, [new] + [ctx] * ndec),
+        ("decodes", [1] * ndec, [ctx] * ndec),
+        ("prefill", [new], [new]),
+    ):
+        q, kc, vc, qsl, sl, bt = make_paged(q_lens, seq_lens, hq, hkv, d, bs, dtype, device, 2)
+        out = torch.empty_like(q)
+
+        def fn(q=q, kc=kc, vc=vc, out=out, qsl=qsl, sl=sl, bt=bt, mq=max(q_lens), ms=max(seq_lens)):
+            paged_attention(q, kc, vc, out, qsl, sl, bt, scale, None, mq, ms, backend="triton")
+
+        calls[name] = bench(fn, args.smoke)
+    print(
+        f"mixed step (1x{new} prefill + {ndec} decodes at {ctx}): {calls['mixed'] * 1e3:.1f} us; "
+        f"separately {calls['decodes'] * 1e3:.1f} + {calls['prefill'] * 1e3:.1f} us",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no results recorded")
+    ap.add_argument("--only", choices=["decode", "prefill", "mixed"], default=None)
+    args = ap.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU (use --smoke on the CPU)")
+    device = "cpu" if args.smoke else "cuda"
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    if args.only in (None, "decode"):
+        run_decode(args, device, dtype)
+    if args.only in (None, "prefill"):
+        run_prefill(args, device, dtype)
+    if args.only in (None, "mixed"):
+        run_mixed(args, device, dtype)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The one-launch sampler against the sampler it replaced, side by side in one run.
+
+Logits float32 [rows, vocab] (default 256 x 151,936, the Qwen3 vocabulary), every row random unless
+the case says greedy. Cases: greedy (argmax); temperature 0.6 (nano-vllm's recipe); temperature with
+top-k 50 and top-p 0.9; temperature with presence/frequency/repetition penalties; temperature with
+logprobs=5. The new sampler is timed eagerly and as a CUDA-graph replay (it is capturable: no host
+sync, fixed shapes); the old one (a torch.Generator per row, a full sort for top-k/top-p) eagerly.
+Median microseconds per step. The floor is reading the logits once: rows x vocab x 4 bytes at the
+GPU's bandwidth (~32 us for 256 x 151,936 on an H200), which the figures report beside the times.
+
+Then the logprobs alone (bf16-valued float32 logits, as the LM head makes them, full of ties): the torch
+path, the kernel before one reduction per top-k round (benchmarks/kernels/logprobs_kernel_before.py) and the
+kernel now, at rows x vocab for k in --ks; and prompt logprobs of --prompt-rows positions through
+compute_prompt_logprobs (slices of PROMPT_SLICE rows; compute_logits is the identity over precomputed
+logits, so the figure holds the slices' row gather but no LM head), torch against the kernel. The
+kernel before and now must agree exactly; both must agree with torch (values; ties may name other ids).
+
+  python benchmarks/kernels/bench_sampler.py            # GPU, appends to results/bench_sampler.jsonl
+  python benchmarks/kernels/bench_sampler.py --logprobs-only   # GPU, the logprobs part only
+  python benchmarks/kernels/bench_sampler.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
+# the one import pattern of benchmarks/README.md.
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import record  # noqa: E402
+from logprobs_kernel_before import topk_logprobs_before  # noqa: E402
+
+from actors.logprobs import LogprobsTensors, compute_logprobs, logprobs_reference  # noqa: E402
+from actors.penalty_state import PenaltyState  # noqa: E402
+from actors.sample_reference import sample_reference  # noqa: E402
+from actors.sampler import Sampler, SamplingMetadata  # noqa: E402
+from actors.step_logprobs import PromptPlan, compute_prompt_logprobs  # noqa: E402
+
+SCRIPT = "bench_sampler"
+
+
+def old_sampler(logits, temperature, top_k, top_p, generators):
+    """The sampler before the one-launch kernel (actors/sampler.py at a98f795), condensed."""
+    logits = logits.float()
+    scaled = logits / temperature.unsqueeze(1)
+    if top_k is not None or top_p is not None:
+        vocab = logits.shape[-1]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if top_k is not None:
+            drop |= ranks >= top_k.to(torch.int64).unsqueeze(1)
+        if top_p is not None:
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+            drop[:, 0] = False
+        scaled = torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for r, g in enumerate(generators):
+        noise[r].exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)
+
+
+def bench(fn, smoke: bool, graph: bool = False) -> float:
+    if smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+    return 1e3 * triton.testing.do_bench(fn, rep=200, return_mode="median")
+
+
+def make_case(name: str, rows: int, vocab: int, dev: torch.device):
+    ones = torch.ones(rows, device=dev)
+    zeros_i = torch.zeros(rows, dtype=torch.int32, device=dev)
+    md = dict(
+        temperature=ones * 0.6,
+        top_k=zeros_i,
+        top_p=ones.clone(),
+        seeds=torch.arange(rows, dtype=torch.int64, device=dev) * 7919,
+        positions=torch.full((rows,), 100, dtype=torch.int64, device=dev),
+        all_greedy=False,
+        need_filter=False,
+    )
+    state = None
+    if name == "greedy":
+        md.update(all_greedy=True)
+    elif name == "top_k_top_p":
+        md.update(top_k=zeros_i + 50, top_p=ones * 0.9, need_filter=True)
+    elif name == "penalties":
+        state = PenaltyState(vocab, dev, initial_slots=rows)
+        g = torch.Generator().manual_seed(0)
+        slots = [
+            state.add(
+                f"r{i}",
+                torch.randint(0, vocab, (200,), generator=g).tolist(),
+                torch.randint(0, vocab, (100,), generator=g).tolist(),
+            )
+            for i in range(rows)
+        ]
+        md.update(
+            penalty_slots=torch.tensor(slots, device=dev),
+            penalties=torch.tensor([[0.5], [0.3], [1.2]], device=dev).expand(3, rows).contiguous(),
+        )
+    elif name == "logprobs5":
+        md.update(num_logprobs=5)
+    return SamplingMetadata(**md), state
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 5, 20], help="logprobs k of the logprobs part")
+    ap.add_argument("--prompt-rows", type=int, default=4096)
+    ap.add_argument("--prompt-k", type=int, default=5)
+    ap.add_argument("--logprobs-only", action="store_true", help="skip the sampler cases")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+    rows, vocab = (4, 64) if smoke else (args.rows, args.vocab)
+    if not args.logprobs_only:
+        bench_sampler_cases(rows, vocab, dev, smoke)
+    lp_rows, lp_vocab, prompt_rows = (3, 5000, 4) if smoke else (rows, vocab, args.prompt_rows)
+    bench_logprobs(lp_rows, lp_vocab, args.ks, dev, smoke)
+    bench_prompt_logprobs(prompt_rows, lp_vocab, args.prompt_k, dev, smoke)
+
+
+def lm_logits(rows: int, vocab: int, dev: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(dev).manual_seed(seed)
+    logits = (torch.randn(rows, vocab, device=dev, generator=g) * 3).bfloat16().float()
+    return logits, torch.randint(0, vocab, (rows,), device=dev, generator=g)
+
+
+def check_logprobs(got: LogprobsTensors, ref: LogprobsTensors, what: str) -> None:
+    """Own token, rank and logprob values as the torch path's (the top-k ids of tied values may differ)."""
+    ok = torch.equal(got.token_ids[:, 0], ref.token_ids[:, 0]) and torch.equal(got.ranks, ref.ranks)
+    ok = ok and torch.allclose(got.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    if not ok:
+        raise SystemExit(f"{what}: the kernel's logprobs differ from the torch path's")
+
+
+def bench_logprobs(rows: int, vocab: int, ks: list[int], dev: torch.device, smoke: bool) -> None:
+    logits, tokens = lm_logits(rows, vocab, dev, 1)
+    floor_us = rows * vocab * 4 / 4.8e12 * 1e6
+    print(f"logprobs, {rows} x {vocab} bf16-valued logits (one read at 4.8 TB/s: {floor_us:.1f} us)", flush=True)
+    for k in ks:
+        before = topk_logprobs_before(logits, tokens, k)
+        now = compute_logprobs(logits, tokens, k, use_triton=True)
+        # Reported, not fatal: the timing still comes back if a compiler's rounding moved one ulp.
+        same = all(torch.equal(a, b) for a, b in zip(before, (now.token_ids, now.logprobs, now.ranks)))
+        diff = "exact" if same else f"DIFFER, max |logprob diff| {float((before[1] - now.logprobs).abs().max()):.2e}"
+        check_logprobs(now, logprobs_reference(logits, tokens, k), f"k={k}")
+        torch_us = bench(lambda: logprobs_reference(logits, tokens, k), smoke)
+        before_us = bench(lambda: topk_logprobs_before(logits, tokens, k), smoke)
+        now_us = bench(lambda: compute_logprobs(logits, tokens, k, use_triton=True), smoke)
+        print(
+            f"  k={k:<3d} torch {torch_us:9.1f} us  kernel before {before_us:9.1f} us  now {now_us:9.1f} us  "
+            f"before/now {before_us / now_us:5.2f}x  torch/now {torch_us / now_us:5.1f}x  (before vs now: {diff})",
+            flush=True,
+        )
+        if not smoke:
+            name = f"logprobs_k{k}_{rows}x{vocab}"
+            record(SCRIPT, f"{name}_torch_us", torch_us, "us")
+            record(SCRIPT, f"{name}_kernel_before_us", before_us, "us")
+            record(SCRIPT, f"{name}_kernel_us", now_us, "us")
+            record(SCRIPT, f"{name}_before_vs_now_ratio", before_us / now_us, "x")
+
+
+def bench_prompt_logprobs(rows: int, vocab: int, k: int, dev: torch.device, smoke: bool) -> None:
+    logits, targets = lm_logits(rows, vocab, dev, 2)
+    plan = PromptPlan(np.arange(rows, dtype=np.int64), targets.cpu().numpy(), [("p", rows, k)], k)
+
+    def run(use_triton: bool) -> LogprobsTensors:
+        return compute_prompt_logprobs(lambda h: h, logits, plan, use_triton)
+
+    kern, ref = run(True), run(False)
+    check_logprobs(kern, ref, f"prompt logprobs, {rows} rows")
+    torch_us, kern_us = bench(lambda: run(False), smoke), bench(lambda: run(True), smoke)
+    print(
+        f"prompt logprobs, {rows} positions x {vocab}, k={k}: torch {torch_us / 1e3:8.3f} ms  "
+        f"kernel {kern_us / 1e3:8.3f} ms  torch/kernel {torch_us / kern_us:5.1f}x",
+        flush=True,
+    )
+    if not smoke:
+        name = f"prompt_logprobs_k{k}_{rows}x{vocab}"
+        record(SCRIPT, f"{name}_torch_us", torch_us, "us")
+        record(SCRIPT, f"{name}_kernel_us", kern_us, "us")
+        record(SCRIPT, f"{name}_torch_vs_kernel_ratio", torch_us / kern_us, "x")
+
+
+def bench_sampler_cases(rows: int, vocab: int, dev: torch.device, smoke: bool) -> None:
+    logits = torch.randn(rows, vocab, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 4
+    floor_us = rows * vocab * 4 / 4.8e12 * 1e6
+    print(f"{rows} rows x {vocab} vocab; one read of the logits at 4.8 TB/s: {floor_us:.1f} us", flush=True)
+    for name in ("greedy", "temperature", "top_k_top_p", "penalties", "logprobs5"):
+        md, state = make_case(name, rows, vocab, dev)
+        sampler = Sampler(state)
+        if state is not None:
+            state.record = lambda slots, tokens: None  # keep the counts fixed across timing repetitions
+        new_us = bench(lambda: sampler(logits, md), smoke)
+        graph_us = float("nan") if smoke else bench(lambda: sampler(logits, md), smoke, graph=True)
+        gens = [torch.Generator(dev).manual_seed(i) for i in range(rows)]
+        tk = md.top_k if md.need_filter else None
+        tp = md.top_p if md.need_filter else None
+        if name == "greedy":
+
+            def old_fn() -> torch.Tensor:
+                return logits.argmax(dim=-1)
+        else:
+
+            def old_fn() -> torch.Tensor:
+                return old_sampler(logits, md.temperature, tk, tp, gens)
+
+        old_us = bench(old_fn, smoke)
+        if not md.plain_argmax:
+            pen = (
+                {}
+                if state is None
+                else dict(
+                    penalty_slots=md.penalty_slots,
+                    penalties=md.penalties,
+                    counts=state.counts,
+                    prompt_mask=state.prompt_mask,
+                )
+            )
+            ref = sample_reference(logits, md.temperature, md.top_k, md.top_p, md.seeds, md.positions, **pen)
+            same = float((sampler(logits, md).token_ids == ref).float().mean())
+        else:
+            same = 1.0
+        print(
+            f"{name:12s} new {new_us:9.1f} us  (graph {graph_us:8.1f})  old {old_us:10.1f} us  "
+            f"old/new {old_us / new_us:6.1f}x  tokens == torch reference: {same:.3f}",
+            flush=True,
+        )
+        if not smoke:
+            record(SCRIPT, f"sampler_{name}_us_{rows}x{vocab}", graph_us, "us")
+            record(SCRIPT, f"sampler_{name}_old_us_{rows}x{vocab}", old_us, "us")
+            record(SCRIPT, f"sampler_{name}_old_vs_new_ratio", old_us / graph_us, "x")
+
+
+if __name__ == "__main__":
+    main()
