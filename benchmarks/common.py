@@ -269,6 +269,37 @@ def generate_greedy(llm, prompts: list[list[int]], new_tokens: int, label: str) 
     return tokens, elapsed
 
 
+def hf_greedy_by_length(model, prompts: list[list[int]], new_tokens: int, device: str, output_logits: bool):
+    """HF generate, greedy, exactly new_tokens each (EOS ignored, no sampling knobs from
+    generation_config), one batch per run of equal-length prompts so that no pad token or attention
+    mask enters. Yields (index of the run's first prompt, generate's output, the prompt length)."""
+    import torch
+
+    i = 0
+    while i < len(prompts):
+        j = i
+        while j < len(prompts) and len(prompts[j]) == len(prompts[i]):
+            j += 1
+        ids = torch.tensor(prompts[i:j], device=device)
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=output_logits,
+                return_dict_in_generate=True,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
+        yield i, out, ids.shape[1]
+        i = j
+
+
 def add_byte_tokenizer(model_dir: str, vocab_size: int, seed: int = 0) -> None:
     """tokenizer.json for a random-weight model: ids 0..255 are bytes, the rest random 2-6 byte tokens."""
     path = os.path.join(model_dir, "tokenizer.json")

@@ -37,7 +37,7 @@ import numpy as np
 # the one import pattern of benchmarks/README.md.
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 from check_tp import gpu_used_mib, wait_gpu_released  # noqa: E402
-from common import SHAPES, generate_greedy, make_random_model, record  # noqa: E402
+from common import SHAPES, generate_greedy, hf_greedy_by_length, make_random_model, record  # noqa: E402
 
 TIE_MARGIN = 1e-3  # an HF fp32 top-2 margin below this is within float32 noise of a tie
 
@@ -63,36 +63,14 @@ def run_hf(
     tokens: list[list[int]] = [[] for _ in prompts]
     margins: list[list[float]] = [[] for _ in prompts]
     t0 = time.perf_counter()
-    i = 0
-    while i < len(prompts):
-        j = i
-        while j < len(prompts) and len(prompts[j]) == len(prompts[i]):
-            j += 1
-        ids = torch.tensor(prompts[i:j], device=device)
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=want_margins,
-                return_dict_in_generate=True,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-            )
-        seqs = out.sequences[:, ids.shape[1] :].tolist()
-        for k in range(j - i):
-            tokens[i + k] = seqs[k]
+    for i, out, prompt_len in hf_greedy_by_length(model, prompts, new_tokens, device, want_margins):
+        seqs = out.sequences[:, prompt_len:].tolist()
+        for k, seq in enumerate(seqs):
+            tokens[i + k] = seq
         if want_margins:
             top2 = torch.stack([step.float().topk(2, dim=-1).values for step in out.logits], dim=1)  # b,t,2
-            gaps = (top2[..., 0] - top2[..., 1]).tolist()
-            for k in range(j - i):
-                margins[i + k] = gaps[k]
-        i = j
+            for k, gaps in enumerate((top2[..., 0] - top2[..., 1]).tolist()):
+                margins[i + k] = gaps
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0

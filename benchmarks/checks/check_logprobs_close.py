@@ -43,7 +43,7 @@ sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 import common  # noqa: E402
 from check_bf16_divergence import make_prompts  # noqa: E402
 from check_tp import gpu_used_mib, wait_gpu_released  # noqa: E402
-from common import SHAPES, make_random_model, record, tiny_shape  # noqa: E402
+from common import SHAPES, hf_greedy_by_length, make_random_model, record, tiny_shape  # noqa: E402
 
 SCRIPT = "check_logprobs_close"
 DEFAULT_SHAPES = ["llama-3.1-8b", "qwen3-0.6b", "mistral-7b", "gemma-3-12b"]
@@ -177,33 +177,12 @@ def run_hf(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str,
     model = model.to(device).eval()
     tokens: list[list[int]] = []
     tops: list[list[TopK]] = []
-    i = 0
-    while i < len(prompts):
-        j = i
-        while j < len(prompts) and len(prompts[j]) == len(prompts[i]):
-            j += 1
-        ids = torch.tensor(prompts[i:j], device=device)
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-            )
-            logits = torch.stack(out.logits, dim=1).float()  # batch, step, vocab
-            vals, idx = torch.log_softmax(logits, dim=-1).topk(max(k, HF_RANKS), dim=-1)
-        tokens += out.sequences[:, ids.shape[1] :].tolist()
+    for _, out, prompt_len in hf_greedy_by_length(model, prompts, n, device, output_logits=True):
+        logits = torch.stack(out.logits, dim=1).float()  # batch, step, vocab
+        vals, idx = torch.log_softmax(logits, dim=-1).topk(max(k, HF_RANKS), dim=-1)
+        tokens += out.sequences[:, prompt_len:].tolist()
         for v_row, i_row in zip(vals.tolist(), idx.tolist()):
             tops.append([best_first(zip(ii, vv)) for vv, ii in zip(v_row, i_row)])
-        i = j
     del model, out, logits
     free_device_memory(device)
     return tokens, tops
