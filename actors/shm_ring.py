@@ -41,6 +41,8 @@ from multiprocessing import shared_memory
 from typing import Callable
 from unittest.mock import patch
 
+from actors import shm_sweep
+
 _HEAD = struct.Struct("qq")  # a slot's nbytes, last
 _FENCE = threading.Lock()
 SPIN_S = 0.002  # the writer spins (yielding) this long waiting for acknowledgements, then sleeps
@@ -122,14 +124,18 @@ class ShmRing:
         self._broken: str | None = None
         self._bells_out: list[int] | None = None  # the writer's ends, opened on first write
         self._bells_in: dict[int, int] = {}  # a reader's end of its own doorbell
+        self._owner_lock: int | None = None  # held while the owner lives (actors/shm_sweep.py)
 
     @classmethod
     def create(cls, n_readers: int, n_slots: int = 8, slot_bytes: int = 1 << 18) -> ShmRing:
+        shm_sweep.sweep_once()  # what owners killed from outside left behind
         handle = RingHandle(f"kvray_{os.getpid()}_{os.urandom(6).hex()}", n_readers, n_slots, slot_bytes)
         shm = shared_memory.SharedMemory(name=handle.name, create=True, size=handle.size)
         for r in range(n_readers):
             os.mkfifo(handle.doorbell(r), 0o600)
-        return cls(handle, shm, owner=True)
+        ring = cls(handle, shm, owner=True)
+        ring._owner_lock = shm_sweep.hold_owner_lock(handle.name)
+        return ring
 
     @classmethod
     def attach(cls, handle: RingHandle) -> ShmRing:
@@ -362,3 +368,6 @@ class ShmRing:
                 self._shm.unlink()
             except FileNotFoundError:
                 pass
+            if self._owner_lock is not None:
+                os.close(self._owner_lock)
+                self._owner_lock = None
