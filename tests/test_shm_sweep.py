@@ -13,7 +13,10 @@ import pytest
 from actors import shm_sweep
 from actors.shm_ring import ShmRing
 
-LATER = time.time() + shm_sweep.GRACE_S + 60  # every entry made by the test counts as old
+
+def later() -> float:
+    """A sweep's clock at which every entry the test just made counts as old."""
+    return time.time() + shm_sweep.GRACE_S + 60
 
 
 def ring_files(directory, name, bells=2, segment=True):
@@ -47,14 +50,14 @@ def test_a_dead_owners_ring_goes_and_a_live_owners_stays(tmp_path):
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=30)
     try:
-        assert shm_sweep.sweep(str(tmp_path), now=LATER) == 3
+        assert shm_sweep.sweep(str(tmp_path), now=later()) == 3
         assert not any(p.exists() for p in dead)
         assert all(p.exists() for p in live)
     finally:
         owner.kill()
         owner.wait(timeout=30)
     # Its owner gone too, the second ring goes on the next sweep.
-    assert shm_sweep.sweep(str(tmp_path), now=LATER) == 3
+    assert shm_sweep.sweep(str(tmp_path), now=later()) == 3
     assert not any(p.exists() for p in live)
 
 
