@@ -119,11 +119,12 @@ def stop_head(head, ray_tmp):
     Ray on the machine."""
     try:
         os.killpg(head.pid, signal.SIGTERM)
-        # Its own shutdown took ~30 s on the CI machine; what is left after 10 s is stopped below by pid.
-        head.wait(timeout=10)
+        # Its own shutdown took ~30 s on the CI machine; what is left after 2 s is stopped below by pid
+        # (its temp dir is private and removed after: nothing it would have cleaned up outlives it).
+        head.wait(timeout=2)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
-    # The head had its 10 s to shut down: what is still running from its temp dir is SIGKILLed (more
+    # The head had its 2 s to shut down: what is still running from its temp dir is SIGKILLed (more
     # SIGTERMs only waited ~15 s more on the CI machine before the SIGKILL came anyway).
     deadline = time.monotonic() + 30
     while True:
