@@ -68,7 +68,7 @@ class Scheduler(RequestBook):
             ),
         )
         self._step_id = 0
-        self._last_step: tuple[SchedulerOutput | None, list[Request] | None] = (None, None)
+        self._last_step: tuple[SchedulerOutput | None, list[Request | None] | None] = (None, None)
         self._fast_block_size = self._fit.fast_block_size
 
     # ------------------------------------------------------------------ schedule
@@ -113,6 +113,7 @@ class Scheduler(RequestBook):
         fast_bs = self._fast_block_size
         add_computed = cached.num_computed_tokens.append
         allocate = self.kv_cache_manager.allocate_slots
+        num_cached = getattr(self.kv_cache_manager, "num_cached_blocks", None)  # a stand-in manager may lack it
         # Most steps give few requests new blocks: record (row, ids) for those, fill the rest with None.
         deltas: list[tuple[int, BlockIds]] = []
         # Iterating while preemption pops from the tail is safe: the iterator never reaches a victim.
@@ -135,7 +136,16 @@ class Scheduler(RequestBook):
                 if n <= 0:
                     continue
             r = c % fast_bs
-            if not r or r + n >= fast_bs:
+            # The manager is asked when a block is needed or filled. Not when the step fills the last
+            # block but some of its tokens are still in flight (async): then nothing is allocated, and
+            # nothing registered either once every older known block is (the manager's count says so).
+            if (not r or r + n >= fast_bs) and (
+                not r
+                or r + n != fast_bs
+                or num_cached is None
+                or len(request.all_token_ids) >= c + n
+                or len(request.all_token_ids) // fast_bs > num_cached[request.request_id]
+            ):
                 new_blocks = allocate(request, n)
                 if new_blocks is None:
                     new_blocks = self._preempt_until_fits(request, n, preempted)
@@ -180,7 +190,9 @@ class Scheduler(RequestBook):
         itself (every running request scheduled: the steady decode step), so update_from_output can
         take them by position instead of by id."""
         running = self.running
-        rows = running[:] if len(scheduler_output.num_scheduled_tokens) == len(running) else None
+        rows: list[Request | None] | None = (
+            list(running) if len(scheduler_output.num_scheduled_tokens) == len(running) else None
+        )
         self._last_step = (scheduler_output, rows)
 
     def _schedule_waiting(
