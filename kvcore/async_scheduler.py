@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcore.messages import SchedulerOutput
+from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.request import Request
 from kvcore.scheduler import Scheduler
 
@@ -45,26 +45,53 @@ class AsyncScheduler(Scheduler):
 
     def __init__(self, kv_cache_manager: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_manager, **kwargs)
-        self._samplers: dict[int, dict[str, Request]] = {}  # step_id -> requests that sample in it
+        # step_id -> (the step, the request of each of its rows that samples in it, else None)
+        self._samplers: dict[int, tuple[SchedulerOutput, list[Request | None]]] = {}
+
+    # Which rows sample is decided when the step is scheduled (the rows list); nothing to check later.
+    _checks_computed = False
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         # A request samples in this step when the step computes all its known + pending tokens.
-        requests = self.requests
-        samplers: dict[str, Request] = {}
-        for rid in scheduler_output.num_scheduled_tokens:
-            request = requests[rid]
-            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
-                request.num_output_placeholders += 1
-                samplers[rid] = request
-        self._samplers[scheduler_output.step_id] = samplers
+        scheduled = scheduler_output.num_scheduled_tokens
+        running = self.running
+        # Every scheduled request is running; when every running one is scheduled they are the running
+        # list itself, in the same order (the steady decode step): no lookup by id.
+        reqs = running if len(scheduled) == len(running) else list(map(self.requests.__getitem__, scheduled))
+        rows: list[Request | None] = []
+        add = rows.append
+        for request in reqs:
+            p = request.num_output_placeholders
+            if request.num_computed_tokens == len(request.all_token_ids) + p:
+                request.num_output_placeholders = p + 1
+                add(request)
+            else:
+                add(None)
+        self._samplers[scheduler_output.step_id] = (scheduler_output, rows)
 
-    def _expected_samplers(self, scheduler_output: SchedulerOutput) -> dict[str, Request]:
-        samplers = self._samplers.pop(scheduler_output.step_id, {})
-        requests = self.requests
-        for rid, request in samplers.items():
-            if requests.get(rid) is request:  # still live: its placeholder becomes a token now
+    def _step_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[Request | None] | None, Any]:
+        record = self._samplers.pop(scheduler_output.step_id, None)
+        if record is None:
+            return None, None  # not a step of this scheduler: nobody takes a token from it
+        step, rows = record
+        for request in rows:
+            # Still live (in the book): its placeholder becomes a token now.
+            if request is not None and request.stop_rule is not None:
                 request.num_output_placeholders -= 1
-        return samplers
+        return rows, step.num_scheduled_tokens
+
+    def _rows_by_id(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput, rows: Any, keys: Any
+    ) -> list[Request | None]:
+        # A token is taken only by the same live request object the step expected it from (a finished
+        # request's id may be reused by a new one before the old step's output arrives).
+        expected: dict[str, Request | None] = {} if rows is None else dict(zip(keys, rows))
+        rules = self._stop_rules
+        out: list[Request | None] = []
+        for rid in model_runner_output.req_ids:
+            rule = rules.get(rid)
+            out.append(rule[0] if rule is not None and expected.get(rid) is rule[0] else None)
+        return out
 
     @property
     def num_pending_tokens(self) -> int:

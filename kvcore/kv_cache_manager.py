@@ -94,6 +94,12 @@ class KVCacheManager:
         # empty tuples, so sharing it cannot leak blocks between callers.
         self._no_blocks = coord._no_blocks
         self._no_new_blocks = KVCacheBlocks(coord._no_blocks)
+        # With one full-attention group and caching on: each running request's count of blocks registered
+        # in the prefix cache (read-only for callers). The scheduler reads it to skip a call that could
+        # only register a block whose tokens are not all known yet (async: the last one is in flight).
+        self.num_cached_blocks: dict[str, int] | None = (
+            coord.single_full.num_cached_block if coord.single_full is not None and enable_caching else None
+        )
 
     @property
     def empty_kv_cache_blocks(self) -> KVCacheBlocks:

@@ -312,6 +312,9 @@ class Request:
         # still in flight). The scheduler plans with all_token_ids plus these many tokens.
         self.num_output_placeholders = 0
         self.block_hashes: list[Any] = []
+        # The scheduler's kvcore.stopping.StopRule while the request is in its book (None outside it):
+        # the hot loops read it here instead of looking the request id up every step.
+        self.stop_rule: Any = None
         self.stop_reason: int | None = None
         self.error: str | None = None
 

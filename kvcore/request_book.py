@@ -52,7 +52,8 @@ class RequestBook:
             return
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
-        self._stop_rules[rid] = make_stop_rule(request, self.max_model_len)
+        rule = self._stop_rules[rid] = make_stop_rule(request, self.max_model_len)
+        request.stop_rule = rule
         self.waiting.append(request)
 
     def abort(self, req_ids: Iterable[str]) -> None:
@@ -96,6 +97,7 @@ class RequestBook:
     def _retire(self, request: Request) -> None:
         del self.requests[request.request_id]
         del self._stop_rules[request.request_id]
+        request.stop_rule = None  # out of the book: a step's output still in flight skips it
         self._finished_req_ids.add(request.request_id)
 
     def _emit_finished(self, request: Request) -> None:

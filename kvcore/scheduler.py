@@ -68,6 +68,7 @@ class Scheduler(RequestBook):
             ),
         )
         self._step_id = 0
+        self._last_step: tuple[SchedulerOutput | None, list[Request | None] | None] = (None, None)
         self._fast_block_size = self._fit.fast_block_size
 
     # ------------------------------------------------------------------ schedule
@@ -107,12 +108,12 @@ class Scheduler(RequestBook):
         # The hot loop of a decode-heavy step: kept flat on purpose (locals, no per-request calls
         # unless blocks may change).
         running = self.running
-        rules = self._stop_rules
         threshold = self.long_prefill_token_threshold
         last_pos = self.max_model_len - 1  # the final token's KV is never needed
         fast_bs = self._fast_block_size
         add_computed = cached.num_computed_tokens.append
         allocate = self.kv_cache_manager.allocate_slots
+        num_cached = getattr(self.kv_cache_manager, "num_cached_blocks", None)  # a stand-in manager may lack it
         # Most steps give few requests new blocks: record (row, ids) for those, fill the rest with None.
         deltas: list[tuple[int, BlockIds]] = []
         # Iterating while preemption pops from the tail is safe: the iterator never reaches a victim.
@@ -121,9 +122,10 @@ class Scheduler(RequestBook):
                 break
             c = request.num_computed_tokens
             p = request.num_output_placeholders  # always 0 unless steps overlap
-            if p and len(request.all_token_ids) + p >= rules[request.request_id].token_limit:
+            n = len(request.all_token_ids) + p
+            if p and n >= request.stop_rule[1]:  # StopRule.token_limit
                 continue  # its pending tokens reach its length limit: it finishes when they arrive
-            n = len(request.all_token_ids) + p - c
+            n -= c
             if n != 1:  # a decode (n == 1) always fits: budget >= 1 and c + 1 < max_model_len
                 if threshold and n > threshold:
                     n = threshold
@@ -134,7 +136,16 @@ class Scheduler(RequestBook):
                 if n <= 0:
                     continue
             r = c % fast_bs
-            if not r or r + n >= fast_bs:
+            # The manager is asked when a block is needed or filled. Not when the step fills the last
+            # block but some of its tokens are still in flight (async): then nothing is allocated, and
+            # nothing registered either once every older known block is (the manager's count says so).
+            if (not r or r + n >= fast_bs) and (
+                not r
+                or r + n != fast_bs
+                or num_cached is None
+                or len(request.all_token_ids) >= c + n
+                or len(request.all_token_ids) // fast_bs > num_cached[request.request_id]
+            ):
                 new_blocks = allocate(request, n)
                 if new_blocks is None:
                     new_blocks = self._preempt_until_fits(request, n, preempted)
@@ -175,7 +186,14 @@ class Scheduler(RequestBook):
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         """Hook: the step is decided. The synchronous scheduler applies its output before the next
-        schedule(), so it has nothing to note."""
+        schedule(); it keeps the step's request objects, in row order, when they are the running list
+        itself (every running request scheduled: the steady decode step), so update_from_output can
+        take them by position instead of by id."""
+        running = self.running
+        rows: list[Request | None] | None = (
+            list(running) if len(scheduler_output.num_scheduled_tokens) == len(running) else None
+        )
+        self._last_step = (scheduler_output, rows)
 
     def _schedule_waiting(
         self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData, new_reqs: list[NewRequestData]
@@ -235,52 +253,65 @@ class Scheduler(RequestBook):
                 f"{scheduler_output.total_num_scheduled_tokens} tokens but model_runner_output "
                 f"is None; only an empty step may have no runner output"
             )
-        expected = self._expected_samplers(scheduler_output)
+        rows, keys = self._step_rows(scheduler_output)
         outputs = self._pending_outputs
         self._pending_outputs = []
         self._pending_ids.clear()
         if model_runner_output is not None and scheduler_output.total_num_scheduled_tokens:
-            self._apply_sampled(scheduler_output, model_runner_output, outputs, expected)
+            # The runner answers in its batch's row order; while that is the step's own order (no
+            # request joined or left its batch out of turn), the rows' requests are taken by position.
+            if rows is None or keys is None or model_runner_output.req_ids != list(keys):
+                rows = self._rows_by_id(scheduler_output, model_runner_output, rows, keys)
+            self._apply_sampled(model_runner_output, outputs, rows)
             if model_runner_output.logprobs or model_runner_output.prompt_logprobs:
                 attach_logprobs(outputs, model_runner_output)
         if self.debug_invariants:
             self._check_invariants()
         return outputs
 
-    def _expected_samplers(self, scheduler_output: SchedulerOutput) -> dict[str, Request] | None:
-        """Hook: which live requests may take a token from this step's output. None: every request
-        the step scheduled whose prompt is computed (its output always follows its schedule)."""
-        return None
+    def _step_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[Request | None] | None, Any]:
+        """Hook: (the request of each row of the step, in num_scheduled_tokens order, or None where
+        the row may take no token; the num_scheduled_tokens those rows follow), or (None, ...) when
+        the step did not keep them: the rows are then found by id."""
+        step, rows = self._last_step
+        return (rows, scheduler_output.num_scheduled_tokens) if step is scheduler_output else (None, None)
 
-    def _apply_sampled(
-        self,
-        scheduler_output: SchedulerOutput,
-        model_runner_output: ModelRunnerOutput,
-        outputs: list[EngineCoreOutput],
-        expected: dict[str, Request] | None,
-    ) -> None:
+    def _rows_by_id(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput, rows: Any, keys: Any
+    ) -> list[Request | None]:
+        """Hook: the request that may take the tokens of each runner row, looked up by id: a live request
+        the step scheduled (its prefill being complete is checked when its token arrives)."""
         rules = self._stop_rules
         scheduled = scheduler_output.num_scheduled_tokens
+        out: list[Request | None] = []
+        for rid in model_runner_output.req_ids:
+            rule = rules.get(rid)
+            out.append(rule[0] if rule is not None and rid in scheduled else None)
+        return out
+
+    # The synchronous step samples exactly the scheduled requests whose prompt is then computed.
+    _checks_computed = True
+
+    def _apply_sampled(
+        self, model_runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput], rows: list[Request | None]
+    ) -> None:
+        check_computed = self._checks_computed
         emit = outputs.append
         new_output = EngineCoreOutput
         new_bare = object.__new__
         stopped: set[str] = set()
         from_waiting = False  # a request preempted while its token was in flight stops from the queue
-        for rid, token_ids in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
-            if not token_ids:
-                continue  # a partial prefill chunk samples nothing
-            rule = rules.get(rid)
+        for request, token_ids in zip(rows, model_runner_output.sampled_token_ids):
+            if request is None or not token_ids:
+                continue  # not expected to sample (or a partial prefill chunk, which samples nothing)
+            rule = request.stop_rule
             if rule is None:
                 continue  # finished (a late stop, an abort) since the step was scheduled
-            request = rule[0]
             all_ids = request.all_token_ids
             num_tokens = len(all_ids)
-            if expected is None:
-                # Not part of this step, or still prefilling: a token here would be a runner bug.
-                if rid not in scheduled or request.num_computed_tokens < num_tokens:
-                    continue
-            elif expected.get(rid) is not request:
-                continue  # not expected to sample, or its id now belongs to a new request
+            if check_computed and request.num_computed_tokens < num_tokens:
+                continue  # still prefilling: a token here would be a runner bug
+            rid = request.request_id
             token_limit, stops = rule[1], rule[4]
             if len(token_ids) == 1:  # the common case, inlined
                 tok = token_ids[0]
