@@ -250,6 +250,9 @@ class ServeConfig(_Section):
     single_event_loop: bool = False
     # vLLM's --stream-interval: a chunk once this many new tokens are there (the first and last at once).
     stream_interval: int = 1
+    # One add_requests call per replica carries every request taken while the previous call was out
+    # (cluster/serve/submissions.py); false: one call per request.
+    batch_submissions: bool = True
 
     def _rules(self) -> None:
         self._check(0 <= self.max_queued_requests <= MAX_TOKENS, "max_queued_requests", f"must be in [0, {MAX_TOKENS}]")

@@ -15,6 +15,7 @@ request it held with an error output and takes no new ones.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from actors.messages import PollResult, RequestSpec, error_output
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.engines import EngineGroup
 from cluster.serve.router import PrefixAffinityRouter
+from cluster.serve.submissions import SubmitBatcher
 from kvcore.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,8 @@ class AsyncEngineClient:
         self.prompt_len: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        gather = config.serve.batch_submissions
+        self.batchers = [SubmitBatcher(functools.partial(self._send_batch, r), gather) for r in range(n)]
 
     @property
     def info(self) -> dict[str, Any]:
@@ -131,15 +135,32 @@ class AsyncEngineClient:
             books.owned.add(spec.request_id)
         books.outstanding += need
         self.router.record(r, specs[0].prompt_token_ids)
+        future = self.batchers[r].add(specs)
         try:
-            errs = await self.group.drivers[r].add_requests.remote(specs)
-        except RayActorError as e:
-            self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
-            errs = [self.books[r].down] * len(specs)
-        refused = {s.request_id: e for s, e in zip(specs, errs) if e is not None}
-        for rid in refused:
-            self._release(rid)
-        return r, refused
+            errs = await future
+        except asyncio.CancelledError:
+            # The client left before its batch went out: it never reaches the driver.
+            if self.batchers[r].withdraw(future):
+                for spec in specs:
+                    self._release(spec.request_id)
+            raise
+        return r, {s.request_id: e for s, e in zip(specs, errs) if e is not None}
+
+    async def _send_batch(self, r: int, specs: list[RequestSpec]) -> list[str | None]:
+        """One add_requests call for every request gathered for replica r; refused ones are released
+        here, whether or not their caller still waits."""
+        if self.books[r].down is not None:
+            errs: list[str | None] = [self.books[r].down] * len(specs)
+        else:
+            try:
+                errs = await self.group.drivers[r].add_requests.remote(specs)
+            except RayActorError as e:
+                self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
+                errs = [self.books[r].down] * len(specs)
+        for spec, err in zip(specs, errs):
+            if err is not None:
+                self._release(spec.request_id)
+        return errs
 
     def abort(self, request_ids: list[str]) -> None:
         """Ask each owner to abort (fire and forget: the driver drains aborts before its next step)."""
