@@ -38,6 +38,8 @@ class SubmitBatcher:
     _pending: list[_Entry] = field(default_factory=list)
     _in_flight: int = 0
     _scheduled: bool = False
+    # The loop keeps only weak references to tasks: without these, a call in flight could be collected.
+    _calls: set[asyncio.Task[None]] = field(default_factory=set)
     num_calls: int = 0
 
     def add(self, specs: list[RequestSpec]) -> asyncio.Future[list[str | None]]:
@@ -73,7 +75,9 @@ class SubmitBatcher:
     def _start(self, batch: list[_Entry]) -> None:
         self._in_flight += 1
         self.num_calls += 1
-        asyncio.get_running_loop().create_task(self._call(batch))
+        task = asyncio.get_running_loop().create_task(self._call(batch))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
 
     async def _call(self, batch: list[_Entry]) -> None:
         try:
