@@ -183,6 +183,23 @@ phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and sca
   step control_plane_tp8 200 python3 benchmarks/host/bench_control_plane.py --device cuda --tp 2 4 8
 }
 
+phase_s8a() {  # eighth session, call 1: the control plane old/new interleaved ([cluster]), start-up before and
+  # after compiling the shipped Ray's bytecode (the bundle ships none, and the image may forbid writing it),
+  # greedy = HF in every graph mode on the tree with the scheduler's row-position path
+  TAIL=40 step diag_boot 90 bash benchmarks/tools/diag_boot.sh
+  for i in 1 2; do
+    TAIL=8 step "cp_new_$i" 70 python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000
+    TAIL=8 step "cp_old_$i" 70 bash -c "cd .old && PYTHONPATH=\$PWD python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000 --no-write"
+  done
+  TAIL=12 step startup_src 200 python3 benchmarks/e2e/bench_startup.py --shape qwen3-0.6b
+  grep -l "Failed to bind" /tmp/ray/session_*/logs/dashboard_agent.log 2>/dev/null | head -3
+  local t0=$SECONDS; python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1; echo "compileall /tmp/site: $((SECONDS - t0)) s"
+  TAIL=12 step diag_boot_compiled 60 bash benchmarks/tools/diag_boot.sh
+  TAIL=12 step startup_pyc 100 python3 benchmarks/e2e/bench_startup.py --shape qwen3-0.6b --warm-only
+  TAIL=30 step cuda_graphs 120 python3 benchmarks/checks/check_cuda_graphs.py
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
@@ -202,6 +219,7 @@ case "${1:-all}" in
   round5) phase_round5 ;;
   round6) phase_round6 ;;
   multigpu) phase_multigpu ;;
+  s8a) phase_s8a ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac
