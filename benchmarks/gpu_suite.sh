@@ -189,7 +189,7 @@ phase_s8a() {  # eighth session, call 1: the control plane old/new interleaved (
   TAIL=40 step diag_boot 90 bash benchmarks/tools/diag_boot.sh
   for i in 1 2; do
     TAIL=8 step "cp_new_$i" 70 python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000
-    TAIL=8 step "cp_old_$i" 70 bash -c "cd .old && PYTHONPATH=\$PWD python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000 --no-write"
+    TAIL=8 step "cp_old_$i" 70 bash -c "cd .old && PYTHONPATH=\$PWD:\$PYTHONPATH python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000 --no-write"
   done
   TAIL=12 step startup_src 200 python3 benchmarks/e2e/bench_startup.py --shape qwen3-0.6b
   grep -l "Failed to bind" /tmp/ray/session_*/logs/dashboard_agent.log 2>/dev/null | head -3
@@ -197,6 +197,21 @@ phase_s8a() {  # eighth session, call 1: the control plane old/new interleaved (
   TAIL=12 step diag_boot_compiled 60 bash benchmarks/tools/diag_boot.sh
   TAIL=12 step startup_pyc 100 python3 benchmarks/e2e/bench_startup.py --shape qwen3-0.6b --warm-only
   TAIL=30 step cuda_graphs 120 python3 benchmarks/checks/check_cuda_graphs.py
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
+phase_s8b() {  # eighth session, call 2: everything after compiling the image's bytecode (as pip installs it)
+  TAIL=3 step compile_bytecode 150 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=14 step diag_boot 60 bash benchmarks/tools/diag_boot.sh
+  TAIL=40 step actor_boot 90 python3 benchmarks/tools/diag_actor_boot.py
+  for i in 1 2; do
+    TAIL=3 step "cp_new_$i" 70 python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000
+    TAIL=3 step "cp_old_$i" 70 bash -c "cd .old && PYTHONPATH=\$PWD:\$PYTHONPATH python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000 --no-write"
+  done
+  TAIL=12 step startup 200 python3 benchmarks/e2e/bench_startup.py --shape qwen3-0.6b
+  python3 .gpu/serve/install.py
+  TAIL=30 step serve_ab 260 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 \
+    --compare serve.batch_submissions=false default
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
@@ -220,6 +235,7 @@ case "${1:-all}" in
   round6) phase_round6 ;;
   multigpu) phase_multigpu ;;
   s8a) phase_s8a ;;
+  s8b) phase_s8b ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac
