@@ -215,6 +215,19 @@ phase_s8b() {  # eighth session, call 2: everything after compiling the image's 
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
+phase_s8c() {  # eighth session, call 3: `kvray run` against LLM.generate on the nano recipe (never measured: its
+  # step had hit the limit), the serve ratio again, start-up of the Llama-3.1-8B shape cold and warm
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=30 step nano_run 230 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults tuned --idle --kvray-run
+  python3 .gpu/serve/install.py
+  TAIL=10 step serve_default 150 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 \
+    --compare default
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+  TAIL=10 step startup_llama8b 240 python3 benchmarks/e2e/bench_startup.py --shape llama-3.1-8b
+  cp -r benchmarks/results "$OUT/results" 2>/dev/null
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
@@ -236,6 +249,7 @@ case "${1:-all}" in
   multigpu) phase_multigpu ;;
   s8a) phase_s8a ;;
   s8b) phase_s8b ;;
+  s8c) phase_s8c ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac
