@@ -228,6 +228,15 @@ phase_s8c() {  # eighth session, call 3: `kvray run` against LLM.generate on the
   cp -r benchmarks/results "$OUT/results" 2>/dev/null
 }
 
+phase_s8d() {  # eighth session, call 4: the serve sweep (low rates to saturation) on both shapes, current tree
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  python3 .gpu/serve/install.py
+  TAIL=12 step serve_qwen3 220 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500
+  mkdir -p "$OUT/results"; cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
+  TAIL=12 step serve_llama8b 260 python3 benchmarks/e2e/bench_serve.py --shape llama-3.1-8b --num-prompts 500
+  cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
@@ -250,6 +259,7 @@ case "${1:-all}" in
   s8a) phase_s8a ;;
   s8b) phase_s8b ;;
   s8c) phase_s8c ;;
+  s8d) phase_s8d ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac

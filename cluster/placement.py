@@ -20,6 +20,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from cluster.bytecode import warn_if_no_bytecode
 from cluster.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def total_request(config: EngineConfig) -> dict[str, float]:
 
 def connect(config: EngineConfig) -> bool:
     """Make sure this process talks to Ray. Returns True when this call started a local Ray."""
+    warn_if_no_bytecode()
     if ray.is_initialized():
         return False
     address = config.ray.address or os.environ.get("RAY_ADDRESS")

@@ -19,6 +19,7 @@ import re
 import sys
 import time
 from datetime import datetime
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -37,9 +38,9 @@ class Probe:
         return self.init_at, self.started, os.getpid()
 
 
-def one(opts: dict, label: str) -> tuple[int, float | None]:
+def one(opts: dict[str, Any], label: str) -> tuple[int, float | None]:
     t0 = time.time()
-    actor = ray.remote(Probe).options(**opts).remote()
+    actor: Any = ray.remote(Probe).options(**opts).remote()
     init_at, started, pid = ray.get(actor.marks.remote())
     ready = time.time()
     spawn = (started - t0) if started else float("nan")
@@ -53,7 +54,8 @@ STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 
 def show_log(pid: int, started: float | None) -> None:
-    session = ray._private.worker._global_node.get_session_dir_path()
+    node: Any = ray._private.worker._global_node
+    session = node.get_session_dir_path()
     files = glob.glob(os.path.join(session, "logs", f"python-core-worker-*_{pid}.log"))
     if not files:
         print("no core-worker log for pid", pid)
