@@ -66,15 +66,11 @@ def connect(config: EngineConfig) -> bool:
             existing,
             existing,
         )
-    # On a GPU machine without Ray's worker prestart: at the first driver's connect Ray starts one idle
-    # Python worker per CPU, and on the H200 host (16 CPUs) their boot made the engine's own processes
-    # boot in 6-9 s instead of ~3 (bench_startup, same tree: LLM(...) on a running Ray 16.3 s with it,
-    # 11.1 s without). Unmeasured elsewhere (CPU machines, the tests): Ray's default there.
     start_local_ray(
         num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, need + 1),
         namespace=config.ray.namespace,
         include_dashboard=config.ray.include_dashboard,
-        **({"_system_config": {"prestart_worker_first_driver": False}} if local_gpus() else {}),
+        **prestart_setting(local_gpus()),
     )
     return True
 
@@ -95,6 +91,23 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
         return config
     gpus = float(ray.cluster_resources().get("GPU", 0))
     return config.replace(device="cuda" if gpus > 0 else "cpu")
+
+
+PRESTART_ENV = "RAY_prestart_worker_first_driver"
+
+
+def prestart_setting(has_gpus: bool) -> dict[str, Any]:
+    """ray.init's extra arguments for Ray's worker prestart on the embedded local Ray.
+
+    On a GPU machine without it: at the first driver's connect Ray starts one idle Python worker per
+    CPU, and on the H200 host (16 CPUs) their boot made the engine's own processes boot in 6-9 s instead
+    of ~3 (bench_startup, same tree: LLM(...) on a running Ray 16.3 s with it, 11.1 s without). That was
+    measured where every process compiled torch from source (no bytecode); it is unmeasured with
+    bytecode, so Ray's own variable, when set, decides. Unmeasured elsewhere (CPU machines, the tests):
+    Ray's default there."""
+    if not has_gpus or PRESTART_ENV in os.environ:
+        return {}
+    return {"_system_config": {"prestart_worker_first_driver": False}}
 
 
 def start_local_ray(
