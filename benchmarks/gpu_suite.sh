@@ -183,14 +183,19 @@ phase_multigpu() {  # a host with 2+ GPUs ([multigpu]): NCCL correctness and sca
   step control_plane_tp8 200 python3 benchmarks/host/bench_control_plane.py --device cuda --tp 2 4 8
 }
 
+control_plane_old_new() {  # TP=2 shm control plane, this tree and .old (a `git archive` of the tree before), interleaved
+  local cmd="python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000"
+  for i in 1 2; do
+    TAIL=3 step "cp_new_$i" 70 $cmd
+    TAIL=3 step "cp_old_$i" 70 bash -c "cd .old && PYTHONPATH=\$PWD:\$PYTHONPATH $cmd --no-write"
+  done
+}
+
 phase_s8a() {  # eighth session, call 1: the control plane old/new interleaved ([cluster]), start-up before and
   # after compiling the shipped Ray's bytecode (the bundle ships none, and the image may forbid writing it),
   # greedy = HF in every graph mode on the tree with the scheduler's row-position path
   TAIL=40 step diag_boot 90 bash benchmarks/tools/diag_boot.sh
-  for i in 1 2; do
-    TAIL=8 step "cp_new_$i" 70 python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000
-    TAIL=8 step "cp_old_$i" 70 bash -c "cd .old && PYTHONPATH=\$PWD:\$PYTHONPATH python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000 --no-write"
-  done
+  control_plane_old_new
   TAIL=12 step startup_src 200 python3 benchmarks/e2e/bench_startup.py --shape qwen3-0.6b
   grep -l "Failed to bind" /tmp/ray/session_*/logs/dashboard_agent.log 2>/dev/null | head -3
   local t0=$SECONDS; python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1; echo "compileall /tmp/site: $((SECONDS - t0)) s"
@@ -204,10 +209,7 @@ phase_s8b() {  # eighth session, call 2: everything after compiling the image's 
   TAIL=3 step compile_bytecode 150 python3 benchmarks/tools/compile_bytecode.py
   TAIL=14 step diag_boot 60 bash benchmarks/tools/diag_boot.sh
   TAIL=40 step actor_boot 90 python3 benchmarks/tools/diag_actor_boot.py
-  for i in 1 2; do
-    TAIL=3 step "cp_new_$i" 70 python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000
-    TAIL=3 step "cp_old_$i" 70 bash -c "cd .old && PYTHONPATH=\$PWD:\$PYTHONPATH python3 benchmarks/host/bench_control_plane.py --tp 2 --transports shm --device cuda --steps 2000 --no-write"
-  done
+  control_plane_old_new
   TAIL=12 step startup 200 python3 benchmarks/e2e/bench_startup.py --shape qwen3-0.6b
   python3 .gpu/serve/install.py
   TAIL=30 step serve_ab 260 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 \
