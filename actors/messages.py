@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
 
-from kvcore.messages import EngineCoreOutput
+from kvcore.messages import ENGINE_CORE_OUTPUT_FIELDS, EngineCoreOutput
 from kvcore.request import SamplingParams
 
 # How a driver words a refusal that is the replica's state, not the request's fault (the client sends
@@ -42,6 +44,57 @@ class PollResult:
     returned: list[str] = field(default_factory=list)
     # False while the replica waits for resources to rebuild on; it refuses requests meanwhile.
     available: bool = True
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Sent every step to the client (a few hundred outputs): as plain tuples, Ray's cloudpickle calls
+        # its Python-level reducer_override once for the message instead of once per object. 256 outputs:
+        # dumps 739 -> 91 us, loads 248 -> 102 us on the CPU machine. Shared objects (a step's
+        # LogprobsBatch) still pickle once, with their out-of-band buffers.
+        rows = list(map(_output_fields, self.outputs))
+        timings = {k: (t.ttft_s, t.e2e_s, t.num_prompt_tokens, t.num_output_tokens) for k, t in self.timings.items()}
+        return _rebuild_poll, (rows, timings, self.fatal, self.returned, self.available)
+
+
+_output_fields = attrgetter(*ENGINE_CORE_OUTPUT_FIELDS)
+_ROW_ORDER = (
+    "request_id",
+    "new_token_ids",
+    "finished",
+    "finish_reason",
+    "stop_reason",
+    "error",
+    "num_cached_tokens",
+    "step_logprobs",
+    "prompt_logprobs",
+)
+if _ROW_ORDER != ENGINE_CORE_OUTPUT_FIELDS:
+    raise RuntimeError("actors.messages: EngineCoreOutput's fields changed; update _rebuild_poll")
+
+
+def _rebuild_poll(
+    rows: list[tuple[Any, ...]],
+    timings: dict[str, tuple[Any, ...]],
+    fatal: str | None,
+    returned: list[str],
+    available: bool,
+) -> PollResult:
+    new = object.__new__
+    outputs = []
+    for row in rows:
+        o = new(EngineCoreOutput)
+        (
+            o.request_id,
+            o.new_token_ids,
+            o.finished,
+            o.finish_reason,
+            o.stop_reason,
+            o.error,
+            o.num_cached_tokens,
+            o.step_logprobs,
+            o.prompt_logprobs,
+        ) = row
+        outputs.append(o)
+    return PollResult(outputs, {k: RequestTiming(*t) for k, t in timings.items()}, fatal, returned, available)
 
 
 def error_output(rid: str, message: str) -> EngineCoreOutput:

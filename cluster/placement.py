@@ -70,7 +70,7 @@ def connect(config: EngineConfig) -> bool:
         num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, need + 1),
         namespace=config.ray.namespace,
         include_dashboard=config.ray.include_dashboard,
-        **prestart_setting(local_gpus()),
+        **prestart_setting(local_gpus() > 0),
     )
     return True
 

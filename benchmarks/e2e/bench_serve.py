@@ -8,10 +8,14 @@ offline figure is LLM.generate on the same workload, measured first in the same 
 offline engine is shut down before the server starts).
 
 Records (not with --smoke): serve_vs_offline_ratio (saturation output tok/s over offline),
-serve_ttft_p99_ms_qwen3_rate_half (TTFT p99 at half the saturation request rate), per-rate figures.
+serve_ttft_p99_ms_qwen3_rate_half (TTFT p99 at half the saturation request rate), per-rate figures;
+with --compare, serve_vs_offline_ratio_<setting> per setting (`default`: serve_vs_offline_ratio).
+Every saturation run prints each server process's CPU per output token and its utilisation (cores), to
+show which one saturates (benchmarks/e2e/serve_procs.py); --profile DIR adds py-spy stacks of each.
 
   python benchmarks/e2e/bench_serve.py --shape qwen3-0.6b                     # the H200 sweep (~5 minutes)
   python benchmarks/e2e/bench_serve.py --shape llama-3.1-8b --num-prompts 500
+  python benchmarks/e2e/bench_serve.py --compare default serve.stream_interval=4 --profile /tmp/prof
   python benchmarks/e2e/bench_serve.py --smoke                                # CPU, tiny-random, seconds of load
 """
 
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -148,10 +153,15 @@ MIN_PER_RATE = 20
 
 
 async def sweep(
-    url: str, model: str, reqs: list[tuple[list[int], int]], rates: list[float], seed: int = 0
+    url: str,
+    model: str,
+    reqs: list[tuple[list[int], int]],
+    rates: list[float],
+    seed: int = 0,
+    profile: str | None = None,
 ) -> list[dict]:
     """Saturation first (rate inf), then each rate, then half the saturation request rate."""
-    out = [await run_rate(url, model, reqs, float("inf"), seed)]
+    out = [await saturation(url, model, reqs, seed, profile)]
     half = out[0]["request_s"] / 2
     for r in [*rates, half]:
         n = min(len(reqs), max(MIN_PER_RATE, int(r * RATE_WINDOW_S)))
@@ -159,6 +169,21 @@ async def sweep(
         res["half_saturation"] = r is half
         out.append(res)
     return out
+
+
+async def saturation(url: str, model: str, reqs: list[tuple[list[int], int]], seed: int, profile: str | None) -> dict:
+    """Rate inf, with each server process's CPU cost ("process_cpu") and, with `profile`, py-spy stacks."""
+    from serve_procs import ProcessMeter, format_costs, py_spy, serve_processes
+
+    meter = ProcessMeter(serve_processes())
+    spies = py_spy(profile, 8, meter.pids) if profile else []
+    meter.start()
+    res = await run_rate(url, model, reqs, float("inf"), seed)
+    res["process_cpu"] = meter.stop(res["elapsed_s"], res["output_tok_s"] * res["elapsed_s"])
+    for p in spies:
+        p.wait()
+    print(f"  server processes at saturation: {format_costs(res['process_cpu'])}", flush=True)
+    return res
 
 
 def family_workload(n: int, vocab: int, max_total: int) -> list[tuple[list[int], int]]:
@@ -270,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         "config as it is), each against the offline figure: an A/B of serve settings in one run",
     )
     ap.add_argument("--families-rate", type=float, default=8.0, help="request rate of --families (req/s)")
+    ap.add_argument("--profile", default=None, help="a folder: py-spy stacks of each server process at saturation")
     args = ap.parse_args(argv)
     from cluster.config import load_config
     from cluster.serve.app import start_server, stop_server
@@ -302,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     if offline is not None:
         print(f"offline LLM.generate: {offline:.1f} output tok/s", flush=True)
     if args.compare:
-        compare(config, reqs, offline, args.compare)
+        compare(config, reqs, offline, args.compare, args.profile, args.shape, args.smoke)
         return
     port = args.port or free_port()
     started = start_server(config, "127.0.0.1", port)
@@ -310,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         url = f"http://127.0.0.1:{port}"
         asyncio.run(run_rate(url, config.model.model, reqs[:4], float("inf"), 1))  # warm-up
         rates = [float(r) for r in args.rates.split(",") if r] if not args.smoke else [4.0]
-        results = asyncio.run(sweep(url, config.model.model, reqs, rates))
+        results = asyncio.run(sweep(url, config.model.model, reqs, rates, profile=args.profile))
     finally:
         stop_server(started)
     for r in results:
@@ -322,7 +348,17 @@ def main(argv: list[str] | None = None) -> None:
         _record(args.shape, offline, results)
 
 
-def compare(config: Any, reqs: list[tuple[list[int], int]], offline: float | None, settings: list[str]) -> None:
+def compare(
+    config: Any,
+    reqs: list[tuple[list[int], int]],
+    offline: float | None,
+    settings: list[str],
+    profile: str | None,
+    shape: str,
+    smoke: bool = False,
+) -> None:
+    from common import record
+
     from cluster.config import apply_overrides
     from cluster.serve.app import start_server, stop_server
 
@@ -330,14 +366,20 @@ def compare(config: Any, reqs: list[tuple[list[int], int]], offline: float | Non
         c = config if setting == "default" else apply_overrides(config, setting.split(","))
         port = free_port()
         started = start_server(c, "127.0.0.1", port)
+        slug = re.sub(r"[^A-Za-z0-9]+", "_", setting).strip("_")
         try:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(run_rate(url, c.model.model, reqs[:4], float("inf"), 1))  # warm-up
-            res = asyncio.run(run_rate(url, c.model.model, reqs, float("inf"), 0))
+            res = asyncio.run(saturation(url, c.model.model, reqs, 0, f"{profile}/{slug}" if profile else None))
         finally:
             stop_server(started)
         ratio = f"  ratio {res['output_tok_s'] / offline:.3f}" if offline else ""
         print(f"[{setting}] {format_row(res)}  tokens/chunk {res['tokens_per_chunk'] or 0:.1f}{ratio}", flush=True)
+        if offline and not res["failed"] and not smoke:
+            tag = TAGS[shape]
+            metric = "serve_vs_offline_ratio" + ("" if tag == "qwen3" else f"_{tag}")
+            name = metric + ("" if setting == "default" else f"_{slug}")
+            record("bench_serve", name, res["output_tok_s"] / offline, "x")
 
 
 def _record(shape: str, offline: float | None, results: list[dict]) -> None:

@@ -24,7 +24,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 
 from bench_serve import format_row, free_port, run_rate  # noqa: E402
+from serve_procs import ProcessMeter, format_costs, py_spy, serve_processes  # noqa: E402
 
 from actors.noop_worker import NoopWorker  # noqa: E402
 
@@ -77,64 +77,6 @@ def offline(config, reqs, worker: str) -> float:
     finally:
         llm.shutdown()
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
-
-
-TAGS = ("ProxyActor", "ServeReplica", "EngineDriver", "NoopWorker")
-
-
-def serve_processes() -> dict[str, int]:
-    """{tag: pid} of the Serve proxy, the ingress replica, the driver and its worker, among this process's
-    descendants (the Ray it started; other Rays on the machine are not ours); "client": this one."""
-    ps = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    rows = [line.split(None, 2) for line in ps]
-    children: dict[int, list[int]] = {}
-    for pid, ppid, *_ in rows:
-        children.setdefault(int(ppid), []).append(int(pid))
-    ours, todo = set(), [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        ours.add(pid)
-        todo.extend(children.get(pid, []))
-    out = {"client": os.getpid()}
-    for pid, _, *args in rows:
-        for tag in TAGS:
-            if int(pid) in ours and args and tag in args[0]:
-                out[tag] = int(pid)
-    return out
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def py_spy(out_dir: str, seconds: int, pids: dict[str, int]) -> list[subprocess.Popen]:
-    """py-spy record (GIL holders only: the Python work) of each server process, for `seconds`."""
-    os.makedirs(out_dir, exist_ok=True)
-    return [
-        subprocess.Popen(
-            [
-                "py-spy",
-                "record",
-                "-p",
-                str(pid),
-                "-d",
-                str(seconds),
-                "-f",
-                "raw",
-                "-r",
-                "50",
-                "--gil",
-                "-o",
-                f"{out_dir}/{tag}-{pid}.txt",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for tag, pid in pids.items()
-        if tag != "client"
-    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,21 +122,16 @@ def main(argv: list[str] | None = None) -> None:
     url, sat = f"http://127.0.0.1:{port}", []
     try:
         asyncio.run(run_rate(url, config.model.model, reqs[:16], float("inf"), 1))  # warm-up
-        pids = serve_processes()
+        meter = ProcessMeter(serve_processes())
         for k in range(args.runs):
-            spies = py_spy(args.profile, 8, pids) if args.profile and k == args.runs - 1 else []
-            before = {tag: cpu_s(pid) for tag, pid in pids.items()}
+            spies = py_spy(args.profile, 8, meter.pids) if args.profile and k == args.runs - 1 else []
+            meter.start()
             res = asyncio.run(run_rate(url, config.model.model, reqs, float("inf"), 0))
-            tokens = res["output_tok_s"] * res["elapsed_s"]
-            cost = {tag: (cpu_s(pid) - before[tag]) / tokens * 1e6 for tag, pid in pids.items()}
+            costs = meter.stop(res["elapsed_s"], res["output_tok_s"] * res["elapsed_s"])
             for p in spies:
                 p.wait()
             print(format_row(res), flush=True)
-            print(
-                f"  tokens per chunk {res['tokens_per_chunk']:.1f}; CPU us per output token: "
-                + ", ".join(f"{t} {c:.0f}" for t, c in cost.items()),
-                flush=True,
-            )
+            print(f"  tokens per chunk {res['tokens_per_chunk']:.1f}; CPU: {format_costs(costs)}", flush=True)
             if res["failed"]:
                 raise SystemExit(f"bench_serve_ceiling: {res['failed']} failed: {res.get('first_error')}")
             sat.append(res["output_tok_s"])

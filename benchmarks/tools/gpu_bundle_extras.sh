@@ -2,7 +2,7 @@
 # What the GPU image lacks beyond the slim Ray of ../shared/gpu/make-bundle.sh, added to its .gpu/ (run on
 # the CPU machine after make-bundle.sh):
 # - pyzmq (a kvray dependency: the shm transport's channels across nodes), a wheel in .gpu/ itself, which
-#   bootstrap.sh installs with the others;
+#   bootstrap.sh installs with the others; py-spy likewise, for bench_serve.py --profile;
 # - .gpu/serve/: Ray Serve (the slim Ray has no ray/serve, the image most of ray[serve]'s dependencies).
 #   `bench_serve` runs on the GPU start with `python3 .gpu/serve/install.py` (gpu_suite.sh open2/open3 do),
 #   which installs only what the image cannot import.
@@ -15,6 +15,8 @@ plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platfo
 dl() { $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat "$@" \
   2>&1 | grep -v 'is ignored' || true; }
 dl -d "$root/.gpu" "pyzmq==$($py -c "from importlib.metadata import version; print(version('pyzmq'))")"
+# py-spy (a static binary in a wheel; bootstrap.sh puts /tmp/site/bin on PATH): bench_serve.py --profile.
+dl -d "$root/.gpu" --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 "py-spy==0.4.3"
 site=$($py -c "import ray, os; print(os.path.dirname(os.path.dirname(ray.__file__)))")
 ver=$($py -c "import ray; print(ray.__version__)")
 (cd "$site" && tar --exclude=__pycache__ -cf - ray/serve | xz -T0 -6 > "$dest/ray-serve-$ver.tar.xz")

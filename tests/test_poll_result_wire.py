@@ -1,0 +1,53 @@
+"""PollResult's wire form (actors/messages.py): every field survives Ray's serializer, and a step's
+outputs travel as plain tuples (one reducer_override call for the message, not one per output)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import ray.cloudpickle as cloudpickle
+
+from actors.messages import PollResult, RequestTiming, error_output
+from kvcore.messages import EngineCoreOutput
+
+
+def sample() -> PollResult:
+    outputs = [EngineCoreOutput(f"cmpl-{i}-0", [i, i + 1]) for i in range(256)]
+    outputs.append(EngineCoreOutput("done", [7], True, "stop", 7, None, 32))
+    outputs.append(error_output("bad", "request 'bad' rejected: top_k must be >= -1"))
+    timings = {"done": RequestTiming(0.25, 1.5, 40, 12), "bad": RequestTiming(None, 0.01, 3, 0)}
+    return PollResult(outputs, timings, fatal="engine replica 0 is down: gone", returned=["r9"], available=False)
+
+
+def test_every_field_survives_rays_serializer() -> None:
+    pr = sample()
+    back = pickle.loads(cloudpickle.dumps(pr))
+    assert back == pr
+    assert all(type(o) is EngineCoreOutput for o in back.outputs)
+    assert back.outputs[-2].finish_reason == "stop" and back.outputs[-2].num_cached_tokens == 32
+    assert back.timings["bad"].ttft_s is None and back.returned == ["r9"] and back.available is False
+
+
+def test_defaults_and_protocol_5() -> None:
+    pr = PollResult([EngineCoreOutput("a", [1])])
+    back = pickle.loads(pickle.dumps(pr, protocol=5))
+    assert back == pr and back.timings == {} and back.fatal is None and back.available is True
+
+
+class CountingPickler(cloudpickle.Pickler):
+    calls = 0
+
+    def reducer_override(self, obj):  # type: ignore[no-untyped-def]
+        CountingPickler.calls += 1
+        return super().reducer_override(obj)
+
+
+def test_outputs_travel_as_plain_tuples() -> None:
+    # cloudpickle's reducer_override is Python, called for every object that is not a plain built-in:
+    # a step's few hundred dataclass instances each paid it before.
+    CountingPickler.calls = 0
+    buf = io.BytesIO()
+    CountingPickler(buf, protocol=5).dump(sample())
+    assert CountingPickler.calls < 10
+    assert pickle.loads(buf.getvalue()) == sample()
