@@ -179,6 +179,6 @@ ENGINE_CORE_OUTPUT_FIELDS = (
 )
 if tuple(f.name for f in fields(EngineCoreOutput)) != ENGINE_CORE_OUTPUT_FIELDS:
     raise RuntimeError(
-        "kvcore.messages: EngineCoreOutput's fields changed; update Scheduler._apply_sampled, "
-        f"which fills {ENGINE_CORE_OUTPUT_FIELDS} by hand"
+        "kvcore.messages: EngineCoreOutput's fields changed; update Scheduler._apply_sampled and "
+        f"actors.messages._rebuild_poll, which fill {ENGINE_CORE_OUTPUT_FIELDS} by hand"
     )

@@ -16,6 +16,8 @@ def sample() -> PollResult:
     outputs = [EngineCoreOutput(f"cmpl-{i}-0", [i, i + 1]) for i in range(256)]
     outputs.append(EngineCoreOutput("done", [7], True, "stop", 7, None, 32))
     outputs.append(error_output("bad", "request 'bad' rejected: top_k must be >= -1"))
+    # Every field distinct (stand-ins for the logprobs objects): a field rebuilt into another's slot shows.
+    outputs.append(EngineCoreOutput("all", [3], True, "length", 9, "e", 16, "step-rows", "prompt-rows"))
     timings = {"done": RequestTiming(0.25, 1.5, 40, 12), "bad": RequestTiming(None, 0.01, 3, 0)}
     return PollResult(outputs, timings, fatal="engine replica 0 is down: gone", returned=["r9"], available=False)
 
@@ -25,7 +27,14 @@ def test_every_field_survives_rays_serializer() -> None:
     back = pickle.loads(cloudpickle.dumps(pr))
     assert back == pr
     assert all(type(o) is EngineCoreOutput for o in back.outputs)
-    assert back.outputs[-2].finish_reason == "stop" and back.outputs[-2].num_cached_tokens == 32
+    assert back.outputs[-3].finish_reason == "stop" and back.outputs[-3].num_cached_tokens == 32
+    last = back.outputs[-1]
+    assert (last.stop_reason, last.error, last.step_logprobs, last.prompt_logprobs) == (
+        9,
+        "e",
+        "step-rows",
+        "prompt-rows",
+    )
     assert back.timings["bad"].ttft_s is None and back.returned == ["r9"] and back.available is False
 
 
