@@ -22,17 +22,23 @@ PACKAGES = ("torch", "ray", "triton")
 _warned = False
 
 
+def _source_file(name: str) -> str | None:
+    """A top-level package's __init__.py (or a module's .py), found without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    return origin if origin and origin.endswith(".py") else None
+
+
 def packages_without_bytecode(names: tuple[str, ...]) -> list[str]:
-    """The packages (found without importing them) whose __init__ has no cached bytecode and that this
-    interpreter cannot cache either: it would compile them from source in every new process."""
+    """The packages whose __init__ has no cached bytecode and that this interpreter cannot cache either:
+    it would compile them from source in every new process."""
     out = []
     for name in names:
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        origin = spec.origin if spec is not None else None
-        if not origin or not origin.endswith(".py"):
+        origin = _source_file(name)
+        if origin is None:
             continue
         if os.path.exists(importlib.util.cache_from_source(origin)):
             continue
@@ -50,7 +56,7 @@ def warn_if_no_bytecode() -> None:
     missing = packages_without_bytecode(PACKAGES)
     if not missing:
         return
-    dirs = " ".join(os.path.dirname(str(getattr(importlib.util.find_spec(n), "origin", ""))) for n in missing)
+    dirs = " ".join(os.path.dirname(_source_file(n) or "") for n in missing)
     why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else "their directories are read-only"
     logger.warning(
         "%s have no compiled bytecode and %s: every engine process (driver, workers, Ray's agents) compiles "

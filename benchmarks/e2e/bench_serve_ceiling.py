@@ -33,8 +33,7 @@ from pathlib import Path
 # the one import pattern of benchmarks/README.md.
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 
-from bench_serve import format_row, free_port, run_rate  # noqa: E402
-from serve_procs import ProcessMeter, format_costs, py_spy, serve_processes  # noqa: E402
+from bench_serve import format_row, free_port, run_rate, saturation  # noqa: E402
 
 from actors.noop_worker import NoopWorker  # noqa: E402
 
@@ -122,16 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     url, sat = f"http://127.0.0.1:{port}", []
     try:
         asyncio.run(run_rate(url, config.model.model, reqs[:16], float("inf"), 1))  # warm-up
-        meter = ProcessMeter(serve_processes())
         for k in range(args.runs):
-            spies = py_spy(args.profile, 8, meter.pids) if args.profile and k == args.runs - 1 else []
-            meter.start()
-            res = asyncio.run(run_rate(url, config.model.model, reqs, float("inf"), 0))
-            costs = meter.stop(res["elapsed_s"], res["output_tok_s"] * res["elapsed_s"])
-            for p in spies:
-                p.wait()
-            print(format_row(res), flush=True)
-            print(f"  tokens per chunk {res['tokens_per_chunk']:.1f}; CPU: {format_costs(costs)}", flush=True)
+            profile = args.profile if k == args.runs - 1 else None
+            res = asyncio.run(saturation(url, config.model.model, reqs, 0, profile))
+            print(format_row(res), f" tokens per chunk {res['tokens_per_chunk']:.1f}", flush=True)
             if res["failed"]:
                 raise SystemExit(f"bench_serve_ceiling: {res['failed']} failed: {res.get('first_error')}")
             sat.append(res["output_tok_s"])
