@@ -282,7 +282,7 @@ class ModelRunner(RunnerGraphs):
         """Queue the step's GPU work and the copy of its sampled tokens to the host; no host sync."""
         batch = self._batch()
         if self.step_timer is not None:
-            self.step_timer.begin(batch.num_reqs, so.total_num_scheduled_tokens)
+            self.step_timer.begin(batch.num_reqs, so.total_num_scheduled_tokens, int(staged.seq_lens.sum()))
         hidden, graph = self._run_forward(staged)
         tokens = sample_lp = prompt_lp = None
         rows = staged.sample_rows

@@ -111,7 +111,7 @@ class StepTimer:
     HOST_MARKS = ("enter", "launched", "tokens", "exit")
 
     def __init__(self, clock=time.perf_counter) -> None:
-        self._steps: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event | None]] = []
+        self._steps: list[tuple[int, int, int, torch.cuda.Event, torch.cuda.Event | None]] = []
         self._calls: list[dict[str, float]] = []
         self._clock = clock
 
@@ -137,31 +137,34 @@ class StepTimer:
             )
         return out
 
-    def begin(self, num_reqs: int, num_tokens: int) -> None:
+    def begin(self, num_reqs: int, num_tokens: int, kv_tokens: int = 0) -> None:
+        """kv_tokens: the context tokens the step's attention reads (the sum of its seq_lens), so that a
+        benchmark can put each step's time against its KV bytes."""
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        self._steps.append((num_reqs, num_tokens, event, None))
+        self._steps.append((num_reqs, num_tokens, kv_tokens, event, None))
 
     def end(self) -> None:
-        if self._steps and self._steps[-1][3] is None:
+        if self._steps and self._steps[-1][4] is None:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            n, t, begin, _ = self._steps[-1]
-            self._steps[-1] = (n, t, begin, event)
+            n, t, kv, begin, _ = self._steps[-1]
+            self._steps[-1] = (n, t, kv, begin, event)
 
     def collect(self) -> list[dict[str, float | None]]:
-        """Per timed step: num_reqs, num_tokens, busy_ms (begin -> end) and gap_ms (the previous step's
+        """Per timed step: num_reqs, num_tokens, kv_tokens, busy_ms (begin -> end) and gap_ms (the previous step's
         end -> this begin; None for the first). Clears the record."""
         torch.cuda.synchronize()
-        steps = [(n, t, begin, end) for n, t, begin, end in self._steps if end is not None]
+        steps = [step for step in self._steps if step[4] is not None]
         self._steps = []
         out: list[dict[str, float | None]] = []
         prev_end: torch.cuda.Event | None = None
-        for n, t, begin, end in steps:
+        for n, t, kv, begin, end in steps:
             out.append(
                 {
                     "num_reqs": n,
                     "num_tokens": t,
+                    "kv_tokens": kv,
                     "busy_ms": begin.elapsed_time(end),
                     "gap_ms": None if prev_end is None else prev_end.elapsed_time(begin),
                 }

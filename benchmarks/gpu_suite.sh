@@ -239,6 +239,19 @@ phase_s8d() {  # eighth session, call 4: the serve sweep (low rates to saturatio
   cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
 }
 
+phase_s9a() {  # ninth session, call 1: decode attention at mixed context lengths (split count x tiles) on both
+  # shapes, then nano's defaults with the KV bandwidth of each step kind and a profile of its tail steps
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=40 step attn_splits_qwen3 200 python3 benchmarks/kernels/bench_attention_splits.py --shapes qwen3-0.6b \
+    --json "$OUT/attn_splits_qwen3.jsonl"
+  TAIL=40 step attn_splits_llama 100 python3 benchmarks/kernels/bench_attention_splits.py --shapes llama-3.1-8b \
+    --tiles default --json "$OUT/attn_splits_llama.jsonl"
+  TAIL=30 step nano_profile 170 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults --idle --steps-json "$OUT/nano_steps.json" --profile /tmp/pn --profile-skip 850 --profile-steps 3
+  python3 benchmarks/tools/summarize_trace.py /tmp/pn --top 30 > "$OUT/nano_profile_summary.txt" 2>&1
+  mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
@@ -262,6 +275,7 @@ case "${1:-all}" in
   s8b) phase_s8b ;;
   s8c) phase_s8c ;;
   s8d) phase_s8d ;;
+  s9a) phase_s9a ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac

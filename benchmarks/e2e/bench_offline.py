@@ -140,7 +140,7 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
         gaps = [s["gap_ms"] for s in steps_timed if s["gap_ms"] is not None]
         busy = [s["busy_ms"] for s in steps_timed[1:]]
         res["gpu_idle_frac"] = sum(gaps) / max(sum(gaps) + sum(busy), 1e-9)
-        print_step_breakdown(steps_timed[1:])
+        print_step_breakdown(steps_timed[1:], kv_bytes_per_token(args.shape))
         if args.steps_json:
             Path(args.steps_json).write_text(json.dumps(steps_timed))
     timed = [o.metrics for o in outs if o.metrics is not None and o.metrics.ttft_s is not None]
@@ -162,18 +162,31 @@ def print_late_compiles(events: list[dict], mark: int) -> None:
                 print(f"  warm-up had: {w['signature']}", flush=True)
 
 
-def print_step_breakdown(steps: list[dict]) -> None:
-    """GPU busy time by step kind: decode steps by batch size, mixed steps by token count."""
+def kv_bytes_per_token(shape: str) -> int:
+    """Bytes of K and V a cached token holds over all layers (bf16)."""
+    c = SHAPES[shape]
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head
+
+
+def print_step_breakdown(steps: list[dict], kv_bytes: int = 0) -> None:
+    """GPU busy time by step kind: decode steps by batch size, mixed steps by token count; with the KV
+    bytes a token holds, the KV bytes each kind's attention read over its busy time (GB/s), the number to
+    hold against the device's ~4.3 TB/s."""
 
     def row(label: str, sel: list[dict]) -> str:
         ms = sum(s["busy_ms"] for s in sel)
         toks = sum(s["num_tokens"] for s in sel)
+        kv = sum(s.get("kv_tokens", 0) for s in sel)
         each = [s["busy_ms"] for s in sel] or [0.0]
-        return (
+        line = (
             f"  {label:<22} steps {len(sel):>5}  busy {ms / 1e3:7.2f} s  mean {ms / max(len(sel), 1):7.2f} ms"
             f"  median {statistics.median(each):7.2f}  max {max(each):7.2f}"
             f"  tokens {toks:>8}  {ms / max(toks, 1) * 1e3:7.1f} us/token"
         )
+        if kv_bytes and kv and ms:
+            line += f"  KV {kv * kv_bytes / 1e9:7.1f} GB at {kv * kv_bytes / (ms * 1e-3) / 1e9:5.0f} GB/s"
+        return line
 
     decode = [s for s in steps if s["num_tokens"] == s["num_reqs"]]
     mixed = [s for s in steps if s["num_tokens"] != s["num_reqs"]]
