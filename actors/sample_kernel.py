@@ -23,12 +23,33 @@ import triton.language as tl
 
 # The kernel's building blocks (actors/sample_ops.py), under the names its body calls them by.
 from actors.sample_ops import argmax_update as _argmax_update
+from actors.sample_ops import merge_shares as _merge_shares
 from actors.sample_ops import order_key as _order_key
 from actors.sample_ops import philox_uniform as _uniform
 from actors.sample_ops import tile_values as _values
+from kvcore.kernels.attention_tiles import num_sms
 
 INT32_MIN = tl.constexpr(-(2**31))  # a plain global is refused by the compiler (the interpreter allows it)
 BISECT_STEPS = 33  # an int32 key range (2**32 + 1 wide) halves to adjacent keys in 33 steps
+SPLIT_PAD = 64  # the most vocabulary shares of one row
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def vocab_shares(blocks: int, tiles: int, device: torch.device) -> int:
+    """Programs a row's vocabulary is split over (no filter): one program a row leaves most SMs idle
+    below ~130 rows and runs a Philox draw per entry on one SM (158 us for 50 rows of 152k on the
+    H200), so aim at ~4 programs an SM, at least 2 vocabulary tiles a share."""
+    if device.type != "cuda":
+        return min(2, tiles)  # the interpreter: the merge path, cheaply
+    return max(1, min(SPLIT_PAD, triton.cdiv(4 * num_sms(device), blocks), tiles // 2))
+
+
+def _share_counts(blocks: int, device: torch.device) -> torch.Tensor:
+    """The per-row-block counts of finished shares: zeros, and each launch leaves them zero."""
+    c = _COUNTS.get(device)
+    if c is None or c.numel() < blocks:
+        c = _COUNTS[device] = torch.zeros(max(blocks, 256), dtype=torch.int32, device=device)
+    return c
 
 
 @triton.jit
@@ -52,12 +73,17 @@ def _sample_kernel(
     num_ban,
     n_rows,
     V,
+    part_val_ptr,
+    part_idx_ptr,
+    count_ptr,
+    chunk,
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
     HAS_PENALTY: tl.constexpr,
     HAS_BAN: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     STEPS: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
@@ -79,10 +105,12 @@ def _sample_kernel(
     neg_inf = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     zero_i = tl.zeros((BLOCK_R,), tl.int64)
 
-    # Pass 1: the row maximum, the greedy argmax and (no filter) the race's winner.
+    # Pass 1: the row maximum, the greedy argmax and (no filter) the race's winner; without a filter,
+    # over this program's share of the vocabulary (grid axis 1; the whole row with a filter).
     m, g_arg = neg_inf, zero_i
     best, best_i = neg_inf, zero_i
-    for start in range(0, V, BLOCK_V):
+    v_lo = tl.program_id(1) * chunk
+    for start in range(v_lo, tl.minimum(V, v_lo + chunk), BLOCK_V):
         offs = start + base
         y = _values(
             logits_ptr,
@@ -263,7 +291,11 @@ def _sample_kernel(
             score = y - tl.log(-tl.log(_uniform(seed, pos, offs)))
             score = tl.where(_order_key(y) >= thr[:, None], score, float("-inf"))
             best, best_i = _argmax_update(score, start, best, best_i)
-
+    if tl.num_programs(1) > 1:
+        g_arg, best_i, last = _merge_shares(
+            part_val_ptr, part_idx_ptr, count_ptr, rows, rmask, m, g_arg, best, best_i, SPLIT_PAD
+        )
+        rmask = rmask & last  # the row's last share to finish stores the token
     tl.store(out_ptr + rows, tl.where(greedy, g_arg, best_i), mask=rmask)
 
 
@@ -321,7 +353,13 @@ def launch_sample(
         block_v = min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(vocab))
     block_v = triton.next_power_of_2(block_v)
     rows_per_program = triton.next_power_of_2(rows_per_program)
-    grid = (triton.cdiv(n, rows_per_program),)
+    blocks = triton.cdiv(n, rows_per_program)
+    shares = 1 if need_filter else vocab_shares(blocks, triton.cdiv(vocab, block_v), logits.device)
+    chunk = triton.cdiv(triton.cdiv(vocab, block_v), shares) * block_v
+    shares = triton.cdiv(vocab, chunk)  # every share non-empty
+    part_val = torch.empty(blocks * rows_per_program * SPLIT_PAD * 2, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(part_val.shape, dtype=torch.int64, device=logits.device)
+    grid = (blocks, shares)
     _sample_kernel[grid](
         logits,
         logits.stride(0),
@@ -336,12 +374,17 @@ def launch_sample(
         num_ban,
         n,
         vocab,
+        part_val,
+        part_idx,
+        _share_counts(blocks, logits.device),
+        chunk,
         BLOCK_R=rows_per_program,
         BLOCK_V=block_v,
         HAS_PENALTY=has_pen,
         HAS_BAN=num_ban > 0,
         HAS_FILTER=need_filter,
         STEPS=BISECT_STEPS,
+        SPLIT_PAD=SPLIT_PAD,
         num_warps=8 if logits.is_cuda else 4,
     )
     return out

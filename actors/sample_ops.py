@@ -81,6 +81,40 @@ def argmax_update(s, start, best, best_i):
 
 
 @triton.jit
+def merge_shares(part_val_ptr, part_idx_ptr, count_ptr, rows, rmask, m, g_arg, best, best_i, SPLIT_PAD: tl.constexpr):
+    """A row split over programs (the vocabulary in shares): each program leaves its maxima and their
+    indices in scratch and counts itself done; the last to finish (`last`) merges every share, the
+    earliest winning ties (so the first index wins, as in one pass), and resets the count for the next
+    launch. One launch and no memset: the count starts and ends at zero. The others' merge is discarded."""
+    share = tl.program_id(1)
+    cell = (rows * SPLIT_PAD + share).to(tl.int64) * 2
+    tl.store(part_val_ptr + cell, m, mask=rmask)
+    tl.store(part_val_ptr + cell + 1, best, mask=rmask)
+    tl.store(part_idx_ptr + cell, g_arg, mask=rmask)
+    tl.store(part_idx_ptr + cell + 1, best_i, mask=rmask)
+    tl.debug_barrier()  # every thread's stores before the release below
+    done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+    # As a row vector: the interpreter refuses a scalar bool combined into a mask.
+    last = (tl.zeros_like(rows) + done) == tl.num_programs(1) - 1
+    shares = tl.arange(0, SPLIT_PAD)
+    ok = rmask[:, None] & (shares[None, :] < tl.num_programs(1)) & last[:, None]
+    at = (rows[:, None] * SPLIT_PAD + shares[None, :]).to(tl.int64) * 2
+    g_arg = share_winner(part_val_ptr, part_idx_ptr, at, ok, shares)  # the greedy argmax
+    best_i = share_winner(part_val_ptr + 1, part_idx_ptr + 1, at, ok, shares)  # the race's winner
+    tl.atomic_xchg(count_ptr + tl.program_id(0), 0, mask=done == tl.num_programs(1) - 1)
+    return g_arg, best_i, last
+
+
+@triton.jit
+def share_winner(val_ptr, idx_ptr, at, ok, shares):
+    # .cg: read the other programs' shares from L2, past this SM's L1
+    vals = tl.load(val_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    idx = tl.load(idx_ptr + at, mask=ok, other=0, cache_modifier=".cg")
+    j = tl.argmax(vals, axis=1, tie_break_left=True)
+    return tl.sum(tl.where(shares[None, :] == j[:, None], idx, 0), axis=1)
+
+
+@triton.jit
 def _uniform_kernel(out_ptr, seed_ptr, pos_ptr, V, BLOCK_V: tl.constexpr):
     """The uniforms the sampler draws for one row, for tests against the torch Philox."""
     row = tl.program_id(0)

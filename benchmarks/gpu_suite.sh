@@ -252,6 +252,24 @@ phase_s9a() {  # ninth session, call 1: decode attention at mixed context length
   mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
 }
 
+phase_s9b() {  # ninth session, call 2: the sampler's vocabulary shares and power-of-two split counts: the sampler
+  # side by side, both offline workloads with defaults, greedy = HF in every graph mode, then a profile of
+  # nano's big decode steps (its throughput is no figure: the profiler starts inside the timed run)
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=6 step sampler_shares 60 python3 benchmarks/kernels/bench_sampler.py --shares-only
+  TAIL=24 step nano 150 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults tuned --idle
+  mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+  TAIL=20 step llama 170 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+    --configs defaults --idle
+  cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+  TAIL=30 step cuda_graphs 120 python3 benchmarks/checks/check_cuda_graphs.py
+  cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+  TAIL=4 step nano_profile_big 60 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults --profile /tmp/pb --profile-skip 150 --profile-steps 3
+  python3 benchmarks/tools/summarize_trace.py /tmp/pb --top 30 > "$OUT/nano_profile_big.txt" 2>&1
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
@@ -276,6 +294,7 @@ case "${1:-all}" in
   s8c) phase_s8c ;;
   s8d) phase_s8d ;;
   s9a) phase_s9a ;;
+  s9b) phase_s9b ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac

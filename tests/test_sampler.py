@@ -80,6 +80,39 @@ def test_kernel_matches_reference(need_filter):
     assert int(out[5]) != int(logits[5].argmax())  # a greedy row never takes a banned token
 
 
+@pytest.mark.parametrize("rows_per_program", [1, 4])
+def test_vocabulary_shares_merge_like_one_pass(monkeypatch, rows_per_program):
+    """A row split over programs by vocabulary share gives the one-pass token: greedy ties across shares
+    go to the first index, the race's winner is the reference's, and the shares' done-counts end at zero
+    (so the next launch merges again)."""
+    import actors.sample_kernel as sk
+
+    n = 6
+    vocab = 96  # 6 tiles of 16: 2 or 6 shares
+    logits, temp, _, _, seeds, pos = _rows(n, vocab=vocab)
+    temp[[0, 3]] = 0.0
+    logits[0, 5] = logits[0, vocab - 3] = logits[0].max() + 1  # a greedy tie in the first and the last share
+    zeros_k, ones_p = torch.zeros(n, dtype=torch.int32), torch.ones(n)
+    ref = sample_reference(logits, temp, zeros_k, ones_p, seeds, pos)
+    for shares in (2, 6):
+        monkeypatch.setattr(sk, "vocab_shares", lambda blocks, tiles, device, s=shares: s)
+        for _ in range(2):
+            out = sk.launch_sample(
+                logits,
+                temp,
+                zeros_k,
+                ones_p,
+                seeds,
+                pos,
+                need_filter=False,
+                rows_per_program=rows_per_program,
+                block_v=16,
+            )
+            assert out.tolist() == ref.tolist(), shares
+            assert int(out[0]) == 5
+            assert int(sk._COUNTS[logits.device].abs().sum()) == 0
+
+
 def test_greedy_rows_are_argmax():
     logits, *_ = _rows(6)
     greedy = SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False)

@@ -131,10 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-rows", type=int, default=4096)
     ap.add_argument("--prompt-k", type=int, default=5)
     ap.add_argument("--logprobs-only", action="store_true", help="skip the sampler cases")
+    ap.add_argument("--shares-only", action="store_true", help="only one program a row against vocabulary shares")
     args = ap.parse_args(argv)
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
     rows, vocab = (4, 64) if smoke else (args.rows, args.vocab)
+    bench_vocab_shares([3, 5] if smoke else [16, 48, 128, 256], vocab, dev, smoke)
+    if args.shares_only:
+        return
     if not args.logprobs_only:
         bench_sampler_cases(rows, vocab, dev, smoke)
     lp_rows, lp_vocab, prompt_rows = (3, 5000, 4) if smoke else (rows, vocab, args.prompt_rows)
@@ -253,6 +257,38 @@ def bench_sampler_cases(rows: int, vocab: int, dev: torch.device, smoke: bool) -
             record(SCRIPT, f"sampler_{name}_us_{rows}x{vocab}", graph_us, "us")
             record(SCRIPT, f"sampler_{name}_old_us_{rows}x{vocab}", old_us, "us")
             record(SCRIPT, f"sampler_{name}_old_vs_new_ratio", old_us / graph_us, "x")
+
+
+def bench_vocab_shares(row_counts: list[int], vocab: int, dev: torch.device, smoke: bool) -> None:
+    """The temperature case (nano's recipe) with one program a row, as before vocabulary shares, against
+    the default split (actors.sample_kernel.vocab_shares), side by side; the tokens must be identical."""
+    import actors.sample_kernel as sk
+
+    default_shares = sk.vocab_shares
+    for rows in row_counts:
+        logits = torch.randn(rows, vocab, device=dev, generator=torch.Generator(dev).manual_seed(1)) * 4
+        md, _ = make_case("temperature", rows, vocab, dev)
+        sampler = Sampler()
+        times, tokens = {}, {}
+        for label, fn in (("one_program_a_row", lambda blocks, tiles, device: 1), ("shares", default_shares)):
+            sk.vocab_shares = fn
+            try:
+                tokens[label] = sampler(logits, md).token_ids.clone()
+                times[label] = bench(lambda: sampler(logits, md), smoke, graph=not smoke)
+            finally:
+                sk.vocab_shares = default_shares
+        same = bool(torch.equal(tokens["one_program_a_row"], tokens["shares"]))
+        ratio = times["one_program_a_row"] / times["shares"]
+        print(
+            f"temperature {rows:4d} x {vocab}: one program a row {times['one_program_a_row']:8.1f} us, "
+            f"vocabulary shares {times['shares']:8.1f} us ({ratio:.2f}x), tokens identical: {same}",
+            flush=True,
+        )
+        if not same:
+            raise SystemExit("vocabulary shares changed the sampled tokens")
+        if not smoke:
+            record(SCRIPT, f"sampler_temperature_shares_us_{rows}x{vocab}", times["shares"], "us")
+            record(SCRIPT, f"sampler_temperature_one_program_us_{rows}x{vocab}", times["one_program_a_row"], "us")
 
 
 if __name__ == "__main__":
