@@ -270,6 +270,17 @@ phase_s9b() {  # ninth session, call 2: the sampler's vocabulary shares and powe
   python3 benchmarks/tools/summarize_trace.py /tmp/pb --top 30 > "$OUT/nano_profile_big.txt" 2>&1
 }
 
+phase_s9c() {  # ninth session, call 3: the serve sweep on the Llama-3.1-8B shape (never measured), then the Qwen3
+  # saturation ratio with each server process's CPU
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  python3 .gpu/serve/install.py
+  TAIL=16 step serve_llama8b 330 python3 benchmarks/e2e/bench_serve.py --shape llama-3.1-8b --num-prompts 500
+  mkdir -p "$OUT/results"; cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
+  TAIL=16 step serve_qwen3 150 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 \
+    --compare default
+  cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
@@ -295,6 +306,7 @@ case "${1:-all}" in
   s8d) phase_s8d ;;
   s9a) phase_s9a ;;
   s9b) phase_s9b ;;
+  s9c) phase_s9c ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac
