@@ -281,6 +281,18 @@ phase_s9c() {  # ninth session, call 3: the serve sweep on the Llama-3.1-8B shap
   cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
 }
 
+phase_s9d() {  # ninth session, call 4: Ray Serve LLM's stream batching (serve.stream_batching_ms, now 50 by default)
+  # against a chunk every step, at saturation on the Qwen3 shape, then the sweep's TTFT at half saturation
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  python3 .gpu/serve/install.py
+  TAIL=16 step serve_batching 200 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 \
+    --compare default serve.stream_batching_ms=0
+  mkdir -p "$OUT/results"; cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
+  TAIL=16 step serve_qwen3 200 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --no-offline \
+    --rates 8
+  cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
@@ -307,6 +319,7 @@ case "${1:-all}" in
   s9a) phase_s9a ;;
   s9b) phase_s9b ;;
   s9c) phase_s9c ;;
+  s9d) phase_s9d ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac

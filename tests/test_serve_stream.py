@@ -5,6 +5,7 @@ settings for Serve's processes."""
 import asyncio
 import json
 import os
+import time
 
 import pytest
 
@@ -148,6 +149,57 @@ def test_single_event_loop_sets_serves_switches_and_leaves_the_environment_as_it
     with _proxy_env(off):
         assert all(k not in os.environ for k in PROXY_ONE_LOOP) or all(k in before for k in PROXY_ONE_LOOP)
     assert dict(os.environ) == before
+
+
+def batched_stream(window_s: float, num_tokens: int, step_s: float) -> list[tuple[float, list[int], str | None]]:
+    """(time since start, tokens, finish_reason) of each chunk when the engine sends a token every step_s."""
+
+    async def run():
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=num_tokens, seed=1)
+        gen = Generation(FakeClient(), None, "cmpl-b", None, [1, 2, 3], sp, stream_batching_s=window_s)
+        await gen.start()
+        t0, got = time.monotonic(), []
+
+        async def read():
+            async for deltas in gen.deltas():
+                got.append((time.monotonic() - t0, deltas[0].token_ids, deltas[0].finish_reason))
+
+        reader = asyncio.ensure_future(read())
+        for step in range(num_tokens):
+            last = step == num_tokens - 1
+            gen.queue.put_nowait(
+                EngineCoreOutput(
+                    gen.specs[0].request_id, [100 + step], finished=last, finish_reason="length" if last else None
+                )
+            )
+            await asyncio.sleep(step_s)
+        await asyncio.wait_for(reader, 5)
+        return got
+
+    return asyncio.run(run())
+
+
+def test_stream_batching_window_first_token_at_once_then_one_chunk_a_window():
+    chunks = batched_stream(window_s=0.05, num_tokens=40, step_s=0.005)
+    assert [t for _, toks, _ in chunks for t in toks] == [100 + k for k in range(40)]  # nothing lost or repeated
+    assert chunks[0][1] == [100] and chunks[0][0] < 0.03  # the first token does not wait for a window
+    assert chunks[-1][2] == "length"
+    # ~0.2 s of tokens in 50 ms windows: a handful of chunks, not 40 (timers on a loaded CPU run late, never early)
+    assert len(chunks) <= 8, [len(t) for _, t, _ in chunks]
+    gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:-1])]
+    assert all(g >= 0.045 for g in gaps), gaps
+
+
+def test_stream_batching_zero_sends_every_step():
+    chunks = batched_stream(window_s=0.0, num_tokens=6, step_s=0.002)
+    assert [toks for _, toks, _ in chunks] == [[100 + k] for k in range(6)]
+
+
+def test_stream_batching_ms_bounds():
+    assert load_config("configs/local.yaml").serve.stream_batching_ms == 50.0
+    for bad in (-1, 20_000):
+        with pytest.raises(Exception, match="stream_batching_ms"):
+            load_config("configs/local.yaml", {"serve.stream_batching_ms": bad})
 
 
 def test_stream_interval_must_be_positive():

@@ -56,16 +56,30 @@ class Inbox:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def take_all(self) -> list[EngineCoreOutput]:
-        """Every output so far; waits for the first when there is none."""
+    async def take_all(self, timeout_s: float | None = None) -> list[EngineCoreOutput]:
+        """Every output so far; waits for the first when there is none, at most timeout_s (then it may
+        return nothing)."""
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            if timeout_s is not None and timeout_s <= 0:
+                return []
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = None if timeout_s is None else loop.call_later(timeout_s, _wake, waiter)
             try:
-                await self._waiter
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if timeout_s is not None:
+                break
         items, self._items = self._items, []
         return items
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 @dataclass

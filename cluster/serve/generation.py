@@ -50,9 +50,12 @@ class Generation:
         prompt_token_ids: list[int],
         params: SamplingParams,
         stream_interval: int = 1,
+        stream_batching_s: float = 0.0,
     ) -> None:
         self.client = client
         self.stream_interval = stream_interval
+        self.stream_batching_s = stream_batching_s
+        self._last_sent = 0.0
         self.request_id = request_id
         self.processor = OutputProcessor(tokenizer, incremental=True)
         self.parent, subs = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
@@ -94,10 +97,17 @@ class Generation:
         """What each choice gained, after every batch of engine outputs, until all choices finished."""
         while not self.parent.finished:
             await self._take()
+            if self.stream_batching_s and any(self._sent_tokens):
+                # serve.stream_batching_ms: after the first token, at most one chunk a window (an end
+                # goes out at once), as Ray Serve LLM batches its streams.
+                deadline = self._last_sent + self.stream_batching_s
+                while not self.parent.finished and time.monotonic() < deadline:
+                    await self._take(deadline - time.monotonic())
             if not self._due():
                 continue
             out = self._new()
             if out:
+                self._last_sent = time.monotonic()
                 yield out
 
     async def result(self) -> RequestOutput:
@@ -106,9 +116,9 @@ class Generation:
             await self._take()
         return self.parent.output()
 
-    async def _take(self) -> None:
-        """Process the engine outputs that arrived (waits for the first)."""
-        batch = await self.queue.take_all()
+    async def _take(self, timeout_s: float | None = None) -> None:
+        """Process the engine outputs that arrived (waits for the first, at most timeout_s)."""
+        batch = await self.queue.take_all(timeout_s)
         aborts = []
         for o in batch:
             _, abort = self.processor.process_output(o, None)

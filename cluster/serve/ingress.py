@@ -159,6 +159,7 @@ class OpenAIServer:
             ids,
             req.params,
             self.config.serve.stream_interval if req.stream else 1,
+            self.config.serve.stream_batching_ms / 1e3 if req.stream else 0.0,
         )
         try:
             await gen.start()
