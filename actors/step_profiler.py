@@ -155,7 +155,7 @@ class StepTimer:
         """Per timed step: num_reqs, num_tokens, kv_tokens, busy_ms (begin -> end) and gap_ms (the previous step's
         end -> this begin; None for the first). Clears the record."""
         torch.cuda.synchronize()
-        steps = [step for step in self._steps if step[4] is not None]
+        steps = [(n, t, kv, begin, end) for n, t, kv, begin, end in self._steps if end is not None]
         self._steps = []
         out: list[dict[str, float | None]] = []
         prev_end: torch.cuda.Event | None = None

@@ -281,7 +281,7 @@ phase_s9c() {  # ninth session, call 3: the serve sweep on the Llama-3.1-8B shap
   cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
 }
 
-phase_s9d() {  # ninth session, call 4: Ray Serve LLM's stream batching (serve.stream_batching_ms, now 50 by default)
+phase_s9d() {  # ninth session, call 4: Ray Serve LLM's stream batching (serve.stream_batching_ms, 50 by default at the time)
   # against a chunk every step, at saturation on the Qwen3 shape, then the sweep's TTFT at half saturation
   TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
   python3 .gpu/serve/install.py

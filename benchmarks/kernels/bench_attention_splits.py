@@ -68,7 +68,8 @@ def timed(q, kc, vc, out, qsl, sl, bt, max_ctx: int, splits: int, tiles: _Tiles 
     try:
 
         def fn():
-            pa.paged_attention_triton(q, kc, vc, out, qsl, sl, bt, q.shape[-1] ** -0.5, None, 1, max_ctx, num_splits=splits)
+            scale = q.shape[-1] ** -0.5
+            pa.paged_attention_triton(q, kc, vc, out, qsl, sl, bt, scale, None, 1, max_ctx, num_splits=splits)
 
         return time_ms(fn, args.smoke, args.rep_ms)
     finally:
