@@ -151,13 +151,23 @@ def test_single_event_loop_sets_serves_switches_and_leaves_the_environment_as_it
     assert dict(os.environ) == before
 
 
-def batched_stream(window_s: float, num_tokens: int, step_s: float) -> list[tuple[float, list[int], str | None]]:
-    """(time since start, tokens, finish_reason) of each chunk when the engine sends a token every step_s."""
+def batched_stream(
+    window_s: float, num_tokens: int, step_s: float, wakeups: list[int] | None = None
+) -> list[tuple[float, list[int], str | None]]:
+    """(time since start, tokens, finish_reason) of each chunk when the engine sends a token every step_s;
+    `wakeups` gets the number of times the stream took outputs from its inbox."""
 
     async def run():
         sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=num_tokens, seed=1)
         gen = Generation(FakeClient(), None, "cmpl-b", None, [1, 2, 3], sp, stream_batching_s=window_s)
         await gen.start()
+        take_all, calls = gen.queue.take_all, [0]
+
+        async def counted(*a, **k):
+            calls[0] += 1
+            return await take_all(*a, **k)
+
+        gen.queue.take_all = counted  # type: ignore[method-assign]
         t0, got = time.monotonic(), []
 
         async def read():
@@ -174,6 +184,8 @@ def batched_stream(window_s: float, num_tokens: int, step_s: float) -> list[tupl
             )
             await asyncio.sleep(step_s)
         await asyncio.wait_for(reader, 5)
+        if wakeups is not None:
+            wakeups.append(calls[0])
         return got
 
     return asyncio.run(run())
@@ -188,6 +200,19 @@ def test_stream_batching_window_first_token_at_once_then_one_chunk_a_window():
     assert len(chunks) <= 8, [len(t) for _, t, _ in chunks]
     gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:-1])]
     assert all(g >= 0.045 for g in gaps), gaps
+
+
+def test_stream_batching_sleeps_through_the_window_and_an_end_closes_it():
+    wakeups: list[int] = []
+    chunks = batched_stream(window_s=0.05, num_tokens=40, step_s=0.005, wakeups=wakeups)
+    assert len(chunks) <= 8
+    # One take for the first token, then about one a window: not one a step (40).
+    assert wakeups[0] <= 12, wakeups
+    # A 10 s window: the end still goes out as soon as it is there.
+    t = time.monotonic()
+    chunks = batched_stream(window_s=10.0, num_tokens=5, step_s=0.005)
+    assert time.monotonic() - t < 3.0
+    assert [toks for _, toks, _ in chunks] == [[100], [101, 102, 103, 104]] and chunks[-1][2] == "length"
 
 
 def test_stream_batching_zero_sends_every_step():

@@ -49,30 +49,33 @@ class Inbox:
     def __init__(self) -> None:
         self._items: list[EngineCoreOutput] = []
         self._waiter: asyncio.Future[None] | None = None
+        self._ends_only = False
 
     def put_nowait(self, o: EngineCoreOutput) -> None:
         self._items.append(o)
         w = self._waiter
-        if w is not None and not w.done():
+        if w is not None and not w.done() and (o.finished or not self._ends_only):
             w.set_result(None)
 
-    async def take_all(self, timeout_s: float | None = None) -> list[EngineCoreOutput]:
+    async def take_all(self, timeout_s: float | None = None, ends_only: bool = False) -> list[EngineCoreOutput]:
         """Every output so far; waits for the first when there is none, at most timeout_s (then it may
-        return nothing)."""
-        while not self._items:
-            if timeout_s is not None and timeout_s <= 0:
-                return []
+        return nothing). ends_only (stream batching): waits out timeout_s, unless an output that ends
+        its request is there or arrives: one wake-up a window instead of one a step."""
+        if ends_only:
+            wait = not any(o.finished for o in self._items)
+        else:
+            wait = not self._items
+        if wait and (timeout_s is None or timeout_s > 0):
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
+            self._ends_only = ends_only
             timer = None if timeout_s is None else loop.call_later(timeout_s, _wake, waiter)
             try:
                 await waiter
             finally:
-                self._waiter = None
+                self._waiter, self._ends_only = None, False
                 if timer is not None:
                     timer.cancel()
-            if timeout_s is not None:
-                break
         items, self._items = self._items, []
         return items
 

@@ -96,13 +96,10 @@ class Generation:
     async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
         """What each choice gained, after every batch of engine outputs, until all choices finished."""
         while not self.parent.finished:
-            await self._take()
             if self.stream_batching_s and any(self._sent_tokens):
-                # serve.stream_batching_ms: after the first token, at most one chunk a window (an end
-                # goes out at once), as Ray Serve LLM batches its streams.
-                deadline = self._last_sent + self.stream_batching_s
-                while not self.parent.finished and time.monotonic() < deadline:
-                    await self._take(deadline - time.monotonic())
+                await self._take_window()
+            else:
+                await self._take()
             if not self._due():
                 continue
             out = self._new()
@@ -116,9 +113,25 @@ class Generation:
             await self._take()
         return self.parent.output()
 
-    async def _take(self, timeout_s: float | None = None) -> None:
+    async def _take_window(self) -> None:
+        """serve.stream_batching_ms, as Ray Serve LLM batches its streams: after the first token, what
+        a window brought, taken at its close; an output that ends a choice closes it at once. The
+        stream sleeps through the window (waking for each step's outputs, as a first version did, cost
+        the ingress more than the fewer chunks saved). With stop strings every output is read as it
+        comes, since only reading it finds the end."""
+        left = self._last_sent + self.stream_batching_s - time.monotonic()
+        if left <= 0:  # the window closed with nothing to send: the next output goes at once
+            await self._take()
+            return
+        ends_only = not any(self._hold)
+        deadline = time.monotonic() + left
+        while not self.parent.finished and left > 0:
+            await self._take(left, ends_only)
+            left = deadline - time.monotonic()
+
+    async def _take(self, timeout_s: float | None = None, ends_only: bool = False) -> None:
         """Process the engine outputs that arrived (waits for the first, at most timeout_s)."""
-        batch = await self.queue.take_all(timeout_s)
+        batch = await self.queue.take_all(timeout_s, ends_only)
         aborts = []
         for o in batch:
             _, abort = self.processor.process_output(o, None)
