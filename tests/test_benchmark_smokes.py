@@ -90,6 +90,13 @@ def test_bench_attention_smoke(capsys):
     assert out.count("decode B=") == 1 and "prefill 2x24 on 20 cached" in out and "mixed step" in out, out
 
 
+def test_bench_attention_splits_smoke(capsys):
+    out = smoke(capsys, "kernels/bench_attention_splits", "--shapes", "llama-3.1-8b", "--dists", "wide")
+    rows = [line for line in out.splitlines() if line.startswith("llama-3.1-8b  wide B=")]
+    assert len(rows) == 2 and all("heuristic s1:" in r for r in rows), out  # batches 3 and 5
+    assert out.count("default/s1=") == 2 and "n64s2/s2=" in out, out
+
+
 def test_bench_block_table_smoke(capsys):
     out = smoke(capsys, "kernels/bench_block_table")
     assert out.count("slot mapping") == 5 and out.count("commit ") == 4, out
