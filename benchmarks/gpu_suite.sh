@@ -293,6 +293,15 @@ phase_s9d() {  # ninth session, call 4: Ray Serve LLM's stream batching (serve.s
   cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
 }
 
+phase_s10a() {  # next H200 call: the stream-batching rework (5b338b4, the stream sleeps through its window)
+  # against a chunk every step (the default), at saturation on the Qwen3 shape, same host, one run
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  python3 .gpu/serve/install.py
+  TAIL=16 step serve_batching 300 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 \
+    --compare default serve.stream_batching_ms=50 serve.stream_batching_ms=20
+  mkdir -p "$OUT/results"; cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
@@ -320,6 +329,7 @@ case "${1:-all}" in
   s9b) phase_s9b ;;
   s9c) phase_s9c ;;
   s9d) phase_s9d ;;
+  s10a) phase_s10a ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac
