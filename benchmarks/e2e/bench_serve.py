@@ -214,6 +214,7 @@ def families(config: Any, n: int, vocab: int, rate: float) -> dict[str, float]:
     reqs = family_workload(n, vocab, min(config.model.max_model_len or 512, 512))
     out = {}
     for affinity in (True, False):
+        key = "on" if affinity else "off"
         c = config.replace(data_parallel_size=2, prefix_affinity=affinity)
         port = free_port()
         started = start_server(c, "127.0.0.1", port)
@@ -221,14 +222,10 @@ def families(config: Any, n: int, vocab: int, rate: float) -> dict[str, float]:
             res = asyncio.run(run_rate(f"http://127.0.0.1:{port}", c.model.model, reqs, rate, 0))
             if res["failed"]:
                 raise SystemExit(f"bench_serve --families: {res['failed']} failed: {res.get('first_error')}")
-            out["on" if affinity else "off"] = cached_share(f"http://127.0.0.1:{port}")
+            out[key] = cached_share(f"http://127.0.0.1:{port}")
         finally:
             stop_server(started)
-        print(
-            f"prefix affinity {'on' if affinity else 'off'}: cached share of prompt tokens "
-            f"{out['on' if affinity else 'off']:.3f} ({format_row(res)})",
-            flush=True,
-        )
+        print(f"prefix affinity {key}: cached share of prompt tokens {out[key]:.3f} ({format_row(res)})", flush=True)
     return out
 
 
@@ -312,16 +309,13 @@ def main(argv: list[str] | None = None) -> None:
     # Saturation queues every request: the bound per replica must not refuse the benchmark's own burst.
     config = config.replace(max_queued_requests=max(config.serve.max_queued_requests, n))
     if args.families:
-        shares = families(
-            config, args.num_prompts if not args.smoke else min(args.num_prompts, 160), vocab, args.families_rate
-        )
+        shares = families(config, min(args.num_prompts, 160) if args.smoke else n, vocab, args.families_rate)
         print(json.dumps({"families_cached_share": shares}), flush=True)
         if not args.smoke:
             from common import record
 
-            tag = TAGS[args.shape]
-            record("bench_serve", f"serve_{tag}_families_cached_share_affinity", shares["on"], "share")
-            record("bench_serve", f"serve_{tag}_families_cached_share_no_affinity", shares["off"], "share")
+            for key, suffix in (("on", "affinity"), ("off", "no_affinity")):
+                record("bench_serve", f"serve_{TAGS[args.shape]}_families_cached_share_{suffix}", shares[key], "share")
         return
     reqs = sharegpt_like(n, vocab, 0, args.smoke)
     offline = None if args.no_offline else offline_tok_s(config, reqs)
@@ -376,10 +370,14 @@ def compare(
         ratio = f"  ratio {res['output_tok_s'] / offline:.3f}" if offline else ""
         print(f"[{setting}] {format_row(res)}  tokens/chunk {res['tokens_per_chunk'] or 0:.1f}{ratio}", flush=True)
         if offline and not res["failed"] and not smoke:
-            tag = TAGS[shape]
-            metric = "serve_vs_offline_ratio" + ("" if tag == "qwen3" else f"_{tag}")
-            name = metric + ("" if setting == "default" else f"_{slug}")
+            name = ratio_metric(shape) + ("" if setting == "default" else f"_{slug}")
             record("bench_serve", name, res["output_tok_s"] / offline, "x")
+
+
+def ratio_metric(shape: str) -> str:
+    """serve_vs_offline_ratio names the Qwen3 shape's; the others carry their tag."""
+    tag = TAGS[shape]
+    return "serve_vs_offline_ratio" + ("" if tag == "qwen3" else f"_{tag}")
 
 
 def _record(shape: str, offline: float | None, results: list[dict]) -> None:
@@ -389,12 +387,7 @@ def _record(shape: str, offline: float | None, results: list[dict]) -> None:
     sat, half = results[0], next(r for r in results if r.get("half_saturation"))
     record("bench_serve", f"serve_{tag}_saturation_output_tok_s", sat["output_tok_s"], "tok/s")
     if offline:
-        record(
-            "bench_serve",
-            "serve_vs_offline_ratio" + ("" if tag == "qwen3" else f"_{tag}"),
-            sat["output_tok_s"] / offline,
-            "x",
-        )
+        record("bench_serve", ratio_metric(shape), sat["output_tok_s"] / offline, "x")
     record("bench_serve", f"serve_ttft_p99_ms_{tag}_rate_half", half["ttft_p99_ms"], "ms")
     for r in results[1:]:
         name = "half" if r.get("half_saturation") else f"{r['rate']:g}"
