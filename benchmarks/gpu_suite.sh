@@ -302,6 +302,33 @@ phase_s10a() {  # next H200 call: the stream-batching rework (5b338b4, the strea
   mkdir -p "$OUT/results"; cp benchmarks/results/bench_serve.jsonl "$OUT/results/" 2>/dev/null
 }
 
+phase_s12a() {  # twelfth session, call 1: the held sampler branch (tl.rand4x draws, logits in the model dtype;
+  # .gpu/pending_sampler.patch applied to a copy in /tmp/br) beside this tree: the sampler alone, then the nano
+  # recipe's defaults interleaved; then where the Llama-3.1-8B tail steps (1-16 rows, 5.4 ms against a 3.8 ms
+  # weight read) spend their time: a profile of 4 of them
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  rm -rf /tmp/br && mkdir /tmp/br && tar --exclude=./.gpu -cf - . | tar -xf - -C /tmp/br && ln -s "$PWD/.gpu" /tmp/br/.gpu
+  (cd /tmp/br && patch -p1 -s < .gpu/pending_sampler.patch) || { echo "patch failed"; return 1; }
+  TAIL=12 step sampler_main 90 python3 benchmarks/kernels/bench_sampler.py --shares-only
+  TAIL=12 step sampler_branch 90 bash -c "cd /tmp/br && KVRAY_COMMIT=d57fb53 python3 benchmarks/kernels/bench_sampler.py --shares-only"
+  for i in 1 2; do
+    TAIL=16 step "nano_main_$i" 110 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
+      --configs defaults --idle
+    TAIL=16 step "nano_branch_$i" 110 bash -c "cd /tmp/br && KVRAY_COMMIT=d57fb53 python3 benchmarks/e2e/bench_offline.py \
+      --shape qwen3-0.6b --workload nano --configs defaults --idle"
+  done
+  TAIL=30 step llama_tail 200 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+    --configs defaults --idle --profile /tmp/pt --profile-skip 1500 --profile-steps 4
+  TAIL=70 step llama_tail_trace 40 python3 benchmarks/tools/summarize_trace.py /tmp/pt --top 30
+  mkdir -p "$OUT/results" "$OUT/results_branch"
+  cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null; cp /tmp/br/benchmarks/results/*.jsonl "$OUT/results_branch/" 2>/dev/null
+  bundle_out s12a
+}
+
+bundle_out() {  # the device returns at most 8 files: the step logs and result folders as one archive
+  (cd "$OUT" && tar -czf "/tmp/$1.tgz" --exclude="$1.tgz" . && rm -rf ./* && mv "/tmp/$1.tgz" .)
+}
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
@@ -330,6 +357,7 @@ case "${1:-all}" in
   s9c) phase_s9c ;;
   s9d) phase_s9d ;;
   s10a) phase_s10a ;;
+  s12a) phase_s12a ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac
