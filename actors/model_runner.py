@@ -154,7 +154,12 @@ class ModelRunner(RunnerGraphs):
         model = self._model()
         warm_logits(model.compute_logits, int(self._hf("hidden_size")), self.dtype, self.device, self.max_num_reqs)
         warm_sampler(
-            self.sampler, int(self._hf("vocab_size")), self.device, self.max_num_reqs, self.sampling_inputs.dummy
+            self.sampler,
+            int(self._hf("vocab_size")),
+            self.dtype,
+            self.device,
+            self.max_num_reqs,
+            self.sampling_inputs.dummy,
         )
 
     def _hf(self, key: str) -> Any:

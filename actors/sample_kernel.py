@@ -2,9 +2,9 @@
 top-p and a Gumbel-max draw from a counter-based generator.
 
 Randomness: the uniform of vocabulary entry v for the token at output position `pos` of a request with
-seed `s` is Philox4x32-10 with key s (64 bits) and counter (v, pos, 0, 0), Triton's `tl.rand` with the
-64-bit offset pos << 32 | v. It depends on nothing else: not the row, not the batch, not the process,
-so a seeded request draws the same tokens in any batch and after any restart. The draw is the
+seed `s` is lane v & 3 of Philox4x32-10 with key s (64 bits) and counter (v >> 2, pos, 0, 0), Triton's
+`tl.rand4x` with the 64-bit offset pos << 32 | v >> 2. It depends on nothing else: not the row, not the
+batch, not the process, so a seeded request draws the same tokens in any batch and after any restart. The draw is the
 exponential race in log space: argmax_v y_v - log(-log u_v) picks v with probability softmax(y)_v.
 
 Top-k and top-p are thresholds found by bisection on the float's order-preserving integer key (exact;
@@ -135,7 +135,7 @@ def _sample_kernel(
         )
         m, g_arg = _argmax_update(y, start, m, g_arg)
         if not HAS_FILTER:
-            score = y - tl.log(-tl.log(_uniform(seed, pos, offs)))
+            score = y - tl.log(-tl.log(_uniform(seed, pos, start, BLOCK_V)))
             best, best_i = _argmax_update(score, start, best, best_i)
 
     if HAS_FILTER:
@@ -288,7 +288,7 @@ def _sample_kernel(
                 HAS_PENALTY,
                 HAS_BAN,
             )
-            score = y - tl.log(-tl.log(_uniform(seed, pos, offs)))
+            score = y - tl.log(-tl.log(_uniform(seed, pos, start, BLOCK_V)))
             score = tl.where(_order_key(y) >= thr[:, None], score, float("-inf"))
             best, best_i = _argmax_update(score, start, best, best_i)
     if tl.num_programs(1) > 1:
@@ -351,7 +351,7 @@ def launch_sample(
     ban_args = (ban_ids, ban_ids.stride(0)) if ban_ids is not None and num_ban else (dummy, 0)
     if block_v is None:
         block_v = min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(vocab))
-    block_v = triton.next_power_of_2(block_v)
+    block_v = max(16, triton.next_power_of_2(block_v))  # the draw takes whole Philox groups of 4 entries
     rows_per_program = triton.next_power_of_2(rows_per_program)
     blocks = triton.cdiv(n, rows_per_program)
     shares = 1 if need_filter else vocab_shares(blocks, triton.cdiv(vocab, block_v), logits.device)

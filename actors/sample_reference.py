@@ -23,12 +23,14 @@ def _umulhi(a: int, b: torch.Tensor) -> torch.Tensor:
 
 
 def philox_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniforms [N, vocab] float32: key = seed (64 bits), counter = (v, position, 0, 0)."""
+    """Uniforms [N, vocab] float32: key = seed (64 bits); entry v is lane v & 3 of counter
+    (v >> 2, position, 0, 0)."""
     dev = seeds.device
     seeds = seeds.to(torch.int64)
     k0 = (seeds & _M32).unsqueeze(1)
     k1 = ((seeds >> 32) & _M32).unsqueeze(1)
-    c0 = torch.arange(vocab, dtype=torch.int64, device=dev).unsqueeze(0).expand(seeds.shape[0], vocab)
+    groups = (vocab + 3) // 4
+    c0 = torch.arange(groups, dtype=torch.int64, device=dev).unsqueeze(0).expand(seeds.shape[0], groups)
     c1 = (positions.to(torch.int64) & _M32).unsqueeze(1).expand_as(c0)
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
@@ -40,7 +42,8 @@ def philox_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
         c3 = (_ROUND_A * p0) & _M32
         k0 = (k0 + _KEY_A) & _M32
         k1 = (k1 + _KEY_B) & _M32
-    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # the lane as int32
+    lanes = torch.stack((c0, c1, c2, c3), dim=2).reshape(seeds.shape[0], 4 * groups)[:, :vocab]
+    x = torch.where(lanes >= 2**31, lanes - 2**32, lanes)  # each lane as int32
     x = torch.where(x < 0, -x - 1, x)  # ~x
     return x.to(torch.float32) * torch.tensor(_SCALE, dtype=torch.float32, device=dev)
 

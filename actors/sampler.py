@@ -73,7 +73,7 @@ class Sampler:
         self.use_triton = use_triton
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """logits float [N, V] -> sampled token ids int64 [N] (+ logprobs when asked)."""
+        """logits [N, V] (model dtype; read as float32) -> sampled token ids int64 [N] (+ logprobs when asked)."""
         if md.plain_argmax:
             tokens = logits.argmax(dim=-1)
         else:

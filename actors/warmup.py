@@ -45,15 +45,18 @@ def warm_logits(
 
 
 @torch.inference_mode()
-def warm_sampler(sampler: Sampler, vocab: int, device: torch.device, max_rows: int, dummy: DummySampling) -> None:
-    """Run the greedy, plain random and filtered variants on random logits, for row counts that hit each
-    of Triton's integer specialisations (1, a multiple of 16, any other). `dummy` must hand out the
+def warm_sampler(
+    sampler: Sampler, vocab: int, dtype: torch.dtype, device: torch.device, max_rows: int, dummy: DummySampling
+) -> None:
+    """Run the greedy, plain random and filtered variants on random logits of the model's dtype (the
+    kernels specialise on it), for row counts that hit each of Triton's integer specialisations (1, a
+    multiple of 16, any other). `dummy` must hand out the
     metadata views real steps use (SamplingInputs.dummy): on the H200 the variants compiled for fresh
     int32 tensors did not serve the runner's int64 rows, and three compiles landed in the timed run."""
     if device.type != "cuda":
         return
     for rows in sorted({1, min(8, max_rows), min(16, max_rows)}):
-        logits = torch.randn(rows, vocab, device=device)
+        logits = torch.randn(rows, vocab, device=device).to(dtype)
         sampler(logits, SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False))
         for filters in (False, True):
             sampler(logits, dummy(rows, filters, -1))

@@ -92,7 +92,8 @@ def test_dtypes(tmp_path) -> None:
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     model, _ = load_model(str(tmp_path), dtype="float16")
     assert {p.dtype for p in model.parameters()} == {torch.float16}
-    assert model.compute_logits(torch.randn(2, TINY["hidden_size"], dtype=torch.float16)).dtype == torch.float32
+    # Logits stay in the model dtype (no float32 copy); the sampler and logprobs read them as float32.
+    assert model.compute_logits(torch.randn(2, TINY["hidden_size"], dtype=torch.float16)).dtype == torch.float16
     assert resolve_dtype("auto", {}) == torch.float32
     with pytest.raises(ValueError, match="dtype='int8': must be 'auto' or one of"):
         resolve_dtype("int8", {})

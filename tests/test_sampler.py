@@ -48,12 +48,16 @@ def _penalty_inputs(n, vocab=V, seed=1):
     return state, torch.tensor(slots), pen
 
 
-def test_philox_uniforms_match_torch_bit_for_bit():
+@pytest.mark.parametrize("vocab", [300, 301])
+def test_philox_uniforms_match_torch_bit_for_bit(vocab):
     seeds = torch.tensor([0, 1, -5, 2**62 + 3, -(2**63)])
     pos = torch.tensor([0, 7, 123456, 2**31 + 5, 2**32 - 1])
-    u = philox_uniform_triton(seeds, pos, 300)
-    assert torch.equal(u, philox_uniform(seeds, pos, 300))
+    u = philox_uniform_triton(seeds, pos, vocab)
+    assert torch.equal(u, philox_uniform(seeds, pos, vocab))
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    # Four entries share a Philox evaluation but never a value (its four lanes differ).
+    quads = u[:, :300].reshape(5, 75, 4)
+    assert bool((quads[..., 0] != quads[..., 1]).all()) and bool((quads[..., 2] != quads[..., 3]).all())
 
 
 @pytest.mark.parametrize("need_filter", [False, True])

@@ -48,14 +48,16 @@ class VocabParallelEmbedding(nn.Module):
         return ps.all_reduce(out)
 
     def logits(self, hidden: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
-        """Full-vocabulary float32 logits on every rank: local GEMM in the model dtype (as HF does),
-        then all-gather over the vocab dimension, dropping the padding columns. `softcap` (Gemma)
-        applies cap * tanh(logits / cap) in the model dtype, as HF does, before the float32 cast."""
+        """Full-vocabulary logits on every rank, in the model dtype: local GEMM (as HF does), then
+        all-gather over the vocab dimension, dropping the padding columns. `softcap` (Gemma) applies
+        cap * tanh(logits / cap) in the model dtype, as HF does. No float32 copy: the sampler and the
+        logprobs read them as float32 (HF's cast, exact), which a [256, 151,936] cast had cost 105 us a
+        step on the H200."""
         local = F.linear(hidden, self.weight)
         full = ps.all_gather(local, dim=-1)[..., : self.num_embeddings]
         if softcap is not None:
             full = torch.tanh(full / softcap) * softcap
-        return full.float()
+        return full
 
 
 class ParallelLMHead(VocabParallelEmbedding):

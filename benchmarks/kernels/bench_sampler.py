@@ -131,12 +131,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-rows", type=int, default=4096)
     ap.add_argument("--prompt-k", type=int, default=5)
     ap.add_argument("--logprobs-only", action="store_true", help="skip the sampler cases")
-    ap.add_argument("--shares-only", action="store_true", help="only one program a row against vocabulary shares")
+    ap.add_argument(
+        "--shares-only", action="store_true", help="only vocabulary shares and the logits dtype, side by side"
+    )
     args = ap.parse_args(argv)
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
     rows, vocab = (4, 64) if smoke else (args.rows, args.vocab)
     bench_vocab_shares([3, 5] if smoke else [16, 48, 128, 256], vocab, dev, smoke)
+    bench_logits_dtype([3] if smoke else [16, 128, 256], vocab, dev, smoke)
     if args.shares_only:
         return
     if not args.logprobs_only:
@@ -289,6 +292,30 @@ def bench_vocab_shares(row_counts: list[int], vocab: int, dev: torch.device, smo
         if not smoke:
             record(SCRIPT, f"sampler_temperature_shares_us_{rows}x{vocab}", times["shares"], "us")
             record(SCRIPT, f"sampler_temperature_one_program_us_{rows}x{vocab}", times["one_program_a_row"], "us")
+
+
+def bench_logits_dtype(row_counts: list[int], vocab: int, dev: torch.device, smoke: bool) -> None:
+    """The temperature case from the LM head's bf16 logits: a float32 copy first and the sampler on it,
+    as before, against the sampler reading the bf16 logits (now); the tokens must be identical (the
+    cast is exact, and the kernel computes in float32 either way)."""
+    for rows in row_counts:
+        g = torch.Generator(dev).manual_seed(2)
+        logits = (torch.randn(rows, vocab, device=dev, generator=g) * 4).bfloat16()
+        md, _ = make_case("temperature", rows, vocab, dev)
+        sampler = Sampler()
+        same = bool(torch.equal(sampler(logits.float(), md).token_ids, sampler(logits, md).token_ids))
+        before = bench(lambda: sampler(logits.float(), md), smoke, graph=not smoke)
+        now = bench(lambda: sampler(logits, md), smoke, graph=not smoke)
+        print(
+            f"temperature {rows:4d} x {vocab}: float32 copy + sampler {before:8.1f} us, sampler on bf16 "
+            f"{now:8.1f} us ({before / now:.2f}x), tokens identical: {same}",
+            flush=True,
+        )
+        if not same:
+            raise SystemExit("reading bf16 logits changed the sampled tokens")
+        if not smoke:
+            record(SCRIPT, f"sampler_temperature_bf16_us_{rows}x{vocab}", now, "us")
+            record(SCRIPT, f"sampler_temperature_cast_fp32_us_{rows}x{vocab}", before, "us")
 
 
 if __name__ == "__main__":
