@@ -325,6 +325,22 @@ phase_s12a() {  # twelfth session, call 1: the held sampler branch (tl.rand4x dr
   bundle_out s12a
 }
 
+phase_s12b() {  # twelfth session, call 2: greedy = HF in every graph mode with the landed sampler (6bb415d); a
+  # profile of 4 big decode steps of the Llama-3.1-8B shape (129-256 rows, 11.7 ms against ~5.5 ms of GEMMs
+  # and ~2.4 ms of KV read); then s10a's stream-batching A/B (0 / 50 / 20 ms) on the Qwen3 shape
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=30 step cuda_graphs 130 python3 benchmarks/checks/check_cuda_graphs.py
+  TAIL=12 step llama_big 150 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+    --configs defaults --idle --profile /tmp/pb --profile-skip 300 --profile-steps 4
+  python3 benchmarks/tools/summarize_trace.py /tmp/pb --top 30 > "$OUT/llama_big_trace.txt" 2>&1
+  mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+  bundle_out s12b_1
+  python3 .gpu/serve/install.py > "$OUT/serve_install.log" 2>&1
+  TAIL=16 step serve_batching 270 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 \
+    --compare default serve.stream_batching_ms=50 serve.stream_batching_ms=20
+  cp benchmarks/results/bench_serve.jsonl "$OUT/" 2>/dev/null
+}
+
 bundle_out() {  # the device returns at most 8 files: the step logs and result folders as one archive
   (cd "$OUT" && tar -czf "/tmp/$1.tgz" --exclude="$1.tgz" . && rm -rf ./* && mv "/tmp/$1.tgz" .)
 }
@@ -358,6 +374,7 @@ case "${1:-all}" in
   s9d) phase_s9d ;;
   s10a) phase_s10a ;;
   s12a) phase_s12a ;;
+  s12b) phase_s12b ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac
