@@ -341,6 +341,30 @@ phase_s12b() {  # twelfth session, call 2: greedy = HF in every graph mode with 
   cp benchmarks/results/bench_serve.jsonl "$OUT/" 2>/dev/null
 }
 
+phase_s12c() {  # twelfth session, call 3: decode tiles for short contexts. The Llama-3.1-8B big decode steps'
+  # attention ran at ~2.5 TB/s (123 us a layer, mean context ~330): 16x128 tiles in 3 stages leave room for
+  # one program an SM. The sweep picks the best other tiles; both workloads run with them (KVRAY_DECODE_TILES)
+  # beside the defaults. Then the stream-batching A/B once more (0 against 50 ms)
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=40 step attn_tiles 110 python3 benchmarks/kernels/bench_attention_splits.py --shapes llama-3.1-8b qwen3-0.6b \
+    --dists short wide tail --batches 32 128 256 --splits 1 2 --tiles default n64s2 n64s3 n32s3 n128s2 --rep-ms 30 \
+    --json "$OUT/attn_tiles.jsonl"
+  local t; t=$(python3 benchmarks/tools/pick_decode_tiles.py "$OUT/attn_tiles.jsonl" 2>>"$OUT/pick.log") || t=64:4:2
+  echo "decode tiles for the A/B: $t" | tee -a "$OUT/pick.log"
+  local llama="python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt --configs defaults --idle"
+  local nano="python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults --idle"
+  TAIL=14 step llama_default 160 $llama
+  TAIL=14 step llama_tiles 130 env KVRAY_DECODE_TILES="$t" $llama
+  TAIL=14 step nano_default 80 $nano
+  TAIL=14 step nano_tiles 80 env KVRAY_DECODE_TILES="$t" $nano
+  mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+  bundle_out s12c_1
+  python3 .gpu/serve/install.py > "$OUT/serve_install.log" 2>&1
+  TAIL=16 step serve_batching 200 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 \
+    --compare default serve.stream_batching_ms=50
+  cp benchmarks/results/bench_serve.jsonl "$OUT/" 2>/dev/null
+}
+
 bundle_out() {  # the device returns at most 8 files: the step logs and result folders as one archive
   (cd "$OUT" && tar -czf "/tmp/$1.tgz" --exclude="$1.tgz" . && rm -rf ./* && mv "/tmp/$1.tgz" .)
 }
@@ -375,6 +399,7 @@ case "${1:-all}" in
   s10a) phase_s10a ;;
   s12a) phase_s12a ;;
   s12b) phase_s12b ;;
+  s12c) phase_s12c ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac

@@ -34,7 +34,8 @@ from kvcore.kernels.ops import paged_attention  # noqa: E402
 SCRIPT = "bench_attention_splits"
 HEADS = {"qwen3-0.6b": (16, 8), "llama-3.1-8b": (32, 8)}
 # Row lengths: "wide" as a batch early in nano's run holds them, "tail" as its last, longest rows do.
-DISTS = {"wide": (100, 2048), "tail": (1024, 2048)}
+# "short": the Llama-3.1-8B ShareGPT-like run's big decode steps (~230 rows, mean context ~330 tokens).
+DISTS = {"wide": (100, 2048), "tail": (1024, 2048), "short": (32, 640)}
 
 
 def lengths(dist: str, b: int, seed: int) -> list[int]:
@@ -48,6 +49,7 @@ TILES: dict[str, _Tiles | None] = {
     "n64s3": _Tiles(16, 64, 4, 3),
     "n64s2": _Tiles(16, 64, 4, 2),
     "n128s2": _Tiles(16, 128, 4, 2),
+    "n32s3": _Tiles(16, 32, 4, 3),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -59,11 +60,37 @@ def _wide(head_size: int, elem_bytes: int) -> bool:
     return head_pad(head_size) * elem_bytes > _WIDE_ROW_BYTES
 
 
+# KVRAY_DECODE_TILES=BLOCK_N:WARPS:STAGES replaces the small tiles' KV width, warps and stages: an
+# A/B of a tile change end to end without a new tree (the engine's workers inherit the environment).
+DECODE_TILES_ENV = "KVRAY_DECODE_TILES"
+
+
+@functools.lru_cache(maxsize=None)
+def decode_tiles_override(value: str | None) -> tuple[int, int, int] | None:
+    if not value:
+        return None
+    try:
+        n, w, st = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise ValueError(f"{DECODE_TILES_ENV}={value!r}: must be BLOCK_N:WARPS:STAGES, e.g. 64:4:2") from None
+    ok = n >= 16 and n & (n - 1) == 0 and w in (1, 2, 4, 8) and 1 <= st <= 6
+    if not ok:
+        raise ValueError(
+            f"{DECODE_TILES_ENV}={value!r}: BLOCK_N must be a power of two >= 16, WARPS 1/2/4/8, STAGES 1-6"
+        )
+    return n, w, st
+
+
 def small_tiles(group: int, head_size: int = 128, elem_bytes: int = 2) -> _Tiles:
     """Decodes and short chunks: the smallest MMA (16 rows) holding the GROUP heads of a token;
     128-wide KV tiles keep enough bytes in flight for the bandwidth-bound case."""
     rows = max(16, triton.next_power_of_2(group))
-    return _Tiles(rows, 32, 4, 2) if _wide(head_size, elem_bytes) else _Tiles(rows, 128, 4, 3)
+    if _wide(head_size, elem_bytes):
+        return _Tiles(rows, 32, 4, 2)
+    override = decode_tiles_override(os.environ.get(DECODE_TILES_ENV))
+    if override is not None:
+        return _Tiles(rows, *override)
+    return _Tiles(rows, 128, 4, 3)
 
 
 def large_tiles(group: int, head_size: int, elem_bytes: int = 2) -> _Tiles:

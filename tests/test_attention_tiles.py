@@ -1,0 +1,68 @@
+"""The decode tiles' override (KVRAY_DECODE_TILES): what it parses, what it refuses, and that a launch
+with the overridden tiles still matches the torch reference under the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvcore.kernels.attention_tiles import DECODE_TILES_ENV, decode_tiles_override, small_tiles  # noqa: E402
+from kvcore.kernels.ops import paged_attention  # noqa: E402
+
+
+def test_default_and_override(monkeypatch):
+    monkeypatch.delenv(DECODE_TILES_ENV, raising=False)
+    t = small_tiles(4, 128, 2)
+    assert (t.block_m, t.block_n, t.num_warps, t.num_stages) == (16, 128, 4, 3)
+    monkeypatch.setenv(DECODE_TILES_ENV, "64:4:2")
+    t = small_tiles(4, 128, 2)
+    assert (t.block_m, t.block_n, t.num_warps, t.num_stages) == (16, 64, 4, 2)
+    # head 256 in float32 keeps its wide-row tiles: the override is for the bandwidth-bound common case
+    assert small_tiles(2, 256, 4).block_n == 32
+
+
+@pytest.mark.parametrize("bad", ["64", "64:4", "48:4:2", "64:3:2", "64:4:0", "a:b:c"])
+def test_bad_override_names_the_variable(bad):
+    with pytest.raises(ValueError, match=DECODE_TILES_ENV):
+        decode_tiles_override(bad)
+
+
+def test_overridden_tiles_match_the_reference(monkeypatch):
+    monkeypatch.setenv(DECODE_TILES_ENV, "32:4:2")
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, d, bs, nblocks = 3, 4, 2, 32, 16, 18
+    seq = torch.tensor([5, 40, 77], dtype=torch.int32)
+    q = torch.randn(b, hq, d, generator=g)
+    kc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    vc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    bt = torch.randperm(nblocks, generator=g)[: b * 6].view(b, 6).to(torch.int32)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    out, ref = torch.empty_like(q), torch.empty_like(q)
+    args = (qsl, seq, bt, d**-0.5, None)
+    paged_attention(q, kc, vc, ref, *args, backend="torch")
+    paged_attention(q, kc, vc, out, *args, backend="triton")
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_pick_decode_tiles_sums_unsplit_large_batches():
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path[:0] = [str(root / "tools"), str(root / "kernels"), str(root)]
+    from bench_attention_splits import TILES
+    from pick_decode_tiles import pick
+
+    rows = [
+        {"shape": "llama-3.1-8b", "b": 256, "us": {"default/s1": 100, "n64s2/s1": 80, "n32s3/s1": 70, "n64s2/s2": 1}},
+        {"shape": "llama-3.1-8b", "b": 128, "us": {"default/s1": 50, "n64s2/s1": 40, "n32s3/s1": 60}},
+        {"shape": "llama-3.1-8b", "b": 32, "us": {"n64s2/s1": 900, "n32s3/s1": 1}},  # below --min-batch
+        {"shape": "qwen3-0.6b", "b": 256, "us": {"n64s2/s1": 900}},  # another shape
+    ]
+    value, totals = pick(rows, "llama-3.1-8b", 128, TILES)
+    assert totals == {"n64s2": 120, "n32s3": 130}
+    assert value == "64:4:2"
