@@ -365,6 +365,15 @@ phase_s12c() {  # twelfth session, call 3: decode tiles for short contexts. The 
   cp benchmarks/results/bench_serve.jsonl "$OUT/" 2>/dev/null
 }
 
+phase_s12d() {  # twelfth session, call 4: with serve.stream_batching_ms at its new default (50), the Qwen3 sweep's
+  # TTFT p99 at half saturation (26.7 ms with 0 in the ninth session; the first token goes out at once)
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  python3 .gpu/serve/install.py > "$OUT/serve_install.log" 2>&1
+  TAIL=16 step serve_qwen3 200 python3 benchmarks/e2e/bench_serve.py --shape qwen3-0.6b --num-prompts 500 --no-offline \
+    --rates 8
+  cp benchmarks/results/bench_serve.jsonl "$OUT/" 2>/dev/null
+}
+
 bundle_out() {  # the device returns at most 8 files: the step logs and result folders as one archive
   (cd "$OUT" && tar -czf "/tmp/$1.tgz" --exclude="$1.tgz" . && rm -rf ./* && mv "/tmp/$1.tgz" .)
 }
@@ -400,6 +409,7 @@ case "${1:-all}" in
   s12a) phase_s12a ;;
   s12b) phase_s12b ;;
   s12c) phase_s12c ;;
+  s12d) phase_s12d ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac

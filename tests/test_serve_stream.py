@@ -221,7 +221,7 @@ def test_stream_batching_zero_sends_every_step():
 
 
 def test_stream_batching_ms_bounds():
-    assert load_config("configs/local.yaml").serve.stream_batching_ms == 0.0
+    assert load_config("configs/local.yaml").serve.stream_batching_ms == 50.0
     for bad in (-1, 20_000):
         with pytest.raises(Exception, match="stream_batching_ms"):
             load_config("configs/local.yaml", {"serve.stream_batching_ms": bad})
