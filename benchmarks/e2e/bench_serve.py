@@ -50,7 +50,9 @@ class Outcome:
 
     @property
     def tpot_s(self) -> float | None:
-        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
+        """vLLM's bench serve: (last token's time - first token's) / (output tokens - 1). The mean
+        gap between chunks is that only while each chunk holds one token (stream batching packs ~15)."""
+        return sum(self.itl_s) / (self.num_tokens - 1) if self.itl_s and self.num_tokens > 1 else None
 
 
 def sharegpt_like(n: int, vocab: int, seed: int, smoke: bool) -> list[tuple[list[int], int]]:
