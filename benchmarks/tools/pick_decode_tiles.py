@@ -27,7 +27,7 @@ def pick(rows: list[dict], shape: str, min_batch: int, tiles: dict) -> tuple[str
                 totals[name] = totals.get(name, 0.0) + us
     if not totals:
         raise SystemExit(f"no unsplit rows of {shape} with B >= {min_batch}")
-    best = min(totals, key=totals.get)
+    best = min(totals, key=lambda name: totals[name])
     t = tiles[best]
     return f"{t.block_n}:{t.num_warps}:{t.num_stages}", totals
 
