@@ -374,6 +374,30 @@ phase_s12d() {  # twelfth session, call 4: with serve.stream_batching_ms at its 
   cp benchmarks/results/bench_serve.jsonl "$OUT/" 2>/dev/null
 }
 
+phase_s13a() {  # thirteenth session, call 1: decode tiles by occupancy. Nano's big decode steps run attention at
+  # ~3.4 TB/s (190 us a layer, mean context ~780): the default 16x128 tiles in 3 stages take 192 KiB of shared
+  # memory, one program an SM, so every program's start is exposed. One stage (64 KiB) fits three. Expected: a
+  # one-stage variant >= 8% faster at the "nano" and "short" lengths and within 3% at "tail"; then nano end to end
+  # with the pick for the Qwen3 shape, interleaved with the defaults (default, pick, default, pick)
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=60 step attn_tiles 170 python3 benchmarks/kernels/bench_attention_splits.py --shapes qwen3-0.6b llama-3.1-8b \
+    --dists short nano wide tail --batches 32 64 128 256 --splits 1 \
+    --tiles default n128s1 n128s1w8 n128s2w8 n64s1 n64s2 n64s2w2 n256s1 --rep-ms 25 --json "$OUT/attn_tiles.jsonl"
+  local tq tl
+  tq=$(python3 benchmarks/tools/pick_decode_tiles.py "$OUT/attn_tiles.jsonl" --shape qwen3-0.6b --min-batch 64 \
+    2>>"$OUT/pick.log") || tq=128:4:1
+  tl=$(python3 benchmarks/tools/pick_decode_tiles.py "$OUT/attn_tiles.jsonl" --shape llama-3.1-8b --min-batch 128 \
+    2>>"$OUT/pick.log") || tl=128:4:1
+  echo "decode tiles for the A/B: qwen3 $tq llama $tl" | tee -a "$OUT/pick.log"
+  local nano="python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults --idle"
+  TAIL=14 step nano_default_1 80 $nano
+  TAIL=14 step nano_tiles_1 80 env KVRAY_DECODE_TILES="$tq" $nano
+  TAIL=14 step nano_default_2 80 $nano
+  TAIL=14 step nano_tiles_2 80 env KVRAY_DECODE_TILES="$tq" $nano
+  mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+  bundle_out s13a
+}
+
 bundle_out() {  # the device returns at most 8 files: the step logs and result folders as one archive
   (cd "$OUT" && tar -czf "/tmp/$1.tgz" --exclude="$1.tgz" . && rm -rf ./* && mv "/tmp/$1.tgz" .)
 }
@@ -410,6 +434,7 @@ case "${1:-all}" in
   s12b) phase_s12b ;;
   s12c) phase_s12c ;;
   s12d) phase_s12d ;;
+  s13a) phase_s13a ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac

@@ -35,7 +35,8 @@ SCRIPT = "bench_attention_splits"
 HEADS = {"qwen3-0.6b": (16, 8), "llama-3.1-8b": (32, 8)}
 # Row lengths: "wide" as a batch early in nano's run holds them, "tail" as its last, longest rows do.
 # "short": the Llama-3.1-8B ShareGPT-like run's big decode steps (~230 rows, mean context ~330 tokens).
-DISTS = {"wide": (100, 2048), "tail": (1024, 2048), "short": (32, 640)}
+# "nano": nano's big decode steps (prompts of 100-1,024 tokens plus up to ~560 outputs, mean ~780).
+DISTS = {"wide": (100, 2048), "tail": (1024, 2048), "short": (32, 640), "nano": (100, 1600)}
 
 
 def lengths(dist: str, b: int, seed: int) -> list[int]:
@@ -50,6 +51,14 @@ TILES: dict[str, _Tiles | None] = {
     "n64s2": _Tiles(16, 64, 4, 2),
     "n128s2": _Tiles(16, 128, 4, 2),
     "n32s3": _Tiles(16, 32, 4, 3),
+    # One stage (64 KiB of K and V at 128 wide) leaves room for three programs an SM, where three
+    # stages leave room for one: latency hidden by occupancy instead of by the pipeline.
+    "n128s1": _Tiles(16, 128, 4, 1),
+    "n128s1w8": _Tiles(16, 128, 8, 1),
+    "n128s2w8": _Tiles(16, 128, 8, 2),
+    "n64s1": _Tiles(16, 64, 4, 1),
+    "n64s2w2": _Tiles(16, 64, 2, 2),
+    "n256s1": _Tiles(16, 256, 4, 1),
 }
 
 
