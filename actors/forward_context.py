@@ -23,6 +23,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_reqs], device: context length after this step
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], device
     slot_mapping: torch.Tensor  # int64 [num_tokens], device; -1 = write nothing
+    seq_order: torch.Tensor | None = None  # int32 [num_reqs], device: longest first (launch order only)
 
 
 @dataclass

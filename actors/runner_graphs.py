@@ -18,6 +18,8 @@ from actors.engine_config import EngineConfig
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from actors.input_batch import InputBatch
 from actors.input_prep import InputStager, StagedStep
+from kvcore.kernels.attention_tiles import decode_order_lpt
+from kvcore.kernels.ops import longest_first
 
 if TYPE_CHECKING:  # the model zoo is imported only where a model is loaded
     from actors.models.decoder import DecoderForCausalLM
@@ -107,6 +109,8 @@ class RunnerGraphs:
         qsl = out.query_start_loc[: num_seqs + 1]
         positions = out.positions[:num_tokens]
         batch.block_table.compute_slot_mapping(num_seqs, qsl, positions)
+        seq_lens = out.seq_lens[:num_seqs]
+        order = longest_first(seq_lens) if num_seqs > 1 and decode_order_lpt() else None
         metadata = {
             gid: AttentionMetadata(
                 num_actual_tokens=num_tokens,
@@ -114,9 +118,10 @@ class RunnerGraphs:
                 max_query_len=max_query_len,
                 max_seq_len=max_seq_len,
                 query_start_loc=qsl,
-                seq_lens=out.seq_lens[:num_seqs],
+                seq_lens=seq_lens,
                 block_table=table.block_table.gpu[:num_seqs],
                 slot_mapping=table.slot_mapping.gpu[:num_tokens],
+                seq_order=order,
             )
             for gid, table in enumerate(batch.block_table.block_tables)
         }

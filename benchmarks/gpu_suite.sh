@@ -398,6 +398,33 @@ phase_s13a() {  # thirteenth session, call 1: decode tiles by occupancy. Nano's 
   bundle_out s13a
 }
 
+phase_s13b() {  # thirteenth session, call 2: decodes launched longest first (LPT). At mixed context lengths one
+  # program an SM and grid order leave a last wave of a few long programs: B=32-64 at nano's lengths ran at
+  # 54-67% of copy against 87% at B=256 (call 1). Expected: B=32-64 10-20% faster, B=256 2-5%, tail lengths
+  # (narrow) unchanged; nano end to end +3-5%, order A/B interleaved (KVRAY_DECODE_ORDER=grid is the old launch)
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=44 step attn_lpt 120 python3 benchmarks/kernels/bench_attention_splits.py --shapes qwen3-0.6b llama-3.1-8b \
+    --dists short nano wide tail --batches 16 32 64 128 256 --splits 1 --tiles default --lpt --rep-ms 25 \
+    --json "$OUT/attn_lpt.jsonl"
+  TAIL=20 step cuda_graphs 150 python3 benchmarks/checks/check_cuda_graphs.py
+  local nano="python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults --idle"
+  TAIL=14 step nano_lpt_1 80 $nano
+  TAIL=14 step nano_grid_1 80 env KVRAY_DECODE_ORDER=grid $nano
+  TAIL=14 step nano_lpt_2 80 $nano
+  TAIL=14 step nano_grid_2 80 env KVRAY_DECODE_ORDER=grid $nano
+  mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+  bundle_out s13b
+}
+
+phase_s13c() {  # thirteenth session, call 3: the Llama-3.1-8B shape with decodes longest first against grid order
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  local llama="python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt --configs defaults --idle"
+  TAIL=14 step llama_lpt 170 $llama
+  TAIL=14 step llama_grid 150 env KVRAY_DECODE_ORDER=grid $llama
+  mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+  bundle_out s13c
+}
+
 bundle_out() {  # the device returns at most 8 files: the step logs and result folders as one archive
   (cd "$OUT" && tar -czf "/tmp/$1.tgz" --exclude="$1.tgz" . && rm -rf ./* && mv "/tmp/$1.tgz" .)
 }
@@ -435,6 +462,8 @@ case "${1:-all}" in
   s12c) phase_s12c ;;
   s12d) phase_s12d ;;
   s13a) phase_s13a ;;
+  s13b) phase_s13b ;;
+  s13c) phase_s13c ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac

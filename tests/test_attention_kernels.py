@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvcore.kernels.attention_tiles import choose_num_splits  # noqa: E402
-from kvcore.kernels.ops import paged_attention, reshape_and_cache  # noqa: E402
+from kvcore.kernels.ops import longest_first, paged_attention, reshape_and_cache  # noqa: E402
 from kvcore.kernels.paged_attention import paged_attention_triton  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
@@ -215,6 +215,33 @@ def test_triton_split_kv(kind, splits, window):
     out = run_attention(batch, 0.2, window, "triton", num_splits=splits, block_m=16, block_n=16)
     assert_written_and_untouched(out, batch["num_tokens"])
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_longest_first_order_changes_no_result(kind, splits):
+    """seq_order only reorders the one-tile launch's programs: the same bits as grid order, and the
+    reference's values (the mixed batch also runs the prefill launch, which ignores the order)."""
+    q_lens, seq_lens = SHAPES[kind]
+    batch = make_batch(q_lens, seq_lens, 8, 2, 32, 4, torch.float32, seed=11)
+    order = longest_first(batch["seq_lens"])
+    assert order.tolist() == sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+    ref = run_attention(batch, 0.2, None, "torch")
+    plain = run_attention(batch, 0.2, None, "triton", num_splits=splits)
+    ordered = run_attention(batch, 0.2, None, "triton", num_splits=splits, seq_order=order)
+    assert_written_and_untouched(ordered, batch["num_tokens"])
+    torch.testing.assert_close(ordered, plain, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(ordered, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
+
+
+def test_seq_order_must_be_an_int32_permutation_shaped_like_seq_lens():
+    q_lens, seq_lens = SHAPES["decode"]
+    batch = make_batch(q_lens, seq_lens, 8, 2, 32, 4, torch.float32)
+    out = torch.empty_like(batch["query"])
+    args = [batch[k] for k in ("query", "key_cache", "value_cache")] + [out]
+    args += [batch["query_start_loc"], batch["seq_lens"], batch["block_table"][:-1], 0.2]
+    with pytest.raises(ValueError, match="seq_order"):
+        paged_attention(*args, backend="triton", seq_order=torch.arange(3, dtype=torch.int32, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -76,5 +76,6 @@ class Attention(nn.Module):
             max_seq_len=md.max_seq_len,
             backend=self.backend,
             softcap=self.softcap,
+            seq_order=md.seq_order,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)

@@ -29,7 +29,7 @@ from common import record  # noqa: E402
 
 import kvcore.kernels.paged_attention as pa  # noqa: E402
 from kvcore.kernels.attention_tiles import _Tiles, choose_num_splits, num_sms  # noqa: E402
-from kvcore.kernels.ops import paged_attention  # noqa: E402
+from kvcore.kernels.ops import longest_first, paged_attention  # noqa: E402
 
 SCRIPT = "bench_attention_splits"
 HEADS = {"qwen3-0.6b": (16, 8), "llama-3.1-8b": (32, 8)}
@@ -72,7 +72,7 @@ def time_ms(fn, smoke: bool, rep_ms: int) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep_ms)
 
 
-def timed(q, kc, vc, out, qsl, sl, bt, max_ctx: int, splits: int, tiles: _Tiles | None, args) -> float:
+def timed(q, kc, vc, out, qsl, sl, bt, max_ctx: int, splits: int, tiles: _Tiles | None, args, order=None) -> float:
     orig = pa.small_tiles
     if tiles is not None:
         pa.small_tiles = lambda *a, **k: tiles  # the launch's small tiles, as the heuristic would return them
@@ -80,7 +80,9 @@ def timed(q, kc, vc, out, qsl, sl, bt, max_ctx: int, splits: int, tiles: _Tiles 
 
         def fn():
             scale = q.shape[-1] ** -0.5
-            pa.paged_attention_triton(q, kc, vc, out, qsl, sl, bt, scale, None, 1, max_ctx, num_splits=splits)
+            pa.paged_attention_triton(
+                q, kc, vc, out, qsl, sl, bt, scale, None, 1, max_ctx, num_splits=splits, seq_order=order
+            )
 
         return time_ms(fn, args.smoke, args.rep_ms)
     finally:
@@ -108,8 +110,12 @@ def sweep_one(args, shape: str, dist: str, b: int, device: str, dtype: torch.dty
             ms = timed(q, kc, vc, out, qsl, sl, bt, args.max_model_len, s, tiles, args)
             check(out, ref, f"{shape} {dist} B={b} splits={s} tiles={tname}", 2e-2)
             row["us"][f"{tname}/s{s}"] = ms * 1e3
+            if args.lpt:  # the same launch with the sequences longest first (the engine's default)
+                ms = timed(q, kc, vc, out, qsl, sl, bt, args.max_model_len, s, tiles, args, longest_first(sl))
+                check(out, ref, f"{shape} {dist} B={b} splits={s} tiles={tname} lpt", 2e-2)
+                row["us"][f"{tname}+lpt/s{s}"] = ms * 1e3
     best = min(row["us"], key=row["us"].get)
-    cur = row["us"].get(f"default/s{heur}")
+    cur = row["us"].get(f"default{'+lpt' if args.lpt else ''}/s{heur}")  # what the engine launches
     gbps = lambda us: moved / (us * 1e-6) / 1e9  # noqa: E731
     row.update(best=best, best_us=row["us"][best], heuristic_us=cur, moved_mb=moved / 1e6)
     print(
@@ -134,9 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rep-ms", type=int, default=50, help="do_bench_cudagraph's repetition time a point")
     ap.add_argument("--max-model-len", type=int, default=4096, help="the max_seq_len a decode graph captures with")
     ap.add_argument("--json", metavar="PATH", help="every row, one JSON object a line")
+    ap.add_argument("--lpt", action="store_true", help="time each point also with the sequences longest first")
     args = ap.parse_args(argv)
     if args.smoke:
         args.batches, args.splits, args.max_model_len, args.tiles = [3, 5], [1, 2], 64, ["default", "n64s2"]
+        args.lpt = True
     elif not torch.cuda.is_available():
         raise SystemExit("bench_attention_splits needs a CUDA GPU (use --smoke on the CPU)")
     device = "cpu" if args.smoke else "cuda"

@@ -23,7 +23,7 @@ def pick(rows: list[dict], shape: str, min_batch: int, tiles: dict) -> tuple[str
             continue
         for key, us in r["us"].items():
             name, splits = key.split("/")
-            if splits == "s1" and name != "default":
+            if splits == "s1" and name != "default" and "+" not in name:  # "+lpt": an order, not tiles
                 totals[name] = totals.get(name, 0.0) + us
     if not totals:
         raise SystemExit(f"no unsplit rows of {shape} with B >= {min_batch}")

@@ -81,6 +81,18 @@ def decode_tiles_override(value: str | None) -> tuple[int, int, int] | None:
     return n, w, st
 
 
+# KVRAY_DECODE_ORDER=grid launches decodes in batch order instead of longest first (an A/B switch,
+# inherited by the workers like KVRAY_DECODE_TILES).
+DECODE_ORDER_ENV = "KVRAY_DECODE_ORDER"
+
+
+def decode_order_lpt() -> bool:
+    value = os.environ.get(DECODE_ORDER_ENV, "lpt")
+    if value not in ("lpt", "grid"):
+        raise ValueError(f"{DECODE_ORDER_ENV}={value!r}: must be 'lpt' (longest first) or 'grid'")
+    return value == "lpt"
+
+
 def small_tiles(group: int, head_size: int = 128, elem_bytes: int = 2) -> _Tiles:
     """Decodes and short chunks: the smallest MMA (16 rows) holding the GROUP heads of a token;
     128-wide KV tiles keep enough bytes in flight for the bandwidth-bound case."""

@@ -142,6 +142,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     backend: str = "torch",
     softcap: float | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> None:
     """Causal GQA attention of a mixed batch over the paged cache (see the team contract).
 
@@ -150,13 +151,20 @@ def paged_attention(
     Triton grid without a device sync; max_query_len must be >= every sequence's q_len (a smaller
     value leaves rows unwritten), max_seq_len only steers the split-KV heuristic. When omitted they
     are read from the device (a sync). `softcap` (Gemma-2) caps each scaled score at
-    softcap * tanh(score / softcap) before the mask and softmax."""
+    softcap * tanh(score / softcap) before the mask and softmax. `seq_order` (int32 [num_seqs], a
+    permutation, e.g. `longest_first(seq_lens)`) only orders the Triton launch's programs: the
+    result is the same with or without it."""
     _check_backend(backend)
     _require(
         softcap is None or (isinstance(softcap, (int, float)) and softcap > 0),
         f"softcap must be None or a positive number, got {softcap!r}",
     )
     _check_attention_args(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, sliding_window)
+    _require(
+        seq_order is None
+        or (seq_order.dtype == torch.int32 and seq_order.shape == seq_lens.shape and seq_order.device == query.device),
+        "seq_order must be None or an int32 permutation shaped like seq_lens, on the query's device",
+    )
     if backend == "torch":
         paged_attention_ref(
             query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale, sliding_window, softcap
@@ -187,4 +195,11 @@ def paged_attention(
         max_query_len,
         max_seq_len,
         softcap=softcap,
+        seq_order=seq_order,
     )
+
+
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The sequences by descending context length (ties in index order), int32, on seq_lens' device
+    and without a host sync, so a CUDA graph can capture it: paged_attention's seq_order."""
+    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)

@@ -21,6 +21,10 @@ Design
   from seq_lens, so a split count baked into a CUDA graph stays correct for any context length.
 - Gemma-2's attention-logit soft-cap (cap * tanh(score / cap)) is a constexpr branch, so the
   uncapped kernel compiles to exactly what it was.
+- Longest first (LPT): given seq_order, the sequences by descending seq_len on the device, the
+  one-tile launch enumerates sequences in that order with a sequence's KV heads side by side. The
+  hardware dispatches programs about in grid order, so at mixed context lengths the last wave holds
+  the shortest programs instead of a few long ones. The order changes no result.
 - Host ints max_query_len / max_seq_len only size the grid and pick heuristics: no device sync.
 """
 
@@ -89,6 +93,10 @@ def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_
     else:
         num_q_tiles = 1
         grid = (num_q_tiles, num_seqs, key_cache.shape[2] * num_splits)
+    order = a["seq_order"]
+    ordered = order is not None and not flat
+    if ordered:
+        grid = (key_cache.shape[2] * num_splits, num_seqs, 1)
     paged_attention_kernel[grid](
         query,
         key_cache,
@@ -99,6 +107,7 @@ def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_
         a["query_start_loc"],
         a["seq_lens"],
         block_table,
+        order if ordered else a["seq_lens"],  # unread unless ORDERED
         a["scale_log2"],
         a["softcap"],
         a["window"],
@@ -135,6 +144,7 @@ def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_
         UPCAST_DOT=a["upcast"],
         SOFTCAP=a["softcap"] > 0,
         FLAT=flat,
+        ORDERED=ordered,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -156,6 +166,7 @@ def paged_attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     softcap: float | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> None:
     """See kvcore.kernels.ops.paged_attention. num_splits / block_m / block_n override the
     heuristics (tests force the split path and small tiles with them).
@@ -198,6 +209,7 @@ def paged_attention_triton(
         upcast=upcast,
         part_o=out,
         part_lse=out,
+        seq_order=seq_order,
     )  # partials unused when NUM_SPLITS == 1
     if num_splits > 1:
         a["part_o"] = torch.empty(

@@ -95,6 +95,7 @@ def paged_attention_kernel(
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,
+    order_ptr,
     scale_log2,
     softcap,
     window,
@@ -131,6 +132,7 @@ def paged_attention_kernel(
     UPCAST_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FLAT: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     # Heaviest (latest) query tiles first: under causal masking they have the most KV to read.
@@ -149,11 +151,19 @@ def paged_attention_kernel(
             hi = tl.where(start <= g, hi, mid - 1)
         seq = lo
         q_tile = g - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
+        head_split = tl.program_id(2)
+    elif ORDERED:
+        # One tile a sequence, sequences longest first and a sequence's heads side by side: the
+        # hardware dispatches programs in this order, so the last wave holds the shortest work.
+        q_tile = 0
+        seq = tl.load(order_ptr + tl.program_id(1))
+        head_split = tl.program_id(0)
     else:
         q_tile = num_q_tiles - 1 - tl.program_id(0)
         seq = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+        head_split = tl.program_id(2)
+    kv_head = head_split // NUM_SPLITS
+    split = head_split % NUM_SPLITS
 
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
