@@ -33,6 +33,7 @@ from actors.step_profiler import StepTimer
 from actors.token_readback import SampledStep, TokenReadback
 from actors.warmup import warm_logits, warm_sampler
 from kvcore.kernels import check_backend
+from kvcore.kernels.attention_tiles import longest_first_max_seqs, num_sms
 from kvcore.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
 
@@ -138,6 +139,8 @@ class ModelRunner(RunnerGraphs):
         self._drop_graphs()  # they read the old cache and buffers
         self.kv_caches = []
         self.kv_caches = kv_cache_sizing.allocate_kv_cache(self._model(), kv_cache_config, self.device)
+        kv_heads = max(g.kv_cache_spec.num_kv_heads for g in kv_cache_config.kv_cache_groups)
+        self.lpt_max_seqs = longest_first_max_seqs(kv_heads, num_sms(self.device))
         self.kv_cache_config = kv_cache_config
         self.layer_to_group = kv_cache_config.layer_to_group()
         self.requests.clear()

@@ -18,7 +18,6 @@ from actors.engine_config import EngineConfig
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from actors.input_batch import InputBatch
 from actors.input_prep import InputStager, StagedStep
-from kvcore.kernels.attention_tiles import decode_order_lpt
 from kvcore.kernels.ops import longest_first
 
 if TYPE_CHECKING:  # the model zoo is imported only where a model is loaded
@@ -41,6 +40,7 @@ class RunnerGraphs:
     graph_stats: GraphStats
     pad_to_buckets: bool
     stager: InputStager
+    lpt_max_seqs: int = 0  # see attention_tiles.longest_first_max_seqs; set with the KV cache
 
     def _model(self) -> DecoderForCausalLM:
         raise NotImplementedError
@@ -110,7 +110,7 @@ class RunnerGraphs:
         positions = out.positions[:num_tokens]
         batch.block_table.compute_slot_mapping(num_seqs, qsl, positions)
         seq_lens = out.seq_lens[:num_seqs]
-        order = longest_first(seq_lens) if num_seqs > 1 and decode_order_lpt() else None
+        order = longest_first(seq_lens) if 1 < num_seqs <= self.lpt_max_seqs else None
         metadata = {
             gid: AttentionMetadata(
                 num_actual_tokens=num_tokens,

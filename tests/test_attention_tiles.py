@@ -1,5 +1,6 @@
 """The decode tiles' override (KVRAY_DECODE_TILES): what it parses, what it refuses, and that a launch
-with the overridden tiles still matches the torch reference under the interpreter."""
+with the overridden tiles still matches the torch reference under the interpreter. The decode order's
+gate (KVRAY_DECODE_ORDER): which batches launch longest first."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvcore.kernels.attention_tiles import DECODE_TILES_ENV, decode_tiles_override, small_tiles  # noqa: E402
+from kvcore.kernels.attention_tiles import (  # noqa: E402
+    DECODE_ORDER_ENV,
+    DECODE_TILES_ENV,
+    decode_tiles_override,
+    longest_first_max_seqs,
+    small_tiles,
+)
 from kvcore.kernels.ops import paged_attention  # noqa: E402
 
 
@@ -66,3 +73,15 @@ def test_pick_decode_tiles_sums_unsplit_large_batches():
     value, totals = pick(rows, "llama-3.1-8b", 128, TILES)
     assert totals == {"n64s2": 120, "n32s3": 130}
     assert value == "64:4:2"
+
+
+def test_longest_first_only_for_batches_of_few_waves(monkeypatch):
+    monkeypatch.delenv(DECODE_ORDER_ENV, raising=False)
+    # H200: 132 SMs, 8 KV heads a rank -> at most 4 programs an SM -> 66 sequences
+    assert longest_first_max_seqs(8, 132) == 66
+    assert longest_first_max_seqs(2, 132) == 264
+    monkeypatch.setenv(DECODE_ORDER_ENV, "grid")
+    assert longest_first_max_seqs(8, 132) == 0
+    monkeypatch.setenv(DECODE_ORDER_ENV, "sorted")
+    with pytest.raises(ValueError, match=DECODE_ORDER_ENV):
+        longest_first_max_seqs(8, 132)

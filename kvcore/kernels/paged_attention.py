@@ -24,7 +24,8 @@ Design
 - Longest first (LPT): given seq_order, the sequences by descending seq_len on the device, the
   one-tile launch enumerates sequences in that order with a sequence's KV heads side by side. The
   hardware dispatches programs about in grid order, so at mixed context lengths the last wave holds
-  the shortest programs instead of a few long ones. The order changes no result.
+  the shortest programs instead of a few long ones. The order changes no result; the runner passes
+  one only to batches of few waves (attention_tiles.longest_first_max_seqs).
 - Host ints max_query_len / max_seq_len only size the grid and pick heuristics: no device sync.
 """
 
