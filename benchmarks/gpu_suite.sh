@@ -433,6 +433,19 @@ phase_s13c() {  # thirteenth session, call 3: longest first only where a launch 
   bundle_out s13c
 }
 
+phase_s13d() {  # thirteenth session, call 4: where nano's time goes now (28d8fa5), 4 profiled steps each of its
+  # mixed steps (the first), its ~256-row decode steps and its ~100-row ones. Profiled runs' throughput is no figure
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  local nano="python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults --idle"
+  local name skip
+  for name_skip in mixed:1 big:100 mid:620; do
+    name=${name_skip%%:*}; skip=${name_skip##*:}
+    TAIL=4 step "nano_prof_$name" 90 $nano --profile "/tmp/p_$name" --profile-skip "$skip" --profile-steps 4
+    python3 benchmarks/tools/summarize_trace.py "/tmp/p_$name" --top 30 > "$OUT/nano_${name}_trace.txt" 2>&1
+  done
+  bundle_out s13d
+}
+
 bundle_out() {  # the device returns at most 8 files: the step logs and result folders as one archive
   (cd "$OUT" && tar -czf "/tmp/$1.tgz" --exclude="$1.tgz" . && rm -rf ./* && mv "/tmp/$1.tgz" .)
 }
@@ -472,6 +485,7 @@ case "${1:-all}" in
   s13a) phase_s13a ;;
   s13b) phase_s13b ;;
   s13c) phase_s13c ;;
+  s13d) phase_s13d ;;
   all) phase_qwen; phase_checks; phase_llama ;;
   *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|all"; exit 2 ;;
 esac
