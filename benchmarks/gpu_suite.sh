@@ -374,6 +374,15 @@ phase_s12d() {  # twelfth session, call 4: with serve.stream_batching_ms at its 
   cp benchmarks/results/bench_serve.jsonl "$OUT/" 2>/dev/null
 }
 
+NANO="python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults --idle"
+nano_ab() {  # A B VAR=value: nano with the defaults (steps nano_A_i) and with VAR=value (nano_B_i), as A B A B
+  local a=$1 b=$2 setting=$3 i
+  for i in 1 2; do
+    TAIL=14 step "nano_${a}_$i" 80 $NANO
+    TAIL=14 step "nano_${b}_$i" 80 env "$setting" $NANO
+  done
+}
+
 phase_s13a() {  # thirteenth session, call 1: decode tiles by occupancy. Nano's big decode steps run attention at
   # ~3.4 TB/s (190 us a layer, mean context ~780): the default 16x128 tiles in 3 stages take 192 KiB of shared
   # memory, one program an SM, so every program's start is exposed. One stage (64 KiB) fits three. Expected: a
@@ -389,11 +398,7 @@ phase_s13a() {  # thirteenth session, call 1: decode tiles by occupancy. Nano's 
   tl=$(python3 benchmarks/tools/pick_decode_tiles.py "$OUT/attn_tiles.jsonl" --shape llama-3.1-8b --min-batch 128 \
     2>>"$OUT/pick.log") || tl=128:4:1
   echo "decode tiles for the A/B: qwen3 $tq llama $tl" | tee -a "$OUT/pick.log"
-  local nano="python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults --idle"
-  TAIL=14 step nano_default_1 80 $nano
-  TAIL=14 step nano_tiles_1 80 env KVRAY_DECODE_TILES="$tq" $nano
-  TAIL=14 step nano_default_2 80 $nano
-  TAIL=14 step nano_tiles_2 80 env KVRAY_DECODE_TILES="$tq" $nano
+  nano_ab default tiles KVRAY_DECODE_TILES="$tq"
   mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
   bundle_out s13a
 }
@@ -407,11 +412,7 @@ phase_s13b() {  # thirteenth session, call 2: decodes launched longest first (LP
     --dists short nano wide tail --batches 16 32 64 128 256 --splits 1 --tiles default --lpt --rep-ms 25 \
     --json "$OUT/attn_lpt.jsonl"
   TAIL=20 step cuda_graphs 150 python3 benchmarks/checks/check_cuda_graphs.py
-  local nano="python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults --idle"
-  TAIL=14 step nano_lpt_1 80 $nano
-  TAIL=14 step nano_grid_1 80 env KVRAY_DECODE_ORDER=grid $nano
-  TAIL=14 step nano_lpt_2 80 $nano
-  TAIL=14 step nano_grid_2 80 env KVRAY_DECODE_ORDER=grid $nano
+  nano_ab lpt grid KVRAY_DECODE_ORDER=grid
   mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
   bundle_out s13b
 }
@@ -421,12 +422,8 @@ phase_s13c() {  # thirteenth session, call 3: longest first only where a launch 
   # grid order (the big steps back to grid order, the small ones kept), Llama-3.1-8B within noise (+0.2%)
   TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
   TAIL=20 step cuda_graphs 150 python3 benchmarks/checks/check_cuda_graphs.py
-  local nano="python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults --idle"
   local llama="python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt --configs defaults --idle"
-  TAIL=14 step nano_gated_1 80 $nano
-  TAIL=14 step nano_grid_1 80 env KVRAY_DECODE_ORDER=grid $nano
-  TAIL=14 step nano_gated_2 80 $nano
-  TAIL=14 step nano_grid_2 80 env KVRAY_DECODE_ORDER=grid $nano
+  nano_ab gated grid KVRAY_DECODE_ORDER=grid
   TAIL=14 step llama_gated 150 $llama
   TAIL=14 step llama_grid 130 env KVRAY_DECODE_ORDER=grid $llama
   mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
@@ -436,11 +433,10 @@ phase_s13c() {  # thirteenth session, call 3: longest first only where a launch 
 phase_s13d() {  # thirteenth session, call 4: where nano's time goes now (28d8fa5), 4 profiled steps each of its
   # mixed steps (the first), its ~256-row decode steps and its ~100-row ones. Profiled runs' throughput is no figure
   TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
-  local nano="python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults --idle"
-  local name skip
+  local name skip name_skip
   for name_skip in mixed:1 big:100 mid:620; do
     name=${name_skip%%:*}; skip=${name_skip##*:}
-    TAIL=4 step "nano_prof_$name" 90 $nano --profile "/tmp/p_$name" --profile-skip "$skip" --profile-steps 4
+    TAIL=4 step "nano_prof_$name" 90 $NANO --profile "/tmp/p_$name" --profile-skip "$skip" --profile-steps 4
     python3 benchmarks/tools/summarize_trace.py "/tmp/p_$name" --top 30 > "$OUT/nano_${name}_trace.txt" 2>&1
   done
   bundle_out s13d
