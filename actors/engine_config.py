@@ -34,6 +34,8 @@ CUDAGRAPH_MODES = ("all", "decode", "none")
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 TRANSPORTS = ("compiled_graph", "actor_calls", "shm")
+# vLLM's kv_cache_dtype values kvray serves ("auto" = the model's dtype); kvcore/kernels/fp8.py maps them.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The worker actor class an engine starts unless told otherwise (tests pass actors.noop_worker.NoopWorker).
 DEFAULT_WORKER_CLS = "actors.worker.Worker"
 
@@ -156,9 +158,14 @@ class CacheConfig(_Section):
     # Manage sliding-window layers' caches as full attention (vLLM's disable_hybrid_kv_cache_manager):
     # same outputs, fewer concurrent requests; for comparison and debugging.
     disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's kv_cache_dtype: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") and "fp8_e5m2"
+    # store them in one byte with scale 1.0 (twice the blocks, half the bytes each decode step reads,
+    # and no longer greedy-equal to HF: outputs follow vLLM's logprobs-close rule instead).
+    kv_cache_dtype: str = "auto"
 
     def _rules(self) -> None:
         bs = self.block_size
+        self._check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         self._check(1 <= bs <= 1024 and bs & (bs - 1) == 0, "block_size", "must be a power of two in [1, 1024]")
         self._check(
             self.num_gpu_blocks is None or 2 <= self.num_gpu_blocks <= INT32_MAX,

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from actors.engine_config import EngineConfig
+from actors.engine_config import ConfigError, EngineConfig
 from actors.forward_context import ForwardContext, set_forward_context
+from kvcore.kernels.fp8 import is_fp8, kv_cache_torch_dtype
 from kvcore.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -23,6 +24,23 @@ if TYPE_CHECKING:
     from actors.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the KV cache is allocated in. The Triton kernels convert e4m3 in hardware, which
+    GPUs before compute capability 8.9 lack (e5m2 converts on any)."""
+    dtype = kv_cache_torch_dtype(kv_cache_dtype, model_dtype)
+    if dtype == torch.float8_e4m3fn and device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ConfigError(
+                f"cache.kv_cache_dtype={kv_cache_dtype!r}: fp8 e4m3 needs a GPU of compute capability >= 8.9 "
+                f"(this one is {cap[0]}.{cap[1]}); use 'fp8_e5m2' or 'auto'"
+            )
+    if is_fp8(dtype):
+        # As vLLM says it: a checkpoint without k/v scales stores K and V unscaled.
+        logger.info("KV cache in %s with k_scale = v_scale = 1.0", dtype)
+    return dtype
 
 
 def kv_cache_specs(

@@ -24,9 +24,14 @@ from kvcore.spec import (
 
 
 def layer_specs_from_hf_config(
-    hf_config: dict[str, Any], dtype: torch.dtype, block_size: int, tensor_parallel_size: int
+    hf_config: dict[str, Any],
+    dtype: torch.dtype,
+    block_size: int,
+    tensor_parallel_size: int,
+    cache_dtype: torch.dtype | None = None,
 ) -> dict[str, KVCacheSpec]:
-    """The specs a rank reports for this model: the model is built on the meta device (shapes only)."""
+    """The specs a rank reports for this model: the model is built on the meta device (shapes only);
+    its caches hold `cache_dtype` (None: the model's dtype)."""
     from actors.models.registry import build_model
 
     with torch.device("meta"):
@@ -34,7 +39,7 @@ def layer_specs_from_hf_config(
     specs: dict[str, KVCacheSpec] = {}
     for layer in model.attention_layers():
         kv_heads = max(1, layer.num_kv_heads // tensor_parallel_size)  # replicated when tp > kv heads
-        shape = (block_size, kv_heads, layer.head_size, dtype)  # the fields both spec classes start with
+        shape = (block_size, kv_heads, layer.head_size, cache_dtype or dtype)  # what both spec classes start with
         specs[layer.layer_name] = (
             SlidingWindowSpec(*shape, sliding_window=layer.sliding_window)
             if layer.sliding_window
@@ -85,9 +90,10 @@ def kv_cache_report(
     max_num_batched_tokens: int,
     num_blocks: int | None = None,
     budget_bytes: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Hybrid vs all-full-attention layouts of one rank, side by side, for the same pool memory."""
-    specs = layer_specs_from_hf_config(hf_config, dtype, block_size, tensor_parallel_size)
+    specs = layer_specs_from_hf_config(hf_config, dtype, block_size, tensor_parallel_size, cache_dtype)
     hybrid = layout_summary(specs, max_model_len, max_num_batched_tokens, num_blocks, budget_bytes)
     # The same memory as the hybrid pool (or budget), spent on the full-attention layout.
     budget = (

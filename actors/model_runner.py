@@ -108,7 +108,7 @@ class ModelRunner(RunnerGraphs):
         return kv_cache_sizing.kv_cache_specs(
             self._model(),
             self.config.cache.block_size,
-            self.dtype,
+            kv_cache_sizing.cache_dtype(self.config.cache.kv_cache_dtype, self.dtype, self.device),
             hybrid=not self.config.cache.disable_hybrid_kv_cache_manager,
         )
 

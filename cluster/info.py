@@ -192,20 +192,23 @@ def kv_cache_info(config: EngineConfig) -> dict[str, Any]:
     from config.json alone; the pool size is known here only when fixed or on the CPU."""
     from actors.kv_memory import kv_cache_report
     from actors.loader import read_hf_config, resolve_dtype, resolve_model_dir
+    from kvcore.kernels.fp8 import kv_cache_torch_dtype
 
     try:
         hf_config = read_hf_config(resolve_model_dir(config.model.model))
         c = config.cache
         budget = int(c.cpu_kv_cache_gib * 2**30) if config.parallel.device == "cpu" else None
+        dtype = resolve_dtype(config.model.dtype, hf_config)
         return kv_cache_report(
             hf_config,
-            resolve_dtype(config.model.dtype, hf_config),
+            dtype,
             c.block_size,
             config.parallel.tensor_parallel_size,
             resolved_max_model_len(config, hf_config),
             config.scheduler.max_num_batched_tokens,
             c.num_gpu_blocks,
             None if c.num_gpu_blocks else budget,
+            kv_cache_torch_dtype(c.kv_cache_dtype, dtype),
         )
     except (OSError, ValueError) as e:
         return {"error": str(e)}

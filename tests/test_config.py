@@ -25,6 +25,7 @@ BAD = [
     ({"cache": {"gpu_memory_utilization": 0}}, "cache.gpu_memory_utilization=0.0: must be in (0, 1]"),
     ({"cache": {"cpu_kv_cache_gib": -1}}, "cache.cpu_kv_cache_gib=-1.0: must be > 0"),
     ({"cache": {"enable_prefix_caching": "yes"}}, "cache.enable_prefix_caching='yes': must be a bool"),
+    ({"cache": {"kv_cache_dtype": "fp16"}}, "cache.kv_cache_dtype='fp16': must be one of ['auto', 'fp8'"),
     ({"cache": 5}, "cache=5: a section must be a mapping"),
     ({"model": {"model": ""}}, "model.model='': must name an HF model directory"),
     ({"model": {"dtype": "fp8"}}, "model.dtype='fp8': must be one of"),

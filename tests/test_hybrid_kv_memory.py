@@ -63,6 +63,16 @@ def test_gemma3_12b_concurrency_at_8k_hybrid_vs_full():
     assert hybrid["max_concurrency_decoding"] > 3.5 * full["max_concurrency_decoding"]
 
 
+def test_fp8_cache_halves_a_block_and_doubles_concurrency():
+    bf16 = kv_cache_report(GEMMA3_12B, torch.bfloat16, 16, 1, 8192, 2048, budget_bytes=40 << 30)["hybrid"]
+    fp8 = kv_cache_report(
+        GEMMA3_12B, torch.bfloat16, 16, 1, 8192, 2048, budget_bytes=40 << 30, cache_dtype=torch.float8_e4m3fn
+    )["hybrid"]
+    assert fp8["bytes_per_block"] * 2 == bf16["bytes_per_block"]
+    assert fp8["num_blocks"] == 2 * bf16["num_blocks"]
+    assert fp8["max_concurrency"] > 1.99 * bf16["max_concurrency"]
+
+
 def _engine_config(model_dir, disable_hybrid):
     return EngineConfig(
         model=ModelConfig(model=model_dir, dtype="float32", seed=0),

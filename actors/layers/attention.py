@@ -42,6 +42,9 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
+        # An fp8 cache stores K / k_scale and V / v_scale (vLLM's per-layer scales); 1.0 unless set.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
@@ -58,7 +61,16 @@ class Attention(nn.Module):
         key = k.view(num_tokens, self.num_kv_heads, self.head_size)
         value = v.view(num_tokens, self.num_kv_heads, self.head_size)
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-        ops.reshape_and_cache(key[:n], value[:n], key_cache, value_cache, md.slot_mapping, backend=self.backend)
+        ops.reshape_and_cache(
+            key[:n],
+            value[:n],
+            key_cache,
+            value_cache,
+            md.slot_mapping,
+            backend=self.backend,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
         out = torch.empty_like(query)
         if n < num_tokens:
             out[n:].zero_()  # padding rows: the kernels leave them untouched
@@ -77,5 +89,7 @@ class Attention(nn.Module):
             backend=self.backend,
             softcap=self.softcap,
             seq_order=md.seq_order,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)

@@ -22,6 +22,7 @@ window - new_tokens/2 .. window + 8), so the window is crossed in prefill or in 
   python benchmarks/checks/check_logprobs_close.py           # H200, bf16, 8 prompts x 32 tokens, top-5
   python benchmarks/checks/check_logprobs_close.py --shapes gemma-2-2b --num-layers 4
   python benchmarks/checks/check_logprobs_close.py --smoke   # CPU, tiny models of each shape's family, float32
+  python benchmarks/checks/check_logprobs_close.py --kv-cache-dtype fp8   # kvray's KV cache in fp8 (metrics *_fp8kv)
 
 Exit status 1 when any shape fails the rule.
 """
@@ -205,6 +206,7 @@ def run_kvray(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: s
         max_num_seqs=len(prompts),
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
+        kv_cache_dtype=args.kv_cache_dtype,
         **extra,
     )
     try:
@@ -281,18 +283,21 @@ def check_shape(shape: str, args, baseline_mib: int | None) -> ShapeReport:
     for s in report.seqs:
         if s.reason:
             print(f"   {'divergence' if s.ok else '!!! FAIL'}: {s.reason}", flush=True)
-    record_report(report)  # now: a later shape that runs past the step's limit keeps this one's records
+    # Now: a later shape that runs past the step's limit keeps this one's records.
+    record_report(report, args.kv_cache_dtype)
     return report
 
 
-def tag(shape: str) -> str:
-    return shape.replace("-", "_").replace(".", "p")
+def tag(shape: str, kv_cache_dtype: str = "auto") -> str:
+    suffix = "" if kv_cache_dtype == "auto" else f"_{kv_cache_dtype}kv"
+    return shape.replace("-", "_").replace(".", "p") + suffix
 
 
-def record_report(r: ShapeReport) -> None:
-    record(SCRIPT, f"logprobs_close_pass_{tag(r.shape)}", 1.0 if r.passed else 0.0, "bool")
-    record(SCRIPT, f"logprobs_close_divergent_{tag(r.shape)}", r.divergent, "sequences")
-    record(SCRIPT, f"logprobs_close_max_lp_diff_{tag(r.shape)}", max(s.max_lp_diff for s in r.seqs), "nats")
+def record_report(r: ShapeReport, kv_cache_dtype: str) -> None:
+    t = tag(r.shape, kv_cache_dtype)
+    record(SCRIPT, f"logprobs_close_pass_{t}", 1.0 if r.passed else 0.0, "bool")
+    record(SCRIPT, f"logprobs_close_divergent_{t}", r.divergent, "sequences")
+    record(SCRIPT, f"logprobs_close_max_lp_diff_{t}", max(s.max_lp_diff for s in r.seqs), "nats")
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -317,6 +322,9 @@ def parse_args(argv: list[str] | None):
         default="decode",
         choices=["all", "decode", "none"],
         help="decode: the decode steps replay graphs; mixed-step graphs would add minutes of cold capture",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], help="kvray's cache"
     )
     p.add_argument("--results-dir", default=None, help="where the RESULT records go (default benchmarks/results)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny models of each shape's family")
@@ -354,10 +362,13 @@ def main(argv: list[str] | None = None) -> int:
             import ray
 
             ray.shutdown()
-    print(f"\nvLLM's rule, {args.num_prompts} prompts x {args.new_tokens} tokens, top-{args.top_k}, {args.dtype}:")
+    print(
+        f"\nvLLM's rule, {args.num_prompts} prompts x {args.new_tokens} tokens, top-{args.top_k}, {args.dtype}, "
+        f"kvray's KV cache {args.kv_cache_dtype}:"
+    )
     for r in reports:
         print("  " + r.summary())
-    record(SCRIPT, "logprobs_close_pass", 1.0 if all(r.passed for r in reports) else 0.0, "bool")
+    record(SCRIPT, f"logprobs_close_pass{tag('', args.kv_cache_dtype)}", float(all(r.passed for r in reports)), "bool")
     failed = [r.shape for r in reports if not r.passed]
     print(f"{'FAIL: ' + ', '.join(failed) if failed else 'PASS'} ({time.perf_counter() - t_start:.1f}s)")
     return 1 if failed else 0

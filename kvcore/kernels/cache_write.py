@@ -2,6 +2,12 @@
 
 One program per (token, tile of KV heads): the slot is read once, the head tile is copied for K and
 V. Slot -1 (padding, or tokens whose KV must not be written) makes the program return at once.
+An fp8 cache (FP8_MANT > 0) stores x / scale, saturated, nearest even (kvcore/kernels/fp8.py).
+
+The value is rounded in fp32 arithmetic onto the fp8 grid before the cast, so the cast itself is
+exact: the interpreter's fp32 -> fp8 cast does not carry a rounded-up mantissa into the exponent
+(7.8 became 4.0 instead of 8.0), while the GPU's cvt rounds correctly. With the value already on the
+grid both give the GPU's answer, so the CPU tests check what the GPU computes.
 """
 
 from __future__ import annotations
@@ -9,6 +15,25 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvcore.kernels.fp8 import format_constexprs
+
+
+@triton.jit
+def round_to_fp8_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
+    """fp32 x saturated to +-FMAX and rounded (nearest, ties to even) to a multiple of the fp8
+    quantum at its magnitude, 2^(max(exponent, EMIN) - MANT); returned as fp32, exactly representable
+    in the fp8 format."""
+    bits = x.to(tl.uint32, bitcast=True)
+    a = tl.minimum((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), FMAX)  # |x|, saturated
+    exp = (a.to(tl.int32, bitcast=True) >> 23) - 127
+    q = tl.maximum(exp, EMIN) - MANT
+    up = ((127 - q) << 23).to(tl.float32, bitcast=True)  # 2^-q: exact scaling, |x| * up < 2^(MANT+1)
+    down = ((127 + q) << 23).to(tl.float32, bitcast=True)
+    # Adding and taking away 1.5 * 2^23 leaves the fp32 add's own round-to-nearest-even integer.
+    r = ((a * up + 12582912.0) - 12582912.0) * down
+    # The sign goes back on as a bit, so values that round to zero keep it (-0.0, as the GPU's cvt).
+    return (r.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -30,9 +55,14 @@ def _reshape_and_cache_kernel(
     stride_vch,
     num_kv_heads,
     head_size,
+    k_inv_scale,
+    v_inv_scale,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_EMIN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -46,6 +76,9 @@ def _reshape_and_cache_kernel(
     t64 = token.to(tl.int64)
     k = tl.load(key_ptr + t64 * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if FP8_MANT > 0:
+        k = round_to_fp8_grid(k.to(tl.float32) * k_inv_scale, FP8_MANT, FP8_EMIN, FP8_MAX)
+        v = round_to_fp8_grid(v.to(tl.float32) * v_inv_scale, FP8_MANT, FP8_EMIN, FP8_MAX)
     kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs
     vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs
     tl.store(kc + heads[:, None] * stride_kch + dims[None, :], k.to(key_cache_ptr.dtype.element_ty), mask=mask)
@@ -58,8 +91,11 @@ def reshape_and_cache_triton(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """key/value [T, Hkv, D] (last dim contiguous); caches [num_blocks, block_size, Hkv, D]."""
+    """key/value [T, Hkv, D] (last dim contiguous); caches [num_blocks, block_size, Hkv, D]; the
+    scales only matter to an fp8 cache."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -85,7 +121,10 @@ def reshape_and_cache_triton(
         value_cache.stride(2),
         num_kv_heads,
         head_size,
+        1.0 / k_scale,
+        1.0 / v_scale,
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        **format_constexprs(key_cache.dtype),
     )

@@ -11,10 +11,20 @@ import torch
 
 from kvcore.kernels import check_backend as _check_backend
 from kvcore.kernels import require as _require
+from kvcore.kernels.fp8 import FORMATS as FP8_FORMATS
 from kvcore.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = (*FLOAT_DTYPES, *FP8_FORMATS)
+
+
+def _check_scales(k_scale: float, v_scale: float) -> None:
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _require(
+            isinstance(s, (int, float)) and 0 < s < float("inf"),
+            f"{name} must be a positive finite number, got {s!r}",
+        )
 
 
 def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -34,6 +44,7 @@ def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> Non
         key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1,
         "key_cache/value_cache: head_size dimension must be contiguous (stride 1)",
     )
+    _require(key_cache.dtype in CACHE_DTYPES, f"key_cache dtype must be one of {CACHE_DTYPES}, got {key_cache.dtype}")
 
 
 def reshape_and_cache(
@@ -43,11 +54,15 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: str = "torch",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at
-    slot_mapping[:T] (slot = block * block_size + offset); slot -1 writes nothing."""
+    slot_mapping[:T] (slot = block * block_size + offset); slot -1 writes nothing. An fp8 cache
+    stores key / k_scale and value / v_scale (saturated, nearest even)."""
     _check_backend(backend)
     _check_cache_pair(key_cache, value_cache)
+    _check_scales(k_scale, v_scale)
     _require(key.dim() == 3, f"key must be [T, num_kv_heads, head_size], got {tuple(key.shape)}")
     _require(value.shape == key.shape, f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
     _require(
@@ -69,14 +84,14 @@ def reshape_and_cache(
     devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
     _require(len(devices) == 1, f"all tensors must be on one device, got {devices}")
     if backend == "torch":
-        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
     _require(
         key.stride(-1) == 1 and value.stride(-1) == 1, "key/value: head_size dimension must be contiguous (stride 1)"
     )
     from kvcore.kernels.cache_write import reshape_and_cache_triton
 
-    reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def _check_attention_args(
@@ -85,7 +100,10 @@ def _check_attention_args(
     _check_cache_pair(key_cache, value_cache)
     _require(query.dim() == 3, f"query must be [T, num_heads, head_size], got shape {tuple(query.shape)}")
     _require(out.shape == query.shape, f"out shape {tuple(out.shape)} must equal query shape {tuple(query.shape)}")
-    _require(query.dtype == key_cache.dtype, f"query dtype {query.dtype} must equal key_cache dtype {key_cache.dtype}")
+    _require(
+        query.dtype == key_cache.dtype or key_cache.dtype in FP8_FORMATS,
+        f"query dtype {query.dtype} must equal key_cache dtype {key_cache.dtype} (or the cache be fp8)",
+    )
     _require(
         query.dtype in FLOAT_DTYPES and out.dtype in FLOAT_DTYPES,
         f"query/out dtype must be one of {FLOAT_DTYPES}, got {query.dtype}/{out.dtype}",
@@ -143,6 +161,8 @@ def paged_attention(
     backend: str = "torch",
     softcap: float | None = None,
     seq_order: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Causal GQA attention of a mixed batch over the paged cache (see the team contract).
 
@@ -153,8 +173,10 @@ def paged_attention(
     are read from the device (a sync). `softcap` (Gemma-2) caps each scaled score at
     softcap * tanh(score / softcap) before the mask and softmax. `seq_order` (int32 [num_seqs], a
     permutation, e.g. `longest_first(seq_lens)`) only orders the Triton launch's programs: the
-    result is the same with or without it."""
+    result is the same with or without it. An fp8 cache's entries count as stored * k_scale (keys)
+    and stored * v_scale (values)."""
     _check_backend(backend)
+    _check_scales(k_scale, v_scale)
     _require(
         softcap is None or (isinstance(softcap, (int, float)) and softcap > 0),
         f"softcap must be None or a positive number, got {softcap!r}",
@@ -167,7 +189,17 @@ def paged_attention(
     )
     if backend == "torch":
         paged_attention_ref(
-            query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale, sliding_window, softcap
+            query,
+            key_cache,
+            value_cache,
+            out,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            scale,
+            sliding_window,
+            softcap,
+            (k_scale, v_scale),
         )
         return
     if max_query_len is None:
@@ -196,6 +228,8 @@ def paged_attention(
         max_seq_len,
         softcap=softcap,
         seq_order=seq_order,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

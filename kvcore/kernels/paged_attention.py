@@ -26,6 +26,9 @@ Design
   hardware dispatches programs about in grid order, so at mixed context lengths the last wave holds
   the shortest programs instead of a few long ones. The order changes no result; the runner passes
   one only to batches of few waves (attention_tiles.longest_first_max_seqs).
+- An fp8 cache (kv_cache_dtype fp8): K/V tiles are loaded as fp8 (half the bytes) and widened to the
+  query's dtype before the dots, exactly; k_scale is folded into the score scale and v_scale applied
+  to the output, so the tiles need no multiply.
 - Host ints max_query_len / max_seq_len only size the grid and pick heuristics: no device sync.
 """
 
@@ -46,6 +49,7 @@ from kvcore.kernels.attention_tiles import (
     num_sms,
     small_tiles,
 )
+from kvcore.kernels.fp8 import is_fp8
 from kvcore.kernels.paged_attention_kernels import paged_attention_kernel, split_reduce_kernel
 
 _LOG2E = 1.4426950408889634
@@ -112,6 +116,7 @@ def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_
         a["scale_log2"],
         a["softcap"],
         a["window"],
+        a["v_scale"],
         num_q_tiles,
         query.stride(0),
         query.stride(1),
@@ -146,6 +151,7 @@ def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_
         SOFTCAP=a["softcap"] > 0,
         FLAT=flat,
         ORDERED=ordered,
+        KV_FP8=is_fp8(key_cache.dtype),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -168,6 +174,8 @@ def paged_attention_triton(
     block_n: int | None = None,
     softcap: float | None = None,
     seq_order: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """See kvcore.kernels.ops.paged_attention. num_splits / block_m / block_n override the
     heuristics (tests force the split path and small tiles with them).
@@ -202,7 +210,9 @@ def paged_attention_triton(
         block_table=block_table,
         num_seqs=num_seqs,
         group=group,
-        scale_log2=scale if softcap else scale * _LOG2E,
+        # An fp8 cache's k_scale scales every score: folded in here, once for the launch.
+        scale_log2=(scale if softcap else scale * _LOG2E) * k_scale,
+        v_scale=float(v_scale),
         softcap=float(softcap or 0.0),
         window=sliding_window or 0,
         head_pad=head_pad(head_size),

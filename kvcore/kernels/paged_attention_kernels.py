@@ -38,6 +38,8 @@ def _attend_tiles(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    COMPUTE_DT: tl.constexpr,
 ):
     for t in range(t_lo, t_hi):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,6 +51,8 @@ def _attend_tiles(
             mask=col_ok[None, :] & dmask[:, None],
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(COMPUTE_DT)  # exact: every fp8 value is a bf16 / fp16 / fp32 value
         if UPCAST_DOT:
             k = k.to(tl.float32)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
@@ -72,6 +76,8 @@ def _attend_tiles(
             mask=col_ok[:, None] & dmask[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(COMPUTE_DT)
         p_in = p.to(v.dtype)
         if UPCAST_DOT:
             # Same rounding of P as on the GPU, then an fp32 product (see paged_attention_triton).
@@ -99,6 +105,7 @@ def paged_attention_kernel(
     scale_log2,
     softcap,
     window,
+    v_scale,
     num_q_tiles,
     stride_qt,
     stride_qh,
@@ -133,6 +140,7 @@ def paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     FLAT: tl.constexpr,
     ORDERED: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     # Heaviest (latest) query tiles first: under causal masking they have the most KV to read.
@@ -251,6 +259,8 @@ def paged_attention_kernel(
         DOT_PRECISION,
         UPCAST_DOT,
         SOFTCAP,
+        KV_FP8,
+        q_ptr.dtype.element_ty,
     )
     acc, l_i, m_i = _attend_tiles(
         acc,
@@ -281,6 +291,8 @@ def paged_attention_kernel(
         DOT_PRECISION,
         UPCAST_DOT,
         SOFTCAP,
+        KV_FP8,
+        q_ptr.dtype.element_ty,
     )
     acc, l_i, m_i = _attend_tiles(
         acc,
@@ -311,10 +323,14 @@ def paged_attention_kernel(
         DOT_PRECISION,
         UPCAST_DOT,
         SOFTCAP,
+        KV_FP8,
+        q_ptr.dtype.element_ty,
     )
 
     # Rows that saw nothing (padding rows, or an empty split) keep l == 0: divide by 1 instead.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * v_scale  # linear, so split partials may carry it into the reduce
     omask = row_ok[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
         tl.store(

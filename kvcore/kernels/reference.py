@@ -6,12 +6,15 @@ and one per prefill chunk, never a Python loop over tokens. Math runs in float32
 written in `out.dtype`.
 
 Layout (see DESIGN.md): key/value caches are [num_blocks, block_size, num_kv_heads, head_size];
-sequence b's query tokens are its LAST q_len positions: pos = seq_len - q_len + i.
+sequence b's query tokens are its LAST q_len positions: pos = seq_len - q_len + i. An fp8 cache holds
+x / scale (kvcore/kernels/fp8.py); what is read from it is multiplied back by the layer's scale.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvcore.kernels.fp8 import is_fp8, quantize_ref
 
 # Bound on the fp32 score tensor of one prefill chunk (elements), so a long chunk on the CPU does not
 # materialise Hq x q_len x kv_len scores at once.
@@ -24,6 +27,8 @@ def reshape_and_cache_ref(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value [T, Hkv, D] at slot_mapping[:T] of the paged caches; slot -1 writes nothing."""
     num_tokens = key.shape[0]
@@ -32,8 +37,17 @@ def reshape_and_cache_ref(
     slots = slots[keep]
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+    key_cache[blocks, offsets] = _store(key[keep], k_scale, key_cache.dtype)
+    value_cache[blocks, offsets] = _store(value[keep], v_scale, value_cache.dtype)
+
+
+def _store(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return quantize_ref(x, scale, dtype) if is_fp8(dtype) else x.to(dtype)
+
+
+def _load(pages: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache entries as float32 values (an fp8 cache's stored value times its scale)."""
+    return pages.float() * scale if is_fp8(pages.dtype) else pages.float()
 
 
 def _kv_start(first_pos: int, sliding_window: int | None, block_size: int) -> int:
@@ -44,13 +58,13 @@ def _kv_start(first_pos: int, sliding_window: int | None, block_size: int) -> in
     return max(0, first_pos - sliding_window + 1) // block_size * block_size
 
 
-def _gather(cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int, scale: float) -> torch.Tensor:
     """Positions [start, end) of one sequence as a contiguous [end - start, Hkv, D] float32 tensor;
     `start` is block-aligned."""
     block_size = cache.shape[1]
     first, last = start // block_size, (end + block_size - 1) // block_size
     pages = cache[block_row[first:last].to(torch.int64)]  # [n_pages, bs, Hkv, D]
-    return pages.flatten(0, 1)[: end - start].float()
+    return _load(pages.flatten(0, 1)[: end - start], scale)
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -82,6 +96,7 @@ def _prefill_one(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Attention for one sequence's chunk: query [Lq, Hq, D] -> [Lq, Hq, D] float32."""
     q_len, num_heads, head_size = query.shape
@@ -97,8 +112,8 @@ def _prefill_one(
         e = min(q_len, s + rows)
         start = _kv_start(first_pos + s, sliding_window, block_size)
         end = first_pos + e
-        k = _gather(key_cache, block_row, start, end).permute(1, 0, 2)  # [Hkv, Lk, D]
-        v = _gather(value_cache, block_row, start, end).permute(1, 0, 2)
+        k = _gather(key_cache, block_row, start, end, kv_scales[0]).permute(1, 0, 2)  # [Hkv, Lk, D]
+        v = _gather(value_cache, block_row, start, end, kv_scales[1]).permute(1, 0, 2)
         q = query[s:e].float().view(e - s, num_kv_heads, group, head_size)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * (e - s), head_size)
         q_pos = torch.arange(first_pos + s, first_pos + e, device=query.device).repeat(group)
@@ -120,6 +135,7 @@ def _decode_batch(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """One token per sequence, all sequences at once, padded to the longest gathered range:
     query [N, Hq, D] -> [N, Hq, D] float32."""
@@ -140,8 +156,8 @@ def _decode_batch(
     in_range = k_pos < seq_t[:, None]
     pages = torch.gather(block_rows.to(torch.int64), 1, page_idx)
     pages = torch.where(in_range[:, ::block_size], pages, torch.zeros_like(pages))
-    k = key_cache[pages].flatten(1, 2).float()  # [N, Lk, Hkv, D]
-    v = value_cache[pages].flatten(1, 2).float()
+    k = _load(key_cache[pages].flatten(1, 2), kv_scales[0])  # [N, Lk, Hkv, D]
+    v = _load(value_cache[pages].flatten(1, 2), kv_scales[1])
     # Padding positions may hold anything (even NaN): zero them so 0-weight * garbage stays 0.
     k = k.masked_fill(~in_range[:, :, None, None], 0.0).permute(0, 2, 1, 3)  # [N, Hkv, Lk, D]
     v = v.masked_fill(~in_range[:, :, None, None], 0.0).permute(0, 2, 1, 3)
@@ -162,9 +178,11 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Causal (optionally sliding-window) GQA attention of a mixed batch over the paged cache.
-    Writes out[:query_start_loc[B]]; rows beyond are left untouched."""
+    Writes out[:query_start_loc[B]]; rows beyond are left untouched. `kv_scales`: an fp8 cache's
+    (k_scale, v_scale)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode_ids = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
@@ -180,11 +198,14 @@ def paged_attention_ref(
             scale,
             sliding_window,
             softcap,
+            kv_scales,
         )
         out[tok] = o.to(out.dtype)
     for b in range(len(lens)):
         s, e = starts[b], starts[b + 1]
         if e - s <= 1:
             continue
-        o = _prefill_one(query[s:e], key_cache, value_cache, block_table[b], lens[b], scale, sliding_window, softcap)
+        o = _prefill_one(
+            query[s:e], key_cache, value_cache, block_table[b], lens[b], scale, sliding_window, softcap, kv_scales
+        )
         out[s:e] = o.to(out.dtype)
