@@ -85,8 +85,10 @@ def test_every_script_is_listed_in_the_readme():
 # ---- kernels (Triton interpreter, tests/conftest.py) ------------------------------------------------
 
 
-def test_bench_attention_smoke(capsys):
-    out = smoke(capsys, "kernels/bench_attention")
+@pytest.mark.parametrize("cache", [[], ["--kv-cache-dtype", "fp8"]])
+def test_bench_attention_smoke(capsys, cache):
+    # Each kernel is checked against the torch reference (SDPA for prefill) inside the script.
+    out = smoke(capsys, "kernels/bench_attention", *cache)
     assert out.count("decode B=") == 1 and "prefill 2x24 on 20 cached" in out and "mixed step" in out, out
 
 

@@ -9,6 +9,7 @@ tokens in contiguous memory with a bottom-right causal mask. Timed with CUDA-gra
 
   python benchmarks/kernels/bench_attention.py            # GPU, appends to results/bench_attention.jsonl
   python benchmarks/kernels/bench_attention.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
+  python benchmarks/kernels/bench_attention.py --kv-cache-dtype fp8   # K/V stored in fp8 (metrics *_fp8kv)
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 import torch  # noqa: E402
 from common import record  # noqa: E402
 
+from kvcore.kernels.fp8 import FP8_KV_DTYPES  # noqa: E402
 from kvcore.kernels.ops import paged_attention  # noqa: E402
 
 COPY_GBPS = 4277.0
 SCRIPT = "bench_attention"
+CACHE: dict = {"dtype": None, "suffix": ""}  # --kv-cache-dtype: the caches' dtype (None: the query's)
 
 
 def make_paged(
@@ -57,6 +60,8 @@ def make_paged(
         table[b, :n] = perm[at : at + n].to(torch.int32)
         at += n
     kv = torch.randn(2, num_blocks, bs, hkv, d, dtype=dtype, device=device)
+    if CACHE["dtype"] is not None:
+        kv = kv.to(CACHE["dtype"])  # N(0, 1) values: scale 1 as vLLM without checkpoint scales
     q = torch.randn(sum(q_lens), hq, d, dtype=dtype, device=device)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     return (q, kv[0], kv[1], qsl.to(device), torch.tensor(seq_lens, dtype=torch.int32).to(device), table.to(device))
@@ -86,7 +91,7 @@ def run_decode(args, device: str, dtype: torch.dtype) -> None:
     batches, contexts = ([3], [40]) if args.smoke else ([1, 32, 128, 256], [1024, 4096, 16384])
     for b in batches:
         for ctx in contexts:
-            kv_bytes = 2 * b * ctx * hkv * d * dtype.itemsize
+            kv_bytes = 2 * b * ctx * hkv * d * (CACHE["dtype"] or dtype).itemsize
             if kv_bytes > 40e9:
                 print(f"decode B={b} ctx={ctx}: skipped ({kv_bytes / 1e9:.0f} GB of KV)")
                 continue
@@ -111,7 +116,8 @@ def run_decode(args, device: str, dtype: torch.dtype) -> None:
                 flush=True,
             )
             if not args.smoke and b == 128 and ctx == 4096:
-                record(SCRIPT, "attn_decode_bw_frac_b128_c4096", frac, "fraction")
+                record(SCRIPT, f"attn_decode_bw_frac_b128_c4096{CACHE['suffix']}", frac, "fraction")
+                record(SCRIPT, f"attn_decode_us_b128_c4096{CACHE['suffix']}", ms * 1e3, "us")
             q = kc = vc = out = None  # free this size's KV before the next (a del would unbind fn's closure)
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -147,10 +153,10 @@ def run_prefill(args, device: str, dtype: torch.dtype) -> None:
     def paged():
         paged_attention(q, kc, vc, out, qsl, sl, bt, scale, None, new, total, backend="triton")
 
-    # The same tokens, gathered into contiguous [B, H, L, D] tensors for SDPA.
+    # The same tokens, gathered into contiguous [B, H, L, D] tensors for SDPA (in the query's dtype).
     pages = bt.long()
-    kd = kc[pages].flatten(1, 2)[:, :total].transpose(1, 2).contiguous()
-    vd = vc[pages].flatten(1, 2)[:, :total].transpose(1, 2).contiguous()
+    kd = kc[pages].flatten(1, 2)[:, :total].transpose(1, 2).to(dtype).contiguous()
+    vd = vc[pages].flatten(1, 2)[:, :total].transpose(1, 2).to(dtype).contiguous()
     qd = q.view(nseq, new, hq, d).transpose(1, 2).contiguous()
     sdpa = sdpa_contiguous(qd, kd, vd)
     paged()
@@ -166,8 +172,8 @@ def run_prefill(args, device: str, dtype: torch.dtype) -> None:
         flush=True,
     )
     if not args.smoke:
-        record(SCRIPT, "attn_prefill_vs_sdpa_ratio", t_paged / t_sdpa, "ratio")
-        record(SCRIPT, "attn_prefill_tflops", flop / t_paged / 1e9, "TFLOP/s")
+        record(SCRIPT, f"attn_prefill_vs_sdpa_ratio{CACHE['suffix']}", t_paged / t_sdpa, "ratio")
+        record(SCRIPT, f"attn_prefill_tflops{CACHE['suffix']}", flop / t_paged / 1e9, "TFLOP/s")
 
 
 def run_mixed(args, device: str, dtype: torch.dtype) -> None:
@@ -200,7 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no results recorded")
     ap.add_argument("--only", choices=["decode", "prefill", "mixed"], default=None)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", *FP8_KV_DTYPES], default="auto")
     args = ap.parse_args(argv)
+    if args.kv_cache_dtype != "auto":
+        CACHE.update(dtype=FP8_KV_DTYPES[args.kv_cache_dtype], suffix=f"_{args.kv_cache_dtype}kv")
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU (use --smoke on the CPU)")
     device = "cpu" if args.smoke else "cuda"
