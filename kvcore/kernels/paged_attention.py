@@ -66,7 +66,7 @@ def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int
     """_launch_tiles with tiles the device holds: head 256 in fp32 (Gemma) needed 281 KiB of shared
     memory on the H200 (227 there), so smaller tiles are tried once per shape and remembered.
     Warm-up launches before any capture, so a CUDA graph never records a failed try."""
-    key = (tiles, a["head_pad"], a["query"].dtype, a["precision"])
+    key = (tiles, a["head_pad"], a["query"].dtype, a["key_cache"].dtype, a["precision"])
     tiles = _FITTED.get(key, tiles)
     while True:
         try:
