@@ -34,8 +34,8 @@ CUDAGRAPH_MODES = ("all", "decode", "none")
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 TRANSPORTS = ("compiled_graph", "actor_calls", "shm")
-# vLLM's kv_cache_dtype values kvray serves ("auto" = the model's dtype); kvcore/kernels/fp8.py maps them.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; "auto" = the model's dtype
+QUANTIZATIONS = (None, "fp8")  # vLLM's online fp8 of a bf16 checkpoint (actors/layers/fp8_linear.py)
 # The worker actor class an engine starts unless told otherwise (tests pass actors.noop_worker.NoopWorker).
 DEFAULT_WORKER_CLS = "actors.worker.Worker"
 
@@ -54,9 +54,11 @@ class ModelConfig(_Section):
     # small share of their GPU time, and a bucket would pad them (vLLM's max_cudagraph_capture_size).
     # None: graphs up to scheduler.max_num_batched_tokens.
     cudagraph_max_tokens: int | None = None
+    quantization: str | None = None  # "fp8": dense linear weights in e4m3 (vLLM's logprobs rule, not HF-equal)
 
     def _rules(self) -> None:
         self._check(self.model.strip() != "", "model", "must name an HF model directory or 'tiny-random'")
+        self._check(self.quantization in QUANTIZATIONS, "quantization", "must be null or 'fp8'")
         self._check(self.dtype in DTYPES, "dtype", f"must be one of {list(DTYPES)}")
         self._check(
             self.max_model_len is None or 1 <= self.max_model_len <= MAX_TOKENS,

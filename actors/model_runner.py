@@ -94,10 +94,14 @@ class ModelRunner(RunnerGraphs):
         from actors.loader import load_model  # the loader pulls in the model zoo; only workers need it
 
         self.model, self.hf_config = load_model(
-            self.config.model.model, dtype=self.config.model.dtype, attention_backend=self.backend, device=self.device
+            self.config.model.model,
+            dtype=self.config.model.dtype,
+            attention_backend=self.backend,
+            device=self.device,
+            quantization=self.config.model.quantization,
         )
         self.model.eval()
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.dtype  # the activations' dtype (fp8 weights are buffers of their own)
         self.max_model_len = resolved_max_model_len(self.config, self.hf_config)
         eos = self._hf("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos  # as the driver's stop check

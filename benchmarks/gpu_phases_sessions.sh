@@ -1,4 +1,4 @@
-# The phases of the sessions since the eighth (s8a ... s14b): one per device call, each a record of what that
+# The phases of the sessions since the eighth (s8a ... s14c): one per device call, each a record of what that
 # call ran. Sourced by benchmarks/gpu_suite.sh, which defines step, make_model, kvray_run and bundle_out and
 # runs them as `bash benchmarks/gpu_suite.sh s14a`.
 # shellcheck shell=bash
@@ -263,30 +263,42 @@ phase_s13d() {  # thirteenth session, call 4: where nano's time goes now (28d8fa
 }
 
 
-phase_s14a() {  # fourteenth session's code, first call: the fp8 KV cache (cache.kv_cache_dtype=fp8, 8444d1e). Kernel
-  # tests on the GPU first (the cache write's bytes against torch's conversion: the hardware cvt), then decode
-  # attention with bf16 and fp8 caches side by side, then nano's defaults beside fp8kv in one run. Expected:
-  # decode attention 0.5-0.6x the bf16 time at B >= 32 (half the bytes; the widening is a few ALU ops a value);
-  # nano: attention is ~4.1 of 5.75 s, so fp8kv ~1.6-1.9 s less: 28-32k tok/s against ~23.4k
+phase_s14a() {  # fourteenth session's code, first call: the fp8 KV cache (cache.kv_cache_dtype=fp8) and fp8 weights
+  # (model.quantization=fp8). Kernel tests on the GPU first (the stored bytes against torch's conversion: the
+  # hardware cvt), then decode attention over bf16 and fp8 caches, the fp8 linear layers against bf16, and nano's
+  # defaults beside fp8kv and fp8 (both). Expected: decode attention 0.5-0.6x the bf16 time at B >= 32 (half the
+  # bytes); fp8 linears ~1.7-2x at M <= 64 (half the weight bytes, plus a quantizer launch) and 1.5-1.9x at M >=
+  # 2048; nano (attention ~4.1 of 5.75 s): fp8kv 28-32k tok/s against ~23.4k, fp8 (both) a little more
   TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
   TAIL=12 step fp8_kernel_tests 120 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_fp8_kv_cache.py -k "not engine and not names"
-  TAIL=16 step attn_bf16 70 python3 benchmarks/kernels/bench_attention.py --only decode
-  TAIL=16 step attn_fp8 70 python3 benchmarks/kernels/bench_attention.py --only decode --kv-cache-dtype fp8
-  TAIL=24 step nano_fp8kv 220 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
-    --configs defaults fp8kv --idle
+    tests/test_fp8_kv_cache.py tests/test_fp8_linear.py -k "not engine and not names and not rules and not scaled_gemm and not swap"
+  TAIL=16 step attn_bf16 60 python3 benchmarks/kernels/bench_attention.py --only decode
+  TAIL=16 step attn_fp8 60 python3 benchmarks/kernels/bench_attention.py --only decode --kv-cache-dtype fp8
+  TAIL=60 step fp8_linear 60 python3 benchmarks/kernels/bench_fp8_linear.py
+  TAIL=30 step nano_fp8 230 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults fp8kv fp8 --idle
   mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
   bundle_out s14a
 }
 
-phase_s14b() {  # fourteenth session's code, second call: Llama-3.1-8B ShareGPT-like, defaults beside fp8kv (its tail
-  # steps are bound by the weight read, so less is expected there: +5-10%), then vLLM's logprobs rule for kvray
-  # with an fp8 cache against HF bf16 (the accuracy class fp8kv belongs to; not greedy-equal by construction)
+phase_s14b() {  # fourteenth session's code, second call: Llama-3.1-8B ShareGPT-like, the defaults beside fp8kv, fp8w
+  # and fp8 (both). Its tail steps (803, 5.4 ms) are bound by the 15 GB weight read and its big ones by GEMMs and
+  # KV. Expected: fp8kv +5-10% (8.7k -> ~9.3k), fp8w +35-50% (~12-13k), fp8 ~13-15k: the 14,000 of [graphs]
   TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
-  TAIL=24 step llama_fp8kv 300 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+  TAIL=24 step llama_fp8kv 260 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
     --configs defaults fp8kv --idle
-  TAIL=30 step logprobs_close_fp8kv 230 python3 benchmarks/checks/check_logprobs_close.py --kv-cache-dtype fp8 \
-    --shapes qwen3-0.6b llama-3.1-8b gemma-3-12b
+  TAIL=24 step llama_fp8w 260 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+    --configs fp8w fp8 --idle
   mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
   bundle_out s14b
+}
+
+phase_s14c() {  # fourteenth session's code, third call: vLLM's logprobs rule for kvray in fp8 against HF bf16, the
+  # accuracy class fp8 belongs to (not greedy-equal by construction): the cache alone, then weights and cache
+  TAIL=3 step compile_bytecode 60 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=30 step logprobs_close_fp8kv 260 python3 benchmarks/checks/check_logprobs_close.py --kv-cache-dtype fp8
+  TAIL=30 step logprobs_close_fp8 260 python3 benchmarks/checks/check_logprobs_close.py --kv-cache-dtype fp8 \
+    --quantization fp8 --shapes llama-3.1-8b qwen3-0.6b gemma-3-12b
+  mkdir -p "$OUT/results"; cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
+  bundle_out s14c
 }

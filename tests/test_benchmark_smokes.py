@@ -92,6 +92,12 @@ def test_bench_attention_smoke(capsys, cache):
     assert out.count("decode B=") == 1 and "prefill 2x24 on 20 cached" in out and "mixed step" in out, out
 
 
+def test_bench_fp8_linear_smoke(capsys):
+    # Each projection's fp8 output is checked against bf16's inside the script (relative error < 8%).
+    out = smoke(capsys, "kernels/bench_fp8_linear", "--shapes", "llama-3.1-8b")
+    assert out.count("llama-3.1-8b ") == 8 and "speed-up" in out, out
+
+
 def test_bench_attention_splits_smoke(capsys):
     out = smoke(capsys, "kernels/bench_attention_splits", "--shapes", "llama-3.1-8b", "--dists", "wide")
     rows = [line for line in out.splitlines() if line.startswith("llama-3.1-8b  wide B=")]

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks" / "checks"), str(ROOT / "benchmarks")]
 from check_logprobs_close import best_first, check_sequence, in_top, kvray_topk, main  # noqa: E402
@@ -119,18 +121,23 @@ def test_best_first_puts_the_greedy_token_of_a_tie_first():
     assert list(best_first([(137294, -9.44), (71600, -9.44), (5, -9.5)])) == [71600, 137294, 5]
 
 
-def test_fp8_kv_cache_end_to_end_follows_the_rule(tmp_path, capsys):
-    """kvray with its KV cache in fp8 (float32 model, a hybrid Gemma-3 whose sliding and full groups
-    both store fp8) against HF float32: no longer token-equal by construction, but every divergence
-    inside both sides' top-5, and the shared tokens' logprobs within fp8's rounding of K/V."""
+@pytest.mark.parametrize(
+    "flags,suffix",
+    [(["--kv-cache-dtype", "fp8"], "_fp8kv"), (["--quantization", "fp8", "--kv-cache-dtype", "fp8"], "_fp8w_fp8kv")],
+)
+def test_fp8_end_to_end_follows_the_rule(tmp_path, capsys, flags, suffix):
+    """kvray with its KV cache in fp8, and with its linear weights in fp8 too (float32 model, a hybrid
+    Gemma-3 whose sliding and full groups both store fp8), against HF float32: no longer token-equal by
+    construction, but every divergence inside both sides' top-5, and the shared tokens' logprobs within
+    fp8's rounding."""
     res = tmp_path / "results"
     argv = ["--smoke", "--shapes", "gemma-3-12b", "--model-dir", str(tmp_path), "--results-dir", str(res)]
-    rc = main([*argv, "--kv-cache-dtype", "fp8"])
+    rc = main([*argv, *flags])
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
     assert "kvray's KV cache fp8" in out and out.rstrip().splitlines()[-1].startswith("PASS"), out[-3000:]
     recs = {r["metric"]: r for r in map(json.loads, (res / "check_logprobs_close.jsonl").read_text().splitlines())}
-    assert recs["logprobs_close_pass_gemma_3_12b_fp8kv"]["value"] == 1.0
-    assert recs["logprobs_close_pass_fp8kv"]["value"] == 1.0
-    # Not float32 noise any more (the cache really is fp8), and not garbage either.
-    assert 1e-4 < recs["logprobs_close_max_lp_diff_gemma_3_12b_fp8kv"]["value"] < 0.5
+    assert recs[f"logprobs_close_pass_gemma_3_12b{suffix}"]["value"] == 1.0
+    assert recs[f"logprobs_close_pass{suffix}"]["value"] == 1.0
+    # Not float32 noise any more (the numbers really pass through fp8), and not garbage either.
+    assert 1e-4 < recs[f"logprobs_close_max_lp_diff_gemma_3_12b{suffix}"]["value"] < 0.5

@@ -16,7 +16,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors import parallel_state as ps
+from actors.layers.fp8_linear import fp8_linear, fp8_shape_ok, quantize_weight_fp8
 from actors.layers.weight_utils import check_full_shape, copy_into, narrow, new_param, read_all
+
+
+class _LinearBase(nn.Module):
+    """The weight's two forms: the model dtype as loaded, or fp8 after quantize_fp8 (then `weight` is None
+    and the e4m3 weight and its per-channel scales are buffers)."""
+
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
+    weight_fp8: torch.Tensor
+    weight_scale: torch.Tensor
+
+    def quantize_fp8(self) -> bool:
+        """Swap the loaded weight for its fp8 form; False (nothing changes) where the GEMM's shape rule fails."""
+        w = self.weight
+        if w is None or not fp8_shape_ok(w):
+            return False
+        wq, scale = quantize_weight_fp8(w.data)
+        self.out_dtype = w.dtype
+        self.register_parameter("weight", None)
+        self.register_buffer("weight_fp8", wq)
+        self.register_buffer("weight_scale", scale)
+        return True
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight is None:
+            return fp8_linear(x, self.weight_fp8, self.weight_scale, bias, self.out_dtype)
+        return F.linear(x, self.weight, bias)
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -25,7 +53,7 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_LinearBase):
     """y = x W^T + b with W's output rows split evenly across ranks; output stays sharded."""
 
     def __init__(
@@ -45,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param, narrow(loaded, 0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -125,7 +153,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_LinearBase):
     """y = x W^T + b with W's input columns split across ranks; x arrives sharded (from a
     column-parallel layer), the partial products are summed by one all-reduce, then the bias is
     added once."""
@@ -157,7 +185,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param, narrow(loaded, 1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._matmul(x, None)
         if self.reduce_results:
             y = ps.all_reduce(y)
         if self.bias is not None:

@@ -23,6 +23,7 @@ window - new_tokens/2 .. window + 8), so the window is crossed in prefill or in 
   python benchmarks/checks/check_logprobs_close.py --shapes gemma-2-2b --num-layers 4
   python benchmarks/checks/check_logprobs_close.py --smoke   # CPU, tiny models of each shape's family, float32
   python benchmarks/checks/check_logprobs_close.py --kv-cache-dtype fp8   # kvray's KV cache in fp8 (metrics *_fp8kv)
+  python benchmarks/checks/check_logprobs_close.py --quantization fp8     # kvray's linear weights in fp8 (*_fp8w)
 
 Exit status 1 when any shape fails the rule.
 """
@@ -207,6 +208,7 @@ def run_kvray(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: s
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         **extra,
     )
     try:
@@ -284,17 +286,22 @@ def check_shape(shape: str, args, baseline_mib: int | None) -> ShapeReport:
         if s.reason:
             print(f"   {'divergence' if s.ok else '!!! FAIL'}: {s.reason}", flush=True)
     # Now: a later shape that runs past the step's limit keeps this one's records.
-    record_report(report, args.kv_cache_dtype)
+    record_report(report, variant(args))
     return report
 
 
-def tag(shape: str, kv_cache_dtype: str = "auto") -> str:
-    suffix = "" if kv_cache_dtype == "auto" else f"_{kv_cache_dtype}kv"
-    return shape.replace("-", "_").replace(".", "p") + suffix
+def variant(args) -> str:
+    """The metric suffix of kvray's numerics: _fp8w (fp8 weights), _fp8kv (an fp8 cache), both, or none."""
+    w = f"_{args.quantization}w" if args.quantization else ""
+    return w + ("" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}kv")
 
 
-def record_report(r: ShapeReport, kv_cache_dtype: str) -> None:
-    t = tag(r.shape, kv_cache_dtype)
+def tag(shape: str) -> str:
+    return shape.replace("-", "_").replace(".", "p")
+
+
+def record_report(r: ShapeReport, suffix: str) -> None:
+    t = tag(r.shape) + suffix
     record(SCRIPT, f"logprobs_close_pass_{t}", 1.0 if r.passed else 0.0, "bool")
     record(SCRIPT, f"logprobs_close_divergent_{t}", r.divergent, "sequences")
     record(SCRIPT, f"logprobs_close_max_lp_diff_{t}", max(s.max_lp_diff for s in r.seqs), "nats")
@@ -326,6 +333,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], help="kvray's cache"
     )
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="kvray's dense linear weights")
     p.add_argument("--results-dir", default=None, help="where the RESULT records go (default benchmarks/results)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny models of each shape's family")
     if "--smoke" in (sys.argv[1:] if argv is None else argv):  # its defaults; explicit flags still win
@@ -364,11 +372,11 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     print(
         f"\nvLLM's rule, {args.num_prompts} prompts x {args.new_tokens} tokens, top-{args.top_k}, {args.dtype}, "
-        f"kvray's KV cache {args.kv_cache_dtype}:"
+        f"kvray's KV cache {args.kv_cache_dtype}, quantization {args.quantization}:"
     )
     for r in reports:
         print("  " + r.summary())
-    record(SCRIPT, f"logprobs_close_pass{tag('', args.kv_cache_dtype)}", float(all(r.passed for r in reports)), "bool")
+    record(SCRIPT, f"logprobs_close_pass{variant(args)}", float(all(r.passed for r in reports)), "bool")
     failed = [r.shape for r in reports if not r.passed]
     print(f"{'FAIL: ' + ', '.join(failed) if failed else 'PASS'} ({time.perf_counter() - t_start:.1f}s)")
     return 1 if failed else 0

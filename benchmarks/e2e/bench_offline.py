@@ -16,7 +16,8 @@ Configs (--configs, each one LLM after the other on the same prompts):
   cap512, cap2048   defaults with mixed steps above 512 / 2048 tokens eager (model.cudagraph_max_tokens)
   big, big_cap512   max_num_seqs 512, max_num_batched_tokens 16384 (vLLM's offline defaults on big GPUs)
   shm, compiled_graph   defaults with that step transport (ray.transport)
-  fp8kv     defaults with the KV cache in fp8 (kv_cache_dtype fp8; not counted in defaults_vs_best_ratio)
+  fp8kv, fp8w, fp8   defaults with the KV cache, the linear weights, or both in fp8 (kv_cache_dtype /
+            quantization "fp8"; other numerics, so not counted in defaults_vs_best_ratio)
 --idle times every step of every config with CUDA events and prints where the GPU time went.
 Records offline_<tag>_output_tok_s (defaults), offline_<tag>_<config>_tok_s, graph_step_share_<tag>,
 gpu_idle_frac_all_steps (defaults; CUDA events around every step's GPU work), defaults_vs_best_ratio.
@@ -71,8 +72,10 @@ CONFIGS = {
     "compiled_graph": dict(transport="compiled_graph"),
     # vLLM's kv_cache_dtype="fp8": another numerics class, so never the "best" the defaults are held to.
     "fp8kv": dict(kv_cache_dtype="fp8"),
+    "fp8w": dict(quantization="fp8"),  # vLLM's quantization="fp8": the dense linear weights in e4m3
+    "fp8": dict(quantization="fp8", kv_cache_dtype="fp8"),
 }
-NUMERICS_CHANGING = {"fp8kv"}
+NUMERICS_CHANGING = {"fp8kv", "fp8w", "fp8"}
 
 
 def make_workload(kind: str, vocab: int) -> tuple[list[list[int]], list[dict]]:

@@ -1,0 +1,63 @@
+"""fp8 weights for the dense linear layers (vLLM's `quantization="fp8"` on a bf16 checkpoint).
+
+At load time each weight is quantized per output channel to e4m3 (scale = the row's amax / 448); at run
+time each input row is quantized per token the same way, and one scaled GEMM (torch._scaled_mm: cuBLASLt
+/ CUTLASS on Hopper, a reference on the CPU) multiplies them and applies both scales: y = (xq * sx) (wq *
+sw)^T. Half the weight bytes a step and Hopper's fp8 tensor cores, at fp8's rounding of weights and
+activations: outputs follow vLLM's logprobs rule, not HF's greedy tokens, so it is never a default.
+
+The embedding, the LM head and mixture-of-experts weights stay in the model's dtype (as in vLLM's online
+fp8 for the first two). On the GPU the row-wise scaled GEMM writes bf16 only, so the model must be bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.kernels.fp8 import FORMATS
+
+E4M3 = torch.float8_e4m3fn
+FMAX = FORMATS[E4M3].max_value
+MIN_SCALE = 1.0 / (FMAX * 512.0)  # as the Triton quantizer (actors/layers/kernels/fp8_quant.py)
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x as e4m3 with its own fp32 scale [rows, 1]: round(x * (1 / scale)), saturated."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FMAX).clamp(min=MIN_SCALE)
+    q = (xf * (1.0 / scale)).clamp(-FMAX, FMAX).to(E4M3)
+    return q, scale
+
+
+def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 [M, 1]): the torch reference of the Triton quantizer."""
+    return _quantize_rows(x)
+
+
+def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight [N, K] -> (e4m3 [N, K], fp32 scales [1, N]: one per output channel)."""
+    q, scale = _quantize_rows(w)
+    return q.contiguous(), scale.reshape(1, -1).contiguous()
+
+
+def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:
+        from actors.layers.kernels.fp8_quant import per_token_quant_fp8_triton
+
+        return per_token_quant_fp8_triton(x if x.stride(-1) == 1 else x.contiguous())
+    return per_token_quant_fp8_ref(x)
+
+
+def fp8_linear(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """x [..., K] in the model's dtype, wq [N, K] e4m3, w_scale [1, N] -> [..., N] in out_dtype."""
+    lead = x.shape[:-1]
+    xq, x_scale = per_token_quant_fp8(x.reshape(-1, x.shape[-1]))
+    y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype)
+    return y.reshape(*lead, wq.shape[0])
+
+
+def fp8_shape_ok(w: torch.Tensor) -> bool:
+    """The scaled GEMM's rule on the GPU: both dims of the weight multiples of 16."""
+    return w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0

@@ -1,0 +1,94 @@
+"""fp8 weights (model.quantization="fp8") against bf16, per linear layer, side by side in one run.
+
+For the Llama-3.1-8B and Qwen3-0.6B shapes' four projections (qkv, o, gate_up, down) at token counts from a
+tail decode step to a prefill chunk: the bf16 GEMM (F.linear), the fp8 layer as the engine runs it (the
+per-token quantizer, then torch._scaled_mm with row-wise scales), and the scaled GEMM alone. CUDA-graph
+replay, median us; weight bytes read per us as TB/s, and TFLOP/s. Expected: the weight-bound rows (M <= 64)
+near 2x (half the bytes, minus the quantizer's launch), the compute-bound ones (M >= 2048) 1.5-1.9x.
+
+  python benchmarks/kernels/bench_fp8_linear.py            # GPU, appends to results/bench_fp8_linear.jsonl
+  python benchmarks/kernels/bench_fp8_linear.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
+# the one import pattern of benchmarks/README.md.
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
+import torch  # noqa: E402
+from bench_layer_kernels import bench  # noqa: E402
+from common import SHAPES, record  # noqa: E402
+
+from actors.layers.fp8_linear import fp8_linear, per_token_quant_fp8, quantize_weight_fp8  # noqa: E402
+
+SCRIPT = "bench_fp8_linear"
+TOKENS = [1, 16, 64, 128, 256, 2048, 8192]
+
+
+def projections(shape: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of each projection's weight at TP=1."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    d = shape.get("head_dim") or h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
+
+
+def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool) -> None:
+    device = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    for proj, (n, k) in projections(shape).items():
+        w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+        wq, ws = quantize_weight_fp8(w)
+        for m in tokens:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            xq, xs = per_token_quant_fp8(x)
+            y_bf16 = torch.nn.functional.linear(x, w)
+            y_fp8 = fp8_linear(x, wq, ws, None, dtype)
+            err = ((y_fp8.float() - y_bf16.float()).norm() / y_bf16.float().norm()).item()
+            if not err < 0.08:  # fp8's rounding of both operands: a few percent; more is a bug
+                raise SystemExit(f"{name} {proj} M={m}: relative error {err:.3f} against bf16")
+            t_bf16 = bench(lambda: torch.nn.functional.linear(x, w), smoke)
+            t_fp8 = bench(lambda: fp8_linear(x, wq, ws, None, dtype), smoke)
+            t_mm = bench(
+                lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=dtype),
+                smoke,  # noqa: B023
+            )
+            flop = 2 * m * n * k
+            print(
+                f"{name:13s} {proj:8s} M={m:5d}  bf16 {t_bf16:8.1f} us ({2 * n * k / t_bf16 / 1e6:5.2f} TB/s, "
+                f"{flop / t_bf16 / 1e6:6.1f} TFLOP/s)  fp8 {t_fp8:8.1f} us ({n * k / t_fp8 / 1e6:5.2f} TB/s, "
+                f"{flop / t_fp8 / 1e6:6.1f} TFLOP/s)  scaled_mm alone {t_mm:8.1f} us  speed-up {t_bf16 / t_fp8:4.2f}x"
+                f"  rel err {err:.4f}",
+                flush=True,
+            )
+            if not smoke:
+                record(SCRIPT, f"fp8_linear_speedup_{name}_{proj}_m{m}", t_bf16 / t_fp8, "x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no results recorded")
+    ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-0.6b"], choices=sorted(SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    args = ap.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("bench_fp8_linear needs a CUDA GPU (use --smoke on the CPU)")
+    torch.manual_seed(0)
+    for name in args.shapes:
+        shape = SHAPES[name]
+        if args.smoke:
+            shape = dict(shape, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+            shape["head_dim"] = 16
+        run_shape(name, shape, [3, 20] if args.smoke else args.tokens, args.smoke)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""fp8 weights (model.quantization="fp8"): the Triton per-token quantizer against its torch reference bit for
+bit (under TRITON_INTERPRET=1), the per-channel weight quantization, the scaled GEMM against the dequantized
+product, and the linear layers' swap. End to end, vLLM's logprobs rule: tests/test_check_logprobs_close.py.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from actors.layers.fp8_linear import (  # noqa: E402
+    FMAX,
+    MIN_SCALE,
+    fp8_linear,
+    per_token_quant_fp8_ref,
+    quantize_weight_fp8,
+)
+from actors.layers.kernels.fp8_quant import per_token_quant_fp8_triton  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+# The quantizer tests run the compiled kernel on a GPU with TRITON_INTERPRET=0 (gpu_suite s14a).
+DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
+
+
+def activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Rows of very different magnitudes, an all-zero row (a graph's padding row), a row with one outlier
+    (most of it quantizes to subnormals or zero), and exact ties of the fp8 grid."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    x[1] = 0.0
+    x[2, 5] = 1e4
+    x[3, : min(cols, 8)] = torch.tensor([448.0, 416.0, 432.0, 440.0, -424.0, 1.0, 0.5, -0.0])[: min(cols, 8)]
+    return x
+
+
+@pytest.mark.parametrize("cols", [40, 1024, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_quantizer_matches_the_reference_bit_for_bit(dtype, cols):
+    x = activations(7, cols).to(dtype).to(DEVICE)
+    q_ref, s_ref = per_token_quant_fp8_ref(x)
+    q, s = per_token_quant_fp8_triton(x)
+    assert q.dtype == E4M3 and s.shape == (7, 1) and s.dtype == torch.float32
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert s[1].item() == torch.tensor(MIN_SCALE).item()  # the zero row divides by the floor (in fp32): stays 0
+    assert (q[1].float() == 0).all()
+
+
+def test_triton_quantizer_reads_strided_rows():
+    """A view into a wider buffer (say q out of a fused QKV output): rows strided, columns unit-stride."""
+    wide = activations(5, 96, seed=3).to(DEVICE)
+    x = wide[:, 16:80]
+    q, s = per_token_quant_fp8_triton(x)
+    q_ref, s_ref = per_token_quant_fp8_ref(x.contiguous())
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+def test_every_row_uses_the_whole_range():
+    x = activations(6, 256, seed=1)
+    q, s = per_token_quant_fp8_ref(x)
+    assert torch.equal(q.float().abs().amax(-1)[[0, 2, 3, 4, 5]], torch.full((5,), FMAX))
+    back = q.float() * s
+    err = (back - x).abs().amax(-1) / x.abs().amax(-1).clamp(min=1e-30)
+    assert (err[[0, 2, 3, 4, 5]] <= 2.0**-4).all()  # half a step of 3 mantissa bits, relative to the row's max
+
+
+def test_weights_quantize_per_output_channel():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 32, generator=g) * torch.linspace(0.01, 10, 48)[:, None]
+    wq, scale = quantize_weight_fp8(w)
+    assert wq.shape == (48, 32) and wq.dtype == E4M3 and wq.is_contiguous()
+    assert scale.shape == (1, 48) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale[0], w.abs().amax(-1) / FMAX)
+    rel = ((wq.float() * scale.t()) - w).abs().amax(-1) / w.abs().amax(-1)
+    assert (rel <= 2.0**-4).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_scaled_gemm_is_the_product_of_the_dequantized_operands(bias):
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(9, 64, generator=g), torch.randn(32, 64, generator=g) / 8
+    b = torch.randn(32, generator=g) if bias else None
+    wq, ws = quantize_weight_fp8(w)
+    y = fp8_linear(x.view(3, 3, 64), wq, ws, b, torch.float32)
+    assert y.shape == (3, 3, 32)
+    xq, xs = per_token_quant_fp8_ref(x)
+    exact = (xq.float() * xs) @ (wq.float() * ws.t()).t() + (0 if b is None else b)
+    torch.testing.assert_close(y.reshape(9, 32), exact, atol=1e-5, rtol=1e-5)
+    full = torch.nn.functional.linear(x, w, b)
+    assert (y.reshape(9, 32) - full).abs().max() < 0.1 * full.abs().max()  # fp8's error, not garbage
+
+
+def test_linear_layers_swap_their_weight_and_keep_their_output():
+    from actors.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(5)
+    col = MergedColumnParallelLinear(64, [32, 32], True, torch.float32)
+    row = RowParallelLinear(64, 48, True, torch.float32)
+    odd = RowParallelLinear(40, 24, False, torch.float32)  # 24 x 40: not multiples of 16
+    for layer in (col, row, odd):
+        for p in layer.parameters():
+            p.data.normal_(0, 0.2)
+    x = torch.randn(5, 64)
+    before = (col(x), row(x), odd(x[:, :40]))
+    assert col.quantize_fp8() and row.quantize_fp8() and not odd.quantize_fp8()
+    assert col.weight is None and col.weight_fp8.dtype == E4M3 and col.bias is not None
+    assert odd.weight is not None  # untouched: the GPU's scaled GEMM needs multiples of 16
+    after = (col(x), row(x), odd(x[:, :40]))
+    for b, a in zip(before[:2], after[:2]):
+        assert not torch.equal(a, b) and (a - b).abs().max() < 0.1 * b.abs().max()
+    assert torch.equal(before[2], after[2])
+    assert not col.quantize_fp8()  # already fp8: nothing to do
+
+
+def test_quantization_rules_name_the_field(tmp_path):
+    import hf_models as H
+
+    from actors.loader import load_model
+    from cluster.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="model.quantization='int4': must be null or 'fp8'"):
+        config_from_dict({"model": {"quantization": "int4"}})
+    H.save_hf_model("llama", str(tmp_path))
+    # Checked before anything touches a GPU, so this machine's lack of one does not matter.
+    with pytest.raises(ConfigError, match="model.quantization='fp8'.*set model.dtype=bfloat16"):
+        load_model(str(tmp_path), dtype="float32", device="cuda", quantization="fp8")
+    model, _ = load_model(str(tmp_path), dtype="float32", quantization="fp8")
+    linears = [m for m in model.modules() if hasattr(m, "weight_fp8")]
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
