@@ -91,7 +91,9 @@ def dense_oracle(batch, scale, window):
     return torch.cat(outs)
 
 
-def run_attention(batch, scale, window, backend, **triton_kw):
+def run_attention(batch, scale, window, backend, kv_scales=(1.0, 1.0), **triton_kw):
+    """The batch through the op dispatcher, or straight through the Triton launcher when triton_kw
+    (tile or split overrides) are given; kv_scales: an fp8 cache's (k_scale, v_scale)."""
     out = torch.full_like(batch["query"], float("nan"))
     args = (
         batch["query"],
@@ -103,22 +105,12 @@ def run_attention(batch, scale, window, backend, **triton_kw):
         batch["block_table"][:-1],
         scale,
     )
+    max_q, max_s = max(batch["q_lens"]), max(k.shape[0] for k in batch["keys"])
+    scales = dict(k_scale=kv_scales[0], v_scale=kv_scales[1])
     if triton_kw:
-        paged_attention_triton(
-            *args,
-            window,
-            max(batch["q_lens"]),
-            max(batch["keys"][i].shape[0] for i in range(len(batch["keys"]))),
-            **triton_kw,
-        )
+        paged_attention_triton(*args, window, max_q, max_s, **scales, **triton_kw)
     else:
-        paged_attention(
-            *args,
-            sliding_window=window,
-            max_query_len=max(batch["q_lens"]),
-            max_seq_len=max(k.shape[0] for k in batch["keys"]),
-            backend=backend,
-        )
+        paged_attention(*args, sliding_window=window, max_query_len=max_q, max_seq_len=max_s, backend=backend, **scales)
     return out.cpu()
 
 

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvcore.kernels.fp8 import FORMATS, quantize_ref  # noqa: E402
-from kvcore.kernels.ops import paged_attention, reshape_and_cache  # noqa: E402
+from kvcore.kernels.ops import reshape_and_cache  # noqa: E402
 from tests.test_attention_kernels import (  # noqa: E402
     DEVICE,
     SHAPES,
@@ -77,35 +77,13 @@ def fp8_batch(kind: str, dtype: torch.dtype, qdtype: torch.dtype, scales: tuple[
     return batch
 
 
-def attend(batch, backend: str, scales: tuple[float, float], window=None, **kw) -> torch.Tensor:
-    out = torch.full_like(batch["query"], float("nan"))
-    paged_attention(
-        batch["query"],
-        batch["key_cache"],
-        batch["value_cache"],
-        out,
-        batch["query_start_loc"],
-        batch["seq_lens"],
-        batch["block_table"][:-1],
-        0.2,
-        sliding_window=window,
-        max_query_len=max(batch["q_lens"]),
-        max_seq_len=max(k.shape[0] for k in batch["keys"]),
-        backend=backend,
-        k_scale=scales[0],
-        v_scale=scales[1],
-        **kw,
-    )
-    return out.cpu()
-
-
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.5, 3.0)])
 @pytest.mark.parametrize("kind", list(SHAPES))
 @pytest.mark.parametrize("dtype", FP8)
 def test_triton_attention_over_fp8_matches_reference(dtype, kind, scales):
     batch = fp8_batch(kind, dtype, torch.float32, scales, seed=5)
-    ref = attend(batch, "torch", scales)
-    out = attend(batch, "triton", scales)
+    ref = run_attention(batch, 0.2, None, "torch", scales)
+    out = run_attention(batch, 0.2, None, "triton", scales)
     assert_written_and_untouched(out, batch["num_tokens"])
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
 
@@ -116,30 +94,10 @@ def test_triton_fp8_split_kv_and_window(kind, window):
     """Split-KV partials carry v_scale into the reduce; a window skips the null block's pages."""
     scales = (2.0, 0.25)
     batch = fp8_batch(kind, torch.float8_e4m3fn, torch.float32, scales, window=window, seed=9)
-    ref = attend(batch, "torch", scales, window)
-    from kvcore.kernels.paged_attention import paged_attention_triton
-
-    out = torch.full_like(batch["query"], float("nan"))
-    paged_attention_triton(
-        batch["query"],
-        batch["key_cache"],
-        batch["value_cache"],
-        out,
-        batch["query_start_loc"],
-        batch["seq_lens"],
-        batch["block_table"][:-1],
-        0.2,
-        window,
-        max(batch["q_lens"]),
-        max(k.shape[0] for k in batch["keys"]),
-        num_splits=3,
-        block_m=16,
-        block_n=16,
-        k_scale=scales[0],
-        v_scale=scales[1],
-    )
-    assert_written_and_untouched(out.cpu(), batch["num_tokens"])
-    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=2e-5, equal_nan=True)
+    ref = run_attention(batch, 0.2, window, "torch", scales)
+    out = run_attention(batch, 0.2, window, "triton", scales, num_splits=3, block_m=16, block_n=16)
+    assert_written_and_untouched(out, batch["num_tokens"])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", FP8)
@@ -147,8 +105,8 @@ def test_bf16_queries_over_fp8_cache(dtype):
     """The model's dtype is bf16 and the cache fp8: K/V widen to bf16 exactly, P rounds to bf16 as
     with a bf16 cache."""
     batch = fp8_batch("mixed", dtype, torch.bfloat16, (1.0, 1.0), seed=2)
-    ref = attend(batch, "torch", (1.0, 1.0))
-    out = attend(batch, "triton", (1.0, 1.0))
+    ref = run_attention(batch, 0.2, None, "torch")
+    out = run_attention(batch, 0.2, None, "triton")
     assert out.dtype == torch.bfloat16
     assert_written_and_untouched(out, batch["num_tokens"])
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2, equal_nan=True)
@@ -159,11 +117,11 @@ def test_reference_over_fp8_is_the_attention_of_the_scaled_values(scales):
     """Against SDPA on the unquantized K/V: off by fp8's rounding only, so stored * scale is what is
     read (a scale applied the wrong way round would be off by orders of magnitude)."""
     batch = fp8_batch("mixed", torch.float8_e4m3fn, torch.float32, scales, seed=4)
-    ref = attend(batch, "torch", scales)[: batch["num_tokens"]]
+    ref = run_attention(batch, 0.2, None, "torch", scales)[: batch["num_tokens"]]
     dense = dense_oracle(batch, 0.2, None)
     err = (ref - dense).abs().max().item()
     assert err < 0.15, err
-    unscaled = attend(batch, "torch", (1.0, 1.0))[: batch["num_tokens"]]
+    unscaled = run_attention(batch, 0.2, None, "torch")[: batch["num_tokens"]]
     if scales != (1.0, 1.0):
         assert (unscaled - dense).abs().max().item() > 5 * err
 
@@ -172,7 +130,7 @@ def test_scale_rules_name_the_field():
     batch = fp8_batch("decode", torch.float8_e4m3fn, torch.float32, (1.0, 1.0))
     for field, bad in (("k_scale", dict(k_scale=0.0)), ("v_scale", dict(v_scale=float("inf")))):
         with pytest.raises(ValueError, match=field):
-            attend(batch, "torch", (bad.get("k_scale", 1.0), bad.get("v_scale", 1.0)))
+            run_attention(batch, 0.2, None, "torch", (bad.get("k_scale", 1.0), bad.get("v_scale", 1.0)))
     key = torch.zeros(1, 2, 32, device=DEVICE)
     with pytest.raises(ValueError, match="k_scale"):
         reshape_and_cache(

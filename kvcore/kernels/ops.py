@@ -187,20 +187,9 @@ def paged_attention(
         or (seq_order.dtype == torch.int32 and seq_order.shape == seq_lens.shape and seq_order.device == query.device),
         "seq_order must be None or an int32 permutation shaped like seq_lens, on the query's device",
     )
+    args = (query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale)
     if backend == "torch":
-        paged_attention_ref(
-            query,
-            key_cache,
-            value_cache,
-            out,
-            query_start_loc,
-            seq_lens,
-            block_table,
-            scale,
-            sliding_window,
-            softcap,
-            (k_scale, v_scale),
-        )
+        paged_attention_ref(*args, sliding_window, softcap, (k_scale, v_scale))
         return
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if seq_lens.shape[0] else 0
@@ -215,14 +204,7 @@ def paged_attention(
     from kvcore.kernels.paged_attention import paged_attention_triton
 
     paged_attention_triton(
-        query,
-        key_cache,
-        value_cache,
-        out,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        scale,
+        *args,
         sliding_window,
         max_query_len,
         max_seq_len,
