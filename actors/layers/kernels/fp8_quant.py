@@ -3,8 +3,8 @@
 One program per row: the row's largest magnitude sets its scale (amax / 448, floored as vLLM floors it),
 then the row is stored as round(x / scale) in e4m3, rounded onto the grid by kvcore/kernels/fp8_round.py.
 The reciprocal is a correctly rounded fp32 division (div_rn), so the GPU, the interpreter and the torch
-reference (actors/layers/fp8_linear.py) store the same bytes. The row is read twice (max, then store):
-a linear layer's input row is at most a few tens of KiB and the second read comes from L2.
+reference (actors/layers/fp8_linear.py) store the same bytes. A row of up to 4,096 values is read once and
+held in registers; a longer one (Llama's down_proj input, 14,336) is read twice, the second time from L2.
 """
 
 from __future__ import annotations
@@ -31,26 +31,37 @@ def _per_token_quant_kernel(
     n_cols,
     min_scale,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     MANT: tl.constexpr,
     EMIN: tl.constexpr,
     FMAX: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FMAX), min_scale)
-    inv = tl.math.div_rn(1.0, scale)
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    q_row = q_ptr + row * stride_q
+    if ONE_PASS:  # the row fits one block: read it once, keep it in registers
+        cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q = round_to_fp8_grid(x * inv, MANT, EMIN, FMAX)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FMAX), min_scale)
+        tl.store(scale_ptr + row, scale)
+        q = round_to_fp8_grid(x * tl.math.div_rn(1.0, scale), MANT, EMIN, FMAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FMAX), min_scale)
+        inv = tl.math.div_rn(1.0, scale)
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            q = round_to_fp8_grid(x * inv, MANT, EMIN, FMAX)
+            tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def per_token_quant_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +81,7 @@ def per_token_quant_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         k,
         MIN_SCALE,
         BLOCK=block,
+        ONE_PASS=k <= block,
         MANT=E4M3.mantissa_bits,
         EMIN=E4M3.min_exponent,
         FMAX=E4M3.max_value,
