@@ -1,4 +1,4 @@
-# The phases of the sessions since the eighth (s8a ... s14c): one per device call, each a record of what that
+# The phases of the sessions since the eighth (s8a ... s14x): one per device call, each a record of what that
 # call ran. Sourced by benchmarks/gpu_suite.sh, which defines step, make_model, kvray_run and bundle_out and
 # runs them as `bash benchmarks/gpu_suite.sh s14a`.
 # shellcheck shell=bash
@@ -305,4 +305,19 @@ phase_s14c() {  # fourteenth session's code, third call: the two halves of fp8 o
     --shapes llama-3.1-8b qwen3-0.6b gemma-3-12b
   cp benchmarks/results/*.jsonl "$OUT/results/" 2>/dev/null
   bundle_out s14c
+}
+
+phase_s14x() {  # fourteenth session, the one call it got after three refused starts: s14a and s14b's essentials in
+  # ~570 s. The GPU kernel tests (bytes against torch's conversion, attention over fp8, the quantizer), nano and
+  # Llama-3.1-8B with their defaults beside fp8 (and nano's fp8kv), then the fp8 linear layers against bf16.
+  # Logs stay loose in $OUT (fewer than 8 files) so that a call cut off at its limit still returns them
+  TAIL=3 step compile_bytecode 30 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=12 step fp8_kernel_tests 100 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -x \
+    tests/test_fp8_kv_cache.py tests/test_fp8_linear.py \
+    -k "bit_for_bit or (over_fp8_matches and dtype0) or bf16_queries or same_values or quantizer"
+  TAIL=30 step nano_fp8 200 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults fp8kv fp8 --idle
+  TAIL=24 step llama_fp8 210 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+    --configs defaults fp8 --idle
+  TAIL=40 step fp8_linear 40 python3 benchmarks/kernels/bench_fp8_linear.py --tokens 16 256 8192
 }
