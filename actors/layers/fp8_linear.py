@@ -18,7 +18,9 @@ from kvcore.kernels.fp8 import FORMATS
 
 E4M3 = torch.float8_e4m3fn
 FMAX = FORMATS[E4M3].max_value
-MIN_SCALE = 1.0 / (FMAX * 512.0)  # as the Triton quantizer (actors/layers/kernels/fp8_quant.py)
+# vLLM's floor on a dynamic scale: an all-zero row (a graph's padding row) still divides. The Triton
+# quantizer (actors/layers/kernels/fp8_quant.py) uses it too.
+MIN_SCALE = 1.0 / (FMAX * 512.0)
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

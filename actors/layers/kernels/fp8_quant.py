@@ -1,6 +1,6 @@
 """Triton per-token fp8 quantization of a linear layer's input (the activation side of fp8 weights).
 
-One program per row: the row's largest magnitude sets its scale (amax / 448, floored as vLLM floors it),
+One program per row: the row's largest magnitude sets its scale (amax / 448, floored at MIN_SCALE),
 then the row is stored as round(x / scale) in e4m3, rounded onto the grid by kvcore/kernels/fp8_round.py.
 The reciprocal is a correctly rounded fp32 division (div_rn), so the GPU, the interpreter and the torch
 reference (actors/layers/fp8_linear.py) store the same bytes. A row of up to 4,096 values is read once and
@@ -13,12 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
+from actors.layers.fp8_linear import MIN_SCALE
 from kvcore.kernels.fp8 import FORMATS
 from kvcore.kernels.fp8_round import round_to_fp8_grid
 
 E4M3 = FORMATS[torch.float8_e4m3fn]
-# vLLM's floor on a dynamic scale (1 / (448 * 512)): an all-zero row (a padding row) still divides.
-MIN_SCALE = 1.0 / (E4M3.max_value * 512.0)
 
 
 @triton.jit
