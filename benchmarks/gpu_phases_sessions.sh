@@ -1,4 +1,4 @@
-# The phases of the sessions since the eighth (s8a ... s14x): one per device call, each a record of what that
+# The phases of the sessions since the eighth (s8a ... s14y): one per device call, each a record of what that
 # call ran. Sourced by benchmarks/gpu_suite.sh, which defines step, make_model, kvray_run and bundle_out and
 # runs them as `bash benchmarks/gpu_suite.sh s14a`.
 # shellcheck shell=bash
@@ -320,4 +320,18 @@ phase_s14x() {  # fourteenth session, the one call it got after three refused st
   TAIL=24 step llama_fp8 210 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
     --configs defaults fp8 --idle
   TAIL=40 step fp8_linear 40 python3 benchmarks/kernels/bench_fp8_linear.py --tokens 16 256 8192
+}
+
+phase_s14y() {  # fourteenth session, second call: s14x again with pyzmq in .gpu/ (s14x's engines found no zmq), the
+  # quantizer test's reference dividing tensor by tensor (CUDA divides by a Python scalar through its reciprocal),
+  # Llama's fp8kv beside fp8 (s14x: torch's row-wise scaled GEMM is 0.7-0.8x bf16 at M=16, so fp8 weights may
+  # lose on the tail steps), and the scaled GEMM with A and B swapped at small M
+  TAIL=3 step compile_bytecode 30 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=8 step fp8_kernel_tests 60 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_fp8_linear.py -k "quantizer"
+  TAIL=30 step nano_fp8 150 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults fp8kv --idle
+  TAIL=30 step llama_fp8 270 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
+    --configs defaults fp8kv fp8 --idle
+  TAIL=40 step fp8_linear 50 python3 benchmarks/kernels/bench_fp8_linear.py --tokens 16 64 256
 }

@@ -26,8 +26,11 @@ MIN_SCALE = 1.0 / (FMAX * 512.0)
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of x as e4m3 with its own fp32 scale [rows, 1]: round(x * (1 / scale)), saturated."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FMAX).clamp(min=MIN_SCALE)
-    q = (xf * (1.0 / scale)).clamp(-FMAX, FMAX).to(E4M3)
+    # Tensor by tensor: CUDA divides a tensor by a Python scalar as a multiply by its reciprocal, which
+    # rounds differently from the kernel's correctly rounded division.
+    one, fmax = torch.ones((), device=x.device), torch.full((), FMAX, device=x.device)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / fmax).clamp(min=MIN_SCALE)
+    q = (xf * (one / scale)).clamp(-FMAX, FMAX).to(E4M3)
     return q, scale
 
 

@@ -61,11 +61,24 @@ def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool) -> None:
                 lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=dtype),
                 smoke,  # noqa: B023
             )
+            # Swap A and B for small M (vLLM's CUTLASS dispatch does): y^T = W x^T, M padded to 16.
+            t_swap = float("nan")
+            if m <= 64 and not smoke:
+                pad = -(-m // 16) * 16
+                xq_p = torch.zeros(pad, k, device=device, dtype=xq.dtype)
+                xq_p[:m] = xq
+                xs_p = torch.ones(1, pad, device=device)
+                w_s = ws.t().contiguous()
+                t_swap = bench(
+                    lambda: torch._scaled_mm(wq, xq_p.t(), scale_a=w_s, scale_b=xs_p, out_dtype=dtype),
+                    smoke,  # noqa: B023
+                )
             flop = 2 * m * n * k
             print(
                 f"{name:13s} {proj:8s} M={m:5d}  bf16 {t_bf16:8.1f} us ({2 * n * k / t_bf16 / 1e6:5.2f} TB/s, "
                 f"{flop / t_bf16 / 1e6:6.1f} TFLOP/s)  fp8 {t_fp8:8.1f} us ({n * k / t_fp8 / 1e6:5.2f} TB/s, "
-                f"{flop / t_fp8 / 1e6:6.1f} TFLOP/s)  scaled_mm alone {t_mm:8.1f} us  speed-up {t_bf16 / t_fp8:4.2f}x"
+                f"{flop / t_fp8 / 1e6:6.1f} TFLOP/s)  scaled_mm alone {t_mm:8.1f} us  swapped {t_swap:7.1f} us  "
+                f"speed-up {t_bf16 / t_fp8:4.2f}x"
                 f"  rel err {err:.4f}",
                 flush=True,
             )
