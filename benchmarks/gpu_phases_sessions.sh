@@ -1,4 +1,4 @@
-# The phases of the sessions since the eighth (s8a ... s14y): one per device call, each a record of what that
+# The phases of the sessions since the eighth (s8a ... s14z): one per device call, each a record of what that
 # call ran. Sourced by benchmarks/gpu_suite.sh, which defines step, make_model, kvray_run and bundle_out and
 # runs them as `bash benchmarks/gpu_suite.sh s14a`.
 # shellcheck shell=bash
@@ -334,4 +334,17 @@ phase_s14y() {  # fourteenth session, second call: s14x again with pyzmq in .gpu
   TAIL=30 step llama_fp8 270 python3 benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt \
     --configs defaults fp8kv fp8 --idle
   TAIL=40 step fp8_linear 50 python3 benchmarks/kernels/bench_fp8_linear.py --tokens 16 64 256
+}
+
+phase_s14z() {  # fourteenth session, last call: s14y found decode attention over fp8 ~1.2x *slower* than over bf16 (nano's
+  # 129-256-row steps 7.54 against 6.38 ms) with the tiles widened to bf16. Widened to fp16 instead (one cvt per
+  # pair on Hopper, the dots in fp16), expected: fp8 decode at 0.55-0.7x the bf16 cache's time. Kernel A/B only,
+  # side by side: bf16 cache, fp8 with fp16 dots (the new default), fp8 with bf16 dots (KVRAY_FP8_DOT=bf16)
+  TAIL=3 step compile_bytecode 30 python3 benchmarks/tools/compile_bytecode.py
+  TAIL=4 step fp8_attn_tests 40 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_fp8_kv_cache.py -k "bf16_queries or bf16_cache_holding"
+  TAIL=14 step attn_bf16 50 python3 benchmarks/kernels/bench_attention.py --only decode
+  TAIL=14 step attn_fp8_f16dot 50 python3 benchmarks/kernels/bench_attention.py --only decode --kv-cache-dtype fp8
+  TAIL=14 step attn_fp8_bf16dot 50 env KVRAY_FP8_DOT=bf16 python3 benchmarks/kernels/bench_attention.py --only decode \
+    --kv-cache-dtype fp8
 }

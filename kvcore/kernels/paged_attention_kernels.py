@@ -141,6 +141,7 @@ def paged_attention_kernel(
     FLAT: tl.constexpr,
     ORDERED: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_DOT_F16: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     # Heaviest (latest) query tiles first: under causal masking they have the most KV to read.
@@ -201,6 +202,8 @@ def paged_attention_kernel(
         mask=row_ok[:, None] & dmask[None, :],
         other=0.0,
     )
+    if FP8_DOT_F16:
+        q = q.to(tl.float16)  # bf16 queries over an fp8 cache: see paged_attention.py
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -260,7 +263,7 @@ def paged_attention_kernel(
         UPCAST_DOT,
         SOFTCAP,
         KV_FP8,
-        q_ptr.dtype.element_ty,
+        tl.float16 if FP8_DOT_F16 else q_ptr.dtype.element_ty,
     )
     acc, l_i, m_i = _attend_tiles(
         acc,
@@ -292,7 +295,7 @@ def paged_attention_kernel(
         UPCAST_DOT,
         SOFTCAP,
         KV_FP8,
-        q_ptr.dtype.element_ty,
+        tl.float16 if FP8_DOT_F16 else q_ptr.dtype.element_ty,
     )
     acc, l_i, m_i = _attend_tiles(
         acc,
@@ -324,7 +327,7 @@ def paged_attention_kernel(
         UPCAST_DOT,
         SOFTCAP,
         KV_FP8,
-        q_ptr.dtype.element_ty,
+        tl.float16 if FP8_DOT_F16 else q_ptr.dtype.element_ty,
     )
 
     # Rows that saw nothing (padding rows, or an empty split) keep l == 0: divide by 1 instead.
