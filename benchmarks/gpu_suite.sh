@@ -191,6 +191,10 @@ bundle_out() {  # the device returns at most 8 files: the step logs and result f
 # shellcheck source=benchmarks/gpu_phases_sessions.sh
 source "$(dirname "$0")/gpu_phases_sessions.sh"
 
+# The engines need pyzmq, which make-bundle.sh's .gpu/ lacks (s14x lost its end-to-end runs to that).
+python3 -c "import zmq" 2>/dev/null || { echo "gpu_suite: no zmq here: run benchmarks/tools/gpu_bundle_extras.sh \
+after ../shared/gpu/make-bundle.sh on the CPU machine (it puts the pyzmq wheel into .gpu/)"; exit 3; }
+
 case "${1:-all}" in
   qwen) phase_qwen ;;
   checks) phase_checks ;;
