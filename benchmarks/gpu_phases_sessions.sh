@@ -1,4 +1,4 @@
-# The phases of the sessions since the eighth (s8a ... s14z): one per device call, each a record of what that
+# The phases of the sessions since the eighth (s8a ... s15a): one per device call, each a record of what that
 # call ran. Sourced by benchmarks/gpu_suite.sh, which defines step, make_model, kvray_run and bundle_out and
 # runs them as `bash benchmarks/gpu_suite.sh s14a`.
 # shellcheck shell=bash
@@ -347,4 +347,13 @@ phase_s14z() {  # fourteenth session, last call: s14y found decode attention ove
   TAIL=14 step attn_fp8_f16dot 50 python3 benchmarks/kernels/bench_attention.py --only decode --kv-cache-dtype fp8
   TAIL=14 step attn_fp8_bf16dot 50 env KVRAY_FP8_DOT=bf16 python3 benchmarks/kernels/bench_attention.py --only decode \
     --kv-cache-dtype fp8
+}
+
+phase_s15a() {  # fifteenth session, first call: s14z (never run) and then nano's defaults beside the fp8 cache on the
+  # fp16-dot path. Expected: fp8 decode attention 0.55-0.7x the bf16 cache's time; nano fp8kv 26-30k tok/s
+  # against ~23.3k (s14y: 20,249 with bf16 dots). Logs loose in $OUT (7 files) so that a cut-off call keeps them
+  phase_s14z
+  TAIL=30 step nano_fp8kv 170 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
+    --configs defaults fp8kv --idle
+  mkdir -p "$OUT/results"; cp benchmarks/results/bench_offline.jsonl "$OUT/results/" 2>/dev/null
 }
