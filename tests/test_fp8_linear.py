@@ -17,6 +17,12 @@ from actors.layers.fp8_linear import (  # noqa: E402
     per_token_quant_fp8_ref,
     quantize_weight_fp8,
 )
+from actors.layers.kernels.fp8_gemm import (  # noqa: E402
+    GemmConfig,
+    default_config,
+    w8a16_linear,
+    w8a16_linear_ref,
+)
 from actors.layers.kernels.fp8_quant import per_token_quant_fp8_triton  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -83,13 +89,72 @@ def test_scaled_gemm_is_the_product_of_the_dequantized_operands(bias):
     x, w = torch.randn(9, 64, generator=g), torch.randn(32, 64, generator=g) / 8
     b = torch.randn(32, generator=g) if bias else None
     wq, ws = quantize_weight_fp8(w)
-    y = fp8_linear(x.view(3, 3, 64), wq, ws, b, torch.float32)
+    y = fp8_linear(x.view(3, 3, 64), wq, ws, b, torch.float32, small_m_max=0)  # the scaled GEMM at any M
     assert y.shape == (3, 3, 32)
     xq, xs = per_token_quant_fp8_ref(x)
     exact = (xq.float() * xs) @ (wq.float() * ws.t()).t() + (0 if b is None else b)
     torch.testing.assert_close(y.reshape(9, 32), exact, atol=1e-5, rtol=1e-5)
     full = torch.nn.functional.linear(x, w, b)
     assert (y.reshape(9, 32) - full).abs().max() < 0.1 * full.abs().max()  # fp8's error, not garbage
+
+
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (1, 64, 256, GemmConfig()),  # one row: the MMA's short side padded to 16
+        (20, 96, 512, GemmConfig(block_k=128, split_k=2)),  # N not a multiple of the tile, K split in two
+        (5, 64, 304, GemmConfig(block_k=128, split_k=2)),  # K not a multiple of the tile: the masked loads
+        (40, 128, 768, GemmConfig(block_k=128, split_k=3)),  # three splits; 64 rows of the MMA's short side
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_m_kernel_matches_its_reference(m, n, k, cfg, bias):
+    g = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    wq, ws = quantize_weight_fp8(w)
+    x = activations(max(m, 4), k, seed=m)[:m].clamp(-1e5, 1e5).to(torch.bfloat16)
+    x[0, 1] = 1e5  # past fp16's range: saturated, not inf
+    b = torch.randn(n, generator=g) if bias else None
+    wq, ws, x = wq.to(DEVICE), ws.to(DEVICE), x.to(DEVICE)
+    b = b.to(DEVICE) if b is not None else None
+    y = w8a16_linear(x, wq, ws, b, torch.float32, cfg)
+    ref = w8a16_linear_ref(x, wq, ws, b, torch.float32)
+    assert y.shape == (m, n) and torch.isfinite(y).all()
+    torch.testing.assert_close(y, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-4)
+    out = w8a16_linear(x, wq, ws, b, torch.bfloat16, cfg)
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
+
+
+def test_small_m_kernel_reads_strided_rows_and_zero_rows():
+    w = torch.randn(64, 256) / 16
+    wq, ws = quantize_weight_fp8(w)
+    wide = torch.randn(4, 320).to(torch.bfloat16)
+    x = wide[:, 32:288]  # rows strided, columns unit-stride
+    torch.testing.assert_close(
+        w8a16_linear(x, wq, ws, None, torch.float32), w8a16_linear_ref(x, wq, ws, None, torch.float32)
+    )
+    assert w8a16_linear(x[:0], wq, ws, None, torch.float32).shape == (0, 64)
+
+
+def test_default_config_splits_k_until_the_grid_fills_the_sms():
+    assert default_config(16, 28672, 4096, 132).split_k == 1  # Llama's gate_up: 448 tiles already
+    assert default_config(16, 4096, 14336, 132).split_k == 4  # Llama's down: 64 tiles, 56 K tiles
+    assert default_config(16, 6144, 4096, 132).split_k == 2  # Llama's qkv: 96 tiles
+    assert default_config(16, 4096, 4096, 132).split_k == 4  # o: 64 tiles x 4 splits = 256 programs
+    assert default_config(64, 1024, 2048, 132).split_k == 8  # Qwen3-0.6B's o: 16 tiles, capped at 8
+
+
+@pytest.mark.parametrize("m", [3, 16])
+def test_fp8_linear_dispatches_small_m_to_the_kernel(m):
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(m, 64, generator=g), torch.randn(32, 64, generator=g) / 8
+    wq, ws = quantize_weight_fp8(w)
+    small = fp8_linear(x, wq, ws, None, torch.float32, small_m_max=16)
+    torch.testing.assert_close(small, w8a16_linear_ref(x, wq, ws, None, torch.float32))
+    scaled = fp8_linear(x, wq, ws, None, torch.float32, small_m_max=m - 1)
+    assert not torch.equal(small, scaled)  # the scaled GEMM rounds the activations to fp8 too
+    full = torch.nn.functional.linear(x, w)
+    assert (small - full).norm() < (scaled - full).norm() < 0.1 * full.norm()  # one operand rounded, not two
 
 
 def test_linear_layers_swap_their_weight_and_keep_their_output():

@@ -1,10 +1,15 @@
 """fp8 weights for the dense linear layers (vLLM's `quantization="fp8"` on a bf16 checkpoint).
 
-At load time each weight is quantized per output channel to e4m3 (scale = the row's amax / 448); at run
-time each input row is quantized per token the same way, and one scaled GEMM (torch._scaled_mm: cuBLASLt
-/ CUTLASS on Hopper, a reference on the CPU) multiplies them and applies both scales: y = (xq * sx) (wq *
-sw)^T. Half the weight bytes a step and Hopper's fp8 tensor cores, at fp8's rounding of weights and
-activations: outputs follow vLLM's logprobs rule, not HF's greedy tokens, so it is never a default.
+At load time each weight is quantized per output channel to e4m3 (scale = the row's amax / 448). At run
+time, two paths by the number of rows M:
+- M > SMALL_M_MAX (prefill chunks, big decode steps, bound by their FLOPs): each input row is quantized per
+  token the same way, and one scaled GEMM (torch._scaled_mm: cuBLASLt / CUTLASS on Hopper, a reference on
+  the CPU) multiplies them and applies both scales: y = (xq * sx) (wq * sw)^T, on Hopper's fp8 tensor cores;
+- M <= SMALL_M_MAX (decode steps, bound by the weight read): the activations stay as they are and a Triton
+  kernel widens the weights to fp16 in registers (actors/layers/kernels/fp8_gemm.py): no quantizer launch,
+  and torch's scaled GEMM ran at 0.55-0.81x bf16 there. `KVRAY_FP8_SMALL_M=0` sends every M to the first.
+Half the weight bytes a step, at fp8's rounding: outputs follow vLLM's logprobs rule, not HF's greedy
+tokens, so it is never a default.
 
 The embedding, the LM head and mixture-of-experts weights stay in the model's dtype (as in vLLM's online
 fp8 for the first two). On the GPU the row-wise scaled GEMM writes bf16 only, so the model must be bf16.
@@ -12,8 +17,11 @@ fp8 for the first two). On the GPU the row-wise scaled GEMM writes bf16 only, so
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from actors.layers.kernels.fp8_gemm import w8a16_linear, w8a16_linear_ref
 from kvcore.kernels.fp8 import FORMATS
 
 E4M3 = torch.float8_e4m3fn
@@ -21,6 +29,7 @@ FMAX = FORMATS[E4M3].max_value
 # vLLM's floor on a dynamic scale: an all-zero row (a graph's padding row) still divides. The Triton
 # quantizer (actors/layers/kernels/fp8_quant.py) uses it too.
 MIN_SCALE = 1.0 / (FMAX * 512.0)
+SMALL_M_MAX = int(os.environ.get("KVRAY_FP8_SMALL_M", "64"))
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +63,23 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(
-    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    small_m_max: int = SMALL_M_MAX,
 ) -> torch.Tensor:
     """x [..., K] in the model's dtype, wq [N, K] e4m3, w_scale [1, N] -> [..., N] in out_dtype."""
     lead = x.shape[:-1]
-    xq, x_scale = per_token_quant_fp8(x.reshape(-1, x.shape[-1]))
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= small_m_max:
+        if x.is_cuda:
+            y = w8a16_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), wq, w_scale, bias, out_dtype)
+        else:
+            y = w8a16_linear_ref(x2, wq, w_scale, bias, out_dtype)
+        return y.reshape(*lead, wq.shape[0])
+    xq, x_scale = per_token_quant_fp8(x2)
     y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype)
     return y.reshape(*lead, wq.shape[0])
 

@@ -1,10 +1,12 @@
 """fp8 weights (model.quantization="fp8") against bf16, per linear layer, side by side in one run.
 
 For the Llama-3.1-8B and Qwen3-0.6B shapes' four projections (qkv, o, gate_up, down) at token counts from a
-tail decode step to a prefill chunk: the bf16 GEMM (F.linear), the fp8 layer as the engine runs it (the
-per-token quantizer, then torch._scaled_mm with row-wise scales), and the scaled GEMM alone. CUDA-graph
-replay, median us; weight bytes read per us as TB/s, and TFLOP/s. Expected: the weight-bound rows (M <= 64)
-near 2x (half the bytes, minus the quantizer's launch), the compute-bound ones (M >= 2048) 1.5-1.9x.
+tail decode step to a prefill chunk: the bf16 GEMM (F.linear), the fp8 layer as the engine runs it (at M <=
+SMALL_M_MAX the Triton kernel over fp16-widened weights, above it the per-token quantizer then
+torch._scaled_mm), the quantizer + scaled GEMM at every M (the path before the kernel), and the scaled GEMM
+alone. CUDA-graph replay, median us; weight bytes read per us as TB/s, and TFLOP/s. Expected: the
+weight-bound rows (M <= 64) near 2x (half the bytes), the compute-bound ones (M >= 2048) 1.5-1.9x.
+`--sweep` also times the small-M kernel's tile / split / stage choices at M <= 64 and prints the best.
 
   python benchmarks/kernels/bench_fp8_linear.py            # GPU, appends to results/bench_fp8_linear.jsonl
   python benchmarks/kernels/bench_fp8_linear.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
@@ -27,7 +29,8 @@ import torch  # noqa: E402
 from bench_layer_kernels import bench  # noqa: E402
 from common import SHAPES, record  # noqa: E402
 
-from actors.layers.fp8_linear import fp8_linear, per_token_quant_fp8, quantize_weight_fp8  # noqa: E402
+from actors.layers.fp8_linear import SMALL_M_MAX, fp8_linear, per_token_quant_fp8, quantize_weight_fp8  # noqa: E402
+from actors.layers.kernels.fp8_gemm import GemmConfig, w8a16_linear  # noqa: E402
 
 SCRIPT = "bench_fp8_linear"
 TOKENS = [1, 16, 64, 128, 256, 2048, 8192]
@@ -41,7 +44,7 @@ def projections(shape: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
-def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool) -> None:
+def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool, sweep: bool) -> None:
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     for proj, (n, k) in projections(shape).items():
@@ -57,33 +60,50 @@ def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool) -> None:
                 raise SystemExit(f"{name} {proj} M={m}: relative error {err:.3f} against bf16")
             t_bf16 = bench(lambda: torch.nn.functional.linear(x, w), smoke)
             t_fp8 = bench(lambda: fp8_linear(x, wq, ws, None, dtype), smoke)
+            t_old = bench(lambda: fp8_linear(x, wq, ws, None, dtype, small_m_max=0), smoke)
             t_mm = bench(
                 lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=dtype),
                 smoke,  # noqa: B023
             )
-            # Swap A and B for small M (vLLM's CUTLASS dispatch does): y^T = W x^T, M padded to 16.
-            t_swap = float("nan")
-            if m <= 64 and not smoke:
-                pad = -(-m // 16) * 16
-                xq_p = torch.zeros(pad, k, device=device, dtype=xq.dtype)
-                xq_p[:m] = xq
-                xs_p = torch.ones(1, pad, device=device)
-                w_s = ws.t().contiguous()
-                t_swap = bench(
-                    lambda: torch._scaled_mm(wq, xq_p.t(), scale_a=w_s, scale_b=xs_p, out_dtype=dtype),
-                    smoke,  # noqa: B023
-                )
             flop = 2 * m * n * k
             print(
                 f"{name:13s} {proj:8s} M={m:5d}  bf16 {t_bf16:8.1f} us ({2 * n * k / t_bf16 / 1e6:5.2f} TB/s, "
                 f"{flop / t_bf16 / 1e6:6.1f} TFLOP/s)  fp8 {t_fp8:8.1f} us ({n * k / t_fp8 / 1e6:5.2f} TB/s, "
-                f"{flop / t_fp8 / 1e6:6.1f} TFLOP/s)  scaled_mm alone {t_mm:8.1f} us  swapped {t_swap:7.1f} us  "
-                f"speed-up {t_bf16 / t_fp8:4.2f}x"
-                f"  rel err {err:.4f}",
+                f"{flop / t_fp8 / 1e6:6.1f} TFLOP/s)  quant+scaled_mm {t_old:8.1f} us  scaled_mm alone "
+                f"{t_mm:8.1f} us  speed-up {t_bf16 / t_fp8:4.2f}x  rel err {err:.4f}",
                 flush=True,
             )
+            if sweep and m <= SMALL_M_MAX and not smoke:
+                sweep_small_m(name, proj, x, wq, ws, t_fp8)
             if not smoke:
                 record(SCRIPT, f"fp8_linear_speedup_{name}_{proj}_m{m}", t_bf16 / t_fp8, "x")
+
+
+SWEEP = [
+    GemmConfig(block_n=bn, block_k=bk, split_k=sk, num_stages=st)
+    for bn in (64, 128)
+    for bk in (128, 256)
+    for st in (3, 5)
+    for sk in (1, 2, 4, 8)
+]
+
+
+def sweep_small_m(name: str, proj: str, x, wq, ws, t_default: float) -> None:
+    """The small-M kernel's choices against its default (the engine's) on one (projection, M)."""
+    import triton.testing
+
+    def run(c: GemmConfig) -> float:
+        fn = lambda: w8a16_linear(x, wq, ws, None, x.dtype, c)  # noqa: E731
+        fn()
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+
+    times = sorted((run(c), c) for c in SWEEP)
+    best_t, best = times[0]
+    print(
+        f"  sweep {name} {proj} M={x.shape[0]}: best {best_t:6.1f} us {best} "
+        f"(default {t_default:6.1f} us: {t_default / best_t:4.2f}x the best)",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no results recorded")
     ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-0.6b"], choices=sorted(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    ap.add_argument("--sweep", action="store_true", help="time the small-M kernel's configurations too")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_fp8_linear needs a CUDA GPU (use --smoke on the CPU)")
@@ -100,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.smoke:
             shape = dict(shape, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
             shape["head_dim"] = 16
-        run_shape(name, shape, [3, 20] if args.smoke else args.tokens, args.smoke)
+        run_shape(name, shape, [3, 20, 80] if args.smoke else args.tokens, args.smoke, args.sweep)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""Triton GEMM over fp8 weights for a few rows: y = x (wq * sw)^T + b, the decode steps of model.quantization="fp8".
+
+At M <= 64 a linear layer's time is its weight read, and torch's row-wise scaled GEMM ran at 0.55-0.81x
+the bf16 GEMM there on the H200 (RESULTS.md, s14y), so fp8 weights lost on the tail steps they should win.
+This kernel reads each e4m3 weight byte once, widens it to fp16 in registers (Hopper converts a pair in one
+instruction) and multiplies it by the activations in fp16 with fp32 accumulation; the weight's per-channel
+scale multiplies the accumulator. The activations are not quantized: no quantizer launch, and no rounding
+beyond bf16 -> fp16 (saturated at fp16's range, which bf16 activations of these layers stay far inside).
+
+Swapped (y^T = W x^T): 64 weight rows fill the MMA's long side and the batch's rows the short one. A step's
+few rows give too few tiles of N to fill 132 SMs (Llama's o and down: 64), so K is split: each split writes
+fp32 partials and one small kernel sums them and applies the scale and the bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int = 64  # weight rows a program (the MMA's long side)
+    block_k: int = 256
+    split_k: int = 1
+    num_stages: int = 4
+    num_warps: int = 4
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr,
+    M, N, K, stride_x, stride_w, stride_y, k_per_split,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k0 = pid_k * k_per_split
+    k_end = tl.minimum(k0 + k_per_split, K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_x + (k0 + offs_k)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = (k + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        xh = tl.clamp(x.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+        acc = tl.dot(w.to(tl.float16), xh, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT:  # fp32 partials [split, M, N]; _split_reduce finishes them
+        p = part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+        tl.store(p, acc, mask=out_mask)
+    else:
+        acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        y = y_ptr + offs_m[None, :].to(tl.int64) * stride_y + offs_n[:, None]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_reduce(
+    part_ptr, ws_ptr, b_ptr, y_ptr, M, N, stride_y,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + offs, mask=ok, other=0.0)
+    acc = acc * tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row.to(tl.int64) * stride_y + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
+    """64 x 256 tiles, K split until the grid covers every SM at least once (at most 8 splits, each a
+    whole number of K tiles)."""
+    base = GemmConfig()
+    tiles = triton.cdiv(n, base.block_n) * triton.cdiv(m, block_m_for(m))
+    k_tiles = triton.cdiv(k, base.block_k)
+    split = 1
+    while split < 8 and tiles * split < sms and k_tiles % (2 * split) == 0:
+        split *= 2
+    return GemmConfig(split_k=split)
+
+
+def block_m_for(m: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(m)))
+
+
+def w8a16_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] (unit column stride), wq [N, K] e4m3 contiguous, w_scale [1, N] fp32 -> [M, N] in out_dtype."""
+    m, k = x.shape
+    n = wq.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return y
+    sms = _sm_count(x.device.index or 0) if x.is_cuda else 132
+    cfg = config or default_config(m, n, k, sms)
+    block_m = block_m_for(m)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    b = bias if bias is not None else w_scale
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), splits)
+    _w8a16_kernel[grid](
+        x, wq, w_scale, b, y, part,
+        m, n, k, x.stride(0), wq.stride(0), y.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k,
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    if splits > 1:
+        block = 1024
+        _split_reduce[(m, triton.cdiv(n, block))](
+            part, w_scale, b, y, m, n, y.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
+        )
+    return y
+
+
+def w8a16_linear_ref(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The torch reference: the activations as fp16 (saturated), the weights widened, fp32 products."""
+    xh = x.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
+    y = (xh @ wq.float().t()) * w_scale.reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
