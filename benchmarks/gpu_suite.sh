@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, batched into few device calls because device time is scarce.
 # Run from the repo root after `source .gpu/bootstrap.sh`; logs and JSON lines go to $OUT, one log per
-# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | graphs | diag | warm | final | open | divergence | transport | families | logprobs | round5 | round6 | multigpu | s8a ... s15b | all)
+# step. Usage: bash benchmarks/gpu_suite.sh PHASE   (PHASE: qwen | checks | rerun | llama | graphs | diag | warm | final | open | divergence | transport | families | logprobs | round5 | round6 | multigpu | s8a ... s15c | all)
 #   qwen:  greedy = HF with CUDA graphs and async scheduling; layer kernels, block-table commit, GPU idle
 #          between decode steps, offline throughput and `kvray run` (with a profile) on the Qwen3-0.6B
 #          shape; the cost of logprobs=5, n=4 and stop strings (bench_api_features); the control plane on
@@ -15,7 +15,7 @@
 #          steps); start-up with a cold and a warm Triton cache and the first run's TTFT.
 #   round6: vLLM's logprobs rule (check_logprobs_close: 8 prompts x 32 tokens, top-5) against HF bf16 on the
 #          Llama-3.1-8B, Qwen3-0.6B, Mistral-7B and Gemma-3-12B (hybrid) shapes.
-#   s8a ... s15b: one device call each of the sessions since the eighth (benchmarks/gpu_phases_sessions.sh).
+#   s8a ... s15c: one device call each of the sessions since the eighth (benchmarks/gpu_phases_sessions.sh).
 #   multigpu: (2+ GPUs) TP=2/4 over NCCL against TP=1, decode scaling TP 1/2/4 and DP2xTP2, control
 #          plane at TP 2/4/8. The fault run at TP=2 is `kvray stress --config configs/gpu-tp2.yaml
 #          --kill-workers 2`.
@@ -216,5 +216,5 @@ case "${1:-all}" in
   multigpu) phase_multigpu ;;
   s[0-9]*) declare -F "phase_$1" > /dev/null || { echo "no phase $1"; exit 2; }; "phase_$1" ;;
   all) phase_qwen; phase_checks; phase_llama ;;
-  *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|s8a..s15b|all"; exit 2 ;;
+  *) echo "usage: $0 qwen|checks|rerun|llama|graphs|graphs_perf|graphs_profile|diag|warm|final|open|divergence|transport|families|logprobs|round5|round6|multigpu|s8a..s15c|all"; exit 2 ;;
 esac

@@ -7,7 +7,8 @@ time, two paths by the number of rows M:
   the CPU) multiplies them and applies both scales: y = (xq * sx) (wq * sw)^T, on Hopper's fp8 tensor cores;
 - M <= SMALL_M_MAX (decode steps, bound by the weight read): the activations stay as they are and a Triton
   kernel widens the weights to fp16 in registers (actors/layers/kernels/fp8_gemm.py): no quantizer launch,
-  and torch's scaled GEMM ran at 0.55-0.81x bf16 there. `KVRAY_FP8_SMALL_M=0` sends every M to the first.
+  where torch's scaled GEMM ran at 0.55-0.81x bf16. It is off (SMALL_M_MAX = 0) until an H200 has timed it:
+  `KVRAY_FP8_SMALL_M=64` turns it on (gpu_suite s15b is that A/B).
 Half the weight bytes a step, at fp8's rounding: outputs follow vLLM's logprobs rule, not HF's greedy
 tokens, so it is never a default.
 
@@ -29,7 +30,7 @@ FMAX = FORMATS[E4M3].max_value
 # vLLM's floor on a dynamic scale: an all-zero row (a graph's padding row) still divides. The Triton
 # quantizer (actors/layers/kernels/fp8_quant.py) uses it too.
 MIN_SCALE = 1.0 / (FMAX * 512.0)
-SMALL_M_MAX = int(os.environ.get("KVRAY_FP8_SMALL_M", "64"))
+SMALL_M_MAX = int(os.environ.get("KVRAY_FP8_SMALL_M", "0"))
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

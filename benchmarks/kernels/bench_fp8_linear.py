@@ -1,11 +1,11 @@
 """fp8 weights (model.quantization="fp8") against bf16, per linear layer, side by side in one run.
 
 For the Llama-3.1-8B and Qwen3-0.6B shapes' four projections (qkv, o, gate_up, down) at token counts from a
-tail decode step to a prefill chunk: the bf16 GEMM (F.linear), the fp8 layer as the engine runs it (at M <=
-SMALL_M_MAX the Triton kernel over fp16-widened weights, above it the per-token quantizer then
-torch._scaled_mm), the quantizer + scaled GEMM at every M (the path before the kernel), and the scaled GEMM
-alone. CUDA-graph replay, median us; weight bytes read per us as TB/s, and TFLOP/s. Expected: the
-weight-bound rows (M <= 64) near 2x (half the bytes), the compute-bound ones (M >= 2048) 1.5-1.9x.
+tail decode step to a prefill chunk: the bf16 GEMM (F.linear), the fp8 layer as the engine runs it (the
+per-token quantizer then torch._scaled_mm; at M <= KVRAY_FP8_SMALL_M the Triton kernel over fp16-widened
+weights), the small-M kernel itself at M <= 64, and the scaled GEMM alone. CUDA-graph replay, median us;
+weight bytes read per us as TB/s, and TFLOP/s. Expected: the weight-bound rows (M <= 64) near 2x (half the
+bytes) with the small-M kernel, the compute-bound ones (M >= 2048) 1.5-1.9x with the scaled GEMM.
 `--sweep` also times the small-M kernel's tile / split / stage choices at M <= 64 and prints the best.
 
   python benchmarks/kernels/bench_fp8_linear.py            # GPU, appends to results/bench_fp8_linear.jsonl
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from bench_layer_kernels import bench  # noqa: E402
 from common import SHAPES, record  # noqa: E402
 
-from actors.layers.fp8_linear import SMALL_M_MAX, fp8_linear, per_token_quant_fp8, quantize_weight_fp8  # noqa: E402
+from actors.layers.fp8_linear import fp8_linear, per_token_quant_fp8, quantize_weight_fp8  # noqa: E402
 from actors.layers.kernels.fp8_gemm import GemmConfig, w8a16_linear  # noqa: E402
 
 SCRIPT = "bench_fp8_linear"
@@ -44,6 +44,13 @@ def projections(shape: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
+def check_close(y: torch.Tensor, y_bf16: torch.Tensor, what: str) -> float:
+    err = ((y.float() - y_bf16.float()).norm() / y_bf16.float().norm()).item()
+    if not err < 0.08:  # fp8's rounding: a few percent; more is a bug
+        raise SystemExit(f"{what}: relative error {err:.3f} against bf16")
+    return err
+
+
 def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool, sweep: bool) -> None:
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -54,13 +61,14 @@ def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool, sweep: boo
             x = torch.randn(m, k, device=device, dtype=dtype)
             xq, xs = per_token_quant_fp8(x)
             y_bf16 = torch.nn.functional.linear(x, w)
-            y_fp8 = fp8_linear(x, wq, ws, None, dtype)
-            err = ((y_fp8.float() - y_bf16.float()).norm() / y_bf16.float().norm()).item()
-            if not err < 0.08:  # fp8's rounding of both operands: a few percent; more is a bug
-                raise SystemExit(f"{name} {proj} M={m}: relative error {err:.3f} against bf16")
+            err = check_close(fp8_linear(x, wq, ws, None, dtype), y_bf16, f"{name} {proj} M={m}")
+            if m <= 64:  # the small-M kernel (under the interpreter with --smoke)
+                check_close(w8a16_linear(x, wq, ws, None, dtype), y_bf16, f"{name} {proj} M={m} small-M kernel")
             t_bf16 = bench(lambda: torch.nn.functional.linear(x, w), smoke)
             t_fp8 = bench(lambda: fp8_linear(x, wq, ws, None, dtype), smoke)
-            t_old = bench(lambda: fp8_linear(x, wq, ws, None, dtype, small_m_max=0), smoke)
+            t_small = float("nan")
+            if m <= 64:
+                t_small = bench(lambda: w8a16_linear(x, wq, ws, None, dtype), smoke)  # noqa: B023
             t_mm = bench(
                 lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=dtype),
                 smoke,  # noqa: B023
@@ -69,14 +77,17 @@ def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool, sweep: boo
             print(
                 f"{name:13s} {proj:8s} M={m:5d}  bf16 {t_bf16:8.1f} us ({2 * n * k / t_bf16 / 1e6:5.2f} TB/s, "
                 f"{flop / t_bf16 / 1e6:6.1f} TFLOP/s)  fp8 {t_fp8:8.1f} us ({n * k / t_fp8 / 1e6:5.2f} TB/s, "
-                f"{flop / t_fp8 / 1e6:6.1f} TFLOP/s)  quant+scaled_mm {t_old:8.1f} us  scaled_mm alone "
-                f"{t_mm:8.1f} us  speed-up {t_bf16 / t_fp8:4.2f}x  rel err {err:.4f}",
+                f"{flop / t_fp8 / 1e6:6.1f} TFLOP/s)  small-M kernel {t_small:8.1f} us ({n * k / t_small / 1e6:5.2f} "
+                f"TB/s)  scaled_mm alone {t_mm:8.1f} us  speed-up {t_bf16 / t_fp8:4.2f}x, small-M kernel "
+                f"{t_bf16 / t_small:4.2f}x  rel err {err:.4f}",
                 flush=True,
             )
-            if sweep and m <= SMALL_M_MAX and not smoke:
-                sweep_small_m(name, proj, x, wq, ws, t_fp8)
+            if sweep and m <= 64 and not smoke:
+                sweep_small_m(name, proj, x, wq, ws, t_small)
             if not smoke:
                 record(SCRIPT, f"fp8_linear_speedup_{name}_{proj}_m{m}", t_bf16 / t_fp8, "x")
+                if m <= 64:
+                    record(SCRIPT, f"fp8_small_m_kernel_speedup_{name}_{proj}_m{m}", t_bf16 / t_small, "x")
 
 
 SWEEP = [
