@@ -369,8 +369,9 @@ phase_s15b() {  # fifteenth session's code (no call got a machine that session):
 }
 
 phase_s15c() {  # fifteenth session's code, second call (tried as s15a on dc85cdf: its machine stopped answering):
-  # s14z's kernel A/B of the fp8 cache's fp16 dots (never run), then nano's defaults beside fp8kv on that path. Expected: fp8 decode attention 0.55-0.7x the bf16 cache's
-  # time; nano fp8kv 26-30k tok/s against ~23.3k (s14y: 20,249 with bf16 dots)
+  # s14z's kernel A/B of the fp8 cache's fp16 dots (never run), then nano's defaults beside fp8kv on that path.
+  # Expected: fp8 decode attention 0.55-0.7x the bf16 cache's time; nano fp8kv 26-30k tok/s against ~23.3k
+  # (s14y: 20,249 with bf16 dots)
   phase_s14z
   TAIL=30 step nano_fp8kv 170 python3 benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano \
     --configs defaults fp8kv --idle
