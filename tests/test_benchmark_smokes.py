@@ -222,3 +222,13 @@ def test_bench_tp_scaling_smoke(capsys, local_ray, tmp_path):
     out = smoke(capsys, "e2e/bench_tp_scaling", "--model-dir", str(tmp_path))
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("TP")}
     assert set(rows) == {"TP1", "TP2"} and all(float(r[-1]) > 0 for r in rows.values()), out
+
+
+def test_bench_offline_counts_an_fp8_cache_at_one_byte_a_value():
+    mod = load("e2e/bench_offline")
+    bf16 = mod.kv_bytes_per_token("llama-3.1-8b")
+    assert bf16 == 2 * 2 * 32 * 8 * 128  # K and V, bf16, 32 layers of 8 KV heads of 128
+    assert (
+        mod.kv_bytes_per_token("llama-3.1-8b", "fp8") == mod.kv_bytes_per_token("llama-3.1-8b", "fp8_e5m2") == bf16 // 2
+    )
+    assert mod.kv_bytes_per_token("llama-3.1-8b", "auto") == bf16

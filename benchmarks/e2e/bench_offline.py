@@ -147,7 +147,7 @@ def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
         gaps = [s["gap_ms"] for s in steps_timed if s["gap_ms"] is not None]
         busy = [s["busy_ms"] for s in steps_timed[1:]]
         res["gpu_idle_frac"] = sum(gaps) / max(sum(gaps) + sum(busy), 1e-9)
-        print_step_breakdown(steps_timed[1:], kv_bytes_per_token(args.shape))
+        print_step_breakdown(steps_timed[1:], kv_bytes_per_token(args.shape, overrides.get("kv_cache_dtype")))
         if args.steps_json:
             Path(args.steps_json).write_text(json.dumps(steps_timed))
     timed = [o.metrics for o in outs if o.metrics is not None and o.metrics.ttft_s is not None]
@@ -169,11 +169,12 @@ def print_late_compiles(events: list[dict], mark: int) -> None:
                 print(f"  warm-up had: {w['signature']}", flush=True)
 
 
-def kv_bytes_per_token(shape: str) -> int:
-    """Bytes of K and V a cached token holds over all layers (bf16)."""
+def kv_bytes_per_token(shape: str, kv_cache_dtype: str | None = None) -> int:
+    """Bytes of K and V a cached token holds over all layers: bf16's two a value, or one in an fp8 cache."""
     c = SHAPES[shape]
     head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head
+    value = 1 if (kv_cache_dtype or "auto").startswith("fp8") else 2
+    return 2 * value * c["num_hidden_layers"] * c["num_key_value_heads"] * head
 
 
 def print_step_breakdown(steps: list[dict], kv_bytes: int = 0) -> None:
