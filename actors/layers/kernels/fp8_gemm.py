@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 FP16_MAX = 65504.0
+_FP16_MAX = tl.constexpr(FP16_MAX)  # a kernel may read a global only as a constexpr
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def _w8a16_kernel(
             k_ok = (k + offs_k) < k_end
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        xh = tl.clamp(x.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+        xh = tl.clamp(x.to(tl.float32), -_FP16_MAX, _FP16_MAX).to(tl.float16)
         acc = tl.dot(w.to(tl.float16), xh, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
