@@ -108,8 +108,7 @@ def sweep_small_m(name: str, proj: str, x, wq, ws, t_default: float) -> None:
         fn()
         return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
-    times = sorted((run(c), c) for c in SWEEP)
-    best_t, best = times[0]
+    best_t, best = min(((run(c), c) for c in SWEEP), key=lambda tc: tc[0])  # configs don't order: key on time
     print(
         f"  sweep {name} {proj} M={x.shape[0]}: best {best_t:6.1f} us {best} "
         f"(default {t_default:6.1f} us: {t_default / best_t:4.2f}x the best)",

@@ -202,8 +202,9 @@ def paged_attention_kernel(
         mask=row_ok[:, None] & dmask[None, :],
         other=0.0,
     )
-    if FP8_DOT_F16:
-        q = q.to(tl.float16)  # bf16 queries over an fp8 cache: see paged_attention.py
+    # The dots' operand dtype: fp16 for bf16 queries over an fp8 cache (see paged_attention.py).
+    dot_ty = tl.float16 if FP8_DOT_F16 else q_ptr.dtype.element_ty
+    q = q.to(dot_ty)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -263,7 +264,7 @@ def paged_attention_kernel(
         UPCAST_DOT,
         SOFTCAP,
         KV_FP8,
-        tl.float16 if FP8_DOT_F16 else q_ptr.dtype.element_ty,
+        dot_ty,
     )
     acc, l_i, m_i = _attend_tiles(
         acc,
@@ -295,7 +296,7 @@ def paged_attention_kernel(
         UPCAST_DOT,
         SOFTCAP,
         KV_FP8,
-        tl.float16 if FP8_DOT_F16 else q_ptr.dtype.element_ty,
+        dot_ty,
     )
     acc, l_i, m_i = _attend_tiles(
         acc,
@@ -327,7 +328,7 @@ def paged_attention_kernel(
         UPCAST_DOT,
         SOFTCAP,
         KV_FP8,
-        tl.float16 if FP8_DOT_F16 else q_ptr.dtype.element_ty,
+        dot_ty,
     )
 
     # Rows that saw nothing (padding rows, or an empty split) keep l == 0: divide by 1 instead.

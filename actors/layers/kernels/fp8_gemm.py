@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.kernels.attention_tiles import num_sms
+
 FP16_MAX = 65504.0
 _FP16_MAX = tl.constexpr(FP16_MAX)  # a kernel may read a global only as a constexpr
 
@@ -95,11 +97,7 @@ def _split_reduce(
     tl.store(y_ptr + row.to(tl.int64) * stride_y + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
+@lru_cache(maxsize=1024)  # a launch's host path: the same few (M, N, K) every step
 def default_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """64 x 256 tiles, K split until the grid covers every SM at least once (at most 8 splits, each a
     whole number of K tiles)."""
@@ -130,8 +128,7 @@ def w8a16_linear(
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return y
-    sms = _sm_count(x.device.index or 0) if x.is_cuda else 132
-    cfg = config or default_config(m, n, k, sms)
+    cfg = config or default_config(m, n, k, num_sms(x.device))
     block_m = block_m_for(m)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
