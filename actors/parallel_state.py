@@ -17,7 +17,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from actors.executor_base import CollectiveError  # noqa: F401 - raised here, imported from here too
+from actors.executor.base import CollectiveError  # noqa: F401 - raised here, imported from here too
 
 _RANK = 0
 _WORLD = 1

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
-        help="YAML config (default: the built-in defaults of actors/engine_config.py: CPU, tiny-random, TP=1)",
+        help="YAML config (default: the built-in defaults of actors/config/engine.py: CPU, tiny-random, TP=1)",
     )
     p.add_argument(
         "--set",
@@ -138,7 +138,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from cluster import console
-    from cluster.job_input import JobError
+    from cluster.job.input import JobError
 
     args = build_parser().parse_args(argv)
     console.configure(args.verbose)
@@ -170,8 +170,8 @@ def _embedded(config: EngineConfig) -> bool:
 def check_model(config: EngineConfig) -> None:
     """The model must exist here before Ray starts, when Ray runs here too; on a cluster it may live
     on the nodes only (token-id prompts still work then)."""
+    from actors.driver.node_probe import resolve_model_dir
     from actors.models.architectures import UnsupportedArchitectureError
-    from actors.node_probe import resolve_model_dir
     from cluster.llm import check_client_model, load_client_model
 
     if _embedded(config):
@@ -188,8 +188,8 @@ def check_model(config: EngineConfig) -> None:
 
 
 def cmd_run(config: EngineConfig, args: Any) -> int:
-    from cluster.job_input import JobError, count_lines, resolve_shards
-    from cluster.job_output import OutputFile, check_not_an_input, default_output_path
+    from cluster.job.input import JobError, count_lines, resolve_shards
+    from cluster.job.output import OutputFile, check_not_an_input, default_output_path
 
     shards = resolve_shards(args.input) if args.input is not None else []
     output_path = args.output or default_output_path()
@@ -232,10 +232,10 @@ def _warn_oversubscribed(config: EngineConfig) -> None:
 
 
 def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total: int | None) -> int:
-    from cluster.engines import EngineFailure, EngineGroup
-    from cluster.job import Job, format_summary, summarize, synthetic_items
-    from cluster.job_input import InputReader, Item
+    from cluster.job.batch_job import Job, format_summary, summarize, synthetic_items
+    from cluster.job.input import InputReader, Item
     from cluster.llm import load_client_model
+    from cluster.replicas.engine_group import EngineFailure, EngineGroup
     from kvcore.request import SamplingParams
 
     tokenizer, hf_config = load_client_model(config)
@@ -309,8 +309,8 @@ def _stop_profile(engines: Any) -> list[str]:
 def cmd_stress(config: EngineConfig, args: Any) -> int:
     import ray
 
-    from cluster.placement import connect
-    from cluster.stress import StressOptions, check_options, run_stress
+    from cluster.replicas.placement import connect
+    from cluster.stress.run import StressOptions, check_options, run_stress
 
     opts = StressOptions(
         requests=args.requests,

@@ -1,7 +1,7 @@
 """Engine configuration as a user writes it: YAML files and `--set section.field=value` strings.
 
-The sections themselves and their rules live in actors/engine_config.py, `validate_for_model` in
-actors/model_rules.py (the driver and the workers are built from them); they are re-exported here,
+The sections themselves and their rules live in actors/config/engine.py, `validate_for_model` in
+actors/config/model_rules.py (the driver and the workers are built from them); they are re-exported here,
 where users import them.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from actors.engine_config import (  # noqa: F401
+from actors.config.engine import (  # noqa: F401
     ATTENTION_BACKENDS,
     DEFAULT_WORKER_CLS,
     DEVICES,
@@ -33,7 +33,7 @@ from actors.engine_config import (  # noqa: F401
     config_from_dict,
     override_fields,
 )
-from actors.model_rules import resolved_max_model_len, validate_for_model  # noqa: F401
+from actors.config.model_rules import resolved_max_model_len, validate_for_model  # noqa: F401
 from cluster.config_yaml import MAX_BYTES, YamlLimitError, load_yaml
 
 

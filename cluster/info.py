@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from cluster.config import EngineConfig, resolved_max_model_len
-from cluster.placement import bundles_for, total_request
+from cluster.replicas.placement import bundles_for, total_request
 
 GIB = float(1 << 30)
 
@@ -146,7 +146,7 @@ def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], s
     address, so a local Ray sized to this machine is started for the look and stopped after."""
     import ray
 
-    from cluster.placement import connect, describe_cluster, start_local_ray
+    from cluster.replicas.placement import connect, describe_cluster, start_local_ray
 
     short, note = machine_shortfall(config) if embedded else (None, None)
     if embedded and not ray.is_initialized():
@@ -190,8 +190,8 @@ def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], s
 def kv_cache_info(config: EngineConfig) -> dict[str, Any]:
     """One rank's KV layout and max concurrency at max_model_len (hybrid groups vs all full attention),
     from config.json alone; the pool size is known here only when fixed or on the CPU."""
-    from actors.kv_memory import kv_cache_report
-    from actors.loader import read_hf_config, resolve_dtype, resolve_model_dir
+    from actors.config.kv_memory import kv_cache_report
+    from actors.models.loader import read_hf_config, resolve_dtype, resolve_model_dir
     from kvcore.kernels.fp8 import kv_cache_torch_dtype
 
     try:

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from actors.messages import RequestSpec
-from cluster.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
+from cluster.client.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
+from cluster.client.logprobs import engine_computes_logprobs
+from cluster.client.output_processor import OutputProcessor, ParentRequest
+from cluster.client.sampling_defaults import default_sampling_params
+from cluster.client.stream import ProcessedStream
 from cluster.config import (
     DEFAULT_WORKER_CLS,
     ConfigError,
@@ -24,12 +28,8 @@ from cluster.config import (
     load_config,
     validate_for_model,
 )
-from cluster.engines import EngineFailure, EngineGroup
-from cluster.logprobs import engine_computes_logprobs
-from cluster.output_processor import OutputProcessor, ParentRequest
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput, error_output
-from cluster.sampling_defaults import default_sampling_params
-from cluster.stream import ProcessedStream
+from cluster.replicas.engine_group import EngineFailure, EngineGroup
 from kvcore.request import SamplingParams, check_text, check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,9 @@ class PromptError(ValueError):
 
 def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]:
     """The tokenizer and config.json as this client sees them (None where the model is not local)."""
-    from actors.hf_config import read_config_json
-    from actors.node_probe import resolve_model_dir
-    from cluster.tokenizer import load_tokenizer_if_present
+    from actors.config.hf_json import read_config_json
+    from actors.driver.node_probe import resolve_model_dir
+    from cluster.client.tokenizer import load_tokenizer_if_present
 
     try:
         model_dir = resolve_model_dir(config.model.model)
@@ -55,7 +55,7 @@ def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]
 
 
 def client_model_dir(config: EngineConfig) -> str | None:
-    from actors.node_probe import resolve_model_dir
+    from actors.driver.node_probe import resolve_model_dir
 
     try:
         return resolve_model_dir(config.model.model)

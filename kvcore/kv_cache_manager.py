@@ -11,11 +11,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
-from kvcore.block_pool import BlockPool
-from kvcore.hashing import update_request_block_hashes
-from kvcore.kv_cache_coordinator import GroupBlocks, KVCacheCoordinator
+from kvcore.kv_cache.block_pool import BlockPool
+from kvcore.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
+from kvcore.kv_cache.hashing import update_request_block_hashes
+from kvcore.kv_cache.single_type_manager import FullAttentionManager
 from kvcore.request import Request
-from kvcore.single_type_manager import FullAttentionManager
 from kvcore.spec import KVCacheConfig
 
 

@@ -134,7 +134,7 @@ def _validate_penalties_and_logprobs(sp: "SamplingParams") -> None:
 
 
 def _validate_output_fields(sp: "SamplingParams") -> None:
-    """n, stop strings and detokenization: handled on the client (cluster/output_processor.py)."""
+    """n, stop strings and detokenization: handled on the client (cluster/client/output_processor.py)."""
     _int_field(sp, "n", 1, MAX_N, f"must be >= 1 and <= {MAX_N}")
     stop = [sp.stop] if isinstance(sp.stop, str) else [] if sp.stop is None else sp.stop
     rule = (
@@ -218,7 +218,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k log-probabilities per sampled token (0..20), plus its own
     prompt_logprobs: int | None = None  # the same for each prompt token
-    # Handled on the client (cluster/output_processor.py), vLLM's names and meanings.
+    # Handled on the client (cluster/client/output_processor.py), vLLM's names and meanings.
     n: int = 1  # samples of the prompt, each an engine request
     stop: str | list[str] | None = None  # stop strings, normalized to a list
     include_stop_str_in_output: bool = False
@@ -312,7 +312,7 @@ class Request:
         # still in flight). The scheduler plans with all_token_ids plus these many tokens.
         self.num_output_placeholders = 0
         self.block_hashes: list[Any] = []
-        # The scheduler's kvcore.stopping.StopRule while the request is in its book (None outside it):
+        # The scheduler's kvcore.sched.stopping.StopRule while the request is in its book (None outside it):
         # the hot loops read it here instead of looking the request id up every step.
         self.stop_rule: Any = None
         self.stop_reason: int | None = None

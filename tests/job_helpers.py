@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.messages import RequestTiming
-from cluster.engines import EngineFailure, EngineOutput
+from cluster.replicas.engine_group import EngineFailure, EngineOutput
 from kvcore.messages import EngineCoreOutput
 
 VOCAB = 260

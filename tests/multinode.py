@@ -2,7 +2,7 @@
 node, each a separate Ray node with its own resources and labels, all on 127.0.0.1.
 
 Every node (and the GCS) listens on the loopback address only: the nodes are started inside the switch
-that keeps kvray's embedded Ray local (cluster/placement.py). The cluster records itself in a private
+that keeps kvray's embedded Ray local (cluster/replicas/placement.py). The cluster records itself in a private
 Ray temp dir, never in /tmp/ray, so no other Ray user on the machine finds or joins it, and the test
 stops it with `Cluster.shutdown()` (its own processes only).
 """
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.placement import LOOPBACK, _loopback_node_ip
+from cluster.replicas.placement import LOOPBACK, _loopback_node_ip
 
 # A killed node is noticed within a few seconds (Ray's default is 15 s): the failure tests wait for it.
 # Not faster: on a loaded CI machine a live raylet can miss a check or two, and would be taken for dead.

@@ -9,8 +9,8 @@ from typing import Any
 import ray
 
 from cluster.config import EngineConfig, load_config
-from cluster.engines import DRIVER_NAME_PREFIX
-from cluster.stress_report import leaked_blocks
+from cluster.replicas.engine_group import DRIVER_NAME_PREFIX
+from cluster.stress.report import leaked_blocks
 
 # Two replicas (routing, a kill on one while the other serves), a small bound per replica
 # (back-pressure), a restart budget (the kill), short contexts (fast steps on two cores).

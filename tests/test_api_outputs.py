@@ -14,8 +14,8 @@ import torch
 import transformers
 
 from cluster import LLM, SamplingParams
-from cluster.logprobs import engine_computes_logprobs
-from cluster.placement import start_local_ray
+from cluster.client.logprobs import engine_computes_logprobs
+from cluster.replicas.placement import start_local_ray
 
 COMMON = dict(
     device="cpu",

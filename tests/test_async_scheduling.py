@@ -15,8 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import hf_models as H
 import pytest
 
-from actors.engine_core import EngineCore
-from actors.local_executor import LocalExecutor
+from actors.driver.engine_core import EngineCore
+from actors.executor.local import LocalExecutor
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvcore.request import Request, RequestStatus, SamplingParams
 
@@ -166,7 +166,7 @@ def test_ray_async_compiled_graph_matches_hf(reference):
     import ray
 
     from cluster import LLM
-    from cluster.placement import start_local_ray
+    from cluster.replicas.placement import start_local_ray
 
     path, prompts, expected = reference
     plan = stop_plan(expected)

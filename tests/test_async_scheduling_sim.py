@@ -18,11 +18,11 @@ from collections import deque
 
 import pytest
 
-from kvcore.async_scheduler import AsyncScheduler
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.request import Request, SamplingParams
-from kvcore.scheduler import Scheduler
+from kvcore.sched.async_steps import AsyncScheduler
+from kvcore.sched.scheduler import Scheduler
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 VOCAB = 61

@@ -14,13 +14,13 @@ import pytest
 import ray
 from waits import within
 
-from actors.loader import resolve_model_dir
 from actors.messages import RequestSpec
+from actors.models.loader import resolve_model_dir
 from cluster import LLM, SamplingParams
 from cluster.cli import main as kvray_main
 from cluster.config import ConfigError, EngineConfig, load_config
-from cluster.job import Job, read_items
-from cluster.placement import PlacementError, start_local_ray
+from cluster.job.batch_job import Job, read_items
+from cluster.replicas.placement import PlacementError, start_local_ray
 from kvcore.request import RequestValidationError
 
 MAX_MODEL_LEN = 64

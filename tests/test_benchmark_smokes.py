@@ -55,7 +55,7 @@ def local_ray():
     no-op worker of bench_logprobs_host_path is named by its module)."""
     import ray
 
-    from cluster.placement import start_local_ray
+    from cluster.replicas.placement import start_local_ray
 
     if ray.is_initialized():
         yield

@@ -4,8 +4,8 @@ operations, lazy LRU eviction of cached blocks, and reuse of unhashed blocks bef
 import pytest
 
 from kvcore import Request, SamplingParams
-from kvcore.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kvcore.hashing import compute_block_hashes, hash_block_tokens, update_request_block_hashes
+from kvcore.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from kvcore.kv_cache.hashing import compute_block_hashes, hash_block_tokens, update_request_block_hashes
 
 
 def ids(blocks):

@@ -1,4 +1,4 @@
-"""The start-up hint for packages without compiled bytecode (cluster/bytecode.py)."""
+"""The start-up hint for packages without compiled bytecode (cluster/replicas/bytecode.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from cluster import bytecode
+from cluster.replicas import bytecode
 
 
 @pytest.fixture
@@ -45,10 +45,10 @@ def test_the_warning_names_the_package_and_the_fix_once(fake_pkg, monkeypatch, c
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(bytecode, "PACKAGES", ("kvray_fake_pkg",))
     monkeypatch.setattr(bytecode, "_warned", False)
-    with caplog.at_level(logging.WARNING, logger="cluster.bytecode"):
+    with caplog.at_level(logging.WARNING, logger="cluster.replicas.bytecode"):
         bytecode.warn_if_no_bytecode()
         bytecode.warn_if_no_bytecode()
-    msgs = [r.getMessage() for r in caplog.records if r.name == "cluster.bytecode"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "cluster.replicas.bytecode"]
     assert len(msgs) == 1
     assert "kvray_fake_pkg" in msgs[0] and "PYTHONDONTWRITEBYTECODE" in msgs[0]
     assert f"python -m compileall -q {fake_pkg}" in msgs[0]

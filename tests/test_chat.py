@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from actors.models.tiny_random import ensure_tiny_random
-from cluster.chat import (
+from cluster.client.chat import (
     ChatTemplateError,
     as_conversations,
     load_chat_template,
@@ -19,7 +19,7 @@ from cluster.chat import (
     resolve_chat_template,
     special_tokens,
 )
-from cluster.tokenizer import Tokenizer
+from cluster.client.tokenizer import Tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 QWEN = open(os.path.join(DATA, "qwen2_5_chat_template.jinja")).read()

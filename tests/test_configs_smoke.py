@@ -11,12 +11,12 @@ import os
 import pytest
 
 from cluster.config import load_config
-from cluster.engines import EngineGroup
 from cluster.info import plan
-from cluster.job import Job
-from cluster.job_input import InputReader, resolve_shards
+from cluster.job.batch_job import Job
+from cluster.job.input import InputReader, resolve_shards
 from cluster.llm import check_client_model, load_client_model
-from cluster.placement import start_local_ray
+from cluster.replicas.engine_group import EngineGroup
+from cluster.replicas.placement import start_local_ray
 from kvcore.request import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

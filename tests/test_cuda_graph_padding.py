@@ -18,15 +18,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import hf_models as H
 import pytest
 
-from actors.cuda_graphs import (
+from actors.driver.engine_core import EngineCore
+from actors.executor.local import LocalExecutor
+from actors.worker.cuda_graphs import (
     Bucket,
     BucketPlan,
     bucket_for,
     capture_sizes,
     token_sizes,
 )
-from actors.engine_core import EngineCore
-from actors.local_executor import LocalExecutor
 from cluster.config import (
     CacheConfig,
     EngineConfig,
@@ -190,8 +190,8 @@ class RecordedGraphs:
 def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, async_on):
     """The runner's capture hook and replay branch (execute_model), with a recording stand-in for the
     CUDA graph: tokens equal HF, replays happen, including padded ones."""
-    import actors.model_runner as mr
-    import actors.runner_graphs as rg
+    import actors.worker.forward as rg
+    import actors.worker.model_runner as mr
 
     path, prompts, expected = reference("qwen3_hybrid")
     made = []

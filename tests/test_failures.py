@@ -16,10 +16,10 @@ from waits import wait_until, within
 from actors.messages import RequestSpec
 from cluster import LLM, SamplingParams
 from cluster.config import EngineConfig
-from cluster.engines import EngineFailure, EngineGroup
-from cluster.placement import PlacementError, start_local_ray
+from cluster.replicas.engine_group import EngineFailure, EngineGroup
+from cluster.replicas.placement import PlacementError, start_local_ray
 
-NOOP = "actors.noop_worker.NoopWorker"
+NOOP = "actors.worker.noop.NoopWorker"
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 

@@ -157,8 +157,8 @@ def test_unscaled_fp8_attention_against_a_bf16_cache_holding_the_same_values(mon
 
 # ---- the engine with cache.kv_cache_dtype ------------------------------------------------------
 def _engine_run(model_dir: str, kv_cache_dtype: str, prompts):
-    from actors.engine_core import EngineCore
-    from actors.local_executor import LocalExecutor
+    from actors.driver.engine_core import EngineCore
+    from actors.executor.local import LocalExecutor
     from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
     from kvcore.request import Request, SamplingParams
 
@@ -201,7 +201,7 @@ def test_engine_with_an_fp8_cache_holds_twice_the_blocks_and_still_generates(tmp
 
 
 def test_kv_cache_dtype_names_follow_vllm():
-    from actors.engine_config import KV_CACHE_DTYPES
+    from actors.config.engine import KV_CACHE_DTYPES
     from cluster.config import ConfigError, config_from_dict
     from kvcore.kernels.fp8 import FP8_KV_DTYPES, kv_cache_torch_dtype
 

@@ -182,7 +182,7 @@ def test_linear_layers_swap_their_weight_and_keep_their_output():
 def test_quantization_rules_name_the_field(tmp_path):
     import hf_models as H
 
-    from actors.loader import load_model
+    from actors.models.loader import load_model
     from cluster.config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError, match="model.quantization='int4': must be null or 'fp8'"):

@@ -24,8 +24,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import hf_models as H
 import pytest
 
-from actors.engine_core import EngineCore
-from actors.local_executor import LocalExecutor
+from actors.driver.engine_core import EngineCore
+from actors.executor.local import LocalExecutor
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvcore.request import Request, SamplingParams
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.input_batch import CachedRequestState, InputBatch
+from actors.worker.input_batch import CachedRequestState, InputBatch
 from kvcore.request import SamplingParams
 
 MAX_REQS, MAX_LEN, BLOCK_SIZES = 8, 64, [4, 8]
@@ -174,7 +174,7 @@ def test_append_token_and_limits():
 def test_the_warm_up_samples_through_the_views_real_steps_use():
     """Triton compiles a variant per argument dtype and alignment: the warm-up's metadata must be the
     very views build() hands the sampler, or the first real steps compile their own."""
-    from actors.sampling_inputs import SamplingInputs
+    from actors.sample.inputs import SamplingInputs
 
     batch, rng = make_batch(), np.random.default_rng(0)
     rows = np.array([batch.add_request(make_state(i, rng)) for i in range(1, 6)])

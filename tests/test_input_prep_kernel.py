@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.input_prep import InputStager
+from actors.worker.input_prep import InputStager
 from kvcore.kernels.input_prep import PrepOutputs, prepare_inputs, prepare_inputs_ref
 
 MAX_REQS, MAX_TOKENS, MAX_LEN = 12, 96, 64

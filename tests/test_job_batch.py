@@ -8,8 +8,8 @@ import os
 import pytest
 
 from cluster.config import EngineConfig
-from cluster.job import Job
-from cluster.job_input import InputReader, Shard, detect_format, resolve_shards
+from cluster.job.batch_job import Job
+from cluster.job.input import InputReader, Shard, detect_format, resolve_shards
 from cluster.llm import load_client_model
 from kvcore.request import SamplingParams
 from tests.job_helpers import FakeEngines, expected_tokens
@@ -179,7 +179,7 @@ def test_the_example_files_run_as_they_are(tmp_path, name):
 
 
 def test_chat_lines_use_the_models_chat_template_as_llm_chat_does(tmp_path):
-    from cluster.job_batch import make_chat_renderer
+    from cluster.job.openai_batch import make_chat_renderer
 
     inp = tmp_path / "batch.jsonl"
     msgs = [{"role": "user", "content": "hi"}]

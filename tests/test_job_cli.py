@@ -16,7 +16,7 @@ import ray
 
 from cluster.cli import EXIT_INTERRUPTED, EXIT_USAGE
 from cluster.cli import main as kvray_main
-from cluster.placement import start_local_ray
+from cluster.replicas.placement import start_local_ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISE = (

@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from cluster.config import EngineConfig
-from cluster.engines import EngineFailure
-from cluster.job import Job
-from cluster.job_input import InputReader, JobError, Limits, Shard, count_lines, resolve_shards
-from cluster.job_keys import KeySet
+from cluster.job.batch_job import Job
+from cluster.job.input import InputReader, JobError, Limits, Shard, count_lines, resolve_shards
+from cluster.job.keys import KeySet
 from cluster.llm import load_client_model
+from cluster.replicas.engine_group import EngineFailure
 from kvcore.request import SamplingParams
 from tests.job_helpers import MAX_MODEL_LEN, FakeEngines, expected_tokens
 

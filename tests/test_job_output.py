@@ -11,9 +11,9 @@ import pytest
 
 from cluster.cli import main as kvray_main
 from cluster.config import EngineConfig
-from cluster.job import Job
-from cluster.job_input import InputReader, JobError, resolve_shards
-from cluster.job_output import OutputFile, check_not_an_input
+from cluster.job.batch_job import Job
+from cluster.job.input import InputReader, JobError, resolve_shards
+from cluster.job.output import OutputFile, check_not_an_input
 from cluster.llm import load_client_model
 from kvcore.request import SamplingParams
 from tests.job_helpers import FakeEngines, expected_tokens
@@ -90,7 +90,7 @@ def test_the_half_written_line_repair_reads_only_the_tail(tmp_path, monkeypatch)
     read = []
     real = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, off: read.append(n) or real(fd, n, off))
-    monkeypatch.setattr("cluster.job_output.load_done", lambda path: (set(), 0))
+    monkeypatch.setattr("cluster.job.output.load_done", lambda path: (set(), 0))
     OutputFile(str(out)).close()
     assert sum(read) <= 1 << 16 and out.stat().st_size == size - len('{"id": "half", "err')
     assert out.read_bytes().endswith(b"\n")
@@ -101,8 +101,8 @@ import json, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.RLIM_INFINITY))
 from cluster.config import EngineConfig
-from cluster.job import Job
-from cluster.job_input import JobError, read_items
+from cluster.job.batch_job import Job
+from cluster.job.input import JobError, read_items
 from cluster.llm import load_client_model
 from kvcore.request import SamplingParams
 from tests.job_helpers import FakeEngines

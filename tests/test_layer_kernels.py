@@ -248,7 +248,7 @@ def test_bad_inputs_name_the_argument() -> None:
 def test_tiny_model_triton_layers_match_torch(tmp_path) -> None:
     from test_model_forward import PagedDriver
 
-    from actors.loader import load_model
+    from actors.models.loader import load_model
     from actors.models.tiny_random import ensure_tiny_random
 
     path = ensure_tiny_random(str(tmp_path))

@@ -1,6 +1,6 @@
 """The driver's books on live requests: timings, and one unbroken stream per request across a restart."""
 
-from actors.live_requests import LiveRequests
+from actors.driver.live_requests import LiveRequests
 from actors.messages import RequestSpec
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams

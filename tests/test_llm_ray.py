@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from cluster import LLM, SamplingParams
-from cluster.placement import start_local_ray
+from cluster.replicas.placement import start_local_ray
 
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -17,13 +17,13 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from actors.loader import load_model, read_hf_config, resolve_dtype, resolve_model_dir
 from actors.models.architectures import SUPPORTED_ARCHITECTURES
 from actors.models.args import qwen_layer_windows
 from actors.models.checkpoint import CorruptCheckpointError, MissingTensorError, TensorShapeError, UnexpectedTensorError
+from actors.models.loader import load_model, read_hf_config, resolve_dtype, resolve_model_dir
 from actors.models.registry import MODEL_REGISTRY, UnsupportedArchitectureError
 from actors.models.tiny_random import VERSION, ensure_tiny_random
-from cluster.tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer_if_present
+from cluster.client.tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer_if_present
 
 TINY = dict(
     vocab_size=123,

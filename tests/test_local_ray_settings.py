@@ -1,8 +1,8 @@
-"""The embedded local Ray's start-up settings that need no Ray to check (cluster/placement.py)."""
+"""The embedded local Ray's start-up settings that need no Ray to check (cluster/replicas/placement.py)."""
 
 from __future__ import annotations
 
-from cluster.placement import PRESTART_ENV, prestart_setting
+from cluster.replicas.placement import PRESTART_ENV, prestart_setting
 
 
 def test_gpu_machine_starts_without_worker_prestart(monkeypatch):

@@ -10,11 +10,11 @@ import pickle
 import numpy as np
 import torch
 
-from actors.logprobs import compute_logprobs
 from actors.messages import PollResult
-from actors.step_logprobs import LogprobsCollector, launch_copies
-from kvcore.logprob_outputs import attach_logprobs
+from actors.sample.logprobs import compute_logprobs
+from actors.sample.step_logprobs import LogprobsCollector, launch_copies
 from kvcore.messages import EngineCoreOutput, Logprobs, LogprobsBatch, ModelRunnerOutput
+from kvcore.sched.logprob_outputs import attach_logprobs
 
 
 def step_batch(ks: list[int], rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, LogprobsBatch]:

@@ -1,4 +1,4 @@
-"""The two-launch logprobs kernel (actors/logprobs_kernel.py) against the torch reference
+"""The two-launch logprobs kernel (actors/sample/logprobs_kernel.py) against the torch reference
 (logprobs_reference), under the Triton interpreter: several chunks with a partial last one, bf16-valued
 logits full of exact ties (as an LM head makes them), k from 0 to MAX_LOGPROBS, and compute_logprobs'
 dispatch to it, for the sampler's rows and the prompt's."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors import step_logprobs
-from actors.logprobs import MAX_LOGPROBS, LogprobsTensors, compute_logprobs, logprobs_reference
-from actors.logprobs_kernel import BLOCK, topk_logprobs
-from actors.sampler import Sampler, SamplingMetadata
-from actors.step_logprobs import PromptPlan, compute_prompt_logprobs
+from actors.sample import step_logprobs
+from actors.sample.logprobs import MAX_LOGPROBS, LogprobsTensors, compute_logprobs, logprobs_reference
+from actors.sample.logprobs_kernel import BLOCK, topk_logprobs
+from actors.sample.sampler import Sampler, SamplingMetadata
+from actors.sample.step_logprobs import PromptPlan, compute_prompt_logprobs
 
 
 def logits_of(rows: int, vocab: int, bf16_values: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Model directories as untrusted data: a malformed config.json / generation_config.json / safetensors
 index or checkpoint gets an error naming the file and the field, before or while the model loads.
 
-No Ray: these run the loader the worker runs (actors.loader.load_model) on the CPU, and the client
+No Ray: these run the loader the worker runs (actors.models.loader.load_model) on the CPU, and the client
 checks LLM() runs before any actor starts."""
 
 import json
@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from actors.hf_config import ModelConfigError
-from actors.loader import load_model, read_hf_config, resolve_model_dir
+from actors.config.hf_json import ModelConfigError
 from actors.models.checkpoint import Checkpoint, CheckpointDtypeError, CorruptCheckpointError
+from actors.models.loader import load_model, read_hf_config, resolve_model_dir
 from cluster import LLM
-from cluster.tokenizer import Tokenizer
+from cluster.client.tokenizer import Tokenizer
 
 
 @pytest.fixture

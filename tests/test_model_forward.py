@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from actors import parallel_state
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from actors.loader import load_model
+from actors.models.loader import load_model
 
 ATOL = RTOL = 1e-4
 BLOCK_SIZE = 4

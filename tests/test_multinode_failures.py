@@ -19,7 +19,7 @@ from waits import wait_until
 
 from actors.messages import RequestSpec
 from cluster.config import EngineConfig
-from cluster.engines import UP, EngineGroup
+from cluster.replicas.engine_group import UP, EngineGroup
 from kvcore.request import SamplingParams
 
 pytestmark = pytest.mark.timeout(420)

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.hf_config import ModelConfigError
+from actors.config.hf_json import ModelConfigError
 from actors.models.tiny_random import EOS_ID, SPECIAL_TOKENS, ensure_tiny_random
-from cluster.detokenizer import IncrementalDetokenizer, check_stop_strings
-from cluster.output_processor import OutputProcessor
-from cluster.sampling_defaults import VLLM_DEFAULTS, default_sampling_params
-from cluster.tokenizer import Tokenizer
+from cluster.client.detokenizer import IncrementalDetokenizer, check_stop_strings
+from cluster.client.output_processor import OutputProcessor
+from cluster.client.sampling_defaults import VLLM_DEFAULTS, default_sampling_params
+from cluster.client.tokenizer import Tokenizer
 from kvcore.messages import EngineCoreOutput, Logprobs, LogprobsBatch
 from kvcore.request import RequestValidationError, SamplingParams
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.poison import PoisonHunt
+from actors.driver.poison import PoisonHunt
 
 
 def simulate(live: list[str], poison: set[str], seed: int = 0, max_steps: int = 500):
@@ -82,9 +82,9 @@ class _Engine:
 
 
 def _driver(budget: int, deaths_during_rebuild: int):
-    from actors.driver import EngineDriver
-    from actors.engine_config import EngineConfig, ModelConfig, ParallelConfig
-    from actors.transport import WorkerFailure
+    from actors.config.engine import EngineConfig, ModelConfig, ParallelConfig
+    from actors.driver.engine_driver import EngineDriver
+    from actors.transport.broadcast import WorkerFailure
 
     class Driver(EngineDriver):
         builds = 0

@@ -13,8 +13,8 @@ import pytest
 import ray
 
 from cluster import LLM, SamplingParams
-from cluster.job import Job, read_items
-from cluster.placement import start_local_ray
+from cluster.job.batch_job import Job, read_items
+from cluster.replicas.placement import start_local_ray
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=7)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from actors.engine_core import EngineCore
-from actors.local_executor import LocalExecutor
+from actors.driver.engine_core import EngineCore
+from actors.executor.local import LocalExecutor
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvcore.request import Request, SamplingParams
 
@@ -58,7 +58,7 @@ def test_profile_traces_the_requested_steps(tmp_path):
 def test_step_timer_host_phases_follow_the_marks():
     """Each execute_model call's host phases are differences of its marks; `outside` runs from one call's
     return to the next call's entry; a call without every mark (a lagged first call) is left out."""
-    from actors.step_profiler import StepTimer
+    from actors.profiling.step_profiler import StepTimer
 
     clock = iter(
         [
@@ -82,7 +82,7 @@ def test_step_timer_host_phases_follow_the_marks():
 
 
 def test_the_compile_log_records_each_variant_with_its_time():
-    from actors.compile_log import CompileLog, install
+    from actors.profiling.compile_log import CompileLog, install
 
     log = CompileLog()
 

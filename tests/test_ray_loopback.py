@@ -7,9 +7,9 @@ import os
 import pytest
 import ray
 
-from cluster import placement
 from cluster.config import EngineConfig
-from cluster.placement import connect, start_local_ray
+from cluster.replicas import placement
+from cluster.replicas.placement import connect, start_local_ray
 
 
 def _is_loopback(ip: str) -> bool:

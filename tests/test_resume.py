@@ -18,9 +18,9 @@ import time
 import pytest
 import ray
 
-from cluster.engines import DRIVER_NAME_PREFIX
-from cluster.job import load_done
-from cluster.placement import local_address, start_local_ray
+from cluster.job.batch_job import load_done
+from cluster.replicas.engine_group import DRIVER_NAME_PREFIX
+from cluster.replicas.placement import local_address, start_local_ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 24

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from actors.penalty_state import PenaltyState
-from actors.sample_kernel import launch_sample
-from actors.sample_ops import philox_uniform_triton
-from actors.sample_reference import philox_uniform, sample_reference, top_k_top_p_mask
-from actors.sampler import Sampler, SamplingMetadata, request_seed
+from actors.sample.kernel import launch_sample
+from actors.sample.kernel_ops import philox_uniform_triton
+from actors.sample.penalties import PenaltyState
+from actors.sample.reference import philox_uniform, sample_reference, top_k_top_p_mask
+from actors.sample.sampler import Sampler, SamplingMetadata, request_seed
 
 V = 48
 
@@ -89,7 +89,7 @@ def test_vocabulary_shares_merge_like_one_pass(monkeypatch, rows_per_program):
     """A row split over programs by vocabulary share gives the one-pass token: greedy ties across shares
     go to the first index, the race's winner is the reference's, and the shares' done-counts end at zero
     (so the next launch merges again)."""
-    import actors.sample_kernel as sk
+    import actors.sample.kernel as sk
 
     n = 6
     vocab = 96  # 6 tiles of 16: 2 or 6 shares
@@ -191,7 +191,7 @@ def test_seeded_tokens_survive_a_restart():
     logits, temp, top_k, top_p, seeds, pos = _rows(4, seed=5)
     here = launch_sample(logits, temp, top_k, top_p, seeds, pos, need_filter=True, rows_per_program=4)
     code = (
-        "import torch,sys; from actors.sample_reference import sample_reference as s; "
+        "import torch,sys; from actors.sample.reference import sample_reference as s; "
         "a=torch.load(sys.argv[1]); print(s(*a).tolist())"
     )
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sampler-restart-{os.getpid()}.pt")

@@ -18,8 +18,8 @@ import pytest
 import torch
 from test_sampler import vllm_penalties
 
-from actors.engine_core import EngineCore
-from actors.local_executor import LocalExecutor
+from actors.driver.engine_core import EngineCore
+from actors.executor.local import LocalExecutor
 from cluster.config import (
     CacheConfig,
     EngineConfig,

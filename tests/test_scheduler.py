@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvcore import Request, RequestStatus, SamplingParams
-from kvcore.scheduler import Scheduler
+from kvcore.sched.scheduler import Scheduler
 from tests.scheduler_helpers import drain, make_request, make_scheduler, run_output, step, tokens_of
 
 # ---------------------------------------------------------------- budgets and chunking

@@ -14,7 +14,7 @@ import torch
 from kvcore import Request, SamplingParams
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
-from kvcore.scheduler import Scheduler
+from kvcore.sched.scheduler import Scheduler
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 VOCAB = 50_000

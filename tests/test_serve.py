@@ -17,9 +17,9 @@ import ray
 import requests
 
 from cluster.llm import LLM
-from cluster.placement import connect
+from cluster.replicas.placement import connect
 from cluster.serve.app import start_server, stop_server
-from cluster.stress_report import leaked_blocks
+from cluster.stress.report import leaked_blocks
 from kvcore.request import SamplingParams
 from tests.serve_helpers import drivers, free_port, percentiles, serve_config, wait_pool_whole
 

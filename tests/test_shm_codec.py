@@ -1,4 +1,4 @@
-"""The shm transport's wire form (actors/shm_codec.py): every field of a step and of an answer survives
+"""The shm transport's wire form (actors/transport/codec.py): every field of a step and of an answer survives
 encode -> decode, in the marshal form and in the pickle fallback (a value marshal refuses), with logprob
 rows (arrays, pickled inside) and for every kind of answer (rank 0's output, another rank's None, a step
 error)."""
@@ -9,7 +9,7 @@ import marshal
 
 import numpy as np
 
-from actors.shm_codec import decode_answer, decode_step, encode_answer, encode_step
+from actors.transport.codec import decode_answer, decode_step, encode_answer, encode_step
 from kvcore.logprob_rows import Logprobs, LogprobsBatch
 from kvcore.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.request import SamplingParams

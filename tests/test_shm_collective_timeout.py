@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from actors.executor_base import WorkerFailure
-from actors.poison import StepError
-from actors.transport import step_failure
+from actors.driver.poison import StepError
+from actors.executor.base import WorkerFailure
+from actors.transport.broadcast import step_failure
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ from waits import wait_until
 from actors.messages import RequestSpec
 from cluster import LLM, SamplingParams
 from cluster.config import EngineConfig
-from cluster.engines import EngineGroup
+from cluster.replicas.engine_group import EngineGroup
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = ["Hello, my name is", "a b c d e f"]
@@ -50,7 +50,7 @@ def test_a_killed_rank_on_another_node_is_replaced(cluster):
         max_num_seqs=8,
         num_gpu_blocks=512,
     )
-    group = EngineGroup(config, worker_cls="actors.noop_worker.NoopWorker")
+    group = EngineGroup(config, worker_cls="actors.worker.noop.NoopWorker")
     specs = [RequestSpec(f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=150, ignore_eos=True)) for i in range(3)]
     tokens: dict[str, list[int]] = {s.request_id: [] for s in specs}
     finished: list[str] = []

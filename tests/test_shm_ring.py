@@ -11,8 +11,8 @@ import time
 import pytest
 import zmq
 
-from actors.shm_channels import ChannelSpec, ZmqReceiver, ZmqSender, bind, open_receiver, open_sender
-from actors.shm_ring import RingClosed, RingTimeout, ShmRing
+from actors.transport.channels import ChannelSpec, ZmqReceiver, ZmqSender, bind, open_receiver, open_sender
+from actors.transport.shm_ring import RingClosed, RingTimeout, ShmRing
 from kvcore.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from kvcore.request import SamplingParams
 
@@ -261,7 +261,7 @@ def test_a_reader_going_to_sleep_never_misses_a_message(monkeypatch):
     the writer skipped wrongly would end the read with RingTimeout instead of the message."""
     import random
 
-    import actors.shm_ring as shm_ring
+    import actors.transport.shm_ring as shm_ring
 
     monkeypatch.setattr(shm_ring, "BELL_POLL_S", 3600.0)
     rng = random.Random(0)

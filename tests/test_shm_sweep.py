@@ -1,5 +1,5 @@
 """Rings whose owner died without closing them are swept; live ones, and fresh ones, are not
-(actors/shm_sweep.py). The sweep logic runs on a private directory; the ring's own lock on /dev/shm."""
+(actors/transport/shm_sweep.py). The sweep logic runs on a private directory; the ring's own lock on /dev/shm."""
 
 import fcntl
 import os
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from actors import shm_sweep
-from actors.shm_ring import ShmRing
+from actors.transport import shm_sweep
+from actors.transport.shm_ring import ShmRing
 
 
 def later() -> float:

@@ -16,11 +16,11 @@ from waits import wait_until
 from actors.messages import RequestSpec
 from cluster import LLM, SamplingParams
 from cluster.config import EngineConfig
-from cluster.engines import EngineGroup
-from cluster.placement import start_local_ray
+from cluster.replicas.engine_group import EngineGroup
+from cluster.replicas.placement import start_local_ray
 
 pytestmark = pytest.mark.timeout(300)
-NOOP = "actors.noop_worker.NoopWorker"
+NOOP = "actors.worker.noop.NoopWorker"
 NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 

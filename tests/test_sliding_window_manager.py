@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from kvcore import Request, SamplingParams
-from kvcore.block_pool import BlockPool
-from kvcore.hashing import update_request_block_hashes
+from kvcore.kv_cache.block_pool import BlockPool
+from kvcore.kv_cache.hashing import update_request_block_hashes
+from kvcore.kv_cache.single_type_manager import SlidingWindowManager, cdiv
 from kvcore.kv_cache_manager import KVCacheManager
-from kvcore.single_type_manager import SlidingWindowManager, cdiv
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 BS = 16

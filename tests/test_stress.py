@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 
-from cluster.stress import Observed, Outcome
-from cluster.stress_report import evaluate
-from cluster.stress_workload import WorkloadShape, make_workload, max_total_tokens
+from cluster.stress.report import evaluate
+from cluster.stress.run import Observed, Outcome
+from cluster.stress.workload import WorkloadShape, make_workload, max_total_tokens
 from kvcore.request import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

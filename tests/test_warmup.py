@@ -3,7 +3,7 @@ kernels load on the GPU; a count it skipped would be loaded inside a user's firs
 
 import pytest
 
-from actors.warmup import EVERY_COUNT_UP_TO, logits_row_counts
+from actors.worker.warmup import EVERY_COUNT_UP_TO, logits_row_counts
 
 
 @pytest.mark.parametrize("max_rows", [1, 5, 16, 256, 257, 300, 1024])

@@ -11,7 +11,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from actors.hf_config import ModelConfigError, read_json_object, short
+from actors.config.hf_json import ModelConfigError, read_json_object, short
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype names of the tensors a float model can load (converted to its dtype on copy)

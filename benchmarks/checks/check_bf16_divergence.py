@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     if args.smoke:
-        from actors.loader import resolve_model_dir
+        from actors.models.loader import resolve_model_dir
 
         args.device, args.num_prompts, args.length_groups = "cpu", 4, 2
         args.min_len, args.max_len, args.new_tokens, args.max_num_batched_tokens = 16, 40, 8, 256
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     if not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
-        from cluster.placement import start_local_ray  # one local Ray for both kvray runs
+        from cluster.replicas.placement import start_local_ray  # one local Ray for both kvray runs
 
         start_local_ray(num_cpus=max(os.cpu_count() or 1, 3), namespace="kvray")
     baseline = gpu_used_mib() if args.device == "cuda" else None

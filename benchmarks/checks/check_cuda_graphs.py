@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # hf_mod
 
 import hf_models as H  # noqa: E402
 
-from actors.engine_core import EngineCore  # noqa: E402
-from actors.local_executor import LocalExecutor  # noqa: E402
+from actors.driver.engine_core import EngineCore  # noqa: E402
+from actors.executor.local import LocalExecutor  # noqa: E402
 from cluster.config import (  # noqa: E402
     CacheConfig,
     EngineConfig,

@@ -22,7 +22,7 @@ def child(kind: str, block_m: int, block_n: int) -> None:
     import torch
 
     import tests.test_attention_kernels as t
-    from actors import compile_log
+    from actors.profiling import compile_log
     from kvcore.kernels import paged_attention as pa
 
     log = compile_log.install()

@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("RAY_ADDRESS"):
         import ray
 
-        from cluster.placement import start_local_ray  # one local Ray for every shape
+        from cluster.replicas.placement import start_local_ray  # one local Ray for every shape
 
         if not ray.is_initialized():
             start_local_ray(num_cpus=max(os.cpu_count() or 1, 3), namespace="kvray")

@@ -13,7 +13,7 @@ shut down (and its GPU memory waited for) before the next starts.
 --gpus-per-worker 0.5 (default) puts both TP=2 ranks on ONE GPU (two actors, gloo collectives on CUDA
 tensors, CUDA graphs off); --gpus-per-worker 1 gives every rank its own GPU (NCCL, CUDA graphs on) and
 records under "multigpu" instead of "check_tp". Ranks sharing a GPU each size their KV cache within
-their share (gpus_per_worker) of gpu_memory_utilization of the GPU (actors/model_runner.py
+their share (gpus_per_worker) of gpu_memory_utilization of the GPU (actors/worker/model_runner.py
 determine_num_blocks).
 
   python benchmarks/checks/check_tp.py                                   # H200: TP=1 vs TP=2 on one GPU (gloo)
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.device, args.num_prompts, args.min_len, args.max_len, args.new_tokens = "cpu", 6, 10, 60, 8
         args.max_num_batched_tokens = 256
-        from actors.loader import resolve_model_dir
+        from actors.models.loader import resolve_model_dir
 
         model_dir, vocab = resolve_model_dir("tiny-random"), 256  # written on first use
     else:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
         # One local Ray for every run (LLM would start and stop one per run); workers take a CPU each
         # on the CPU, none on the GPU.
-        from cluster.placement import start_local_ray
+        from cluster.replicas.placement import start_local_ray
 
         start_local_ray(num_cpus=max(os.cpu_count() or 1, max(tps + [1]) + 2), namespace="kvray")
     strict = args.dtype == "float32"

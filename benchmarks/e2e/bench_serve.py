@@ -189,9 +189,9 @@ async def saturation(url: str, model: str, reqs: list[tuple[list[int], int]], se
 
 
 def family_workload(n: int, vocab: int, max_total: int) -> list[tuple[list[int], int]]:
-    """The stress run's workload (cluster/stress_workload.py): 75% of prompts open with one of n/20
+    """The stress run's workload (cluster/stress/workload.py): 75% of prompts open with one of n/20
     shared long prefixes (its families)."""
-    from cluster.stress_workload import WorkloadShape, make_workload
+    from cluster.stress.workload import WorkloadShape, make_workload
 
     wl = make_workload(n, 0, WorkloadShape(vocab_size=vocab, max_total_tokens=max_total), abort_rate=0.0)
     return [(r.prompt_token_ids, min(r.sampling.max_tokens, 4)) for r in wl]

@@ -1,6 +1,6 @@
 """The serve path's host ceiling: the server against LLM.generate with the no-op worker (CPU, no GPU).
 
-The no-op worker (actors/noop_worker.py) answers every step at once, so the engine runs as fast as
+The no-op worker (actors/worker/noop.py) answers every step at once, so the engine runs as fast as
 its host side can; what the server loses against LLM.generate on the same requests is the cost of the
 serving path alone (ingress, Serve's proxy, SSE, the client). bench_serve.py's client, rate inf.
 The client model has no tokenizer by default (as the GPU sweep's random-weight models): token ids
@@ -35,9 +35,9 @@ sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 
 from bench_serve import format_row, free_port, run_rate, saturation  # noqa: E402
 
-from actors.noop_worker import NoopWorker  # noqa: E402
+from actors.worker.noop import NoopWorker  # noqa: E402
 
-NOOP = "actors.noop_worker.NoopWorker"
+NOOP = "actors.worker.noop.NoopWorker"
 PACED = "bench_serve_ceiling.PacedNoopWorker"
 STEP_ENV = "KVRAY_BENCH_NOOP_STEP_S"
 
@@ -52,7 +52,7 @@ class PacedNoopWorker(NoopWorker):
 
 def client_model_dir(detokenize: bool) -> str:
     """tiny-random's config, without its tokenizer unless `detokenize`."""
-    from actors.loader import resolve_model_dir
+    from actors.models.loader import resolve_model_dir
 
     src = resolve_model_dir("tiny-random")
     if detokenize:

@@ -125,7 +125,7 @@ def running_ray(child_env: dict[str, str]) -> dict[str, str]:
     this process's environment, not the client's: the Triton cache and the compile log go here."""
     import ray
 
-    from cluster.placement import start_local_ray
+    from cluster.replicas.placement import start_local_ray
 
     os.environ.update({k: child_env[k] for k in ("TRITON_CACHE_DIR", "KVRAY_LOG_COMPILES") if k in child_env})
     start_local_ray(num_cpus=os.cpu_count() or 1)

@@ -1,12 +1,12 @@
 """Control-plane cost per engine step: schedule + broadcast the SchedulerOutput to every TP rank + rank 0's
-reply + update_from_output, with a no-op model (actors/noop_worker.py) so only the control plane is timed.
+reply + update_from_output, with a no-op model (actors/worker/noop.py) so only the control plane is timed.
 
 This process plays the driver: it reserves the placement group and runs EngineCore over a RayExecutor,
 exactly as the driver actor does. For TP = 1, 2, 4 and every transport (shared-memory broadcast, compiled
 graph, plain actor calls), side by side in one run, it times `--steps` steps with `--num-reqs` requests
 decoding, and reports the median. Appends JSON lines to benchmarks/results/control_plane.jsonl:
 `control_plane_us_tp<N>_<transport>` for each, and `control_plane_us_tp<N>` (the headline at TP=2) for
-the default transport (ray.transport's default in actors/engine_config.py).
+the default transport (ray.transport's default in actors/config/engine.py).
 
   python benchmarks/host/bench_control_plane.py [--tp 1 2 4] [--steps 300] [--num-reqs 32] [--device cpu]
   python benchmarks/host/bench_control_plane.py --shm-spin-s 0.001   # spinning measured on a small host
@@ -28,10 +28,10 @@ sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 import ray  # noqa: E402
 from common import record  # noqa: E402
 
-from actors.engine_core import EngineCore  # noqa: E402
-from actors.ray_executor import RayExecutor  # noqa: E402
+from actors.driver.engine_core import EngineCore  # noqa: E402
+from actors.executor.ray_workers import RayExecutor  # noqa: E402
 from cluster.config import EngineConfig  # noqa: E402
-from cluster.placement import create_placement_group, remove, start_local_ray  # noqa: E402
+from cluster.replicas.placement import create_placement_group, remove, start_local_ray  # noqa: E402
 from kvcore.request import Request, SamplingParams  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def measure(
     pg = create_placement_group(config, name=f"bench-tp{tp}-{transport}")
     engine = None
     try:
-        executor = RayExecutor(config, pg, worker_cls="actors.noop_worker.NoopWorker")
+        executor = RayExecutor(config, pg, worker_cls="actors.worker.noop.NoopWorker")
         engine = EngineCore(config, executor)
         for i in range(num_reqs):
             engine.add_request(Request(f"r{i}", list(range(1, 65)), SamplingParams(max_tokens=3000, ignore_eos=True)))
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         "--shm-spin-s",
         type=float,
         default=None,
-        help="how long every shm party spins before it blocks (default: actors.shm_transport.default_spin_s, "
+        help="how long every shm party spins before it blocks (default: actors.transport.shm.default_spin_s, "
         "which spins only where the host has >= 2 x (ranks + 1) cores); set it to measure spinning on a small host",
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, TP=2, every transport, 20 steps, nothing written")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.tp, args.steps, args.device, args.no_write = [2], 20, "cpu", True
     if args.shm_spin_s is not None:
-        import actors.shm_transport as shm_transport
+        import actors.transport.shm as shm_transport
 
         spin_s = args.shm_spin_s
         shm_transport.default_spin_s = lambda n_workers: spin_s

@@ -39,14 +39,14 @@ sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 
 import zmq  # noqa: E402
 
-import actors.shm_worker as shm_worker  # noqa: E402
-from actors.engine_config import EngineConfig  # noqa: E402
-from actors.engine_core import EngineCore  # noqa: E402
-from actors.executor_base import Executor  # noqa: E402
-from actors.noop_worker import NoopWorker  # noqa: E402
-from actors.shm_channels import ChannelSpec, RingReceiver, RingSender  # noqa: E402
-from actors.shm_ring import ShmRing  # noqa: E402
-from actors.shm_transport import BROADCAST_SLOT_BYTES, BROADCAST_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, ShmTransport  # noqa: E402
+import actors.transport.shm_reader as shm_worker  # noqa: E402
+from actors.config.engine import EngineConfig  # noqa: E402
+from actors.driver.engine_core import EngineCore  # noqa: E402
+from actors.executor.base import Executor  # noqa: E402
+from actors.transport.channels import ChannelSpec, RingReceiver, RingSender  # noqa: E402
+from actors.transport.shm import BROADCAST_SLOT_BYTES, BROADCAST_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, ShmTransport  # noqa: E402
+from actors.transport.shm_ring import ShmRing  # noqa: E402
+from actors.worker.noop import NoopWorker  # noqa: E402
 from kvcore.request import Request, SamplingParams  # noqa: E402
 
 # Stamps per step: the driver's, then each rank's.

@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 
 from cluster.config import EngineConfig  # noqa: E402
-from cluster.job import Job  # noqa: E402
-from cluster.job_input import InputReader, resolve_shards  # noqa: E402
+from cluster.job.batch_job import Job  # noqa: E402
+from cluster.job.input import InputReader, resolve_shards  # noqa: E402
 from kvcore.request import SamplingParams  # noqa: E402
 from tests.job_helpers import FakeEngines  # noqa: E402
 

@@ -31,9 +31,9 @@ import torch
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 from common import SHAPES  # noqa: E402
 
-from actors.logprobs import LogprobsTensors  # noqa: E402
-from actors.noop_worker import NoopWorker  # noqa: E402
-from actors.step_logprobs import LogprobsCollector, launch_copies  # noqa: E402
+from actors.sample.logprobs import LogprobsTensors  # noqa: E402
+from actors.sample.step_logprobs import LogprobsCollector, launch_copies  # noqa: E402
+from actors.worker.noop import NoopWorker  # noqa: E402
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 
 WORKER = "bench_logprobs_host_path.LogprobsNoopWorker"

@@ -40,12 +40,12 @@ import torch
 # the one import pattern of benchmarks/README.md.
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 
-from actors.logprobs import compute_logprobs, logprobs_reference  # noqa: E402
 from actors.messages import PollResult  # noqa: E402
-from actors.step_logprobs import LogprobsCollector, launch_copies  # noqa: E402
-from kvcore.logprob_outputs import attach_logprobs  # noqa: E402
+from actors.sample.logprobs import compute_logprobs, logprobs_reference  # noqa: E402
+from actors.sample.step_logprobs import LogprobsCollector, launch_copies  # noqa: E402
 from kvcore.messages import EngineCoreOutput, ModelRunnerOutput  # noqa: E402
 from kvcore.request import SamplingParams  # noqa: E402
+from kvcore.sched.logprob_outputs import attach_logprobs  # noqa: E402
 
 
 def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
@@ -62,7 +62,7 @@ class Step:
     """One decode step's objects, stage by stage, with logprobs=k or without (k=None)."""
 
     def __init__(self, rows: int, vocab: int, k: int | None, tokenizer: Any, seed: int = 0) -> None:
-        from cluster.output_processor import OutputProcessor
+        from cluster.client.output_processor import OutputProcessor
 
         g = torch.Generator().manual_seed(seed)
         self.k = k
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from common import add_byte_tokenizer
 
-    from cluster.tokenizer import Tokenizer
+    from cluster.client.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as d:
         add_byte_tokenizer(d, args.vocab)

@@ -35,14 +35,14 @@ import torch  # noqa: E402
 from common import record  # noqa: E402
 
 import kvcore.kernels.block_table_delta as delta_mod  # noqa: E402
-from actors.input_batch import InputBatch  # noqa: E402
-from actors.input_prep import InputStager  # noqa: E402
-from actors.model_runner import ModelRunner  # noqa: E402
+from actors.worker.input_batch import InputBatch  # noqa: E402
+from actors.worker.input_prep import InputStager  # noqa: E402
+from actors.worker.model_runner import ModelRunner  # noqa: E402
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from kvcore import Request, SamplingParams  # noqa: E402
 from kvcore.block_table import MultiGroupBlockTable  # noqa: E402
 from kvcore.kv_cache_manager import KVCacheManager  # noqa: E402
-from kvcore.scheduler import Scheduler  # noqa: E402
+from kvcore.sched.scheduler import Scheduler  # noqa: E402
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
 SCRIPT = "bench_runner_host"

@@ -26,7 +26,7 @@ from pathlib import Path
 from kvcore import Request, SamplingParams
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
-from kvcore.scheduler import Scheduler
+from kvcore.sched.scheduler import Scheduler
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 # The series keeps the file it began in (benchmarks/README.md: results/).

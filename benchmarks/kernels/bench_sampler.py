@@ -39,17 +39,17 @@ import torch  # noqa: E402
 from common import record  # noqa: E402
 from logprobs_kernel_before import topk_logprobs_before  # noqa: E402
 
-from actors.logprobs import LogprobsTensors, compute_logprobs, logprobs_reference  # noqa: E402
-from actors.penalty_state import PenaltyState  # noqa: E402
-from actors.sample_reference import sample_reference  # noqa: E402
-from actors.sampler import Sampler, SamplingMetadata  # noqa: E402
-from actors.step_logprobs import PromptPlan, compute_prompt_logprobs  # noqa: E402
+from actors.sample.logprobs import LogprobsTensors, compute_logprobs, logprobs_reference  # noqa: E402
+from actors.sample.penalties import PenaltyState  # noqa: E402
+from actors.sample.reference import sample_reference  # noqa: E402
+from actors.sample.sampler import Sampler, SamplingMetadata  # noqa: E402
+from actors.sample.step_logprobs import PromptPlan, compute_prompt_logprobs  # noqa: E402
 
 SCRIPT = "bench_sampler"
 
 
 def old_sampler(logits, temperature, top_k, top_p, generators):
-    """The sampler before the one-launch kernel (actors/sampler.py at a98f795), condensed."""
+    """The sampler before the one-launch kernel (actors/sample/sampler.py at a98f795), condensed."""
     logits = logits.float()
     scaled = logits / temperature.unsqueeze(1)
     if top_k is not None or top_p is not None:
@@ -264,8 +264,8 @@ def bench_sampler_cases(rows: int, vocab: int, dev: torch.device, smoke: bool) -
 
 def bench_vocab_shares(row_counts: list[int], vocab: int, dev: torch.device, smoke: bool) -> None:
     """The temperature case (nano's recipe) with one program a row, as before vocabulary shares, against
-    the default split (actors.sample_kernel.vocab_shares), side by side; the tokens must be identical."""
-    import actors.sample_kernel as sk
+    the default split (actors.sample.kernel.vocab_shares), side by side; the tokens must be identical."""
+    import actors.sample.kernel as sk
 
     default_shares = sk.vocab_shares
     for rows in row_counts:

@@ -1,4 +1,4 @@
-"""The logprobs kernel as it was before one reduction per top-k round (actors/logprobs_kernel.py at
+"""The logprobs kernel as it was before one reduction per top-k round (actors/sample/logprobs_kernel.py at
 6668a47: an argmax and a max per round in the chunk kernel, a max and a min in the combine), kept for
 bench_sampler.py's before/after run in one process. Not used by the engine."""
 

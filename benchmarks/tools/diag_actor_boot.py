@@ -1,7 +1,7 @@
 """Where a fresh Ray actor process's boot goes: on the H200 the engine's GPU worker spent 3-4 s between its
 process start and kvray's import (0.3 s on the CPU machine, where an idle prestarted worker takes the actor).
 
-On a local Ray started as the engine starts one (cluster.placement.start_local_ray), actors are created one
+On a local Ray started as the engine starts one (cluster.replicas.placement.start_local_ray), actors are created one
 after another: a GPU actor (num_gpus=1), a CPU actor (num_cpus=1) and a 0-CPU actor, each in a new process.
 For each: request -> process start -> the actor's __init__ (the Python + Ray boot) -> ready as the client
 sees it. Then the core-worker log of the first GPU actor's process, with the offsets of its lines from the
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import ray  # noqa: E402
 
-from actors.start_timeline import process_start_epoch  # noqa: E402
-from cluster.placement import start_local_ray  # noqa: E402
+from actors.profiling.start_timeline import process_start_epoch  # noqa: E402
+from cluster.replicas.placement import start_local_ray  # noqa: E402
 
 
 class Probe:

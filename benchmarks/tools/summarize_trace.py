@@ -1,5 +1,5 @@
 """Summarize a torch.profiler Chrome trace of kvray worker steps (`kvray run --profile DIR`, written by
-actors/step_profiler.py, one JSON per worker rank).
+actors/profiling/step_profiler.py, one JSON per worker rank).
 
 Prints, per trace:
   - the top GPU kernels by total time: name (truncated), count, total ms, mean us, share of kernel time

@@ -5,7 +5,7 @@
   ray job submit --working-dir . -- kvray serve --config configs/gpu.yaml
 
 `kvray serve` without an address starts the same embedded, loopback-only local Ray as `kvray run`
-(cluster/placement.py); with RAY_ADDRESS (as under `ray job submit`) it joins that cluster.
+(cluster/replicas/placement.py); with RAY_ADDRESS (as under `ray job submit`) it joins that cluster.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def start_server(
     app; returns once it is ready. -> whether this call started Ray (stop_server then stops it)."""
     from ray import serve
 
-    from cluster.placement import connect
+    from cluster.replicas.placement import connect
 
     with _proxy_env(config):
         started = connect(config)

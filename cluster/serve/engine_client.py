@@ -1,6 +1,6 @@
 """The server's asyncio side of the engine replicas: EngineGroup's driver actors, driven without blocking.
 
-EngineGroup (cluster/engines.py) starts and stops the replicas, as for `kvray run`; this class talks
+EngineGroup (cluster/replicas/engine_group.py) starts and stops the replicas, as for `kvray run`; this class talks
 to its drivers from the ingress's event loop. One poll task per replica awaits `get_outputs` (the
 driver answers as soon as a step produced something, so tokens stream step by step) and hands each
 output to the queue of the request that owns it. Submission picks a replica with the router, within
@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError
 
 from actors.messages import PollResult, RequestSpec, error_output
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
-from cluster.engines import EngineGroup
+from cluster.replicas.engine_group import EngineGroup
 from cluster.serve.router import PrefixAffinityRouter
 from cluster.serve.submissions import SubmitBatcher
 from kvcore.messages import EngineCoreOutput

@@ -1,6 +1,6 @@
 """One OpenAI request in the engine: its n engine requests, read step by step as choice deltas.
 
-The client path of LLM.generate (cluster/output_processor.py: incremental detokenization, stop
+The client path of LLM.generate (cluster/client/output_processor.py: incremental detokenization, stop
 strings, n samples with seed + k, logprobs) turns engine outputs into completions; this class only
 says what is new since the last read. While a choice may still end in a stop string, the last
 (longest stop string - 1) characters are held back, as vLLM's server does, so text a stop string
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from actors.messages import RequestSpec
-from cluster.output_processor import OutputProcessor, RequestState
+from cluster.client.output_processor import OutputProcessor, RequestState
 from cluster.outputs import Logprob, RequestOutput
 from cluster.serve.engine_client import AsyncEngineClient, Inbox
 from cluster.serve.errors import APIError, bad_request

@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
+from cluster.client.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
+from cluster.client.sampling_defaults import default_sampling_params
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.llm import check_client_model, client_model_dir, load_client_model
-from cluster.sampling_defaults import default_sampling_params
 from cluster.serve.engine_client import AsyncEngineClient, Overloaded, Unavailable
 from cluster.serve.errors import APIError, bad_request, error_body, overloaded
 from cluster.serve.generation import Generation

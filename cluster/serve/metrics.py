@@ -3,7 +3,7 @@
 The server side (requests by endpoint and status, 503s, client disconnects, TTFT and end-to-end
 latency) is counted here; the engine side (running, waiting, KV-cache usage, prefix-cache hit rate,
 worker restarts) is read from each driver's stats() at scrape time. The drivers also export their
-own series through Ray's metrics agent (actors/metrics.py); this page needs no agent.
+own series through Ray's metrics agent (actors/driver/metrics.py); this page needs no agent.
 """
 
 from __future__ import annotations

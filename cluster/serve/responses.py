@@ -1,6 +1,6 @@
 """OpenAI response bodies: completions and chat completions, whole or as server-sent-event chunks.
 
-Logprobs take OpenAI's shapes through the batch job's formatter (cluster/job_batch.py), so
+Logprobs take OpenAI's shapes through the batch job's formatter (cluster/job/openai_batch.py), so
 `kvray run` on an OpenAI batch file and the server answer alike.
 """
 
@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from cluster.job_batch import _logprobs as openai_logprobs
+from cluster.job.openai_batch import _logprobs as openai_logprobs
 from cluster.outputs import RequestOutput
 from cluster.serve.generation import ChoiceDelta
 

@@ -7,7 +7,7 @@ The policy of Ray Serve LLM's PrefixCacheAffinityRouter, on token blocks rather 
   - else the least-loaded replica (ties: the one that has seen the fewest blocks, so new prefixes
     spread over the replicas' caches).
 Each replica's record is an LRU of chained block hashes, as the engine's prefix cache keys its blocks
-(kvcore/hashing.py), bounded by the replica's KV pool: what the pool can no longer hold is forgotten.
+(kvcore/kv_cache/hashing.py), bounded by the replica's KV pool: what the pool can no longer hold is forgotten.
 Replicas without room (back-pressure) or down are never chosen.
 """
 

@@ -1,0 +1,120 @@
+"""A worker with no model: it follows the Worker contract and answers every step at once with a fixed
+token, so the control plane (schedule + broadcast + reply) can be timed alone, and faults (a hang,
+an exit) can be injected at a chosen step for the failure tests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from actors.config.engine import EngineConfig
+from actors.transport.shm_reader import ShmLoopMixin
+from kvcore.messages import ModelRunnerOutput, SchedulerOutput
+from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+
+FAKE_TOKEN = 7
+
+
+class NoopWorker(ShmLoopMixin):
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        world_size: int,
+        dist_init_method: str | None,
+        device_index: int | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.num_tokens: dict[str, int] = {}  # tokens each request holds: prompt + sampled so far
+        self.fault: tuple[str, int] | None = None
+        self.steps = 0
+        # Async scheduling: like the model runner, answer each step with the previous step's output.
+        self.lag_outputs = config.use_async_scheduling
+        self._held: ModelRunnerOutput | None = None
+
+    # ---- the Worker contract ----------------------------------------------------------------
+    def init_device(self, dist_init_method: str | None = None) -> None:
+        pass
+
+    def start_phases(self, requested: float) -> dict[str, float]:
+        return {}
+
+    def load_model(self) -> None:
+        pass
+
+    def get_max_model_len(self) -> int:
+        return self.config.model.max_model_len or 4096
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return {"layers.0.attn": FullAttentionSpec(self.config.cache.block_size, 1, 8, torch.float32)}
+
+    def determine_num_blocks(self) -> int:
+        return self.config.cache.num_gpu_blocks or 4096
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        pass
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.steps += 1
+        self._maybe_fault()
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.num_tokens.pop(rid, None)
+        computed: dict[str, int] = {}
+        for nr in so.scheduled_new_reqs:
+            self.num_tokens[nr.req_id] = len(nr.prompt_token_ids)
+            computed[nr.req_id] = nr.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            resumed = c.resumed_token_ids[i]
+            if resumed is not None:
+                self.num_tokens[rid] = len(resumed)
+            computed[rid] = c.num_computed_tokens[i]
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            req_ids.append(rid)
+            # A token is sampled only once the step reaches the end of what the request holds.
+            if computed.get(rid, 0) + n >= self.num_tokens.get(rid, 0):
+                sampled.append([FAKE_TOKEN])
+                self.num_tokens[rid] = self.num_tokens.get(rid, 0) + 1
+            else:
+                sampled.append([])
+        if self.rank != 0:
+            return None
+        out = ModelRunnerOutput(req_ids, sampled, step_id=so.step_id)
+        if not self.lag_outputs:
+            return out
+        held, self._held = self._held, (None if so.is_empty else out)
+        return held
+
+    def ping(self) -> int:
+        return self.rank
+
+    def reset_requests(self) -> None:
+        self.num_tokens.clear()
+        self._held = None
+
+    def shutdown(self) -> None:
+        self.num_tokens.clear()
+
+    # ---- fault injection --------------------------------------------------------------------
+    def inject_fault(self, kind: str, at_step: int) -> None:
+        """kind "hang" (sleep through the step) or "exit" (the process dies) at step `at_step`, or
+        "raise" (that one step raises ValueError on this rank alone; the others answer)."""
+        if kind not in ("hang", "exit", "raise"):
+            raise ValueError(f"inject_fault: kind={kind!r} must be 'hang', 'exit' or 'raise'")
+        self.fault = (kind, at_step)
+
+    def _maybe_fault(self) -> None:
+        if self.fault is None or self.steps < self.fault[1]:
+            return
+        if self.fault[0] == "raise":
+            self.fault = None
+            raise ValueError(f"injected fault: rank {self.rank} raises at step {self.steps}")
+        if self.fault[0] == "exit":
+            os._exit(1)
+        time.sleep(3600)
