@@ -22,7 +22,7 @@ ENTRY_TILE = 1024
 
 # n changes every step: no variant per value class (1, multiples of 16), or the first steps compile them.
 @triton.jit(do_not_specialize=["n"])
-def _apply_delta_kernel(table_ptr, packed_ptr, n, TILE: tl.constexpr):
+def _apply_delta_kernel(table_ptr: tl.tensor, packed_ptr: tl.tensor, n: tl.tensor, TILE: tl.constexpr) -> None:
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     mask = offs < n
     index = tl.load(packed_ptr + offs, mask=mask, other=0)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def round_to_fp8_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
+def round_to_fp8_grid(x: tl.tensor, MANT: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr) -> tl.tensor:
     """fp32 x saturated to +-FMAX and rounded (nearest, ties to even) to a multiple of the fp8
     quantum at its magnitude, 2^(max(exponent, EMIN) - MANT); returned as fp32, exactly representable
     in the fp8 format."""

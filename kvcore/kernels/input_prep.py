@@ -66,16 +66,16 @@ class StageLayout:
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prep_rows_kernel(
-    stage_ptr,
-    qsl_ptr,
-    seq_lens_ptr,
-    logits_idx_ptr,
-    num_seqs,
+    stage_ptr: tl.tensor,
+    qsl_ptr: tl.tensor,
+    seq_lens_ptr: tl.tensor,
+    logits_idx_ptr: tl.tensor,
+    num_seqs: tl.tensor,
     OFF_SCHED: tl.constexpr,
     OFF_COMP: tl.constexpr,
     OFF_SAMPLE: tl.constexpr,
     BLOCK_R: tl.constexpr,
-):
+) -> None:
     num_reqs = tl.load(stage_ptr)
     num_sample = tl.load(stage_ptr + 1)
     r = tl.arange(0, BLOCK_R)
@@ -97,19 +97,19 @@ def _prep_rows_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens_pad", "search_steps"])
 def _prep_tokens_kernel(
-    stage_ptr,
-    qsl_ptr,
-    fed_ptr,
-    input_ids_ptr,
-    positions_ptr,
-    num_seqs,
-    num_tokens_pad,
-    search_steps,
+    stage_ptr: tl.tensor,
+    qsl_ptr: tl.tensor,
+    fed_ptr: tl.tensor,
+    input_ids_ptr: tl.tensor,
+    positions_ptr: tl.tensor,
+    num_seqs: tl.tensor,
+    num_tokens_pad: tl.tensor,
+    search_steps: tl.tensor,
     OFF_COMP: tl.constexpr,
     OFF_FEED: tl.constexpr,
     OFF_TOK: tl.constexpr,
     TILE: tl.constexpr,
-):
+) -> None:
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     in_buf = offs < num_tokens_pad
     num_tokens = tl.load(qsl_ptr + num_seqs)

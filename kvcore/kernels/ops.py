@@ -95,7 +95,14 @@ def reshape_and_cache(
 
 
 def _check_attention_args(
-    query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, sliding_window
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    sliding_window: int | None,
 ) -> None:
     _check_cache_pair(key_cache, value_cache)
     _require(query.dim() == 3, f"query must be [T, num_heads, head_size], got shape {tuple(query.shape)}")

@@ -30,17 +30,17 @@ TOKEN_TILE = 256
 
 @triton.jit
 def _slot_mapping_kernel(
-    query_start_loc_ptr,  # int32 [num_reqs + 1]
-    positions_ptr,  # int64/int32 [>= num_tokens]
-    num_reqs,
-    block_table_ptrs,  # int64 [G]: address of each group's int32 block table
-    block_table_strides,  # int64 [G]: row stride (elements) of each group's table
-    block_sizes,  # int64 [G]
-    slot_mapping_ptrs,  # int64 [G]: address of each group's int64 slot-mapping buffer
-    num_out,  # entries written in each buffer: the step's, len(positions) (<= the buffer's length)
+    query_start_loc_ptr: tl.tensor,  # int32 [num_reqs + 1]
+    positions_ptr: tl.tensor,  # int64/int32 [>= num_tokens]
+    num_reqs: tl.tensor,
+    block_table_ptrs: tl.tensor,  # int64 [G]: address of each group's int32 block table
+    block_table_strides: tl.tensor,  # int64 [G]: row stride (elements) of each group's table
+    block_sizes: tl.tensor,  # int64 [G]
+    slot_mapping_ptrs: tl.tensor,  # int64 [G]: address of each group's int64 slot-mapping buffer
+    num_out: tl.tensor,  # entries written in each buffer: the step's, len(positions) (<= the buffer's length)
     TILE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
-):
+) -> None:
     tile = tl.program_id(0)
     group = tl.program_id(1)
     offs = tile * TILE + tl.arange(0, TILE)

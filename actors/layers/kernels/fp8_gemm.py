@@ -38,11 +38,12 @@ class GemmConfig:
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr,
-    M, N, K, stride_x, stride_w, stride_y, k_per_split,
+    x_ptr: tl.tensor, w_ptr: tl.tensor, ws_ptr: tl.tensor, b_ptr: tl.tensor, y_ptr: tl.tensor, part_ptr: tl.tensor,
+    M: tl.tensor, N: tl.tensor, K: tl.tensor,
+    stride_x: tl.tensor, stride_w: tl.tensor, stride_y: tl.tensor, k_per_split: tl.tensor,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -82,9 +83,10 @@ def _w8a16_kernel(
 
 @triton.jit
 def _split_reduce(
-    part_ptr, ws_ptr, b_ptr, y_ptr, M, N, stride_y,
+    part_ptr: tl.tensor, ws_ptr: tl.tensor, b_ptr: tl.tensor, y_ptr: tl.tensor,
+    M: tl.tensor, N: tl.tensor, stride_y: tl.tensor,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N

@@ -22,19 +22,19 @@ E4M3 = FORMATS[torch.float8_e4m3fn]
 
 @triton.jit
 def _per_token_quant_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    stride_x,
-    stride_q,
-    n_cols,
-    min_scale,
+    x_ptr: tl.tensor,
+    q_ptr: tl.tensor,
+    scale_ptr: tl.tensor,
+    stride_x: tl.tensor,
+    stride_q: tl.tensor,
+    n_cols: tl.tensor,
+    min_scale: tl.tensor,
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,
     MANT: tl.constexpr,
     EMIN: tl.constexpr,
     FMAX: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q

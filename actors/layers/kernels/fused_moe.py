@@ -51,28 +51,28 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr,
-    w_ptr,
-    out_ptr,
-    topk_w_ptr,
-    sorted_ids_ptr,
-    expert_ids_ptr,
-    N,
-    K,
-    num_pairs,
-    a_row_div,
-    stride_am,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_om,
+    a_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    topk_w_ptr: tl.tensor,
+    sorted_ids_ptr: tl.tensor,
+    expert_ids_ptr: tl.tensor,
+    N: tl.tensor,
+    K: tl.tensor,
+    num_pairs: tl.tensor,
+    a_row_div: tl.tensor,
+    stride_am: tl.tensor,
+    stride_we: tl.tensor,
+    stride_wn: tl.tensor,
+    stride_wk: tl.tensor,
+    stride_om: tl.tensor,
     MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-):
+) -> None:
     pid_m = tl.program_id(0)
     expert = tl.load(expert_ids_ptr + pid_m)
     if expert < 0:

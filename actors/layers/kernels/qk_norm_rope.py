@@ -27,23 +27,23 @@ TILE_ELEMS = 2048  # elements of one program's tile: enough bytes in flight, few
 
 @triton.jit
 def _norm_rope_tile(
-    src_ptr,
-    dst_ptr,
-    w_ptr,
-    stride_st,
-    stride_sh,
-    stride_dt,
-    token,
-    heads,
-    num_heads,
-    cos,
-    sin,
-    eps,
+    src_ptr: tl.tensor,
+    dst_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    stride_st: tl.tensor,
+    stride_sh: tl.tensor,
+    stride_dt: tl.tensor,
+    token: tl.tensor,
+    heads: tl.tensor,
+    num_heads: tl.tensor,
+    cos: tl.tensor,
+    sin: tl.tensor,
+    eps: tl.tensor,
     HEAD_SIZE: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
     HAS_NORM: tl.constexpr,
     GEMMA: tl.constexpr,
-):
+) -> None:
     half: tl.constexpr = HEAD_SIZE // 2
     dims = tl.arange(0, HALF_BLOCK)
     dim_ok = dims < half
@@ -73,30 +73,30 @@ def _norm_rope_tile(
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr,
-    k_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    pos_ptr,
-    cache_ptr,
-    qw_ptr,
-    kw_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_qot,
-    stride_kot,
-    stride_cache,
-    num_q_heads,
-    num_kv_heads,
-    eps,
+    q_ptr: tl.tensor,
+    k_ptr: tl.tensor,
+    q_out_ptr: tl.tensor,
+    k_out_ptr: tl.tensor,
+    pos_ptr: tl.tensor,
+    cache_ptr: tl.tensor,
+    qw_ptr: tl.tensor,
+    kw_ptr: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_qot: tl.tensor,
+    stride_kot: tl.tensor,
+    stride_cache: tl.tensor,
+    num_q_heads: tl.tensor,
+    num_kv_heads: tl.tensor,
+    eps: tl.tensor,
     HEAD_SIZE: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_NORM: tl.constexpr,
     GEMMA: tl.constexpr,
-):
+) -> None:
     token = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     num_q_tiles = tl.cdiv(num_q_heads, BLOCK_H)

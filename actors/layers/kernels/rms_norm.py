@@ -17,22 +17,22 @@ from actors.layers.kernels.rounding import round_to
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    out_ptr,
-    res_out_ptr,
-    stride_x,
-    stride_res,
-    stride_out,
-    stride_res_out,
-    n_cols,
-    inv_n,
-    eps,
+    x_ptr: tl.tensor,
+    res_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    res_out_ptr: tl.tensor,
+    stride_x: tl.tensor,
+    stride_res: tl.tensor,
+    stride_out: tl.tensor,
+    stride_res_out: tl.tensor,
+    n_cols: tl.tensor,
+    inv_n: tl.tensor,
+    eps: tl.tensor,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GEMMA: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols

@@ -22,7 +22,7 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def round_to(x, DTYPE: tl.constexpr):
+def round_to(x: tl.tensor, DTYPE: tl.constexpr) -> tl.tensor:
     """fp32 `x` rounded to DTYPE (nearest, ties to even), returned as fp32."""
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)

@@ -20,7 +20,15 @@ BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    stride_x: tl.tensor,
+    stride_out: tl.tensor,
+    d: tl.tensor,
+    BLOCK: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
