@@ -26,7 +26,9 @@ CAPACITY = 6 + 4  # scheduler.max_num_seqs + serve.max_queued_requests (SERVE_OV
 
 @pytest.fixture(scope="module")
 def server():
-    config = load_config("configs/local.yaml", {**SERVE_OVERRIDES, "parallel.data_parallel_size": 1})
+    # One replica; a short context: a chat without max_tokens runs to max_model_len.
+    overrides = {**SERVE_OVERRIDES, "parallel.data_parallel_size": 1, "model.max_model_len": 64}
+    config = load_config("configs/local.yaml", overrides)
     port = free_port()
     os.environ["KVRAY_API_KEY"] = KEY  # read where the server starts, as `KVRAY_API_KEY=... kvray serve` does
     started = False
@@ -48,7 +50,7 @@ def post(server, path, body=None, key=KEY, **kw):
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     if body is not None:
-        kw["data"] = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        kw["data"] = json.dumps(body) if isinstance(body, (dict, list)) else body
         headers.setdefault("Content-Type", "application/json")
     return requests.post(server + path, headers=headers, timeout=120, **kw)
 

@@ -32,7 +32,8 @@ def bind_internal_grpc_to_loopback() -> bool:
     try:
         from ray.serve._private import replica as serve_replica
     except ImportError:
-        serve_replica = None
+        logger.warning("Ray Serve's replica module moved: its gRPC server binds as Ray sets it")
+        return False
     original: Callable[[Any, str], int] | None = getattr(serve_replica, _HELPER, None)
     if original is None:
         logger.warning("Ray Serve's replica gRPC server: %s not found; it binds as Ray sets it", _HELPER)
