@@ -77,13 +77,13 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[list[ChoiceDelta]]:
         async for deltas in gens[0].deltas():
             yield deltas
         return
-    queue: asyncio.Queue[list[ChoiceDelta] | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[list[ChoiceDelta] | Exception | None] = asyncio.Queue()
 
     async def pump(offset: int, gen: Generation) -> None:
         try:
             async for deltas in gen.deltas():
                 queue.put_nowait([dataclasses.replace(d, index=d.index + offset) for d in deltas])
-        except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
             queue.put_nowait(e)
             return
         queue.put_nowait(None)
@@ -96,7 +96,7 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[list[ChoiceDelta]]:
             item = await queue.get()
             if item is None:
                 ended += 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield item
