@@ -6,6 +6,7 @@ import ast
 import asyncio
 import inspect
 import socket
+import sys
 import threading
 
 import pytest
@@ -194,6 +195,37 @@ def test_prompts_are_tokenized_off_the_loop_and_long_texts_refused_before(monkey
     assert e.param == "prompt" and "max_model_len=100" in e.message
     e = status(asyncio.run, run({"prompt": "   "}))  # no tokens at all
     assert e.param == "prompt" and "no tokens" in e.message
+
+
+def test_the_tokenizer_lets_other_threads_run_while_it_encodes():
+    """The server tokenizes in a worker thread: that frees its event loop only if the tokenizer releases
+    the GIL (tokenizers' encode held it for a 4 MB prompt's 4-9 s; encode_batch releases it). With a long
+    switch interval a thread gives up the GIL only when it blocks or releases it itself, so this thread
+    runs while the other encodes only if the encoding releases it."""
+    from actors.driver.node_probe import resolve_model_dir
+    from cluster.client.tokenizer import load_tokenizer_if_present
+
+    tok = load_tokenizer_if_present(resolve_model_dir("tiny-random"))
+    text = "hello world, this is a test. \u00e9\u2603\n" * 10_000
+    started, done = threading.Event(), threading.Event()
+
+    def encode():
+        started.set()
+        tok.encode(text)
+        done.set()
+
+    worker = threading.Thread(target=encode)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        worker.start()
+        started.wait()
+        ran_while_encoding = not done.is_set()
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran_while_encoding
+    assert tok.encode("Hi \u00e9") == tok._tok.encode("Hi \u00e9").ids  # the same ids as tokenizers' encode
 
 
 def test_text_prompts_without_a_tokenizer_are_refused():

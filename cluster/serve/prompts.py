@@ -3,8 +3,8 @@
 The ingress's event loop carries every live stream: a 4 MB text tokenized there froze them all for
 seconds. So a text with more characters than max_model_len tokens can span (the vocabulary's longest
 token, in characters, times max_model_len; the batch job's rule, cluster/job/input.py) is refused
-before it is tokenized, and the rest is rendered and tokenized in a worker thread (asyncio.to_thread).
-A tokenizer that holds the GIL while it works still slows the loop; the length rule bounds how long.
+before it is tokenized, and the rest is rendered and tokenized in a worker thread (asyncio.to_thread),
+which frees the loop because kvray's tokenizer releases the GIL while it encodes (cluster/client/tokenizer.py).
 """
 
 from __future__ import annotations
