@@ -106,7 +106,7 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[list[ChoiceDelta]]:
 
 
 # Decorated where it is defined: a Serve replica imports this module (the class travels by reference),
-# and must find the routes already bound to the class.
+# and must find the routes already bound to the class. Nothing may follow the class (module docstring).
 @serve.ingress(app)
 class OpenAIServer:
     """The ingress deployment's class (cluster/serve/app.py wraps it with serve.deployment)."""
