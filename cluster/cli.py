@@ -339,12 +339,15 @@ def cmd_stress(config: EngineConfig, args: Any) -> int:
 
 
 def cmd_serve(config: EngineConfig, args: Any) -> int:
-    from cluster.serve.app import run_server
+    from cluster.serve.app import PortInUse, run_server
 
     if not 0 < args.port < 65536:
         return _fail(EXIT_USAGE, f"--port={args.port}: must be in [1, 65535]")
     _warn_oversubscribed(config)
-    run_server(config, args.host, args.port)
+    try:
+        run_server(config, args.host, args.port)
+    except PortInUse as e:
+        return _fail(EXIT_FAILED, str(e))
     return EXIT_OK
 
 

@@ -181,7 +181,9 @@ def test_other_errors_are_openai_shaped(server, client):
         client.completions.create(model=MODEL, prompt=list(range(300)), max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=MODEL, prompt="Hi", logit_bias={"5": 1.0})
-    r = requests.post(server[0] + "/v1/completions", data=b"{not json", timeout=30)
+    r = requests.post(
+        server[0] + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = requests.get(server[0] + "/v1/nothing-here", timeout=30)
     assert r.status_code == 404 and "error" in r.json()

@@ -30,7 +30,7 @@ def test_completion_fields_map_to_sampling_params():
         DEFAULTS,
     )
     p = r.params
-    assert (r.prompt, r.stream, r.include_usage, r.max_tokens_given) == ("Hi", True, True, True)
+    assert (r.prompts[0].text, r.stream, r.include_usage, r.max_tokens_given) == ("Hi", True, True, True)
     assert (p.max_tokens, p.n, p.seed, p.stop, p.logprobs, p.ignore_eos, p.presence_penalty, p.temperature) == (
         5,
         2,
@@ -42,7 +42,7 @@ def test_completion_fields_map_to_sampling_params():
         1.0,
     )
     ids = parse_request(COMPLETIONS, {"prompt": [1, 2, 3]}, DEFAULTS)
-    assert ids.prompt_token_ids == [1, 2, 3] and ids.params.max_tokens == 16
+    assert ids.prompts[0].token_ids == [1, 2, 3] and ids.params.max_tokens == 16
 
 
 def test_chat_fields_map_to_sampling_params():
@@ -75,8 +75,8 @@ def test_chat_fields_map_to_sampling_params():
         (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream", "must be a bool"),
         (COMPLETIONS, {"prompt": "x", "logprobs": True}, "logprobs", "integer in [0, 20]"),
         (COMPLETIONS, {"prompt": "x", "echo": True}, "echo", "not supported"),
-        (COMPLETIONS, {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "best_of == n"),
-        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        (COMPLETIONS, {"prompt": "x", "n": 2, "best_of": 2}, "best_of", "best_of is not supported"),
+        (COMPLETIONS, {"prompt": ["a", 5]}, "prompt", "list of token ids"),
         (COMPLETIONS, {"prompt": "x", "bogus": 1}, "bogus", "unknown field"),
         (COMPLETIONS, [1, 2], None, "JSON object"),
         (CHAT, {"messages": []}, "messages", "non-empty list"),

@@ -267,9 +267,24 @@ class ServeConfig(_Section):
     # One add_requests call per replica carries every request taken while the previous call was out
     # (cluster/serve/submissions.py); false: one call per request.
     batch_submissions: bool = True
+    # vLLM's --api-key: when set (or $KVRAY_API_KEY where the server starts), every /v1 route wants
+    # `Authorization: Bearer <key>` (401 otherwise); /health and /metrics stay open. Kept out of repr.
+    api_key: str | None = field(default=None, repr=False)
+    # The largest request body accepted (413 past it); a declared Content-Length is checked before reading.
+    max_request_body_bytes: int = 8 << 20
 
     def _rules(self) -> None:
         self._check(0 <= self.max_queued_requests <= MAX_TOKENS, "max_queued_requests", f"must be in [0, {MAX_TOKENS}]")
+        self._check(
+            self.api_key is None or (self.api_key.isprintable() and self.api_key.strip() == self.api_key != ""),
+            "api_key",
+            "must be a non-empty printable string without surrounding spaces, or null (no key)",
+        )
+        self._check(
+            1 << 10 <= self.max_request_body_bytes <= 1 << 30,
+            "max_request_body_bytes",
+            "must be in [1024, 1073741824] bytes",
+        )
         self._check(1 <= self.retry_after_s <= 3600, "retry_after_s", "must be in [1, 3600] seconds")
         self._check(
             self.served_model_name is None or self.served_model_name.strip() != "",

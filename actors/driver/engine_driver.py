@@ -159,7 +159,11 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
             validate(spec.sampling_params)
         except RequestValidationError as e:
             return f"request {rid!r}: {e}"
-        err = check_token_ids("prompt_token_ids", spec.prompt_token_ids, self.info.get("vocab_size"))
+        vocab = self.info.get("vocab_size")
+        # A stop id past the vocabulary would index past the logits where min_tokens bans it (a worker error).
+        err = check_token_ids("prompt_token_ids", spec.prompt_token_ids, vocab) or check_token_ids(
+            "stop_token_ids", list(spec.sampling_params.stop_token_ids), vocab
+        )
         return None if err is None else f"request {rid!r}: {err}"
 
     def abort(self, request_ids: Iterable[str]) -> None:

@@ -48,7 +48,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # No BOS/EOS insertion beyond what tokenizer.json's post-processor defines; none at all without
         # add_special_tokens (a rendered chat template already holds them).
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: it releases the GIL while it works (encode holds it throughout), so
+        # the server's event loop runs on while a worker thread tokenizes a long prompt. Same ids.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

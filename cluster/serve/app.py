@@ -5,15 +5,20 @@
   ray job submit --working-dir . -- kvray serve --config configs/gpu.yaml
 
 `kvray serve` without an address starts the same embedded, loopback-only local Ray as `kvray run`
-(cluster/replicas/placement.py); with RAY_ADDRESS (as under `ray job submit`) it joins that cluster.
+(cluster/replicas/placement.py), and keeps the ingress replica's internal gRPC server on loopback too
+(cluster/serve/loopback.py); with RAY_ADDRESS (as under `ray job submit`) it joins that cluster. The API
+key (serve.api_key, else $KVRAY_API_KEY) is read here, where the server is started, and handed to the
+ingress. A port already taken is refused before Ray starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import threading
 from typing import Any, Iterator
 
@@ -45,14 +50,16 @@ def deployment_options(config: EngineConfig) -> dict[str, Any]:
     }
 
 
-def build(config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> Any:
-    """The application: one ingress deployment over the config's engine replicas."""
+def build(config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, loopback_only: bool = False) -> Any:
+    """The application: one ingress deployment over the config's engine replicas. loopback_only: this
+    process started the (loopback-only) Ray, so the ingress keeps its internal gRPC server on loopback."""
     from ray import serve
 
+    from cluster.serve.http_guard import resolve_api_key
     from cluster.serve.ingress import OpenAIServer
 
     deployment = serve.deployment(**deployment_options(config))(OpenAIServer)
-    return deployment.bind(config, worker_cls)
+    return deployment.bind(config, worker_cls, resolve_api_key(config.serve.api_key), loopback_only)
 
 
 def build_app(args: dict[str, str]) -> Any:
@@ -73,15 +80,38 @@ def start_server(
 
     from cluster.replicas.placement import connect
 
+    check_port_free(host, port)  # in a second, not after Ray and Serve's proxy retried for ~20 s
     with _proxy_env(config):
         started = connect(config)
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build(config, worker_cls), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build(config, worker_cls, loopback_only=started), name=APP_NAME, route_prefix="/", blocking=False)
     except BaseException:
         stop_server(started)
         raise
     return started
+
+
+class PortInUse(OSError):
+    """The HTTP port is taken (or the host cannot be bound): the message names both."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind host:port once, as Serve's proxy (uvicorn, SO_REUSEADDR) will; raises PortInUse if it cannot."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise PortInUse(f"--host {host!r}: cannot resolve it ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            why = "is already in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e})"
+            raise PortInUse(
+                f"--port {port}: port {port} on {host} {why}; stop that server or choose another --port"
+            ) from None
 
 
 @contextlib.contextmanager

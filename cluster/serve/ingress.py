@@ -5,11 +5,17 @@ replica; placement from the config, as for `kvray run`) and the client path of L
 (tokenizer, chat template, default sampling settings, output processing). Routes:
   POST /v1/completions, POST /v1/chat/completions   (stream or not)
   GET  /v1/models, /health, /metrics
-Errors are OpenAI-shaped JSON; a bad request fails alone and the server goes on.
+Errors are OpenAI-shaped JSON; a bad request fails alone and the server goes on. Before its body is
+parsed a request passes cluster/serve/http_guard.py (API key, JSON media type, size).
+
+Every name the class's methods use must be defined ABOVE the class: @serve.ingress pickles the app, and
+with it the routes' functions by value, while this module is still being imported, so a helper defined
+below the class is missing from their globals in the Serve replica (a NameError there, at run time).
 """
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) at run time.
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -20,16 +26,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.client.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
 from cluster.client.sampling_defaults import default_sampling_params
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.llm import check_client_model, client_model_dir, load_client_model
 from cluster.serve.engine_client import AsyncEngineClient, Overloaded, Unavailable
-from cluster.serve.errors import APIError, bad_request, error_body, overloaded
-from cluster.serve.generation import Generation
+from cluster.serve.errors import APIError, bad_request, clip, error_body, overloaded
+from cluster.serve.generation import ChoiceDelta, Generation
+from cluster.serve.http_guard import check_api_key, check_media_type, decode_json, read_body
+from cluster.serve.loopback import bind_internal_grpc_to_loopback
 from cluster.serve.metrics import ServerMetrics
+from cluster.serve.prompts import PromptEncoder
 from cluster.serve.protocol import CHAT, COMPLETIONS, ParsedRequest, parse_request
 from cluster.serve.responses import DONE, ChunkWriter, full_response, sse
+from kvcore.request import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +62,65 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(500, f"{type(exc).__name__}: {exc}"), status_code=500)
 
 
+def _with_max_tokens(params: Any, max_tokens: int) -> Any:
+    return dataclasses.replace(params, max_tokens=max(1, max_tokens))
+
+
+def _close_all(gens: list[Generation]) -> None:
+    for gen in gens:
+        gen.close()
+
+
+async def _merged(gens: list[Generation]) -> AsyncIterator[list[ChoiceDelta]]:
+    """The deltas of a batch's generations as they come, choice indices offset per prompt (i * n + k)."""
+    if len(gens) == 1:
+        async for deltas in gens[0].deltas():
+            yield deltas
+        return
+    queue: asyncio.Queue[list[ChoiceDelta] | Exception | None] = asyncio.Queue()
+
+    async def pump(offset: int, gen: Generation) -> None:
+        try:
+            async for deltas in gen.deltas():
+                queue.put_nowait([dataclasses.replace(d, index=d.index + offset) for d in deltas])
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait(e)
+            return
+        queue.put_nowait(None)
+
+    offsets = [sum(len(g.specs) for g in gens[:k]) for k in range(len(gens))]
+    tasks = [asyncio.ensure_future(pump(o, g)) for o, g in zip(offsets, gens)]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            item = await queue.get()
+            if item is None:
+                ended += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 # Decorated where it is defined: a Serve replica imports this module (the class travels by reference),
-# and must find the routes already bound to the class.
+# and must find the routes already bound to the class. Nothing may follow the class (module docstring).
 @serve.ingress(app)
 class OpenAIServer:
     """The ingress deployment's class (cluster/serve/app.py wraps it with serve.deployment)."""
 
-    def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        worker_cls: str = DEFAULT_WORKER_CLS,
+        api_key: str | None = None,
+        loopback_only: bool = False,
+    ) -> None:
+        if loopback_only:
+            bind_internal_grpc_to_loopback()  # before Serve starts this replica's gRPC server
+        self.api_key = api_key
         self.tokenizer, hf_config = load_client_model(config)
         self.model_dir = client_model_dir(config) if hf_config is not None else None
         self.defaults = default_sampling_params(self.model_dir)
@@ -69,6 +130,12 @@ class OpenAIServer:
         self.config = self.client.config
         self.model_name = config.serve.served_model_name or config.model.model
         self.max_model_len = int(self.client.info["max_model_len"])
+        vocab = self.client.info.get("vocab_size")
+        self.vocab_size = int(vocab) if vocab else None
+        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
+        # What one replica can ever hold (scheduler.max_num_seqs + serve.max_queued_requests): an n past
+        # it could never be admitted, so it is a 400, not a 503 to retry.
+        self.replica_capacity = self.config.scheduler.max_num_seqs + self.config.serve.max_queued_requests
         self.server_metrics = ServerMetrics()
         self.created = int(time.time())
 
@@ -82,19 +149,25 @@ class OpenAIServer:
         return await self._answer(CHAT, request)
 
     @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "kvray",
-                    "max_model_len": self.max_model_len,
-                }
-            ],
-        }
+    async def models(self, request: Request) -> Response:
+        try:
+            check_api_key(request.headers, self.api_key)
+        except APIError as e:
+            return self._error("/v1/models", e)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "kvray",
+                        "max_model_len": self.max_model_len,
+                    }
+                ],
+            }
+        )
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -112,102 +185,119 @@ class OpenAIServer:
     # ---- one request ------------------------------------------------------------------------
     async def _answer(self, endpoint: str, request: Request) -> Response:
         try:
-            gen, req = await self._start(endpoint, request)
+            response_id, gens, req = await self._start(endpoint, request)
         except APIError as e:
             return self._error(endpoint, e)
+        except RecursionError:  # a body nested just below the parser's limit, too deep for a check after it
+            return self._error(endpoint, bad_request("the request body is nested too deeply"))
         except Exception as e:  # noqa: BLE001 - one request's bug must not look like a crash
             logger.exception("%s: unexpected error", endpoint)
             return self._error(endpoint, APIError(500, f"{type(e).__name__}: {e}"))
         if req.stream:
             self.server_metrics.requests.labels(endpoint, "200").inc()
-            return StreamingResponse(self._stream(gen, req), media_type="text/event-stream")
+            return StreamingResponse(self._stream(response_id, gens, req), media_type="text/event-stream")
         try:
-            return await self._whole(gen, req)
+            return await self._whole(response_id, gens, req)
         except asyncio.CancelledError:
             self.server_metrics.disconnects.inc()
             raise
         finally:
-            gen.close()
+            for gen in gens:
+                gen.close()
 
-    async def _start(self, endpoint: str, request: Request) -> tuple[Generation, ParsedRequest]:
-        try:
-            body = await request.json()
-        except ValueError as e:
-            raise bad_request(f"the request body is not valid JSON: {e}") from None
-        req = parse_request(endpoint, body, self.defaults)
+    async def _start(self, endpoint: str, request: Request) -> tuple[str, list[Generation], ParsedRequest]:
+        """-> (the response's id, one generation per prompt, the request); raises APIError."""
+        check_api_key(request.headers, self.api_key)
+        check_media_type(request.headers)
+        raw = await read_body(request.headers, request.stream(), self.config.serve.max_request_body_bytes)
+        req = parse_request(endpoint, decode_json(raw), self.defaults)
         if req.model is not None and req.model != self.model_name:
             raise APIError(
                 404,
-                f"The model `{req.model}` does not exist; this server serves {self.model_name!r} (GET /v1/models)",
+                f"The model {clip(req.model)} does not exist; this server serves {self.model_name!r} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
-        text, ids = self._encode(req)
-        if len(ids) >= self.max_model_len:
-            raise bad_request(
-                f"the prompt has {len(ids)} tokens: it must be shorter than max_model_len={self.max_model_len}",
-                param="messages" if req.chat else "prompt",
-            )
-        if req.chat and not req.max_tokens_given:
-            req.params = _with_max_tokens(req.params, self.max_model_len - len(ids))
+        self._check_fits(req)
+        encoded = await self.prompts.encode(req)
         prefix = "chatcmpl-" if req.chat else "cmpl-"
-        gen = Generation(
-            self.client,
-            self.tokenizer,
-            prefix + uuid.uuid4().hex,
-            text,
-            ids,
-            req.params,
-            self.config.serve.stream_interval if req.stream else 1,
-            self.config.serve.stream_batching_ms / 1e3 if req.stream else 0.0,
-        )
+        request_id = prefix + uuid.uuid4().hex
+        gens: list[Generation] = []
         try:
-            await gen.start()
+            for k, (text, ids) in enumerate(encoded):
+                params = req.params
+                if req.chat and not req.max_tokens_given:
+                    params = _with_max_tokens(params, self.max_model_len - len(ids))
+                gen = Generation(
+                    self.client,
+                    self.tokenizer,
+                    request_id if len(encoded) == 1 else f"{request_id}-{k}",
+                    text,
+                    ids,
+                    params,
+                    self.config.serve.stream_interval if req.stream else 1,
+                    self.config.serve.stream_batching_ms / 1e3 if req.stream else 0.0,
+                )
+                gens.append(gen)
+                await gen.start()
         except Overloaded as e:
             self.server_metrics.rejected.inc()
+            _close_all(gens)
             raise overloaded(str(e), self.config.serve.retry_after_s) from None
         except Unavailable as e:
+            _close_all(gens)
             raise APIError(503, str(e), code="engine_down", retry_after_s=self.config.serve.retry_after_s) from None
-        except asyncio.CancelledError:  # the client left while the driver took the request
-            gen.close()
+        except BaseException:  # a refusal (APIError), or the client left while the driver took the request
+            _close_all(gens)
             raise
-        return gen, req
+        return request_id, gens, req
 
-    def _encode(self, req: ParsedRequest) -> tuple[str | None, list[int]]:
-        if req.prompt_token_ids is not None:
-            return None, req.prompt_token_ids
-        if self.tokenizer is None:
-            raise bad_request("text prompts need the model's tokenizer.json on the server; send token ids")
-        if not req.chat:
-            assert req.prompt is not None  # parse_request gives a text or token ids
-            return req.prompt, self.tokenizer.encode(req.prompt)
-        try:
-            template = resolve_chat_template(self.tokenizer.model_dir, None)
-            tokens = special_tokens(self.tokenizer.model_dir) if self.tokenizer.model_dir else {}
-            convs, _ = as_conversations(req.messages)
-            text = render_chat(convs[0], template, add_generation_prompt=req.add_generation_prompt, tokens=tokens)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), param="messages") from None
-        # The template placed the special tokens itself (as LLM.chat tokenizes).
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+    def _check_fits(self, req: ParsedRequest) -> None:
+        """What no retry could ever admit is a 400 naming the field, not a 503."""
+        n = req.params.n
+        if n > self.replica_capacity:
+            raise bad_request(
+                f"body.n={n}: more samples than one engine replica can ever hold ({self.replica_capacity} = "
+                f"scheduler.max_num_seqs {self.config.scheduler.max_num_seqs} + serve.max_queued_requests "
+                f"{self.config.serve.max_queued_requests})",
+                param="n",
+            )
+        total = req.num_prompts * n
+        everything = self.replica_capacity * self.config.parallel.data_parallel_size
+        if total > everything:
+            raise bad_request(
+                f"body.prompt: {req.num_prompts} prompts x n={n} = {total} engine requests, more than every "
+                f"replica together can ever hold ({everything})",
+                param="prompt",
+            )
+        err = check_token_ids("body.stop_token_ids", list(req.params.stop_token_ids), self.vocab_size)
+        if err is not None:
+            raise bad_request(err, param="stop_token_ids")
 
-    async def _whole(self, gen: Generation, req: ParsedRequest) -> Response:
-        out = await gen.result()
-        self._observe(gen)
-        errors = [c for c in gen.parent.children if c.error is not None]
+    async def _whole(self, response_id: str, gens: list[Generation], req: ParsedRequest) -> Response:
+        outs = [await gen.result() for gen in gens]
+        for gen in gens:
+            self._observe(gen)
+        children = [c for gen in gens for c in gen.parent.children]
+        errors = [c for c in children if c.error is not None]
         if errors:
             msg = str(errors[0].error)
-            status = 400 if "rejected:" in msg and not any(c.completion.token_ids for c in gen.parent.children) else 500
+            status = 400 if "rejected:" in msg and not any(c.completion.token_ids for c in children) else 500
             return self._error(req.endpoint, APIError(status, msg))
         self.server_metrics.requests.labels(req.endpoint, "200").inc()
-        return JSONResponse(full_response(gen.request_id, self.model_name, out, req.chat, req.return_token_ids))
+        return JSONResponse(full_response(response_id, self.model_name, outs, req.chat, req.return_token_ids))
 
-    async def _stream(self, gen: Generation, req: ParsedRequest) -> AsyncIterator[str]:
+    async def _stream(self, response_id: str, gens: list[Generation], req: ParsedRequest) -> AsyncIterator[str]:
         writer = ChunkWriter(
-            gen.request_id, self.model_name, req.chat, len(gen.specs), req.include_usage, req.return_token_ids
+            response_id,
+            self.model_name,
+            req.chat,
+            sum(len(g.specs) for g in gens),
+            req.include_usage,
+            req.return_token_ids,
         )
         try:
-            async for deltas in gen.deltas():
+            async for deltas in _merged(gens):
                 failed = [d for d in deltas if d.error is not None]
                 if failed:  # an engine failure ends the stream with one clean error event
                     yield sse(error_body(500, str(failed[0].error)))
@@ -217,14 +307,16 @@ class OpenAIServer:
                     yield chunk
             else:
                 if req.include_usage:
-                    yield writer.usage(gen.num_prompt_tokens, gen.num_output_tokens)
-            self._observe(gen)
+                    yield writer.usage(sum(g.num_prompt_tokens for g in gens), sum(g.num_output_tokens for g in gens))
+            for gen in gens:
+                self._observe(gen)
             yield DONE
         except asyncio.CancelledError:
             self.server_metrics.disconnects.inc()
             raise
         finally:
-            gen.close()
+            for gen in gens:
+                gen.close()
 
     def _observe(self, gen: Generation) -> None:
         self.server_metrics.output_tokens.inc(gen.num_output_tokens)
@@ -244,9 +336,3 @@ class OpenAIServer:
                 client.shutdown()
             except Exception as e:  # noqa: BLE001 - Ray may be going down already
                 logger.debug("engine shutdown: %s", e)
-
-
-def _with_max_tokens(params: Any, max_tokens: int) -> Any:
-    from dataclasses import replace
-
-    return replace(params, max_tokens=max(1, max_tokens))

@@ -52,31 +52,37 @@ def _lp(token_ids: list[int], rows: Any, chat: bool) -> dict[str, Any] | None:
 
 
 def full_response(
-    request_id: str, model: str, out: RequestOutput, chat: bool, return_token_ids: bool = False
+    request_id: str, model: str, outs: list[RequestOutput], chat: bool, return_token_ids: bool = False
 ) -> dict[str, Any]:
+    """One response for a request's prompts (several only for a batch of completions: the choices of
+    prompt i are indexed i * n + k, as vLLM indexes them)."""
     choices = []
-    for c in out.outputs:
-        choice: dict[str, Any] = {
-            "index": c.index,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            "logprobs": _lp(c.token_ids, c.logprobs, chat),
-        }
-        if return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
-        if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
-        choices.append(choice)
-    n_out = sum(len(c.token_ids) for c in out.outputs)
+    offset = 0
+    for out in outs:
+        for c in out.outputs:
+            choice: dict[str, Any] = {
+                "index": offset + c.index,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "logprobs": _lp(c.token_ids, c.logprobs, chat),
+            }
+            if return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choices.append(choice)
+        offset += len(out.outputs)
+    n_in = sum(len(out.prompt_token_ids) for out in outs)
+    n_out = sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(len(out.prompt_token_ids), n_out),
+        "usage": usage(n_in, n_out),
     }
 
 
