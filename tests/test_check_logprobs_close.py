@@ -2,16 +2,12 @@
 script's CPU smoke end to end (kvray and HF in float32 on a tiny hybrid-attention Gemma-3)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "benchmarks" / "checks"), str(ROOT / "benchmarks")]
-from check_logprobs_close import best_first, check_sequence, in_top, kvray_topk, main  # noqa: E402
-
-from cluster.outputs import Logprob  # noqa: E402
+from benchmarks.checks.check_logprobs_close import best_first, check_sequence, in_top, kvray_topk, main
+from cluster.outputs import Logprob
 
 K = 5
 # Three positions; HF's greedy token at each is its top-1.
