@@ -62,7 +62,7 @@ def sharegpt_like(n: int, vocab: int, seed: int, smoke: bool) -> list[tuple[list
     return [(p, sp["max_tokens"]) for p, sp in zip(prompts[:n], params[:n])]
 
 
-async def one_request(session: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
+async def one_request(http: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
     body = {
         "model": model,
         "prompt": prompt,
@@ -76,7 +76,7 @@ async def one_request(session: Any, url: str, model: str, prompt: list[int], max
     stamps: list[float] = []
     n = 0
     try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
+        async with http.post(url + "/v1/completions", json=body) as resp:
             if resp.status != 200:
                 return Outcome(False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
             async for raw in resp.content:
@@ -103,11 +103,11 @@ async def run_rate(url: str, model: str, reqs: list[tuple[list[int], int]], rate
 
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         tasks = []
         t0 = time.perf_counter()
         for prompt, max_tokens in reqs:
-            tasks.append(asyncio.create_task(one_request(session, url, model, prompt, max_tokens)))
+            tasks.append(asyncio.create_task(one_request(http, url, model, prompt, max_tokens)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         outs = await asyncio.gather(*tasks)

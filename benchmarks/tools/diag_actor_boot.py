@@ -52,8 +52,8 @@ STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 def show_log(pid: int, started: float | None) -> None:
     node: Any = ray._private.worker._global_node
-    session = node.get_session_dir_path()
-    files = glob.glob(os.path.join(session, "logs", f"python-core-worker-*_{pid}.log"))
+    ray_dir = node.get_session_dir_path()
+    files = glob.glob(os.path.join(ray_dir, "logs", f"python-core-worker-*_{pid}.log"))
     if not files:
         print("no core-worker log for pid", pid)
         return
