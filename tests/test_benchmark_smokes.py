@@ -133,11 +133,6 @@ def _decode_idle(out: str) -> None:
     assert float(row[-1]) > 0, out  # e2e tok/s (no CUDA events on the CPU: the idle columns are "-")
 
 
-def _batch1(out: str) -> None:
-    line = next(line for line in out.splitlines() if "batch-1 decode" in line)
-    assert float(line.split(":")[1].split()[0]) > 0, out
-
-
 def _tp_scaling(out: str) -> None:
     rows = {r[0]: r for r in _rows(out, "TP")}
     assert set(rows) == {"TP1", "TP2"} and all(float(r[-1]) > 0 for r in rows.values()), out
@@ -157,7 +152,6 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "bench_logprobs_host_path": _logprobs_host_path,
     "bench_api_features": _api_features,
     "bench_decode_idle": _decode_idle,
-    "bench_batch1_decode": _batch1,
     "bench_tp_scaling": _tp_scaling,
 }
 
