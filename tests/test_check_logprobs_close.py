@@ -91,10 +91,9 @@ def test_smoke_end_to_end(tmp_path, capsys):
 
 
 def test_mistral_shape_is_served_with_its_window(tmp_path):
-    from common import SHAPES, make_random_model
-
     from actors.models.args import mistral_layer_windows
     from actors.models.registry import resolve_architecture
+    from benchmarks.common import SHAPES, make_random_model
 
     assert SHAPES["mistral-7b"]["sliding_window"] == 4096  # Mistral-7B-v0.1's config
     cfg = json.loads(
