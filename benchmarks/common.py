@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 # HF config fields of the model shapes the benchmarks use (random weights, real sizes).
 SHAPES = {
@@ -173,6 +174,12 @@ TINY_OPTIONAL = dict(
 )
 
 
+def vocab_size(shape: str) -> int:
+    value = SHAPES[shape]["vocab_size"]
+    assert isinstance(value, int)
+    return value
+
+
 def tiny_shape(shape: str) -> dict:
     fields = dict(SHAPES[shape], **TINY_FIELDS)
     fields.update({k: v for k, v in TINY_OPTIONAL.items() if k in SHAPES[shape]})
@@ -188,8 +195,8 @@ def git_commit() -> str:
         return subprocess.check_output(
             ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
         ).strip()
-    except Exception:
-        return os.environ.get("KVRAY_COMMIT", "unknown")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def device_name() -> str:
@@ -198,23 +205,55 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def record(script: str, metric: str, value: float, unit: str) -> dict:
-    """Append one headline figure to benchmarks/results/<script>.jsonl (and $OUT when set)."""
+def command_line() -> str:
+    """How to run this process again: `python -m benchmarks.<folder>.<script> ARGS` for a benchmark script
+    (run as a module or by path), else the argv as given."""
+    argv0 = Path(sys.argv[0]).resolve()
+    if argv0.suffix == ".py" and argv0.is_relative_to(ROOT / "benchmarks"):
+        module = ".".join(argv0.relative_to(ROOT).with_suffix("").parts)
+        return " ".join(["python", "-m", module, *sys.argv[1:]])
+    return " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+
+
+def record(script: str, metric: str, value: float, unit: str, device: str | None = None) -> dict:
+    """Append one headline figure to benchmarks/results/<script>.jsonl: the one writer of every series.
+
+    Also appended to the same file name in $OUT (what a device call brings back) and in
+    $KVRAY_RESULTS_MIRROR (a folder in /tmp that outlives the calls on one warm machine: the vs-vllm suite's
+    kvray side, vLLM side and ratio step read each other's figures there). `device` names a host-side
+    figure's CPU; by default the CUDA device, or "cpu"."""
     rec = {
         "metric": metric,
         "value": round(float(value), 4),
         "unit": unit,
-        "device": device_name(),
+        "device": device or device_name(),
         "commit": git_commit(),
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "command": command_line(),
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    for d in [RESULTS_DIR] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
+    if os.environ.get("KVRAY_SUITE"):
+        rec["suite"] = os.environ["KVRAY_SUITE"]
+    dirs = [RESULTS_DIR] + [Path(os.environ[k]) for k in ("OUT", "KVRAY_RESULTS_MIRROR") if os.environ.get(k)]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
         with open(d / f"{script}.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
     print("RESULT", json.dumps(rec), flush=True)
     return rec
+
+
+def latest(folder: Path, script: str, metric: str) -> dict | None:
+    """The last record of `metric` in <folder>/<script>.jsonl, or None."""
+    path = folder / f"{script}.jsonl"
+    if not path.exists():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if rec.get("metric") == metric:
+                found = rec
+    return found
 
 
 def make_random_model(
@@ -270,10 +309,12 @@ def generate_greedy(llm, prompts: list[list[int]], new_tokens: int, label: str) 
 
 
 def hf_greedy_by_length(model, prompts: list[list[int]], new_tokens: int, device: str, output_logits: bool):
-    """HF generate, greedy, exactly new_tokens each (EOS ignored, no sampling knobs from
-    generation_config), one batch per run of equal-length prompts so that no pad token or attention
-    mask enters. Yields (index of the run's first prompt, generate's output, the prompt length)."""
+    """HF's greedy oracle (tests/hf_models.hf_generate) over prompts of mixed lengths: one batch per run of
+    equal-length prompts, so that no pad token or attention mask enters. Yields (index of the run's first
+    prompt, generate's output, the prompt length)."""
     import torch
+
+    from tests.hf_models import hf_generate
 
     i = 0
     while i < len(prompts):
@@ -281,22 +322,7 @@ def hf_greedy_by_length(model, prompts: list[list[int]], new_tokens: int, device
         while j < len(prompts) and len(prompts[j]) == len(prompts[i]):
             j += 1
         ids = torch.tensor(prompts[i:j], device=device)
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=output_logits,
-                return_dict_in_generate=True,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-            )
-        yield i, out, ids.shape[1]
+        yield i, hf_generate(model, ids, new_tokens, output_logits), ids.shape[1]
         i = j
 
 

@@ -221,21 +221,30 @@ class HFGreedy:
     min_margin: float  # smallest top-1 minus top-2 logit over the generated steps
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> HFGreedy:
-    """HF's greedy continuation of one prompt (no padding, no EOS stop), with its logit margin."""
-    ids = torch.tensor([prompt])
+def hf_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, output_logits: bool = True):
+    """The HF greedy oracle: generate() on a batch of equal-length prompts (no padding, no attention mask
+    to get wrong), exactly new_tokens each (EOS ignored), with no sampling knob from generation_config.
+    The tests' references and the benchmarks' checks (benchmarks/common.py) both call it."""
     with torch.no_grad():
-        out = model.generate(
+        return model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
-            output_logits=True,
+            output_logits=output_logits,
             return_dict_in_generate=True,
+            temperature=None,
+            top_p=None,
+            top_k=None,
         )
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> HFGreedy:
+    """HF's greedy continuation of one prompt (no padding, no EOS stop), with its logit margin."""
+    out = hf_generate(model, torch.tensor([prompt]), max_new_tokens)
     new = out.sequences[0, len(prompt) :].tolist()
     margins = []
     for step_logits in out.logits:

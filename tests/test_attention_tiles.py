@@ -56,13 +56,8 @@ def test_overridden_tiles_match_the_reference(monkeypatch):
 
 
 def test_pick_decode_tiles_sums_unsplit_large_batches():
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path[:0] = [str(root / "tools"), str(root / "kernels"), str(root)]
-    from bench_attention_splits import TILES
-    from pick_decode_tiles import pick
+    from benchmarks.kernels.bench_attention_splits import TILES
+    from benchmarks.tools.pick_decode_tiles import pick
 
     rows = [
         {"shape": "llama-3.1-8b", "b": 256, "us": {"default/s1": 100, "n64s2/s1": 80, "n32s3/s1": 70, "n64s2/s2": 1}},

@@ -3,21 +3,14 @@ even when a chunk carries many (serve.stream_batching_ms packs ~15 tokens a chun
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from benchmarks.e2e import bench_serve
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e" / "bench_serve.py"
-    spec = importlib.util.spec_from_file_location("bench_serve", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serve"] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_serve
 
 
 def test_tpot_is_per_token_not_per_chunk(bench):

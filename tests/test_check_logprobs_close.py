@@ -2,16 +2,12 @@
 script's CPU smoke end to end (kvray and HF in float32 on a tiny hybrid-attention Gemma-3)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "benchmarks" / "checks"), str(ROOT / "benchmarks")]
-from check_logprobs_close import best_first, check_sequence, in_top, kvray_topk, main  # noqa: E402
-
-from cluster.outputs import Logprob  # noqa: E402
+from benchmarks.checks.check_logprobs_close import best_first, check_sequence, in_top, kvray_topk, main
+from cluster.outputs import Logprob
 
 K = 5
 # Three positions; HF's greedy token at each is its top-1.
@@ -95,10 +91,9 @@ def test_smoke_end_to_end(tmp_path, capsys):
 
 
 def test_mistral_shape_is_served_with_its_window(tmp_path):
-    from common import SHAPES, make_random_model
-
     from actors.models.args import mistral_layer_windows
     from actors.models.registry import resolve_architecture
+    from benchmarks.common import SHAPES, make_random_model
 
     assert SHAPES["mistral-7b"]["sliding_window"] == 4096  # Mistral-7B-v0.1's config
     cfg = json.loads(

@@ -2,20 +2,15 @@
 and routing fields). The fused-MoE benchmark's smoke is in tests/test_benchmark_smokes.py."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import SHAPES, tiny_shape  # noqa: E402
+from benchmarks.common import SHAPES, make_random_model, tiny_shape
 
 
 @pytest.mark.parametrize("shape", ["gemma-3-12b", "gemma-2-2b", "qwen3-30b-a3b", "mixtral-small"])
 def test_tiny_shapes_keep_their_family(shape, tmp_path):
-    from common import make_random_model
-
     path = make_random_model(shape, str(tmp_path), dtype="float32", tiny=True)
     cfg = json.loads((Path(path) / "config.json").read_text())
     assert cfg["architectures"] == SHAPES[shape]["architectures"]

@@ -4,10 +4,7 @@ seeds, usage, errors, greedy equal to LLM.generate, back-pressure, a client disc
 test with a worker kill."""
 
 import asyncio
-import importlib.util
 import json
-import os
-import sys
 import threading
 import time
 
@@ -313,12 +310,8 @@ def test_load_with_a_worker_kill_loses_and_duplicates_nothing(server, client):
 
 def test_bench_serve_sweep_runs_against_the_server(server):
     """benchmarks/e2e/bench_serve.py's client (the GPU sweep's code) on a few short requests."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(root, "benchmarks", "e2e", "bench_serve.py")
-    spec = importlib.util.spec_from_file_location("bench_serve", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serve"] = bench  # its dataclasses look their module up there
-    spec.loader.exec_module(bench)
+    from benchmarks.e2e import bench_serve as bench
+
     reqs = bench.sharegpt_like(6, 256, 0, smoke=True)
     results = asyncio.run(bench.sweep(server[0], MODEL, reqs, [8.0]))
     print("\n" + "\n".join(bench.format_row(r) for r in results))

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks" / "e2e"), str(ROOT / "benchmarks" / "tools")]
-
-import serve_procs  # noqa: E402
-import summarize_pyspy  # noqa: E402
+from benchmarks.e2e import serve_procs
+from benchmarks.tools import summarize_pyspy
 
 
 def test_the_meter_counts_this_process_cpu() -> None:

@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "benchmarks" / "checks" / "check_sm90_compile.py"
+TOOL = "benchmarks.checks.check_sm90_compile"
 
 
 def run_tool(*args: str, extra_path: str = "") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), extra_path) if p)
     return subprocess.run(
-        [sys.executable, str(TOOL), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", TOOL, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
 
 

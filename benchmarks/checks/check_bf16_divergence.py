@@ -16,10 +16,10 @@ run against hf_fp32: the share of identical sequences; the first-divergence posi
 never diverges counts as --new-tokens) as median, min and 10th percentile; the mean share of tokens
 before the first divergence; and HF fp32's top-1/top-2 logit margin where the divergence happened.
 
-  python benchmarks/checks/check_bf16_divergence.py            # H200, about 2 minutes
-  python benchmarks/checks/check_bf16_divergence.py --smoke    # CPU, tiny-random, 4 prompts, 8 tokens
-  python benchmarks/checks/check_bf16_divergence.py --shape gemma-3-12b --num-layers 12   # the new families likewise
-  python benchmarks/checks/check_bf16_divergence.py --smoke --shape qwen3-30b-a3b         # CPU, a tiny Qwen3-MoE
+  python -m benchmarks.checks.check_bf16_divergence            # H200, about 2 minutes
+  python -m benchmarks.checks.check_bf16_divergence --smoke    # CPU, tiny-random, 4 prompts, 8 tokens
+  python -m benchmarks.checks.check_bf16_divergence --shape gemma-3-12b --num-layers 12   # the new families likewise
+  python -m benchmarks.checks.check_bf16_divergence --smoke --shape qwen3-30b-a3b         # CPU, a tiny Qwen3-MoE
 """
 
 from __future__ import annotations
@@ -29,15 +29,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-from check_tp import gpu_used_mib, wait_gpu_released  # noqa: E402
-from common import SHAPES, generate_greedy, hf_greedy_by_length, make_random_model, record  # noqa: E402
+from benchmarks.checks.check_tp import gpu_used_mib, wait_gpu_released
+from benchmarks.common import SHAPES, generate_greedy, hf_greedy_by_length, make_random_model, record
 
 TIE_MARGIN = 1e-3  # an HF fp32 top-2 margin below this is within float32 noise of a tie
 

@@ -8,7 +8,7 @@ in two waves, so prefill chunks mix into running decodes. A run fails unless eve
 was captured, graphs really replayed (decode steps padded past their size, and in the all-steps mode
 mixed steps too, at a share of 100%), and every request's tokens equal HF's. Exit code 0 = pass.
 
-  python benchmarks/checks/check_cuda_graphs.py
+  python -m benchmarks.checks.check_cuda_graphs
 """
 
 from __future__ import annotations
@@ -17,25 +17,18 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # hf_models
-
-import hf_models as H  # noqa: E402
-
-from actors.driver.engine_core import EngineCore  # noqa: E402
-from actors.executor.local import LocalExecutor  # noqa: E402
-from cluster.config import (  # noqa: E402
+from actors.driver.engine_core import EngineCore
+from actors.executor.local import LocalExecutor
+from cluster.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from kvcore.request import Request, SamplingParams  # noqa: E402
+from kvcore.request import Request, SamplingParams
+from tests import hf_models as H
 
 NEW_TOKENS = 24
 COPIES = 5  # 8 prompts x 5 = 40 requests: batches of 40 and below, between the 32 and 48 buckets

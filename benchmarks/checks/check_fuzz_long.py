@@ -4,7 +4,7 @@ Checks what the CI fuzz test checks, at scale: every non-blank line gets exactly
 an error), the good lines among them are served, and the job ends normally. Runs on the CPU with the
 built-in tiny-random model and an embedded Ray.
 
-    PYTHONPATH=$PWD python benchmarks/checks/check_fuzz_long.py --lines 10000 [--seed 0] [--keep DIR]
+    PYTHONPATH=$PWD python -m benchmarks.checks.check_fuzz_long --lines 10000 [--seed 0] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
+from benchmarks.common import record
 
-from common import record  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 BAD_TEXT = ["\ud800", "a\udc80b", "\udfff\ud800", "\x00", "\u2028", "\ufeff", "\U0010ffff", "\x1b[2J"]
 EDGE = [

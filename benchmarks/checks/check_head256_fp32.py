@@ -2,7 +2,7 @@
 happens (kernel, seconds, tiles) and the result against the torch reference, for the default tile choice
 (with its OutOfResources fallback) and for explicit small tiles, each in its own bounded process.
 
-  python benchmarks/checks/check_head256_fp32.py --timeout 60
+  python -m benchmarks.checks.check_head256_fp32 --timeout 60
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(kind: str, block_m: int, block_n: int) -> None:
-    sys.path.insert(0, str(ROOT))
     import torch
 
     import tests.test_attention_kernels as t
@@ -64,8 +63,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"== {kind} block_m={bm or 'default'} block_n={bn or 'default'}", flush=True)
         try:
             subprocess.run(
-                [sys.executable, __file__, "--child", kind, str(bm), str(bn)],
+                [sys.executable, "-m", "benchmarks.checks.check_head256_fp32", "--child", kind, str(bm), str(bn)],
                 timeout=args.timeout,
+                cwd=ROOT,
                 env={**os.environ, "TRITON_INTERPRET": "0"},
             )
         except subprocess.TimeoutExpired:

@@ -19,11 +19,11 @@ Shapes: Llama-3.1-8B, Qwen3-0.6B, Mistral-7B (one sliding window on every layer)
 and both runs stay near a minute a shape. Where a shape slides, the prompts straddle its window (lengths
 window - new_tokens/2 .. window + 8), so the window is crossed in prefill or in decode.
 
-  python benchmarks/checks/check_logprobs_close.py           # H200, bf16, 8 prompts x 32 tokens, top-5
-  python benchmarks/checks/check_logprobs_close.py --shapes gemma-2-2b --num-layers 4
-  python benchmarks/checks/check_logprobs_close.py --smoke   # CPU, tiny models of each shape's family, float32
-  python benchmarks/checks/check_logprobs_close.py --kv-cache-dtype fp8   # kvray's KV cache in fp8 (metrics *_fp8kv)
-  python benchmarks/checks/check_logprobs_close.py --quantization fp8     # kvray's linear weights in fp8 (*_fp8w)
+  python -m benchmarks.checks.check_logprobs_close           # H200, bf16, 8 prompts x 32 tokens, top-5
+  python -m benchmarks.checks.check_logprobs_close --shapes gemma-2-2b --num-layers 4
+  python -m benchmarks.checks.check_logprobs_close --smoke   # CPU, tiny models of each shape's family, float32
+  python -m benchmarks.checks.check_logprobs_close --kv-cache-dtype fp8   # kvray's KV cache in fp8 (metrics *_fp8kv)
+  python -m benchmarks.checks.check_logprobs_close --quantization fp8     # kvray's linear weights in fp8 (*_fp8w)
 
 Exit status 1 when any shape fails the rule.
 """
@@ -39,13 +39,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-import common  # noqa: E402
-from check_bf16_divergence import make_prompts  # noqa: E402
-from check_tp import gpu_used_mib, wait_gpu_released  # noqa: E402
-from common import SHAPES, hf_greedy_by_length, make_random_model, record, tiny_shape  # noqa: E402
+from benchmarks import common
+from benchmarks.checks.check_bf16_divergence import make_prompts
+from benchmarks.checks.check_tp import gpu_used_mib, wait_gpu_released
+from benchmarks.common import SHAPES, hf_greedy_by_length, make_random_model, record, tiny_shape
 
 SCRIPT = "check_logprobs_close"
 DEFAULT_SHAPES = ["llama-3.1-8b", "qwen3-0.6b", "mistral-7b", "gemma-3-12b"]

@@ -11,7 +11,7 @@ failure costs a whole call. This check closes that gap in two steps:
 Exit code 0 when every variant compiles. The GPU's own Triton may be older; this catches what any version
 rejects at the front end, and the PTX a recent one produces.
 
-  python benchmarks/checks/check_sm90_compile.py tests/test_fp8_linear.py tests/test_fp8_kv_cache.py
+  python -m benchmarks.checks.check_sm90_compile tests/test_fp8_linear.py tests/test_fp8_kv_cache.py
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("name the pytest targets whose kernel launches to compile")
     with tempfile.TemporaryDirectory() as tmp:
         specs = Path(tmp) / "specs.jsonl"
-        me, env = [sys.executable, __file__], dict(os.environ, PYTHONPATH=str(ROOT))
+        me, env = [sys.executable, "-m", "benchmarks.checks.check_sm90_compile"], dict(os.environ, PYTHONPATH=str(ROOT))
         rc = subprocess.call([*me, *args.targets, *rest, "--record-to", str(specs)], cwd=ROOT,
                              env=dict(env, TRITON_INTERPRET="1"))  # fmt: skip
         if rc != 0 or not specs.exists():

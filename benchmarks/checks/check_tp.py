@@ -16,10 +16,10 @@ records under "multigpu" instead of "check_tp". Ranks sharing a GPU each size th
 their share (gpus_per_worker) of gpu_memory_utilization of the GPU (actors/worker/model_runner.py
 determine_num_blocks).
 
-  python benchmarks/checks/check_tp.py                                   # H200: TP=1 vs TP=2 on one GPU (gloo)
-  python benchmarks/checks/check_tp.py --dtype bfloat16
-  python benchmarks/checks/check_tp.py --gpus-per-worker 1 --tp 2,4      # a multi-GPU host (NCCL)
-  python benchmarks/checks/check_tp.py --smoke                           # CPU, tiny-random, TP=1 vs TP=2 (gloo)
+  python -m benchmarks.checks.check_tp                                   # H200: TP=1 vs TP=2 on one GPU (gloo)
+  python -m benchmarks.checks.check_tp --dtype bfloat16
+  python -m benchmarks.checks.check_tp --gpus-per-worker 1 --tp 2,4      # a multi-GPU host (NCCL)
+  python -m benchmarks.checks.check_tp --smoke                           # CPU, tiny-random, TP=1 vs TP=2 (gloo)
 """
 
 from __future__ import annotations
@@ -31,14 +31,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-from common import SHAPES, generate_greedy, make_random_model, record  # noqa: E402
+from benchmarks.common import SHAPES, generate_greedy, make_random_model, record
 
 TIE_GAP = 1e-3  # float32 logit gap between the two diverging tokens below which a mismatch is a near-tie
 

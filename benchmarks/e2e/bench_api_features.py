@@ -9,22 +9,17 @@ never match) from the same kind of prompts, so tok/s compare directly:
 base runs first and last (its spread is the noise). The random-weight model gets a byte-level BPE
 tokenizer of its full vocabulary (random 2-6 byte tokens), so detokenization does real work.
 
-  python benchmarks/e2e/bench_api_features.py --shape qwen3-0.6b            # GPU
-  python benchmarks/e2e/bench_api_features.py --smoke                       # CPU, tiny-random, seconds
+  python -m benchmarks.e2e.bench_api_features --shape qwen3-0.6b            # GPU
+  python -m benchmarks.e2e.bench_api_features --smoke                       # CPU, tiny-random, seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-from common import SHAPES, add_byte_tokenizer, make_random_model, record  # noqa: E402
+from benchmarks.common import SHAPES, add_byte_tokenizer, make_random_model, record
 
 STOPS = ["\x00never-1\x00", "\x00never-2\x00", "\x00never-3\x00", "\x00never-4\x00"]  # ids never decode to NUL
 

@@ -12,24 +12,19 @@ the control plane (unless overlapped by async scheduling) and the worker's per-s
 The headline metric is the configuration with both graphs and async scheduling; all four are printed
 and recorded with suffixes, side by side from one run.
 
-  python benchmarks/e2e/bench_decode_idle.py                     # H200: Qwen3-0.6B shape, batch 256
-  python benchmarks/e2e/bench_decode_idle.py --smoke             # CPU plumbing check (tiny model, no timing)
+  python -m benchmarks.e2e.bench_decode_idle                     # H200: Qwen3-0.6B shape, batch 256
+  python -m benchmarks.e2e.bench_decode_idle --smoke             # CPU plumbing check (tiny model, no timing)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-from common import make_random_model, record  # noqa: E402
+from benchmarks.common import make_random_model, record
 
 CONFIGS = {  # name -> (CUDA graphs, async scheduling)
     "eager_sync": (False, False),

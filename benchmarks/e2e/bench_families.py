@@ -7,9 +7,9 @@ records the figures under their names (the start-up log shows the max concurrenc
 --num-layers keeps the checkpoint small enough to write to the GPU host's disk (a 48-layer 30B-A3B is
 61 GB in bf16); throughput per layer is what the shape decides.
 
-  python benchmarks/e2e/bench_families.py --shape qwen3-30b-a3b --num-layers 16
-  python benchmarks/e2e/bench_families.py --shape gemma-3-12b --num-layers 24
-  python benchmarks/e2e/bench_families.py --smoke       # CPU: tiny models of both families, 6 short requests
+  python -m benchmarks.e2e.bench_families --shape qwen3-30b-a3b --num-layers 16
+  python -m benchmarks.e2e.bench_families --shape gemma-3-12b --num-layers 24
+  python -m benchmarks.e2e.bench_families --smoke       # CPU: tiny models of both families, 6 short requests
 """
 
 from __future__ import annotations
@@ -17,20 +17,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-from common import SHAPES, make_random_model, record  # noqa: E402
+from benchmarks.common import SHAPES, make_random_model, record
 
 FAMILIES = ("qwen3-30b-a3b", "gemma-3-12b")
 
 
 def run_smoke(shape: str, model_dir: str) -> None:
     """The same engine path on the CPU: a tiny model of the family, a few short requests."""
-    from bench_offline import make_workload
-
+    from benchmarks.e2e.bench_offline import make_workload
     from cluster import LLM, SamplingParams
 
     prompts, out_lens = make_workload("sharegpt", 256)
@@ -71,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shape:
             run_smoke(shape, make_random_model(shape, args.model_dir, dtype="float32", tiny=True))
         return 0
-    from bench_offline import make_workload, run_kvray
+    from benchmarks.e2e.bench_offline import make_workload, run_kvray
 
     # run_kvray reads these of bench_offline's flags; the families run with the engine's defaults otherwise.
     args.idle, args.profile, args.steps_json = False, None, None

@@ -5,7 +5,7 @@ process on the embedded CPU default, and reports the child's peak RSS (the clien
 window, the writer, the resume digests), the wall time, and the output's line count. Then it reruns on
 the finished output (every line skipped: the resume pass over N ids) and reports that too.
 
-  python benchmarks/e2e/bench_job_million.py --lines 1000000 --shards 8 [--set scheduler.max_num_seqs=256 ...]
+  python -m benchmarks.e2e.bench_job_million --lines 1000000 --shards 8 [--set scheduler.max_num_seqs=256 ...]
 
 Prints one JSON line. Engine memory (the driver and worker actors) is Ray's and not counted here.
 """

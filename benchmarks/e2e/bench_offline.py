@@ -23,8 +23,8 @@ Records offline_<tag>_output_tok_s (defaults), offline_<tag>_<config>_tok_s, gra
 gpu_idle_frac_all_steps (defaults; CUDA events around every step's GPU work), defaults_vs_best_ratio.
 --kvray-run also runs `kvray run` on the same workload as JSON lines (kvray_run_vs_api_ratio).
 
-  python benchmarks/e2e/bench_offline.py --shape qwen3-0.6b --workload nano --configs defaults tuned
-  python benchmarks/e2e/bench_offline.py --shape llama-3.1-8b --workload sharegpt --configs defaults tuned
+  python -m benchmarks.e2e.bench_offline --shape qwen3-0.6b --workload nano --configs defaults tuned
+  python -m benchmarks.e2e.bench_offline --shape llama-3.1-8b --workload sharegpt --configs defaults tuned
 """
 
 from __future__ import annotations
@@ -41,10 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-from common import SHAPES, make_random_model, record  # noqa: E402
+from benchmarks.common import SHAPES, make_random_model, record
 
 TAGS = {"qwen3-0.6b": "qwen3_0p6b", "llama-3.1-8b": "llama8b"}
 CONFIGS = {

@@ -13,10 +13,10 @@ with --compare, serve_vs_offline_ratio_<setting> per setting (`default`: serve_v
 Every saturation run prints each server process's CPU per output token and its utilisation (cores), to
 show which one saturates (benchmarks/e2e/serve_procs.py); --profile DIR adds py-spy stacks of each.
 
-  python benchmarks/e2e/bench_serve.py --shape qwen3-0.6b                     # the H200 sweep (~5 minutes)
-  python benchmarks/e2e/bench_serve.py --shape llama-3.1-8b --num-prompts 500
-  python benchmarks/e2e/bench_serve.py --compare default serve.stream_interval=4 --profile /tmp/prof
-  python benchmarks/e2e/bench_serve.py --smoke                                # CPU, tiny-random, seconds of load
+  python -m benchmarks.e2e.bench_serve --shape qwen3-0.6b                     # the H200 sweep (~5 minutes)
+  python -m benchmarks.e2e.bench_serve --shape llama-3.1-8b --num-prompts 500
+  python -m benchmarks.e2e.bench_serve --compare default serve.stream_interval=4 --profile /tmp/prof
+  python -m benchmarks.e2e.bench_serve --smoke                                # CPU, tiny-random, seconds of load
 """
 
 from __future__ import annotations
@@ -26,16 +26,12 @@ import asyncio
 import json
 import random
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 
 TAGS = {"qwen3-0.6b": "qwen3", "llama-3.1-8b": "llama8b"}
 
@@ -60,13 +56,13 @@ def sharegpt_like(n: int, vocab: int, seed: int, smoke: bool) -> list[tuple[list
     if smoke:
         rng = random.Random(seed)
         return [([rng.randrange(vocab) for _ in range(rng.randint(4, 24))], rng.randint(2, 6)) for _ in range(n)]
-    from bench_offline import make_workload
+    from benchmarks.e2e.bench_offline import make_workload
 
     prompts, params = make_workload("sharegpt", vocab)
     return [(p, sp["max_tokens"]) for p, sp in zip(prompts[:n], params[:n])]
 
 
-async def one_request(session: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
+async def one_request(http: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
     body = {
         "model": model,
         "prompt": prompt,
@@ -80,7 +76,7 @@ async def one_request(session: Any, url: str, model: str, prompt: list[int], max
     stamps: list[float] = []
     n = 0
     try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
+        async with http.post(url + "/v1/completions", json=body) as resp:
             if resp.status != 200:
                 return Outcome(False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
             async for raw in resp.content:
@@ -107,11 +103,11 @@ async def run_rate(url: str, model: str, reqs: list[tuple[list[int], int]], rate
 
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         tasks = []
         t0 = time.perf_counter()
         for prompt, max_tokens in reqs:
-            tasks.append(asyncio.create_task(one_request(session, url, model, prompt, max_tokens)))
+            tasks.append(asyncio.create_task(one_request(http, url, model, prompt, max_tokens)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         outs = await asyncio.gather(*tasks)
@@ -175,7 +171,7 @@ async def sweep(
 
 async def saturation(url: str, model: str, reqs: list[tuple[list[int], int]], seed: int, profile: str | None) -> dict:
     """Rate inf, with each server process's CPU cost ("process_cpu") and, with `profile`, py-spy stacks."""
-    from serve_procs import ProcessMeter, format_costs, py_spy, serve_processes
+    from benchmarks.e2e.serve_procs import ProcessMeter, format_costs, py_spy, serve_processes
 
     meter = ProcessMeter(serve_processes())
     spies = py_spy(profile, 8, meter.pids) if profile else []
@@ -303,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config("configs/local.yaml", {"model.max_model_len": 128, "ray.include_dashboard": False})
         vocab, n = 256, min(args.num_prompts, 16)
     else:
-        from common import SHAPES, make_random_model
+        from benchmarks.common import SHAPES, make_random_model
 
         model_dir = make_random_model(args.shape, args.model_dir)
         config = load_config(args.config, {"model.model": model_dir, "model.max_model_len": 4096})
@@ -314,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         shares = families(config, min(args.num_prompts, 160) if args.smoke else n, vocab, args.families_rate)
         print(json.dumps({"families_cached_share": shares}), flush=True)
         if not args.smoke:
-            from common import record
+            from benchmarks.common import record
 
             for key, suffix in (("on", "affinity"), ("off", "no_affinity")):
                 record("bench_serve", f"serve_{TAGS[args.shape]}_families_cached_share_{suffix}", shares[key], "share")
@@ -353,8 +349,7 @@ def compare(
     shape: str,
     smoke: bool = False,
 ) -> None:
-    from common import record
-
+    from benchmarks.common import record
     from cluster.config import apply_overrides
     from cluster.serve.app import start_server, stop_server
 
@@ -383,7 +378,7 @@ def ratio_metric(shape: str) -> str:
 
 
 def _record(shape: str, offline: float | None, results: list[dict]) -> None:
-    from common import record
+    from benchmarks.common import record
 
     tag = TAGS[shape]
     sat, half = results[0], next(r for r in results if r.get("half_saturation"))

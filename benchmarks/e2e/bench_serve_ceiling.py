@@ -6,9 +6,9 @@ serving path alone (ingress, Serve's proxy, SSE, the client). bench_serve.py's c
 The client model has no tokenizer by default (as the GPU sweep's random-weight models): token ids
 only, no detokenization; --detokenize keeps tiny-random's tokenizer.
 
-  python benchmarks/e2e/bench_serve_ceiling.py                       # 256 requests x 64 tokens, ~1 minute
-  python benchmarks/e2e/bench_serve_ceiling.py --runs 3 --profile /tmp/prof   # + py-spy of every Ray process
-  python benchmarks/e2e/bench_serve_ceiling.py --step-ms 20 --num-prompts 64 --max-tokens 128   # paced engine
+  python -m benchmarks.e2e.bench_serve_ceiling                       # 256 requests x 64 tokens, ~1 minute
+  python -m benchmarks.e2e.bench_serve_ceiling --runs 3 --profile /tmp/prof   # + py-spy of every Ray process
+  python -m benchmarks.e2e.bench_serve_ceiling --step-ms 20 --num-prompts 64 --max-tokens 128   # paced engine
 
 Unpaced, the serving path is the bottleneck and coalesces tokens into few large chunks, so per-request
 costs dominate. --step-ms paces the engine (every step takes that long, as on a GPU): when the path
@@ -24,21 +24,15 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-
-from bench_serve import format_row, free_port, run_rate, saturation  # noqa: E402
-
-from actors.worker.noop import NoopWorker  # noqa: E402
+from actors.worker.noop import NoopWorker
+from benchmarks.e2e.bench_serve import format_row, free_port, run_rate, saturation
 
 NOOP = "actors.worker.noop.NoopWorker"
-PACED = "bench_serve_ceiling.PacedNoopWorker"
+PACED = "benchmarks.e2e.bench_serve_ceiling.PacedNoopWorker"
 STEP_ENV = "KVRAY_BENCH_NOOP_STEP_S"
 
 
@@ -98,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         # The worker processes inherit this environment: they find this module, and the pace.
         os.environ[STEP_ENV] = str(args.step_ms / 1e3)
         os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+            [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
         )
         worker = PACED
     config = load_config(

@@ -11,8 +11,8 @@ the engine's own start without Ray's (init_s_*_attached). The engine stats split
 connect / placement / probe / workers (and the worker processes' phases, worker_*_s) / model load /
 KV sizing / KV + capture.
 
-  python benchmarks/e2e/bench_startup.py --shape qwen3-0.6b
-  python benchmarks/e2e/bench_startup.py --warm-only    # the Triton cache as it is (warm after other runs)
+  python -m benchmarks.e2e.bench_startup --shape qwen3-0.6b
+  python -m benchmarks.e2e.bench_startup --warm-only    # the Triton cache as it is (warm after other runs)
 """
 
 from __future__ import annotations
@@ -29,10 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-from common import SHAPES, make_random_model, record  # noqa: E402
+from benchmarks.common import SHAPES, make_random_model, record
 
 STARTUP_KEYS = ("probe_s", "workers_start_s", "load_model_s", "kv_sizing_s", "kv_init_capture_s", "step_path_s")
 PAUSE_S = 5.0
@@ -155,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
             # Ray already up (`ray start`, or the cluster `ray job submit` targets): the engine's own start.
             env.update(running_ray(env))
         p = subprocess.run(
-            [sys.executable, __file__, "--child", model_dir, "--runs", str(runs)],
+            [sys.executable, "-m", "benchmarks.e2e.bench_startup", "--child", model_dir, "--runs", str(runs)],
+            cwd=Path(__file__).resolve().parents[2],
             env=env,
             capture_output=True,
             text=True,

@@ -6,21 +6,16 @@ NCCL (one GPU per worker actor), CUDA graphs and async scheduling. Decode throug
 CUDA events rank 0 records around each step (bench_decode_idle.idle_stats: the steps at the full batch,
 their busy time and the gaps between them); DP rows report the whole group's output tok/s.
 
-  python benchmarks/e2e/bench_tp_scaling.py                   # GPU host; records under results/multigpu.jsonl
-  python benchmarks/e2e/bench_tp_scaling.py --smoke           # CPU, tiny-random, TP 1 and 2 over gloo
+  python -m benchmarks.e2e.bench_tp_scaling                   # GPU host; records under results/multigpu.jsonl
+  python -m benchmarks.e2e.bench_tp_scaling --smoke           # CPU, tiny-random, TP 1 and 2 over gloo
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-from bench_decode_idle import idle_stats, random_prompts, timed_decode  # noqa: E402
-from common import make_random_model, record  # noqa: E402
+from benchmarks.common import make_random_model, record
+from benchmarks.e2e.bench_decode_idle import idle_stats, random_prompts, timed_decode
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2)]  # (tensor_parallel_size, data_parallel_size)
 

@@ -8,31 +8,25 @@ decoding, and reports the median. Appends JSON lines to benchmarks/results/contr
 `control_plane_us_tp<N>_<transport>` for each, and `control_plane_us_tp<N>` (the headline at TP=2) for
 the default transport (ray.transport's default in actors/config/engine.py).
 
-  python benchmarks/host/bench_control_plane.py [--tp 1 2 4] [--steps 300] [--num-reqs 32] [--device cpu]
-  python benchmarks/host/bench_control_plane.py --shm-spin-s 0.001   # spinning measured on a small host
-  python benchmarks/host/bench_control_plane.py --smoke     # CPU, TP=2, every transport, 20 steps (engine smoke)
+  python -m benchmarks.host.bench_control_plane [--tp 1 2 4] [--steps 300] [--num-reqs 32] [--device cpu]
+  python -m benchmarks.host.bench_control_plane --shm-spin-s 0.001   # spinning measured on a small host
+  python -m benchmarks.host.bench_control_plane --smoke     # CPU, TP=2, every transport, 20 steps (engine smoke)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
+import ray
 
-import ray  # noqa: E402
-from common import record  # noqa: E402
-
-from actors.driver.engine_core import EngineCore  # noqa: E402
-from actors.executor.ray_workers import RayExecutor  # noqa: E402
-from cluster.config import EngineConfig  # noqa: E402
-from cluster.replicas.placement import create_placement_group, remove, start_local_ray  # noqa: E402
-from kvcore.request import Request, SamplingParams  # noqa: E402
+from actors.driver.engine_core import EngineCore
+from actors.executor.ray_workers import RayExecutor
+from benchmarks.common import record
+from cluster.config import EngineConfig
+from cluster.replicas.placement import create_placement_group, remove, start_local_ray
+from kvcore.request import Request, SamplingParams
 
 
 def measure(

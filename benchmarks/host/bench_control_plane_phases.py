@@ -19,7 +19,7 @@ wrappers around the transport's own objects, so the code timed is the code that 
   update          Scheduler.update_from_output
 Without --phases only the step (schedule -> update) is timed, with no wrappers.
 
-  python benchmarks/host/bench_control_plane_phases.py [--tp 1 2] [--steps 2000] [--spin-s 0.001] [--phases]
+  python -m benchmarks.host.bench_control_plane_phases [--tp 1 2] [--steps 2000] [--spin-s 0.001] [--phases]
 """
 
 from __future__ import annotations
@@ -27,27 +27,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from multiprocessing import get_context, shared_memory
-from pathlib import Path
 from typing import Any
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
+import zmq
 
-import zmq  # noqa: E402
-
-import actors.transport.shm_reader as shm_worker  # noqa: E402
-from actors.config.engine import EngineConfig  # noqa: E402
-from actors.driver.engine_core import EngineCore  # noqa: E402
-from actors.executor.base import Executor  # noqa: E402
-from actors.transport.channels import ChannelSpec, RingReceiver, RingSender  # noqa: E402
-from actors.transport.shm import BROADCAST_SLOT_BYTES, BROADCAST_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, ShmTransport  # noqa: E402
-from actors.transport.shm_ring import ShmRing  # noqa: E402
-from actors.worker.noop import NoopWorker  # noqa: E402
-from kvcore.request import Request, SamplingParams  # noqa: E402
+import actors.transport.shm_reader as shm_worker
+from actors.config.engine import EngineConfig
+from actors.driver.engine_core import EngineCore
+from actors.executor.base import Executor
+from actors.transport.channels import ChannelSpec, RingReceiver, RingSender
+from actors.transport.shm import BROADCAST_SLOT_BYTES, BROADCAST_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, ShmTransport
+from actors.transport.shm_ring import ShmRing
+from actors.worker.noop import NoopWorker
+from kvcore.request import Request, SamplingParams
 
 # Stamps per step: the driver's, then each rank's.
 DRIVER = ("t0", "scheduled", "write_start", "bells_start", "bells_end", "answer_seen", "returned", "updated")

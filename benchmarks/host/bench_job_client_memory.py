@@ -3,8 +3,8 @@ checked, every line goes through the job's window, output processing and writer,
 engine double of the tests (tests/job_helpers.py, which answers at once); then a rerun skips every line
 (the resume pass). Peak RSS of this process before and after: what the job holds, not the model's.
 
-  python benchmarks/host/bench_job_client_memory.py 1000000      # prints one JSON line
-  python benchmarks/host/bench_job_client_memory.py --smoke      # 2,000 lines (CI)
+  python -m benchmarks.host.bench_job_client_memory 1000000      # prints one JSON line
+  python -m benchmarks.host.bench_job_client_memory --smoke      # 2,000 lines (CI)
 """
 
 import argparse
@@ -12,20 +12,14 @@ import json
 import os
 import resource
 import shutil
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-
-from cluster.config import EngineConfig  # noqa: E402
-from cluster.job.batch_job import Job  # noqa: E402
-from cluster.job.input import InputReader, resolve_shards  # noqa: E402
-from kvcore.request import SamplingParams  # noqa: E402
-from tests.job_helpers import FakeEngines  # noqa: E402
+from cluster.config import EngineConfig
+from cluster.job.batch_job import Job
+from cluster.job.input import InputReader, resolve_shards
+from kvcore.request import SamplingParams
+from tests.job_helpers import FakeEngines
 
 
 def rss_mib() -> float:

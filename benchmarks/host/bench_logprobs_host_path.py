@@ -7,8 +7,8 @@ With the GPU's work gone, a step is only host work, so the difference between th
 logprobs cost the engine's processes a step; on the GPU that cost adds to (or hides behind) the ~10 ms
 decode step of bench_api_features.py.
 
-  python benchmarks/host/bench_logprobs_host_path.py [--num-prompts 256] [--output-len 64] [--vocab 151936]
-  python benchmarks/host/bench_logprobs_host_path.py --smoke     # 8 prompts x 4 tokens, vocab 2,000 (CI)
+  python -m benchmarks.host.bench_logprobs_host_path [--num-prompts 256] [--output-len 64] [--vocab 151936]
+  python -m benchmarks.host.bench_logprobs_host_path --smoke     # 8 prompts x 4 tokens, vocab 2,000 (CI)
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,17 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-from common import SHAPES  # noqa: E402
+from actors.sample.logprobs import LogprobsTensors
+from actors.sample.step_logprobs import LogprobsCollector, launch_copies
+from actors.worker.noop import NoopWorker
+from benchmarks.common import SHAPES
+from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
-from actors.sample.logprobs import LogprobsTensors  # noqa: E402
-from actors.sample.step_logprobs import LogprobsCollector, launch_copies  # noqa: E402
-from actors.worker.noop import NoopWorker  # noqa: E402
-from kvcore.messages import ModelRunnerOutput, SchedulerOutput  # noqa: E402
-
-WORKER = "bench_logprobs_host_path.LogprobsNoopWorker"
+WORKER = "benchmarks.host.bench_logprobs_host_path.LogprobsNoopWorker"
 
 
 class LogprobsNoopWorker(NoopWorker):
@@ -74,7 +69,7 @@ class LogprobsNoopWorker(NoopWorker):
 
 def model_dir(vocab: int) -> str:
     """config.json (the 0.6B shape at this vocabulary) and a byte-level tokenizer.json; no weights."""
-    from common import add_byte_tokenizer
+    from benchmarks.common import add_byte_tokenizer
 
     d = os.path.join(tempfile.gettempdir(), f"kvray-hostpath-{vocab}")
     os.makedirs(d, exist_ok=True)
@@ -96,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         args.num_prompts, args.output_len, args.vocab = 8, 4, 2000
     os.environ["KVRAY_BENCH_VOCAB"] = str(args.vocab)
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
     )  # the actors import WORKER
 
     from cluster import LLM, SamplingParams

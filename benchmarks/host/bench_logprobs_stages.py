@@ -15,10 +15,10 @@ One decode step of `--rows` requests over a `--vocab` vocabulary, through the re
                   dict (built on first read, cluster/logprobs.PositionLogprobs)
 Each stage also runs with logprobs off (the base), so the table shows what logprobs add per step.
 
-  python benchmarks/host/bench_logprobs_stages.py                 # 256 rows, 151936 vocab, k=5
-  python benchmarks/host/bench_logprobs_stages.py --profile client_process   # cProfile of one stage
-  python benchmarks/host/bench_logprobs_stages.py --device-breakdown cuda      # the device stage's kernels, GPU
-  python benchmarks/host/bench_logprobs_stages.py --smoke      # 8 rows, vocab 2,000, 2 steps (CI)
+  python -m benchmarks.host.bench_logprobs_stages                 # 256 rows, 151936 vocab, k=5
+  python -m benchmarks.host.bench_logprobs_stages --profile client_process   # cProfile of one stage
+  python -m benchmarks.host.bench_logprobs_stages --device-breakdown cuda      # the device stage's kernels, GPU
+  python -m benchmarks.host.bench_logprobs_stages --smoke      # 8 rows, vocab 2,000, 2 steps (CI)
 """
 
 from __future__ import annotations
@@ -27,25 +27,19 @@ import argparse
 import cProfile
 import pickle
 import pstats
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-
-from actors.messages import PollResult  # noqa: E402
-from actors.sample.logprobs import compute_logprobs, logprobs_reference  # noqa: E402
-from actors.sample.step_logprobs import LogprobsCollector, launch_copies  # noqa: E402
-from kvcore.messages import EngineCoreOutput, ModelRunnerOutput  # noqa: E402
-from kvcore.request import SamplingParams  # noqa: E402
-from kvcore.sched.logprob_outputs import attach_logprobs  # noqa: E402
+from actors.messages import PollResult
+from actors.sample.logprobs import compute_logprobs, logprobs_reference
+from actors.sample.step_logprobs import LogprobsCollector, launch_copies
+from kvcore.messages import EngineCoreOutput, ModelRunnerOutput
+from kvcore.request import SamplingParams
+from kvcore.sched.logprob_outputs import attach_logprobs
 
 
 def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
@@ -230,8 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         device_breakdown(args.rows, args.vocab, args.k, args.device_breakdown, args.steps)
         return
 
-    from common import add_byte_tokenizer
-
+    from benchmarks.common import add_byte_tokenizer
     from cluster.client.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as d:

@@ -12,8 +12,8 @@ are no-ops here because their CPU stand-ins (torch reference kernels) would domi
 the slot-mapping computation, the input-preparation kernels and the scatter of the block-table delta
 (the host packing of the delta is still timed). Decode batches are padded to graph buckets as with CUDA graphs.
 
-    PYTHONPATH=. python benchmarks/host/bench_runner_host.py [--steps 200] [--profile] [--no-record]
-    python benchmarks/host/bench_runner_host.py --smoke      # 5 steps, nothing recorded (CI)
+    PYTHONPATH=. python -m benchmarks.host.bench_runner_host [--steps 200] [--profile] [--no-record]
+    python -m benchmarks.host.bench_runner_host --smoke      # 5 steps, nothing recorded (CI)
 """
 
 from __future__ import annotations
@@ -24,26 +24,21 @@ import cProfile
 import pstats
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-import torch  # noqa: E402
-from common import record  # noqa: E402
+import torch
 
-import kvcore.kernels.block_table_delta as delta_mod  # noqa: E402
-from actors.worker.input_batch import InputBatch  # noqa: E402
-from actors.worker.input_prep import InputStager  # noqa: E402
-from actors.worker.model_runner import ModelRunner  # noqa: E402
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from kvcore import Request, SamplingParams  # noqa: E402
-from kvcore.block_table import MultiGroupBlockTable  # noqa: E402
-from kvcore.kv_cache_manager import KVCacheManager  # noqa: E402
-from kvcore.sched.scheduler import Scheduler  # noqa: E402
-from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+import kvcore.kernels.block_table_delta as delta_mod
+from actors.worker.input_batch import InputBatch
+from actors.worker.input_prep import InputStager
+from actors.worker.model_runner import ModelRunner
+from benchmarks.common import record
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvcore import Request, SamplingParams
+from kvcore.block_table import MultiGroupBlockTable
+from kvcore.kv_cache_manager import KVCacheManager
+from kvcore.sched.scheduler import Scheduler
+from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 SCRIPT = "bench_runner_host"
 NUM_REQS = 256

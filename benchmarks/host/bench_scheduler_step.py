@@ -6,23 +6,19 @@ Two workloads, each against the real KVCacheManager (prefix caching on, block_si
                 32-128 output tokens; every step mixes chunked prefills (budget 8192) and decodes.
 The fake model runner's time (building ModelRunnerOutput) is not counted.
 
-    PYTHONPATH=. python benchmarks/host/bench_scheduler_step.py [--steps 2000]
-    python benchmarks/host/bench_scheduler_step.py --smoke      # 20 steps, nothing recorded (CI)
+    PYTHONPATH=. python -m benchmarks.host.bench_scheduler_step [--steps 2000]
+    python -m benchmarks.host.bench_scheduler_step --smoke      # 20 steps, nothing recorded (CI)
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import platform
 import random
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+from benchmarks.common import record
 from kvcore import Request, SamplingParams
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
@@ -30,7 +26,6 @@ from kvcore.sched.scheduler import Scheduler
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 # The series keeps the file it began in (benchmarks/README.md: results/).
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "scheduler_step.jsonl"
 BLOCK_SIZE = 16
 
 
@@ -162,15 +157,6 @@ def cpu_name() -> str:
     return "cpu: " + (platform.processor() or platform.machine())
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except Exception:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="measured steps per workload")
@@ -194,25 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{metric:34s} {med:10.1f} {p90:10.1f} {mean_batch:10.1f}")
     if args.no_record:
         return
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    command = "PYTHONPATH=. python " + " ".join(["benchmarks/host/bench_scheduler_step.py"] + sys.argv[1:])
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    with open(RESULTS, "a") as f:
-        for metric, med, _, _ in rows:
-            f.write(
-                json.dumps(
-                    {
-                        "metric": metric,
-                        "value": round(med, 2),
-                        "unit": "us",
-                        "device": cpu_name(),
-                        "commit": git_commit(),
-                        "date": stamp,
-                        "command": command,
-                    }
-                )
-                + "\n"
-            )
+    for metric, med, _, _ in rows:
+        record("scheduler_step", metric, med, "us", device=cpu_name())
 
 
 if __name__ == "__main__":

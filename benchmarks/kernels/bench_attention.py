@@ -7,9 +7,9 @@ K/V read plus Q read plus O written.
 Prefill: 4 sequences x 2,048 new tokens on 2,048 cached, against torch SDPA (flash) on the same
 tokens in contiguous memory with a bottom-right causal mask. Timed with CUDA-graph replay.
 
-  python benchmarks/kernels/bench_attention.py            # GPU, appends to results/bench_attention.jsonl
-  python benchmarks/kernels/bench_attention.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
-  python benchmarks/kernels/bench_attention.py --kv-cache-dtype fp8   # K/V stored in fp8 (metrics *_fp8kv)
+  python -m benchmarks.kernels.bench_attention            # GPU, appends to results/bench_attention.jsonl
+  python -m benchmarks.kernels.bench_attention --smoke    # CPU, tiny shapes, Triton interpreter: errors only
+  python -m benchmarks.kernels.bench_attention --kv-cache-dtype fp8   # K/V stored in fp8 (metrics *_fp8kv)
 """
 
 from __future__ import annotations
@@ -18,19 +18,15 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-import torch  # noqa: E402
-from common import record  # noqa: E402
+import torch
 
-from kvcore.kernels.fp8 import FP8_KV_DTYPES  # noqa: E402
-from kvcore.kernels.ops import paged_attention  # noqa: E402
+from benchmarks.common import record
+from kvcore.kernels.fp8 import FP8_KV_DTYPES
+from kvcore.kernels.ops import paged_attention
 
 COPY_GBPS = 4277.0
 SCRIPT = "bench_attention"

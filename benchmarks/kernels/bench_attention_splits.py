@@ -7,8 +7,8 @@ and a few tile shapes, and reports each one's bandwidth (bytes of K/V, Q and O o
 split count the heuristic (kvcore.kernels.attention_tiles.choose_num_splits, as a graph captures it:
 max_seq_len = max_model_len) picks.
 
-  python benchmarks/kernels/bench_attention_splits.py                 # GPU
-  python benchmarks/kernels/bench_attention_splits.py --smoke         # CPU, Triton interpreter: errors only
+  python -m benchmarks.kernels.bench_attention_splits                 # GPU
+  python -m benchmarks.kernels.bench_attention_splits --smoke         # CPU, Triton interpreter: errors only
 """
 
 from __future__ import annotations
@@ -17,19 +17,17 @@ import argparse
 import os
 import random
 import sys
-from pathlib import Path
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-import torch  # noqa: E402
-from bench_attention import COPY_GBPS, bench, check, make_paged  # noqa: E402
-from common import record  # noqa: E402
+import torch
 
-import kvcore.kernels.paged_attention as pa  # noqa: E402
-from kvcore.kernels.attention_tiles import _Tiles, choose_num_splits, num_sms  # noqa: E402
-from kvcore.kernels.ops import longest_first, paged_attention  # noqa: E402
+import kvcore.kernels.paged_attention as pa
+from benchmarks.common import record
+from benchmarks.kernels.bench_attention import COPY_GBPS, bench, check, make_paged
+from kvcore.kernels.attention_tiles import _Tiles, choose_num_splits, num_sms
+from kvcore.kernels.ops import longest_first, paged_attention
 
 SCRIPT = "bench_attention_splits"
 HEADS = {"qwen3-0.6b": (16, 8), "llama-3.1-8b": (32, 8)}

@@ -13,8 +13,8 @@ step pays once async scheduling overlaps the host work with the previous step). 
 the call is reported as well.
 Every figure is checked against the torch reference / the CPU table before it is reported.
 
-  python benchmarks/kernels/bench_block_table.py            # GPU; appends to results/bench_block_table.jsonl
-  python benchmarks/kernels/bench_block_table.py --smoke    # CPU, tiny sizes, Triton interpreter
+  python -m benchmarks.kernels.bench_block_table            # GPU; appends to results/bench_block_table.jsonl
+  python -m benchmarks.kernels.bench_block_table --smoke    # CPU, tiny sizes, Triton interpreter
 """
 
 from __future__ import annotations
@@ -24,20 +24,16 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from common import record  # noqa: E402
+import numpy as np
+import torch
 
-from kvcore.block_table import BlockTable, MultiGroupBlockTable  # noqa: E402
-from kvcore.kernels.slot_mapping import slot_mapping_ref  # noqa: E402
+from benchmarks.common import record
+from kvcore.block_table import BlockTable, MultiGroupBlockTable
+from kvcore.kernels.slot_mapping import slot_mapping_ref
 
 SCRIPT = "bench_block_table"
 SLOT_CASES = [(1, 1), (256, 1), (16, 512), (4, 2048), (1, 8192)]

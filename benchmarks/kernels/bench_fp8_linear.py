@@ -8,8 +8,8 @@ weight bytes read per us as TB/s, and TFLOP/s. Expected: the weight-bound rows (
 bytes) with the small-M kernel, the compute-bound ones (M >= 2048) 1.5-1.9x with the scaled GEMM.
 `--sweep` also times the small-M kernel's tile / split / stage choices at M <= 64 and prints the best.
 
-  python benchmarks/kernels/bench_fp8_linear.py            # GPU, appends to results/bench_fp8_linear.jsonl
-  python benchmarks/kernels/bench_fp8_linear.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
+  python -m benchmarks.kernels.bench_fp8_linear            # GPU, appends to results/bench_fp8_linear.jsonl
+  python -m benchmarks.kernels.bench_fp8_linear --smoke    # CPU, tiny shapes, Triton interpreter: errors only
 """
 
 from __future__ import annotations
@@ -17,20 +17,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-import torch  # noqa: E402
-from bench_layer_kernels import bench  # noqa: E402
-from common import SHAPES, record  # noqa: E402
+import torch
 
-from actors.layers.fp8_linear import fp8_linear, per_token_quant_fp8, quantize_weight_fp8  # noqa: E402
-from actors.layers.kernels.fp8_gemm import GemmConfig, w8a16_linear  # noqa: E402
+from actors.layers.fp8_linear import fp8_linear, per_token_quant_fp8, quantize_weight_fp8
+from actors.layers.kernels.fp8_gemm import GemmConfig, w8a16_linear
+from benchmarks.common import SHAPES, record
+from benchmarks.kernels.bench_layer_kernels import bench
 
 SCRIPT = "bench_fp8_linear"
 TOKENS = [1, 16, 64, 128, 256, 2048, 8192]

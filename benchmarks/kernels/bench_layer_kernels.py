@@ -7,8 +7,8 @@ Triton attention in both), torch layers vs Triton layers. Everything is timed as
 (the decode regime, where a tiny kernel costs its launch slot), reported as the median in us. Each
 op also reports how many bf16 outputs are bit-identical to the torch path's.
 
-  python benchmarks/kernels/bench_layer_kernels.py            # GPU, appends to results/bench_layer_kernels.jsonl
-  python benchmarks/kernels/bench_layer_kernels.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
+  python -m benchmarks.kernels.bench_layer_kernels            # GPU, appends to results/bench_layer_kernels.jsonl
+  python -m benchmarks.kernels.bench_layer_kernels --smoke    # CPU, tiny shapes, Triton interpreter: errors only
 """
 
 from __future__ import annotations
@@ -17,22 +17,18 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-import torch  # noqa: E402
-from common import SHAPES, record  # noqa: E402
+import torch
 
-from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context  # noqa: E402
-from actors.layers.attention import Attention  # noqa: E402
-from actors.layers.rotary import RotaryEmbedding  # noqa: E402
-from actors.models.args import parse_args  # noqa: E402
-from actors.models.decoder import DecoderLayer, DecoderMLP, attention_layer_name  # noqa: E402
+from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from actors.layers.attention import Attention
+from actors.layers.rotary import RotaryEmbedding
+from actors.models.args import parse_args
+from actors.models.decoder import DecoderLayer, DecoderMLP, attention_layer_name
+from benchmarks.common import SHAPES, record
 
 SCRIPT = "bench_layer_kernels"
 TINY = {  # smoke-mode stand-ins of the two shapes

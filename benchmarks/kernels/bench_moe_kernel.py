@@ -7,8 +7,8 @@ of --iters after warm-up), the speedup, achieved TFLOP/s (2 * pairs * 3 * H * I)
 of the experts actually hit plus activations: decode batches are bound by weight bandwidth). The
 kernel's output is checked against the loop's on every shape.
 
-  python benchmarks/kernels/bench_moe_kernel.py            # H200, about a minute
-  python benchmarks/kernels/bench_moe_kernel.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes, checks only
+  python -m benchmarks.kernels.bench_moe_kernel            # H200, about a minute
+  python -m benchmarks.kernels.bench_moe_kernel --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes, checks only
 """
 
 from __future__ import annotations
@@ -17,11 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-from pathlib import Path
-
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
 
 # name: (experts, top_k, hidden, intermediate)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
@@ -82,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from common import record
 
     from actors.layers.kernels.fused_moe import fused_moe_triton
     from actors.layers.kernels.moe_reference import fused_moe_ref
+    from benchmarks.common import record
 
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16

@@ -1,23 +1,22 @@
-"""The one-launch sampler against the sampler it replaced, side by side in one run.
+"""The one-launch sampler against its torch reference, side by side in one run.
 
 Logits float32 [rows, vocab] (default 256 x 151,936, the Qwen3 vocabulary), every row random unless
 the case says greedy. Cases: greedy (argmax); temperature 0.6 (nano-vllm's recipe); temperature with
 top-k 50 and top-p 0.9; temperature with presence/frequency/repetition penalties; temperature with
-logprobs=5. The new sampler is timed eagerly and as a CUDA-graph replay (it is capturable: no host
-sync, fixed shapes); the old one (a torch.Generator per row, a full sort for top-k/top-p) eagerly.
+logprobs=5. The sampler is timed eagerly and as a CUDA-graph replay (it is capturable: no host
+sync, fixed shapes); the torch reference (actors/sample/reference.py: a full sort for top-k/top-p) eagerly.
 Median microseconds per step. The floor is reading the logits once: rows x vocab x 4 bytes at the
 GPU's bandwidth (~32 us for 256 x 151,936 on an H200), which the figures report beside the times.
 
 Then the logprobs alone (bf16-valued float32 logits, as the LM head makes them, full of ties): the torch
-path, the kernel before one reduction per top-k round (benchmarks/kernels/logprobs_kernel_before.py) and the
-kernel now, at rows x vocab for k in --ks; and prompt logprobs of --prompt-rows positions through
+path and the kernel, at rows x vocab for k in --ks; and prompt logprobs of --prompt-rows positions through
 compute_prompt_logprobs (slices of PROMPT_SLICE rows; compute_logits is the identity over precomputed
 logits, so the figure holds the slices' row gather but no LM head), torch against the kernel. The
-kernel before and now must agree exactly; both must agree with torch (values; ties may name other ids).
+kernel must agree with torch (values; ties may name other ids).
 
-  python benchmarks/kernels/bench_sampler.py            # GPU, appends to results/bench_sampler.jsonl
-  python benchmarks/kernels/bench_sampler.py --logprobs-only   # GPU, the logprobs part only
-  python benchmarks/kernels/bench_sampler.py --smoke    # CPU, tiny shapes, Triton interpreter: errors only
+  python -m benchmarks.kernels.bench_sampler            # GPU, appends to results/bench_sampler.jsonl
+  python -m benchmarks.kernels.bench_sampler --logprobs-only   # GPU, the logprobs part only
+  python -m benchmarks.kernels.bench_sampler --smoke    # CPU, tiny shapes, Triton interpreter: errors only
 """
 
 from __future__ import annotations
@@ -26,49 +25,21 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Its own folder (sibling scripts), benchmarks/ (common.py) and the repo root (kvcore, actors, cluster):
-# the one import pattern of benchmarks/README.md.
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from common import record  # noqa: E402
-from logprobs_kernel_before import topk_logprobs_before  # noqa: E402
+import numpy as np
+import torch
 
-from actors.sample.logprobs import LogprobsTensors, compute_logprobs, logprobs_reference  # noqa: E402
-from actors.sample.penalties import PenaltyState  # noqa: E402
-from actors.sample.reference import sample_reference  # noqa: E402
-from actors.sample.sampler import Sampler, SamplingMetadata  # noqa: E402
-from actors.sample.step_logprobs import PromptPlan, compute_prompt_logprobs  # noqa: E402
+from actors.sample.logprobs import LogprobsTensors, compute_logprobs, logprobs_reference
+from actors.sample.penalties import PenaltyState
+from actors.sample.reference import sample_reference
+from actors.sample.sampler import Sampler, SamplingMetadata
+from actors.sample.step_logprobs import PromptPlan, compute_prompt_logprobs
+from benchmarks.common import record
 
 SCRIPT = "bench_sampler"
-
-
-def old_sampler(logits, temperature, top_k, top_p, generators):
-    """The sampler before the one-launch kernel (actors/sample/sampler.py at a98f795), condensed."""
-    logits = logits.float()
-    scaled = logits / temperature.unsqueeze(1)
-    if top_k is not None or top_p is not None:
-        vocab = logits.shape[-1]
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if top_k is not None:
-            drop |= ranks >= top_k.to(torch.int64).unsqueeze(1)
-        if top_p is not None:
-            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
-            drop[:, 0] = False
-        scaled = torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    for r, g in enumerate(generators):
-        noise[r].exponential_(generator=g)
-    return (probs / noise).argmax(dim=-1)
 
 
 def bench(fn, smoke: bool, graph: bool = False) -> float:
@@ -168,26 +139,18 @@ def bench_logprobs(rows: int, vocab: int, ks: list[int], dev: torch.device, smok
     floor_us = rows * vocab * 4 / 4.8e12 * 1e6
     print(f"logprobs, {rows} x {vocab} bf16-valued logits (one read at 4.8 TB/s: {floor_us:.1f} us)", flush=True)
     for k in ks:
-        before = topk_logprobs_before(logits, tokens, k)
         now = compute_logprobs(logits, tokens, k, use_triton=True)
-        # Reported, not fatal: the timing still comes back if a compiler's rounding moved one ulp.
-        same = all(torch.equal(a, b) for a, b in zip(before, (now.token_ids, now.logprobs, now.ranks)))
-        diff = "exact" if same else f"DIFFER, max |logprob diff| {float((before[1] - now.logprobs).abs().max()):.2e}"
         check_logprobs(now, logprobs_reference(logits, tokens, k), f"k={k}")
         torch_us = bench(lambda: logprobs_reference(logits, tokens, k), smoke)
-        before_us = bench(lambda: topk_logprobs_before(logits, tokens, k), smoke)
         now_us = bench(lambda: compute_logprobs(logits, tokens, k, use_triton=True), smoke)
         print(
-            f"  k={k:<3d} torch {torch_us:9.1f} us  kernel before {before_us:9.1f} us  now {now_us:9.1f} us  "
-            f"before/now {before_us / now_us:5.2f}x  torch/now {torch_us / now_us:5.1f}x  (before vs now: {diff})",
+            f"  k={k:<3d} torch {torch_us:9.1f} us  kernel {now_us:9.1f} us  torch/kernel {torch_us / now_us:5.1f}x",
             flush=True,
         )
         if not smoke:
             name = f"logprobs_k{k}_{rows}x{vocab}"
             record(SCRIPT, f"{name}_torch_us", torch_us, "us")
-            record(SCRIPT, f"{name}_kernel_before_us", before_us, "us")
             record(SCRIPT, f"{name}_kernel_us", now_us, "us")
-            record(SCRIPT, f"{name}_before_vs_now_ratio", before_us / now_us, "x")
 
 
 def bench_prompt_logprobs(rows: int, vocab: int, k: int, dev: torch.device, smoke: bool) -> None:
@@ -223,43 +186,32 @@ def bench_sampler_cases(rows: int, vocab: int, dev: torch.device, smoke: bool) -
             state.record = lambda slots, tokens: None  # keep the counts fixed across timing repetitions
         new_us = bench(lambda: sampler(logits, md), smoke)
         graph_us = float("nan") if smoke else bench(lambda: sampler(logits, md), smoke, graph=True)
-        gens = [torch.Generator(dev).manual_seed(i) for i in range(rows)]
-        tk = md.top_k if md.need_filter else None
-        tp = md.top_p if md.need_filter else None
-        if name == "greedy":
-
-            def old_fn() -> torch.Tensor:
-                return logits.argmax(dim=-1)
-        else:
-
-            def old_fn() -> torch.Tensor:
-                return old_sampler(logits, md.temperature, tk, tp, gens)
-
-        old_us = bench(old_fn, smoke)
-        if not md.plain_argmax:
-            pen = (
-                {}
-                if state is None
-                else dict(
-                    penalty_slots=md.penalty_slots,
-                    penalties=md.penalties,
-                    counts=state.counts,
-                    prompt_mask=state.prompt_mask,
-                )
+        pen = (
+            {}
+            if state is None
+            else dict(
+                penalty_slots=md.penalty_slots,
+                penalties=md.penalties,
+                counts=state.counts,
+                prompt_mask=state.prompt_mask,
             )
-            ref = sample_reference(logits, md.temperature, md.top_k, md.top_p, md.seeds, md.positions, **pen)
-            same = float((sampler(logits, md).token_ids == ref).float().mean())
-        else:
-            same = 1.0
+        )
+
+        def reference() -> torch.Tensor:
+            if md.plain_argmax:
+                return logits.argmax(dim=-1)
+            return sample_reference(logits, md.temperature, md.top_k, md.top_p, md.seeds, md.positions, **pen)
+
+        torch_us = bench(reference, smoke)
+        same = float((sampler(logits, md).token_ids == reference()).float().mean())
         print(
-            f"{name:12s} new {new_us:9.1f} us  (graph {graph_us:8.1f})  old {old_us:10.1f} us  "
-            f"old/new {old_us / new_us:6.1f}x  tokens == torch reference: {same:.3f}",
+            f"{name:12s} kernel {new_us:9.1f} us  (graph {graph_us:8.1f})  torch {torch_us:10.1f} us  "
+            f"torch/kernel {torch_us / new_us:6.1f}x  tokens == torch reference: {same:.3f}",
             flush=True,
         )
         if not smoke:
             record(SCRIPT, f"sampler_{name}_us_{rows}x{vocab}", graph_us, "us")
-            record(SCRIPT, f"sampler_{name}_old_us_{rows}x{vocab}", old_us, "us")
-            record(SCRIPT, f"sampler_{name}_old_vs_new_ratio", old_us / graph_us, "x")
+            record(SCRIPT, f"sampler_{name}_torch_us_{rows}x{vocab}", torch_us, "us")
 
 
 def bench_vocab_shares(row_counts: list[int], vocab: int, dev: torch.device, smoke: bool) -> None:

@@ -6,7 +6,7 @@ and the slim Ray sent along (.gpu/) has none either: there every new Python proc
 pip-installed environment has the bytecode. This compiles, in place, the top-level packages that the
 client, the driver, the workers and Ray's own processes (dashboard, agents, monitor) import.
 
-  python benchmarks/tools/compile_bytecode.py
+  python -m benchmarks.tools.compile_bytecode
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import os
 import sys
 import sysconfig
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 MODULES = [
     "ray",

@@ -7,7 +7,7 @@ For each: request -> process start -> the actor's __init__ (the Python + Ray boo
 sees it. Then the core-worker log of the first GPU actor's process, with the offsets of its lines from the
 process start, to show which part of Ray's worker start the boot waits on.
 
-  python benchmarks/tools/diag_actor_boot.py [--rounds 2]
+  python -m benchmarks.tools.diag_actor_boot [--rounds 2]
 """
 
 from __future__ import annotations
@@ -16,17 +16,14 @@ import argparse
 import glob
 import os
 import re
-import sys
 import time
 from datetime import datetime
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import ray
 
-import ray  # noqa: E402
-
-from actors.profiling.start_timeline import process_start_epoch  # noqa: E402
-from cluster.replicas.placement import start_local_ray  # noqa: E402
+from actors.profiling.start_timeline import process_start_epoch
+from cluster.replicas.placement import start_local_ray
 
 
 class Probe:
@@ -55,8 +52,8 @@ STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 def show_log(pid: int, started: float | None) -> None:
     node: Any = ray._private.worker._global_node
-    session = node.get_session_dir_path()
-    files = glob.glob(os.path.join(session, "logs", f"python-core-worker-*_{pid}.log"))
+    ray_dir = node.get_session_dir_path()
+    files = glob.glob(os.path.join(ray_dir, "logs", f"python-core-worker-*_{pid}.log"))
     if not files:
         print("no core-worker log for pid", pid)
         return

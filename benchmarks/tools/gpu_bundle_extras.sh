@@ -4,8 +4,8 @@
 # - pyzmq (a kvray dependency: the shm transport's channels across nodes), a wheel in .gpu/ itself, which
 #   bootstrap.sh installs with the others; py-spy likewise, for bench_serve.py --profile;
 # - .gpu/serve/: Ray Serve (the slim Ray has no ray/serve, the image most of ray[serve]'s dependencies).
-#   `bench_serve` runs on the GPU start with `python3 .gpu/serve/install.py` (gpu_suite.sh open2/open3 do),
-#   which installs only what the image cannot import.
+#   The serve suite (`python -m benchmarks serve`) starts with benchmarks.tools.gpu_serve_install, which
+#   installs from there only what the image cannot import.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 dest="$root/.gpu/serve"

@@ -1,6 +1,9 @@
 """Installs into /tmp/site (KVRAY_GPU_SITE) what Ray Serve needs on the GPU host and its image lacks:
 ray/serve (cut from the slim Ray) and each wheel of .gpu/serve/ whose import name the image cannot import.
-Copied to .gpu/serve/install.py by benchmarks/tools/gpu_bundle_extras.sh; run there as `python3 .gpu/serve/install.py`.
+Copied to .gpu/serve/install.py by benchmarks/tools/gpu_bundle_extras.sh and run there as
+`python3 .gpu/serve/install.py`,
+or from the repo root as `python -m benchmarks.tools.gpu_serve_install` (the serve suite's first step), which reads
+the bundle in .gpu/serve/.
 """
 
 import importlib.util
@@ -11,7 +14,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+# The bundle: this file's folder when it is the bundle's copy, else .gpu/serve under the working directory.
+HERE = Path(__file__).resolve().parent if Path(__file__).resolve().parent.name == "serve" else Path(".gpu/serve")
 SITE = os.environ.get("KVRAY_GPU_SITE", "/tmp/site")
 DRY = "--dry-run" in sys.argv
 

@@ -2,7 +2,7 @@
 tile shapes other than the default, the one with the least time summed over the rows (unsplit, which is
 how batches of >= 17 rows x 8 KV heads run), printed as KVRAY_DECODE_TILES's BLOCK_N:WARPS:STAGES.
 
-  python benchmarks/tools/pick_decode_tiles.py sweep.jsonl [--shape llama-3.1-8b] [--min-batch 128]
+  python -m benchmarks.tools.pick_decode_tiles sweep.jsonl [--shape llama-3.1-8b] [--min-batch 128]
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 
 def pick(rows: list[dict], shape: str, min_batch: int, tiles: dict) -> tuple[str, dict[str, float]]:
@@ -38,7 +35,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--min-batch", type=int, default=128)
     a = ap.parse_args()
-    from bench_attention_splits import TILES
+    from benchmarks.kernels.bench_attention_splits import TILES
 
     rows = [json.loads(line) for line in Path(a.sweep).read_text().splitlines() if line.strip()]
     value, totals = pick(rows, a.shape, a.min_batch, TILES)

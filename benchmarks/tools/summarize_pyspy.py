@@ -5,7 +5,7 @@ the most samples of their own and in all (inclusive), each as a share of the pro
 With `--gil` (how those scripts record), a sample is a moment that process held the GIL: samples over
 (seconds x rate) is how busy its Python was.
 
-  python benchmarks/tools/summarize_pyspy.py /tmp/prof [--top 15] [--rate 50 --seconds 8]
+  python -m benchmarks.tools.summarize_pyspy /tmp/prof [--top 15] [--rate 50 --seconds 8]
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ host gaps alone decide (the N-1 largest with --steps N, else those above the lar
 gap sizes). Kernels count for the step in which they were launched (their CUDA runtime call, matched by
 correlation id). A CPU-only trace has no GPU sections, which is said, not failed.
 
-  python benchmarks/tools/summarize_trace.py /tmp/trace/                    # every *.json(.gz) in the folder
-  python benchmarks/tools/summarize_trace.py trace.json --top 40 --steps 5
-  python benchmarks/tools/summarize_trace.py --smoke      # a CPU trace of 3 annotated steps, summarized (CI)
+  python -m benchmarks.tools.summarize_trace /tmp/trace/                    # every *.json(.gz) in the folder
+  python -m benchmarks.tools.summarize_trace trace.json --top 40 --steps 5
+  python -m benchmarks.tools.summarize_trace --smoke      # a CPU trace of 3 annotated steps, summarized (CI)
 """
 
 from __future__ import annotations

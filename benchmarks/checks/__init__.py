@@ -1,0 +1,1 @@
+"""Pass/fail correctness checks (exit code 0 = pass), some with figures beside."""

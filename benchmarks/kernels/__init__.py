@@ -1,0 +1,1 @@
+"""Triton kernels against their torch references: time, bandwidth, exactness."""

@@ -1,0 +1,1 @@
+"""Helpers that measure nothing: trace summaries, the GPU bundle's extras, tile picks."""
