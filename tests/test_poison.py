@@ -84,7 +84,7 @@ class _Engine:
 def _driver(budget: int, deaths_during_rebuild: int):
     from actors.config.engine import EngineConfig, ModelConfig, ParallelConfig
     from actors.driver.engine_driver import EngineDriver
-    from actors.transport.broadcast import WorkerFailure
+    from actors.errors import WorkerFailure
 
     class Driver(EngineDriver):
         builds = 0

@@ -29,7 +29,8 @@ from actors.driver.debug import DriverDebug
 from actors.driver.live_requests import LiveRequests, make_request
 from actors.driver.poison import PoisonHunt, PoisonIsolation
 from actors.driver.recovery import DriverRecovery
-from actors.executor.base import WorkerFailure
+from actors.errors import WorkerFailure
+from actors.gc_heap import freeze_startup_heap
 from actors.messages import (  # noqa: F401 - re-exported
     DOWN,
     REBUILDING,
@@ -38,7 +39,6 @@ from actors.messages import (  # noqa: F401 - re-exported
     RequestTiming,
     error_output,
 )
-from actors.worker.gc_heap import freeze_startup_heap
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
 

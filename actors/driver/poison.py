@@ -25,26 +25,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from actors.errors import StepError
 from kvcore.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
 MAX_LONE_FAILURES = 2  # a request that fails a step alone this many times is the cause
-
-
-class StepError(RuntimeError):
-    """A step raised on one or more ranks while every rank stayed alive and answered.
-
-    Not a WorkerFailure: new workers would not cure it (the cause is most likely a request), and the
-    transport stays usable. `rank` is the first rank that raised."""
-
-    def __init__(self, rank: int, reason: str) -> None:
-        self.rank = rank
-        self.reason = reason
-        super().__init__(f"worker rank {rank}: {reason}")
-
-    def __reduce__(self):  # crosses Ray actor boundaries: rebuild from the two fields
-        return (StepError, (self.rank, self.reason))
 
 
 @dataclass

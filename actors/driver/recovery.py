@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from actors.driver.live_requests import LiveRequests
 from actors.driver.placement_wait import wait_for_placement
-from actors.driver.poison import PoisonHunt, StepError
-from actors.executor.base import WorkerFailure
+from actors.driver.poison import PoisonHunt
+from actors.errors import StepError, WorkerFailure
 from actors.messages import RequestSpec
 
 if TYPE_CHECKING:

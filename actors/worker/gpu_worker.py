@@ -16,12 +16,12 @@ import torch
 
 from actors import parallel_state
 from actors.config.engine import EngineConfig
+from actors.gc_heap import freeze_startup_heap
 
 # First: the time of its import is when this module's import began (torch is most of it).
 from actors.profiling import compile_log, start_timeline
 from actors.profiling.step_profiler import StepProfiler
 from actors.transport.shm_reader import ShmLoopMixin
-from actors.worker.gc_heap import freeze_startup_heap
 from actors.worker.model_runner import ModelRunner
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec

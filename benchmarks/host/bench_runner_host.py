@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from common import record  # noqa: E402
 
 import kvcore.kernels.block_table_delta as delta_mod  # noqa: E402
-from actors.worker.input_batch import InputBatch  # noqa: E402
+from actors.input_batch import InputBatch  # noqa: E402
 from actors.worker.input_prep import InputStager  # noqa: E402
 from actors.worker.model_runner import ModelRunner  # noqa: E402
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402

@@ -53,7 +53,7 @@ def connect(config: EngineConfig) -> bool:
     if address:
         # A loopback address is a kvray-style local Ray: this process must take 127.0.0.1 for its own
         # node address too, or it looks for a raylet on the machine's outward IP and never finds one.
-        with _loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext():
+        with loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext():
             ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
         return False
     need = int(total_request(config).get("CPU", 0))
@@ -127,7 +127,7 @@ def start_local_ray(
         os.environ["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT, *paths])
     # address="local": a new private instance even when `ray start` left a cluster on this machine
     # (plain ray.init() would join that one, and then refuse num_cpus).
-    with _loopback_node_ip(), _dynamic_agent_port():
+    with loopback_node_ip(), _dynamic_agent_port():
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -149,7 +149,7 @@ _LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @contextlib.contextmanager
-def _loopback_node_ip() -> Iterator[None]:
+def loopback_node_ip() -> Iterator[None]:
     from ray._private import ray_constants
 
     old_env, old_flag = os.environ.get(_LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER

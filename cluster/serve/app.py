@@ -73,7 +73,7 @@ def start_server(
 
     from cluster.replicas.placement import connect
 
-    with _proxy_env(config):
+    with proxy_env(config):
         started = connect(config)
     try:
         serve.start(http_options={"host": host, "port": port})
@@ -85,7 +85,7 @@ def start_server(
 
 
 @contextlib.contextmanager
-def _proxy_env(config: EngineConfig) -> Iterator[None]:
+def proxy_env(config: EngineConfig) -> Iterator[None]:
     """While Ray starts here: the environment its workers inherit, Serve's proxy among them (a cluster
     joined through RAY_ADDRESS keeps its own)."""
     added = {k: v for k, v in PROXY_ONE_LOOP.items() if k not in os.environ} if config.serve.single_event_loop else {}
