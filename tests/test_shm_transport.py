@@ -135,8 +135,13 @@ def test_a_rank_that_hangs_past_the_step_timeout_ends_the_replica_naming_it():
 
 def test_a_step_error_then_a_killed_worker_are_recovered_and_nothing_is_lost():
     """Rank 1 raises in one step (a StepError: requests re-run, no restart spent), later it is killed
-    (a dead reader: the TP group is rebuilt within the restart budget); every request ends once, whole."""
-    group = noop_group(max_worker_restarts=1)
+    (a dead reader: the TP group is rebuilt within the restart budget); every request ends once, whole.
+
+    Nothing here waits on a clock: a killed worker is seen by its failed ping, not by the step timeout,
+    so both timeouts are far above what a loaded machine needs (a 3 s step timeout spent the one restart
+    on a slow step, and a 10 s placement wait gave the requests back, when other test runs shared the
+    host)."""
+    group = noop_group(max_worker_restarts=1, step_timeout_s=60, placement_timeout_s=300)
     killed = []
 
     def kill_once():
