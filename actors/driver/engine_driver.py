@@ -279,8 +279,9 @@ class EngineDriver:
                 logger.debug("engine shutdown: %s", e)
 
 
-def driver_actor_class():
+def driver_actor_class() -> Any:
     """EngineDriver as a threaded Ray actor: the step loop plus concurrent client calls."""
     import ray
 
-    return ray.remote(num_cpus=0, max_concurrency=16)(EngineDriver)
+    # Ray's overloads of remote() type the task options only; max_concurrency is an actor option.
+    return ray.remote(num_cpus=0, max_concurrency=16)(EngineDriver)  # type: ignore[call-overload]
