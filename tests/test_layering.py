@@ -243,7 +243,8 @@ def test_the_driver_process_never_loads_torch():
     # cost seconds of every engine start and rebuild.
     assert (
         loaded_tensor_libs(
-            "actors.driver.engine_driver, actors.driver.engine_core, actors.executor.ray_workers, actors.transport.shm"
+            "actors.driver.engine_driver, actors.driver.engine_core, actors.executor.ray_workers, "
+            "actors.transport.shm, actors.executor.node_probe"
         )
         == "[]"
     )
