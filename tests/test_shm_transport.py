@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import hf_models as H
 import pytest
 import ray
+from fault_workers import POISONABLE
 from waits import wait_until
 
 from actors.messages import RequestSpec
@@ -68,7 +69,7 @@ def test_shm_tp2_greedy_matches_hf_and_a_rank_failing_before_its_forward_is_rebu
     parallel.collective_timeout_s, the driver names rank 1 and rebuilds the group (one restart); the
     requests still get HF's tokens."""
     path, prompts, expected = reference("qwen3")
-    llm = shm_llm(path, 2, collective_timeout_s=4, max_worker_restarts=1)
+    llm = shm_llm(path, 2, collective_timeout_s=4, max_worker_restarts=1, worker_cls=POISONABLE)
     try:
         batch = [{"prompt_token_ids": p} for p in prompts[:4]]
         outs = llm.generate(batch, GREEDY, use_tqdm=False)
