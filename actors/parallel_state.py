@@ -17,7 +17,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from actors.executor.base import CollectiveError  # noqa: F401 - raised here, imported from here too
+from actors.errors import CollectiveError
 
 _RANK = 0
 _WORLD = 1

@@ -170,8 +170,8 @@ def _embedded(config: EngineConfig) -> bool:
 def check_model(config: EngineConfig) -> None:
     """The model must exist here before Ray starts, when Ray runs here too; on a cluster it may live
     on the nodes only (token-id prompts still work then)."""
-    from actors.driver.node_probe import resolve_model_dir
     from actors.models.architectures import UnsupportedArchitectureError
+    from actors.models.model_dir import resolve_model_dir
     from cluster.llm import check_client_model, load_client_model
 
     if _embedded(config):

@@ -190,7 +190,7 @@ def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], s
 def kv_cache_info(config: EngineConfig) -> dict[str, Any]:
     """One rank's KV layout and max concurrency at max_model_len (hybrid groups vs all full attention),
     from config.json alone; the pool size is known here only when fixed or on the CPU."""
-    from actors.config.kv_memory import kv_cache_report
+    from actors.models.kv_memory import kv_cache_report
     from actors.models.loader import read_hf_config, resolve_dtype, resolve_model_dir
     from kvcore.kernels.fp8 import kv_cache_torch_dtype
 

@@ -42,7 +42,7 @@ class PromptError(ValueError):
 def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]:
     """The tokenizer and config.json as this client sees them (None where the model is not local)."""
     from actors.config.hf_json import read_config_json
-    from actors.driver.node_probe import resolve_model_dir
+    from actors.models.model_dir import resolve_model_dir
     from cluster.client.tokenizer import load_tokenizer_if_present
 
     try:
@@ -55,7 +55,7 @@ def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]
 
 
 def client_model_dir(config: EngineConfig) -> str | None:
-    from actors.driver.node_probe import resolve_model_dir
+    from actors.models.model_dir import resolve_model_dir
 
     try:
         return resolve_model_dir(config.model.model)

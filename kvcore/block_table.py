@@ -98,7 +98,9 @@ class BlockTable:
         # between commits.
         self._dirty = DirtyCells(self.max_num_blocks_per_req)
         self.use_triton = triton_runs_on(self.device)
-        self._delta = BlockTableDeltaUploader(self.block_table.np, self.block_table.gpu, pin_memory, self.use_triton)
+        self.delta_uploader = BlockTableDeltaUploader(
+            self.block_table.np, self.block_table.gpu, pin_memory, self.use_triton
+        )
         self._launch = SlotMappingLaunch(
             [self.block_table.gpu], [self.slot_mapping.gpu], [self.block_size], self.max_num_reqs
         )
@@ -198,7 +200,7 @@ class BlockTable:
         full_rows = max(num_reqs, last_row + 1)
         # Two words (index, value) per delta cell against one word per cell of a full copy.
         delta_too_big = self.full_copy_fallback and 2 * n > full_rows * self.max_num_blocks_per_req
-        if delta_too_big or not self._delta.upload(parts):
+        if delta_too_big or not self.delta_uploader.upload(parts):
             self._commit_full(full_rows)
             return
         self._dirty.clear()

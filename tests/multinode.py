@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.replicas.placement import LOOPBACK, _loopback_node_ip
+from cluster.replicas.placement import LOOPBACK, loopback_node_ip
 
 # A killed node is noticed within a few seconds (Ray's default is 15 s): the failure tests wait for it.
 # Not faster: on a loaded CI machine a live raylet can miss a check or two, and would be taken for dead.
@@ -34,7 +34,7 @@ class LocalCluster:
 
     def __init__(self, tmp: str) -> None:
         self.tmp = tmp
-        with _loopback_node_ip():
+        with loopback_node_ip():
             self.cluster = Cluster(
                 initialize_head=True,
                 head_node_args=dict(
@@ -53,7 +53,7 @@ class LocalCluster:
 
     def add(self, name: str, num_cpus: int = 1) -> Any:
         """A worker node labelled kvray-node=<name>, with a custom resource of its name."""
-        with _loopback_node_ip():
+        with loopback_node_ip():
             node = self.cluster.add_node(
                 num_cpus=num_cpus, node_ip_address=LOOPBACK, resources={name: 1.0}, labels={"kvray-node": name}
             )
@@ -69,7 +69,7 @@ class LocalCluster:
         return next(name for name, n in self.nodes.items() if n.node_id == node_id)
 
     def connect(self) -> None:
-        with _loopback_node_ip():
+        with loopback_node_ip():
             ray.init(address=self.address, namespace="kvray-test-multinode", log_to_driver=False)
 
 

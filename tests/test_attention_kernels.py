@@ -332,7 +332,7 @@ def test_tiles_too_big_for_shared_memory_fall_back_to_smaller_ones(monkeypatch):
         big = smaller
     assert (big.block_m, big.block_n, big.num_stages) == (16, 16, 1)
 
-    launched, real = [], pa._launch_tiles
+    launched, real = [], pa.launch_tiles
 
     def limited(a, tiles, *rest):
         launched.append(tiles)
@@ -340,13 +340,13 @@ def test_tiles_too_big_for_shared_memory_fall_back_to_smaller_ones(monkeypatch):
             raise triton.runtime.errors.OutOfResources(287296, 232448, "shared memory")
         return real(a, tiles, *rest)
 
-    monkeypatch.setattr(pa, "_launch_tiles", limited)
-    monkeypatch.setattr(pa, "_FITTED", {})
+    monkeypatch.setattr(pa, "launch_tiles", limited)
+    monkeypatch.setattr(pa, "FITTED_TILES", {})
     batch = make_batch(*SHAPES["mixed"], 4, 2, 32, 8, torch.float32, seed=11)
     ref = run_attention(batch, 0.2, None, "torch")
     out = run_attention(batch, 0.2, None, "triton")
     torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32], equal_nan=True)
-    assert all(x.block_n <= 32 and x.num_stages <= 2 for x in pa._FITTED.values()) and pa._FITTED
+    assert all(x.block_n <= 32 and x.num_stages <= 2 for x in pa.FITTED_TILES.values()) and pa.FITTED_TILES
     tried = len(launched)
     run_attention(batch, 0.2, None, "triton")  # remembered: no failed try the second time
     assert all(x.block_n <= 32 and x.num_stages <= 2 for x in launched[tried:])

@@ -287,8 +287,8 @@ def test_multi_group_single_launch(mode, monkeypatch):
     mg.commit_block_table(3)
     seqs = [[17, 20], [0, 16, 31], [33, 40, 47]]
     qsl, pos = batch(seqs, pad_to=64)
-    counter = CountingKernel(sm._slot_mapping_kernel)
-    monkeypatch.setattr(sm, "_slot_mapping_kernel", counter)
+    counter = CountingKernel(sm.slot_mapping_kernel)
+    monkeypatch.setattr(sm, "slot_mapping_kernel", counter)
     mg.compute_slot_mapping(3, qsl, pos)
     assert counter.launches == 1
     final = [rows[2], ([5, 13], [8, 14]), rows[0]]

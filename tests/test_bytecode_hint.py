@@ -44,7 +44,7 @@ def test_missing_and_builtin_modules_are_skipped():
 def test_the_warning_names_the_package_and_the_fix_once(fake_pkg, monkeypatch, caplog):
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(bytecode, "PACKAGES", ("kvray_fake_pkg",))
-    monkeypatch.setattr(bytecode, "_warned", False)
+    monkeypatch.setattr(bytecode, "warned", False)
     with caplog.at_level(logging.WARNING, logger="cluster.replicas.bytecode"):
         bytecode.warn_if_no_bytecode()
         bytecode.warn_if_no_bytecode()

@@ -11,8 +11,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from actors.layers.fp8_linear import (  # noqa: E402
-    FMAX,
-    MIN_SCALE,
     fp8_linear,
     per_token_quant_fp8_ref,
     quantize_weight_fp8,
@@ -24,6 +22,7 @@ from actors.layers.kernels.fp8_gemm import (  # noqa: E402
     w8a16_linear_ref,
 )
 from actors.layers.kernels.fp8_quant import per_token_quant_fp8_triton  # noqa: E402
+from actors.layers.kernels.fp8_scale import FMAX, MIN_SCALE  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 # The quantizer tests run the compiled kernel on a GPU with TRITON_INTERPRET=0 (gpu_suite s14a).

@@ -9,9 +9,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import hf_models as H  # noqa: E402
 import torch  # noqa: E402
 
-from actors.config.kv_memory import kv_cache_report  # noqa: E402
 from actors.driver.engine_core import EngineCore  # noqa: E402
 from actors.executor.local import LocalExecutor  # noqa: E402
+from actors.models.kv_memory import kv_cache_report  # noqa: E402
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from kvcore.request import Request, SamplingParams  # noqa: E402
 from kvcore.spec import FullAttentionSpec, SlidingWindowSpec, group_layers_by_spec  # noqa: E402

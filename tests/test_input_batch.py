@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.worker.input_batch import CachedRequestState, InputBatch
+from actors.input_batch import CachedRequestState, InputBatch
 from kvcore.request import SamplingParams
 
 MAX_REQS, MAX_LEN, BLOCK_SIZES = 8, 64, [4, 8]

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from actors.driver.poison import PoisonHunt
+from actors.errors import StepError, WorkerFailure
 
 
 def simulate(live: list[str], poison: set[str], seed: int = 0, max_steps: int = 500):
@@ -71,42 +72,56 @@ def test_forget_during_a_hunt_moves_on():
 
 
 # ---- the restart budget: spent on worker deaths only, also on a death during a rebuild ------------
-class _Metrics:
-    def record_restart(self) -> None:
-        pass
-
-
 class _Engine:
-    def shutdown(self) -> None:
+    def running_request_ids(self) -> list[str]:
+        return []
+
+    def reset_requests(self) -> None:
         pass
 
 
-def _driver(budget: int, deaths_during_rebuild: int):
+def _recovery(budget: int, deaths_during_rebuild: int):
+    """A Recovery whose rebuilds die `deaths_during_rebuild` times, as new workers dying in load_model do."""
     from actors.config.engine import EngineConfig, ModelConfig, ParallelConfig
-    from actors.driver.engine_driver import EngineDriver
-    from actors.transport.broadcast import WorkerFailure
+    from actors.driver.mailbox import Mailbox
+    from actors.driver.poison import PoisonIsolation
+    from actors.driver.recovery import EngineHooks, Recovery
 
-    class Driver(EngineDriver):
-        builds = 0
+    builds, restarts = [], []
 
-        def _build_engine(self) -> None:  # a rebuild whose new workers die `deaths_during_rebuild` times
-            self.builds += 1
-            if self.builds <= deaths_during_rebuild:
-                raise WorkerFailure(0, "its actor died during load_model")
-            self.engine = _Engine()
+    def build() -> None:
+        builds.append(1)
+        if len(builds) <= deaths_during_rebuild:
+            raise WorkerFailure(0, "its actor died during load_model")
 
     config = EngineConfig(
         model=ModelConfig(model="tiny-random"), parallel=ParallelConfig(device="cpu", max_worker_restarts=budget)
     )
-    d = Driver(config, placement_group=None)
-    d.engine, d._metrics = _Engine(), _Metrics()
-    return d, WorkerFailure(1, "killed")
+    mailbox = Mailbox()
+    hooks = EngineHooks(
+        engine=_Engine,
+        shut_down=lambda: None,
+        build=build,
+        requeue=lambda rid: None,
+        record_restart=lambda: restarts.append(1),
+    )
+    isolation = PoisonIsolation(0, mailbox, hooks.requeue)
+    recovery = Recovery(config, 0, None, mailbox, isolation, hooks)
+    return recovery, mailbox, restarts
 
 
 def test_a_death_during_a_rebuild_spends_the_budget_and_the_next_restart_is_tried():
-    d, failure = _driver(budget=3, deaths_during_rebuild=2)
-    assert d._recover(failure) is True  # rebuild 1 and 2 died, rebuild 3 held
-    assert d._restarts == 3 and d._fatal is None
-    d, failure = _driver(budget=2, deaths_during_rebuild=2)
-    assert d._recover(failure) is False
-    assert d._restarts == 2 and "after 2 of parallel.max_worker_restarts=2 restarts" in d._fatal, d._fatal
+    failure = WorkerFailure(1, "killed")
+    recovery, mailbox, rebuilt = _recovery(budget=3, deaths_during_rebuild=2)
+    assert recovery.recover(failure) is True  # rebuild 1 and 2 died, rebuild 3 held
+    assert recovery.restarts == 3 and mailbox.fatal is None and len(rebuilt) == 1
+    recovery, mailbox, rebuilt = _recovery(budget=2, deaths_during_rebuild=2)
+    assert recovery.recover(failure) is False
+    assert recovery.restarts == 2 and not rebuilt
+    assert "after 2 of parallel.max_worker_restarts=2 restarts" in mailbox.fatal, mailbox.fatal
+
+
+def test_a_step_error_goes_to_the_hunt_and_spends_no_restart():
+    recovery, mailbox, rebuilt = _recovery(budget=1, deaths_during_rebuild=0)
+    assert recovery.recover(StepError(0, "ValueError('bad input')")) is True
+    assert recovery.restarts == 0 and mailbox.fatal is None and not rebuilt

@@ -2,7 +2,7 @@
 driver finds it by running the step's requests in halves, the others complete with the output they
 would have had, no worker restart is spent, and the engine goes on serving.
 
-The worker's fault-injection seam (Worker.fail_steps_with) makes every step that runs one request id
+A test double of the worker (tests/fault_workers.py: PoisonableWorker) makes every step that runs one request id
 raise, after the runner has moved its state on, as a real fault would leave it: the validation in
 kvcore/request.py now refuses the inputs that did this (top_k=2**40, seed=2**64) before a worker sees them.
 """
@@ -11,6 +11,7 @@ import json
 
 import pytest
 import ray
+from fault_workers import POISONABLE
 
 from cluster import LLM, SamplingParams
 from cluster.job.batch_job import Job, read_items
@@ -33,6 +34,7 @@ def llm(request):
         step_timeout_s=60,
         max_worker_restarts=1,
         async_scheduling=request.param,
+        worker_cls=POISONABLE,
     )
     try:
         yield engine

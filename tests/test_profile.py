@@ -89,11 +89,11 @@ def test_the_compile_log_records_each_variant_with_its_time():
     class Fn:
         name = "k"
 
-    assert log._before(key=1, repr="k[num_warps=4](x: *fp32)", fn=Fn()) is False  # False: Triton goes on
-    log._after(key=1, repr="k[num_warps=4](x: *fp32)", fn=Fn())
+    assert log.before_compile(key=1, repr="k[num_warps=4](x: *fp32)", fn=Fn()) is False  # False: Triton goes on
+    log.after_compile(key=1, repr="k[num_warps=4](x: *fp32)", fn=Fn())
     mark = len(log.events)
-    log._before(repr="k2", fn=Fn())
-    log._after(repr="k2", fn=Fn())
+    log.before_compile(repr="k2", fn=Fn())
+    log.after_compile(repr="k2", fn=Fn())
     # The key carries the specialisations that tell variants apart; some Triton reprs list none.
     assert [e["signature"] for e in log.since(0)] == ["k[num_warps=4](x: *fp32) key=1", "k2"]
     assert [e["kernel"] for e in log.since(mark)] == ["k"]
@@ -104,6 +104,6 @@ def test_the_compile_log_records_each_variant_with_its_time():
     saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
     try:
         installed = install()
-        assert installed is not None and knobs.runtime.jit_cache_hook == installed._before
+        assert installed is not None and knobs.runtime.jit_cache_hook == installed.before_compile
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved

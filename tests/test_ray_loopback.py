@@ -58,7 +58,7 @@ def test_embedded_ray_listens_on_loopback_only():
     from ray._private import ray_constants
 
     assert ray_constants.ENABLE_RAY_CLUSTER is True
-    assert placement._LOCAL_ONLY_ENV not in os.environ
+    assert placement.LOCAL_ONLY_ENV not in os.environ
 
 
 def test_a_cluster_by_address_is_joined_as_it_is(monkeypatch):

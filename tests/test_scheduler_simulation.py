@@ -126,7 +126,7 @@ def run_simulation(
         debug_invariants=True,
     )
     if not fast_path:
-        sched._fast_block_size = 1  # ask the manager every step, as vLLM does
+        sched.fast_block_size = 1  # ask the manager every step, as vLLM does
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.choice([4, 8, 13, 16]))] for _ in range(6)]
     requests: dict[str, Request] = {}
     outputs: dict[str, list[int]] = {}

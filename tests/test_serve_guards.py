@@ -202,7 +202,7 @@ def test_the_tokenizer_lets_other_threads_run_while_it_encodes():
     the GIL (tokenizers' encode held it for a 4 MB prompt's 4-9 s; encode_batch releases it). With a long
     switch interval a thread gives up the GIL only when it blocks or releases it itself, so this thread
     runs while the other encodes only if the encoding releases it."""
-    from actors.driver.node_probe import resolve_model_dir
+    from actors.models.model_dir import resolve_model_dir
     from cluster.client.tokenizer import load_tokenizer_if_present
 
     tok = load_tokenizer_if_present(resolve_model_dir("tiny-random"))

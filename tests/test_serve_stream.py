@@ -12,7 +12,7 @@ import pytest
 
 from cluster.config import load_config
 from cluster.serve import generation
-from cluster.serve.app import PROXY_ONE_LOOP, REPLICA_ONE_LOOP, _proxy_env, deployment_options
+from cluster.serve.app import PROXY_ONE_LOOP, REPLICA_ONE_LOOP, deployment_options, proxy_env
 from cluster.serve.engine_client import Inbox
 from cluster.serve.generation import ChoiceDelta, Generation
 from cluster.serve.responses import ChunkWriter, to_json
@@ -146,9 +146,9 @@ def test_single_event_loop_sets_serves_switches_and_leaves_the_environment_as_it
     assert deployment_options(on)["ray_actor_options"]["runtime_env"] == {"env_vars": REPLICA_ONE_LOOP}
     assert "runtime_env" not in deployment_options(off)["ray_actor_options"]
     before = dict(os.environ)
-    with _proxy_env(on):
+    with proxy_env(on):
         assert all(os.environ.get(k) == v for k, v in PROXY_ONE_LOOP.items())
-    with _proxy_env(off):
+    with proxy_env(off):
         assert all(k not in os.environ for k in PROXY_ONE_LOOP) or all(k in before for k in PROXY_ONE_LOOP)
     assert dict(os.environ) == before
 

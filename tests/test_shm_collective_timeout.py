@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from actors.driver.poison import StepError
-from actors.executor.base import WorkerFailure
+from actors.errors import CollectiveError, StepError, WorkerFailure
 from actors.transport.broadcast import step_failure
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,7 +37,7 @@ def _rank(rank, port, queue):
         try:
             ps.all_reduce(torch.ones(4))
             results.append("ok")
-        except ps.CollectiveError as e:
+        except CollectiveError as e:
             results.append(str(e))
     queue.put((0, results))
 

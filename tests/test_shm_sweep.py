@@ -78,7 +78,7 @@ def test_orphan_doorbells_go_young_entries_and_other_files_stay(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory lives in /dev/shm here")
 def test_a_ring_holds_its_owners_lock_until_it_closes(monkeypatch):
-    monkeypatch.setattr(shm_sweep, "_swept", True)  # this test sweeps nothing of the machine's
+    monkeypatch.setattr(shm_sweep, "swept", True)  # this test sweeps nothing of the machine's
     ring = ShmRing.create(n_readers=1, n_slots=2, slot_bytes=4096)
     path = os.path.join(shm_sweep.SHM_DIR, ring.handle.name)
     fd = os.open(path, os.O_RDONLY)

@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import hf_models as H
 import pytest
 import ray
+from fault_workers import POISONABLE
 from waits import wait_until
 
 from actors.messages import RequestSpec
@@ -68,7 +69,7 @@ def test_shm_tp2_greedy_matches_hf_and_a_rank_failing_before_its_forward_is_rebu
     parallel.collective_timeout_s, the driver names rank 1 and rebuilds the group (one restart); the
     requests still get HF's tokens."""
     path, prompts, expected = reference("qwen3")
-    llm = shm_llm(path, 2, collective_timeout_s=4, max_worker_restarts=1)
+    llm = shm_llm(path, 2, collective_timeout_s=4, max_worker_restarts=1, worker_cls=POISONABLE)
     try:
         batch = [{"prompt_token_ids": p} for p in prompts[:4]]
         outs = llm.generate(batch, GREEDY, use_tqdm=False)
@@ -135,8 +136,13 @@ def test_a_rank_that_hangs_past_the_step_timeout_ends_the_replica_naming_it():
 
 def test_a_step_error_then_a_killed_worker_are_recovered_and_nothing_is_lost():
     """Rank 1 raises in one step (a StepError: requests re-run, no restart spent), later it is killed
-    (a dead reader: the TP group is rebuilt within the restart budget); every request ends once, whole."""
-    group = noop_group(max_worker_restarts=1)
+    (a dead reader: the TP group is rebuilt within the restart budget); every request ends once, whole.
+
+    Nothing here waits on a clock: a killed worker is seen by its failed ping, not by the step timeout,
+    so both timeouts are far above what a loaded machine needs (a 3 s step timeout spent the one restart
+    on a slow step, and a 10 s placement wait gave the requests back, when other test runs shared the
+    host)."""
+    group = noop_group(max_worker_restarts=1, step_timeout_s=60, placement_timeout_s=300)
     killed = []
 
     def kill_once():

@@ -105,7 +105,7 @@ def _cached_pool(hit_indices, num_hashes, bs=4):
     pool.cache_full_blocks(r, blocks, 0, num_hashes, group_id=0)
     for i, b in enumerate(blocks):
         if i not in hit_indices:  # evict: drop it from the cache map
-            pool._evict_cached_block(b)
+            pool.evict_cached_block(b)
     pool.free_blocks(reversed(blocks))
     return pool, r.block_hashes, blocks
 
@@ -150,7 +150,7 @@ def _cache_group(m, tokens, gid, keep):
     pool.cache_full_blocks(r, blocks, 0, n, group_id=gid)
     for i, b in enumerate(blocks):
         if i not in keep:
-            pool._evict_cached_block(b)
+            pool.evict_cached_block(b)
     pool.free_blocks(reversed(blocks))
     return blocks
 

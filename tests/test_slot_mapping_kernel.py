@@ -107,7 +107,7 @@ def test_delta_committed_table_equals_cpu_table(variant, seed, monkeypatch):
     bt = BlockTable(8, 9, 40, 64, pin_memory=True, device=CPU, commit_mode="delta")
     bt.full_copy_fallback = variant == "fallback"
     if variant == "tiny_staging":
-        bt._delta.capacity = 5  # most commits overflow it and fall back to whole rows
+        bt.delta_uploader.capacity = 5  # most commits overflow it and fall back to whole rows
     ids = counter()
     for step in range(40):
         if variant == "mode_switch":
@@ -130,13 +130,13 @@ def test_decode_step_delta_is_one_cell_per_appended_block():
         bt.add_row(list(range(1 + r * 900, 1 + r * 900 + 900)), r)
     bt.commit_block_table(64)
     sent = []
-    real_upload = bt._delta.upload
+    real_upload = bt.delta_uploader.upload
 
     def upload(parts):
         sent.append(sum(len(p) for p in parts))
         return real_upload(parts)
 
-    bt._delta.upload = upload
+    bt.delta_uploader.upload = upload
     for r in range(0, 64, 2):
         bt.append_row([100_000 + r], r)
     bt.commit_block_table(64)

@@ -22,8 +22,7 @@ from actors.config.section import (  # noqa: F401 - ConfigError and the limits a
     MAX_TIMEOUT_S,
     MAX_TOKENS,
     ConfigError,
-    _fail,
-    _Section,
+    Section,
 )
 from kvcore.kernels import BACKENDS as KERNEL_BACKENDS
 
@@ -41,7 +40,7 @@ DEFAULT_WORKER_CLS = "actors.worker.gpu_worker.Worker"
 
 
 @dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     SECTION = "model"
     model: str = "tiny-random"  # HF directory, or "tiny-random" (built in, written on first use)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -80,7 +79,7 @@ class ModelConfig(_Section):
 
 
 @dataclass(frozen=True)
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     SECTION = "parallel"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -150,7 +149,7 @@ class ParallelConfig(_Section):
 
 
 @dataclass(frozen=True)
-class CacheConfig(_Section):
+class CacheConfig(Section):
     SECTION = "cache"
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None = as many as fit in gpu_memory_utilization
@@ -179,7 +178,7 @@ class CacheConfig(_Section):
 
 
 @dataclass(frozen=True)
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     SECTION = "scheduler"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -220,7 +219,7 @@ class SchedulerConfig(_Section):
 
 
 @dataclass(frozen=True)
-class RayConfig(_Section):
+class RayConfig(Section):
     SECTION = "ray"
     address: str | None = None  # None = RAY_ADDRESS if set, else a local Ray
     namespace: str = "kvray"
@@ -242,7 +241,7 @@ class RayConfig(_Section):
 
 
 @dataclass(frozen=True)
-class ServeConfig(_Section):
+class ServeConfig(Section):
     """`kvray serve` (cluster/serve/): what the OpenAI server admits and how it routes across replicas."""
 
     SECTION = "serve"

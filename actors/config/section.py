@@ -31,7 +31,7 @@ def _fail(section: str, name: str, value: Any, rule: str) -> None:
     raise ConfigError(f"config: {section}.{name}={short_repr(value)}: {rule}")
 
 
-class _Section:
+class Section:
     """Type checks from the annotations, then the section's own range rules (`_rules`)."""
 
     SECTION = ""

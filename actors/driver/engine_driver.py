@@ -6,10 +6,12 @@ background thread runs the step loop, while client calls (add_requests, abort, g
 run on other actor threads. Client calls never wait for a step: new requests and aborts go through an
 inbox that the loop drains before each step, and outputs wait in an outbox until the client polls.
 
-The driver itself is inbox -> step -> outbox. What it keeps about each unfinished request, and how a
-request survives a restart, is actors/driver/live_requests.py; fault injection and introspection are
-actors/driver/debug.py; poison isolation is actors/driver/poison.py; the types the client sends and receives
-are actors/messages.py.
+The driver itself is inbox -> step -> outbox, composed of the objects it holds: the Mailbox (the inbox,
+the outbox and the books on live requests, actors/driver/mailbox.py), the Recovery from a failed step
+(actors/driver/recovery.py), which the PoisonIsolation (actors/driver/poison.py) serves when a step
+raised with every worker alive. What it offers beside the step path (killing a worker for the stress
+run, profiles, the block pool's books) is actors/driver/debug.py; the types the client sends and
+receives are actors/messages.py.
 
 Errors: a bad request finishes alone with an error output. A worker failure rebuilds the TP group and
 re-queues every in-flight request while `parallel.max_worker_restarts` allows; past it, every live
@@ -25,30 +27,25 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from actors.config.engine import DEFAULT_WORKER_CLS, EngineConfig
-from actors.driver.debug import DriverDebug
-from actors.driver.live_requests import LiveRequests, make_request
-from actors.driver.poison import PoisonHunt, PoisonIsolation
-from actors.driver.recovery import DriverRecovery
-from actors.executor.base import WorkerFailure
-from actors.messages import (  # noqa: F401 - re-exported
-    DOWN,
-    REBUILDING,
-    PollResult,
-    RequestSpec,
-    RequestTiming,
-    error_output,
-)
-from actors.worker.gc_heap import freeze_startup_heap
+from actors.driver import debug
+from actors.driver.live_requests import make_request
+from actors.driver.mailbox import Mailbox
+from actors.driver.poison import EngineSteps, PoisonIsolation
+from actors.driver.recovery import EngineHooks, Recovery
+from actors.errors import WorkerFailure
+from actors.gc_heap import freeze_startup_heap
+from actors.messages import DOWN, REBUILDING, PollResult, RequestSpec
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
 
 if TYPE_CHECKING:
+    from actors.driver.engine_core import EngineCore
     from actors.driver.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
+class EngineDriver:
     def __init__(
         self, config: EngineConfig, placement_group: Any, replica: int = 0, worker_cls: str = DEFAULT_WORKER_CLS
     ) -> None:
@@ -60,26 +57,28 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         self.replica = replica
         self.worker_cls = worker_cls
         self.pg = placement_group
-        self.engine = None
+        self.engine: EngineCore | None = None
         self.info: dict[str, Any] = {}
-        self._cv = threading.Condition()
         # Held by the step loop while it touches the engine; a client call that walks the engine's
-        # internals (kv_pool_accounting) takes it too. Order: _engine_lock before _cv, never after.
+        # internals (kv_pool_accounting) takes it too. Order: _engine_lock before the mailbox's, never after.
         self._engine_lock = threading.Lock()
-        self._inbox: list[RequestSpec] = []
-        self._abort_inbox: list[str] = []
-        self._outbox: list[EngineCoreOutput] = []
-        self._timings: dict[str, RequestTiming] = {}
-        self._live = LiveRequests()
-        self._fatal: str | None = None
-        self._unavailable: str | None = None  # why, while it waits for resources to rebuild on
-        self._returned: list[str] = []  # requests given back to the client meanwhile
-        self._stop = False
+        self._mailbox = Mailbox()
+        self._poison = PoisonIsolation(replica, self._mailbox, self._requeue)
+        self._recovery = Recovery(
+            config,
+            replica,
+            placement_group,
+            self._mailbox,
+            self._poison,
+            EngineHooks(
+                engine=self._running_engine,
+                shut_down=self._shut_down_engine,
+                build=self._build_engine,
+                requeue=self._requeue,
+                record_restart=self._record_restart,
+            ),
+        )
         self._thread: threading.Thread | None = None
-        self._restarts = 0
-        self._hunt = PoisonHunt()
-        self._peak_kv_usage = 0.0
-        self._num_output_tokens = 0
         self._metrics: EngineMetrics | None = None
 
     # ---- set-up -----------------------------------------------------------------------------
@@ -106,10 +105,11 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         executor = RayExecutor(self.config, self.pg, worker_cls=self.worker_cls)
         try:
             validate_for_model(self.config, executor.probe.hf_config)
-            self.engine = EngineCore(self.config, executor)
+            engine = EngineCore(self.config, executor)
         except BaseException:
             executor.shutdown()
             raise
+        self.engine = engine
         hf = executor.probe.hf_config
         eos = hf.get("eos_token_id")
         self.info = {
@@ -118,8 +118,8 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
             "model_dir": executor.probe.model_dir,
             "vocab_size": hf.get("vocab_size"),
             "eos_token_id": eos[0] if isinstance(eos, list) and eos else eos,
-            "num_blocks": self.engine.kv_cache_config.num_blocks,
-            "max_model_len": self.engine.max_model_len,
+            "num_blocks": engine.kv_cache_config.num_blocks,
+            "max_model_len": engine.max_model_len,
             "transport": self.config.ray.transport,
         }
 
@@ -130,28 +130,20 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         No error output is streamed for a refusal: its id may be a duplicate of a live request, whose
         own stream must not appear to end.
         """
-        errors: list[str | None] = []
-        with self._cv:
-            for spec in specs:
-                err = self._check(spec)
-                if err is None:
-                    self._live.add(spec, time.monotonic())
-                    self._inbox.append(spec)
-                errors.append(err)
-            self._cv.notify_all()
-        return errors
+        return self._mailbox.submit(specs, self._check)
 
     def _check(self, spec: RequestSpec) -> str | None:
         """Everything a request carries is checked again here: a client's objects are not trusted."""
         rid = spec.request_id
-        if self._fatal is not None:
-            return f"engine replica {self.replica} {DOWN}: {self._fatal}"
-        if self._unavailable is not None:
-            return f"engine replica {self.replica} {REBUILDING}: {self._unavailable}"
+        fatal, unavailable = self._mailbox.fatal, self._mailbox.unavailable
+        if fatal is not None:
+            return f"engine replica {self.replica} {DOWN}: {fatal}"
+        if unavailable is not None:
+            return f"engine replica {self.replica} {REBUILDING}: {unavailable}"
         err = check_request_id(rid)
         if err is not None:
             return err
-        if rid in self._live:
+        if rid in self._mailbox:
             return f"request {rid!r}: request_id is already in use by an unfinished request"
         if not isinstance(spec.sampling_params, SamplingParams):
             return f"request {rid!r}: sampling_params must be a SamplingParams"
@@ -167,54 +159,65 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         return None if err is None else f"request {rid!r}: {err}"
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        with self._cv:
-            self._abort_inbox.extend(request_ids)
-            self._cv.notify_all()
+        self._mailbox.abort(request_ids)
 
     def get_outputs(self, timeout_s: float = 1.0) -> PollResult:
         """Outputs since the last call; waits up to timeout_s for the first one."""
-        with self._cv:
-            if not self._outbox and self._fatal is None and not self._returned:
-                self._cv.wait(timeout_s)
-            out, self._outbox = self._outbox, []
-            returned, self._returned = self._returned, []
-            timings = {
-                o.request_id: self._timings.pop(o.request_id)
-                for o in out
-                if o.finished and o.request_id in self._timings
-            }
-            return PollResult(out, timings, self._fatal, returned, self._unavailable is None)
+        return self._mailbox.poll(timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        with self._cv:
-            base = dict(self.engine.stats()) if self.engine is not None else {}
-            base.update(
-                replica=self.replica,
-                worker_restarts=self._restarts,
-                fatal=self._fatal,
-                peak_kv_cache_usage=self._peak_kv_usage,
-                num_output_tokens=self._num_output_tokens,
-                num_live_requests=len(self._live),
-                num_replayed=self._live.num_replayed,
-            )
-            return base
+        base = dict(self.engine.stats()) if self.engine is not None else {}
+        base.update(
+            replica=self.replica,
+            worker_restarts=self._recovery.restarts,
+            fatal=self._mailbox.fatal,
+            peak_kv_cache_usage=self._mailbox.peak_kv_usage,
+            num_output_tokens=self._mailbox.num_output_tokens,
+            num_live_requests=len(self._mailbox),
+            num_replayed=self._mailbox.num_replayed,
+        )
+        return base
+
+    # ---- beside the step path (actors/driver/debug.py) --------------------------------------
+    def kill_worker(self, rank: int) -> None:
+        """Kill one TP worker actor, as a crashed process would (`kvray stress` does, to test recovery)."""
+        debug.kill_worker(self._started_engine(), rank)
+
+    def worker_call(self, rank: int, method: str, *args: Any) -> Any:
+        """Call one worker's method (benchmarks read its step timings; tests reach its fault seams)."""
+        return debug.worker_call(self._started_engine(), rank, method, *args)
+
+    def start_profile(self, trace_dir: str, num_steps: int = 5, skip_steps: int = 0) -> None:
+        """Every worker traces its next `num_steps` steps after `skip_steps` (see Worker.start_profile)."""
+        debug.start_profile(self._started_engine(), trace_dir, num_steps, skip_steps)
+
+    def stop_profile(self) -> list[str]:
+        """End the workers' traces; the files written (on each worker's node)."""
+        return debug.stop_profile(self._started_engine())
+
+    def kv_pool_accounting(self) -> dict[str, Any]:
+        """The block pool's books (see debug.pool_books); a busy loop is "not idle yet", not an error."""
+        if not self._engine_lock.acquire(timeout=5.0):
+            return {"replica": self.replica, "idle": False, "busy": True}
+        try:
+            return debug.pool_books(self.engine, self.replica, no_live_request=len(self._mailbox) == 0)
+        finally:
+            self._engine_lock.release()
 
     # ---- the step loop ----------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self._cv:
-                while not self._stop and not self._inbox and not self._abort_inbox and not self.engine.has_unfinished():
-                    self._cv.wait(0.5)
-                if self._stop:
-                    return
-                new, self._inbox = self._inbox, []
-                aborts, self._abort_inbox = self._abort_inbox, []
+            work = self._mailbox.next_work(lambda: self._started_engine().has_unfinished())
+            if work is None:
+                return
+            new, aborts = work
             with self._engine_lock:
                 try:
-                    self._admit(new, aborts)
+                    engine = self._started_engine()
+                    self._admit(engine, new, aborts)
                     t0 = time.monotonic()
-                    outputs = self.engine.step()
-                    self._publish(outputs, time.monotonic() - t0)
+                    outputs = engine.step()
+                    self._publish(engine, outputs, time.monotonic() - t0)
                 except Exception as e:  # noqa: BLE001 - a worker failure or an engine bug: never silent
                     # A dead worker (kvray stress kills them on purpose) is reported in one line; any
                     # other failure, or KVRAY_VERBOSE=1 (kvray -v), keeps its traceback.
@@ -222,82 +225,52 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
                         "engine replica %d: step failed: %s",
                         self.replica,
                         e,
-                        exc_info=not _worker_death(e) or os.environ.get("KVRAY_VERBOSE") == "1",
+                        exc_info=not isinstance(e, WorkerFailure) or os.environ.get("KVRAY_VERBOSE") == "1",
                     )
-                    if not self._recover(e):
+                    if not self._recovery.recover(e):
                         return
 
-    def _admit(self, new: list[RequestSpec], aborts: list[str]) -> None:
+    def _admit(self, engine: EngineCore, new: list[RequestSpec], aborts: list[str]) -> None:
         for spec in new:
             try:
-                self.engine.add_request(make_request(spec, [], self.info.get("eos_token_id")))
+                engine.add_request(make_request(spec, [], self.info.get("eos_token_id")))
             except Exception as e:  # noqa: BLE001 - one bad request fails alone
-                self._finish_with_error(spec.request_id, f"request {spec.request_id!r} rejected: {e}")
-        aborts = self._abort_held(aborts)
+                self._mailbox.finish_with_error(spec.request_id, f"request {spec.request_id!r} rejected: {e}")
+        aborts = self._poison.abort_held(aborts)
         if aborts:
-            self.engine.abort(aborts)
+            engine.abort(aborts)
 
-    def _publish(self, outputs: list[EngineCoreOutput], step_time: float) -> None:
-        outputs = self._drop_replayed(outputs)
-        self._hunt_progress(outputs)
-        now = time.monotonic()
-        stats = self.engine.stats()
-        new_tokens = 0
-        with self._cv:
-            for o in outputs:
-                new_tokens += len(o.new_token_ids)
-                self._book_timing(o.request_id, self._live.record(o, now))
-                self._outbox.append(o)
-            self._num_output_tokens += new_tokens
-            self._peak_kv_usage = max(self._peak_kv_usage, float(stats.get("kv_cache_usage", 0.0)))
-            if outputs:
-                self._cv.notify_all()
+    def _publish(self, engine: EngineCore, outputs: list[EngineCoreOutput], step_time: float) -> None:
+        outputs = self._mailbox.drop_replayed(outputs, engine.abort)
+        self._poison.progress(outputs)
+        stats = engine.stats()
+        new_tokens = self._mailbox.publish(outputs, float(stats.get("kv_cache_usage", 0.0)))
         assert self._metrics is not None  # start() sets it before the loop runs
         self._metrics.record_step(stats, step_time, new_tokens)
-        if not self.engine.has_unfinished():
+        if not engine.has_unfinished():
             self._metrics.flush()  # idle from now on: export the last window at once
 
-    def _book_timing(self, rid: str, timing: RequestTiming | None) -> None:
-        if timing is not None:
-            self._timings[rid] = timing
+    # ---- what the recovery and the poison isolation ask of the driver ------------------------
+    def _started_engine(self) -> EngineCore:
+        assert self.engine is not None, "start() builds the engine before the loop runs"
+        return self.engine
 
-    def _finish_with_error(self, rid: str, message: str) -> None:
-        self._end_held(rid, error_output(rid, message))
+    def _running_engine(self) -> EngineSteps:
+        return self._started_engine()
 
-    # The PoisonIsolation hooks.
-    def _live_ids(self) -> list[str]:
-        return list(self._live.ids())
+    def _shut_down_engine(self) -> None:
+        self._started_engine().shutdown()
 
-    def _end_held(self, rid: str, output: EngineCoreOutput) -> None:
-        with self._cv:
-            self._book_timing(rid, self._live.retire(rid, time.monotonic()))
-            self._outbox.append(output)
-            self._cv.notify_all()
+    def _requeue(self, rid: str) -> None:
+        self._mailbox.requeue(rid, self._started_engine().add_request, self.info.get("eos_token_id"))
 
-    def _readd(self, rid: str) -> None:
-        # One request that cannot be re-queued fails alone; the rebuilt group serves the rest.
-        try:
-            self.engine.add_request(self._live.restart(rid, self.info.get("eos_token_id")))
-        except Exception as e:  # noqa: BLE001
-            self._finish_with_error(rid, f"request {rid!r}: could not be re-queued after a worker restart: {e}")
-
-    def _drop_replayed(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        with self._cv:
-            return self._live.drop_replayed(outputs, self.engine.abort)
-
-    def _fail_all(self, message: str) -> None:
-        with self._cv:
-            self._fatal = f"engine replica {self.replica} failed: {message}"
-            for rid in self._live.clear():
-                self._outbox.append(error_output(rid, self._fatal))
-            self._inbox.clear()
-            self._cv.notify_all()
+    def _record_restart(self) -> None:
+        assert self._metrics is not None  # restarts happen on the loop that start() began
+        self._metrics.record_restart()
 
     # ---- teardown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
+        self._mailbox.stop()
         if self._thread is not None:
             self._thread.join(timeout=self.config.parallel.step_timeout_s + 5)
         self._release()
@@ -310,12 +283,9 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
                 logger.debug("engine shutdown: %s", e)
 
 
-def driver_actor_class():
+def driver_actor_class() -> Any:
     """EngineDriver as a threaded Ray actor: the step loop plus concurrent client calls."""
     import ray
 
-    return ray.remote(num_cpus=0, max_concurrency=16)(EngineDriver)
-
-
-def _worker_death(e: BaseException) -> bool:
-    return isinstance(e, WorkerFailure)
+    # Ray's overloads of remote() type the task options only; max_concurrency is an actor option.
+    return ray.remote(num_cpus=0, max_concurrency=16)(EngineDriver)  # type: ignore[call-overload]

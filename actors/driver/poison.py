@@ -20,11 +20,12 @@ the driver calls it from its step loop only.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
+from actors.driver.mailbox import Mailbox
+from actors.errors import StepError
 from kvcore.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -32,19 +33,12 @@ logger = logging.getLogger(__name__)
 MAX_LONE_FAILURES = 2  # a request that fails a step alone this many times is the cause
 
 
-class StepError(RuntimeError):
-    """A step raised on one or more ranks while every rank stayed alive and answered.
+class EngineSteps(Protocol):
+    """What the isolation asks of the engine (actors/driver/engine_core.py)."""
 
-    Not a WorkerFailure: new workers would not cure it (the cause is most likely a request), and the
-    transport stays usable. `rank` is the first rank that raised."""
+    def running_request_ids(self) -> list[str]: ...
 
-    def __init__(self, rank: int, reason: str) -> None:
-        self.rank = rank
-        self.reason = reason
-        super().__init__(f"worker rank {rank}: {reason}")
-
-    def __reduce__(self):  # crosses Ray actor boundaries: rebuild from the two fields
-        return (StepError, (self.rank, self.reason))
+    def reset_requests(self) -> None: ...
 
 
 @dataclass
@@ -138,31 +132,27 @@ class PoisonHunt:
 
 
 class PoisonIsolation:
-    """The driver's side of the hunt, mixed into EngineDriver beside its restart code: what a StepError
-    does to the engine and to the books on live requests. Runs on the step loop, under the engine lock."""
+    """The driver's side of the hunt: what a StepError does to the engine and to the books on live
+    requests. The driver holds one and calls it from its step loop, under its engine lock."""
 
-    engine: Any
-    replica: int
-    _cv: threading.Condition
-    _live: Any  # the driver's books: `rid in _live` while it answers for rid
-    _inbox: list
-    _hunt: PoisonHunt
-    # The driver provides these methods: the ids it answers for, re-queue by recompute (an error there
-    # ends the request), end a request with an error, end a held request with its output.
-    _live_ids: Callable[[], list[str]]
-    _readd: Callable[[str], None]
-    _finish_with_error: Callable[[str, str], None]
-    _end_held: Callable[[str, EngineCoreOutput], None]
+    def __init__(self, replica: int, mailbox: Mailbox, requeue: Callable[[str], None]) -> None:
+        """`requeue(rid)` hands a live request to the engine again by recompute (an error there ends the
+        request, see Mailbox.requeue)."""
+        self.replica = replica
+        self._mailbox = mailbox
+        self._requeue = requeue
+        self._hunt = PoisonHunt()
 
-    def _isolate(self, error: StepError) -> None:
+    def reset(self) -> None:
+        """A new TP group: every live request is re-queued on it, so no hunt goes on."""
+        self._hunt = PoisonHunt()
+
+    def isolate(self, engine: EngineSteps, error: StepError) -> None:
         """Reset the workers' request state (a WorkerFailure from that is a real failure: it propagates),
         fail the culprit if the hunt has found it, and re-queue what runs next by recompute."""
-        in_step = self.engine.running_request_ids()
-        self.engine.reset_requests()
-        with self._cv:
-            pending = {s.request_id for s in self._inbox}
-            live = [r for r in self._live_ids() if r not in pending]
-        verdict = self._hunt.step_failed(in_step, live)
+        in_step = engine.running_request_ids()
+        engine.reset_requests()
+        verdict = self._hunt.step_failed(in_step, self._mailbox.waiting_in_engine())
         logger.warning(
             "engine replica %d: a step with %d request(s) raised (%s); isolating: %d fail, %d run, %d held back",
             self.replica,
@@ -173,21 +163,22 @@ class PoisonIsolation:
             len(verdict.held),
         )
         for rid in verdict.culprits:
-            self._finish_with_error(
+            self._mailbox.finish_with_error(
                 rid,
                 f"request {rid!r} failed: every step that ran it alone raised "
                 f"({error.reason}); it fails alone, the other requests go on",
             )
         self._requeue_all(verdict.run)
 
-    def _hunt_progress(self, outputs: list[EngineCoreOutput]) -> None:
+    def progress(self, outputs: list[EngineCoreOutput]) -> None:
+        """A step's outputs: a probe that passed lets the next group (or every held request) run."""
         if not self._hunt.active:
             return
         for o in outputs:
             if o.new_token_ids or o.finished:
                 self._requeue_all(self._hunt.progressed(o.request_id, o.finished))
 
-    def _abort_held(self, aborts: list[str]) -> list[str]:
+    def abort_held(self, aborts: list[str]) -> list[str]:
         """Aborts of requests the hunt holds back (the engine does not know them) end here;
         -> the aborts for the engine."""
         if not self._hunt.active:
@@ -197,15 +188,15 @@ class PoisonIsolation:
             if not self._hunt.is_held(rid):
                 rest.append(rid)
                 continue
-            self._end_held(rid, EngineCoreOutput(rid, [], True, "abort"))
+            self._mailbox.end(rid, EngineCoreOutput(rid, [], True, "abort"))
             self._requeue_all(self._hunt.forget(rid))
         return rest
 
     def _requeue_all(self, rids: list[str]) -> None:
-        # A request that cannot be re-queued fails alone (_readd); the hunt then goes on without it.
+        # A request that cannot be re-queued fails alone (Mailbox.requeue); the hunt then goes on without it.
         todo = list(rids)
         while todo:
             rid = todo.pop(0)
-            self._readd(rid)
-            if rid not in self._live:
+            self._requeue(rid)
+            if rid not in self._mailbox:
                 todo += self._hunt.forget(rid)

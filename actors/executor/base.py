@@ -12,29 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
-if TYPE_CHECKING:  # torch-free at run time: the client imports WorkerFailure from here
+if TYPE_CHECKING:  # torch-free at run time: the driver process imports this module
     from kvcore.spec import KVCacheConfig, KVCacheSpec
-
-
-class WorkerFailure(RuntimeError):
-    """A tensor-parallel worker died, hung past the step timeout, or raised; `rank` is None if unknown.
-
-    Every executor raises it, so that the driver's recovery (which rebuilds on it) sees one type."""
-
-    def __init__(self, rank: int | None, reason: str) -> None:
-        self.rank = rank
-        self.reason = reason
-        who = f"worker rank {rank}" if rank is not None else "a worker"
-        super().__init__(f"{who} failed: {reason}")
-
-    def __reduce__(self):  # crosses Ray actor boundaries: rebuild from the two fields
-        return (WorkerFailure, (self.rank, self.reason))
-
-
-class CollectiveError(RuntimeError):
-    """A tensor-parallel collective failed (timed out waiting for a rank, or its peer went away): this
-    rank's group is out of step and must be rebuilt. Defined here, torch-free, because the driver's
-    transport catches it and the driver process never imports torch."""
 
 
 class Executor(abc.ABC):

@@ -16,7 +16,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from actors.config.engine import EngineConfig
-from actors.executor.base import Executor, WorkerFailure
+from actors.errors import WorkerFailure
+from actors.executor.base import Executor
 from actors.worker.gpu_worker import Worker
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 

@@ -18,9 +18,11 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config.engine import DEFAULT_WORKER_CLS, EngineConfig
-from actors.driver.node_probe import NodeProbe, probe_node
+from actors.errors import WorkerFailure
 from actors.executor.base import Executor
-from actors.transport.broadcast import WorkerFailure, gather_ranks, make_transport
+from actors.executor.node_probe import NodeProbe, probe_node
+from actors.transport.broadcast import gather_ranks
+from actors.transport.factory import make_transport
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -23,13 +23,8 @@ import os
 import torch
 
 from actors.layers.kernels.fp8_gemm import w8a16_linear, w8a16_linear_ref
-from kvcore.kernels.fp8 import FORMATS
+from actors.layers.kernels.fp8_scale import E4M3, FMAX, MIN_SCALE
 
-E4M3 = torch.float8_e4m3fn
-FMAX = FORMATS[E4M3].max_value
-# vLLM's floor on a dynamic scale: an all-zero row (a graph's padding row) still divides. The Triton
-# quantizer (actors/layers/kernels/fp8_quant.py) uses it too.
-MIN_SCALE = 1.0 / (FMAX * 512.0)
 SMALL_M_MAX = int(os.environ.get("KVRAY_FP8_SMALL_M", "0"))
 
 

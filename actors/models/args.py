@@ -53,7 +53,7 @@ def _require(cfg: dict[str, Any], key: str) -> Any:
     return cfg[key]
 
 
-def _positive_int(cfg: dict[str, Any], key: str, value: Any = None) -> int:
+def positive_int(cfg: dict[str, Any], key: str, value: Any = None) -> int:
     value = _require(cfg, key) if value is None else value
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"config.json: {key}={value!r} must be a positive integer")
@@ -74,27 +74,27 @@ def parse_args(
     act = cfg.get(act_key) or acts[0]
     if act not in acts:
         raise ValueError(f"config.json: {act_key}={act!r} is not supported (supported: {list(acts)})")
-    num_heads = _positive_int(cfg, "num_attention_heads")
-    hidden = _positive_int(cfg, "hidden_size")
-    num_kv = _positive_int(cfg, "num_key_value_heads", cfg.get("num_key_value_heads") or num_heads)
+    num_heads = positive_int(cfg, "num_attention_heads")
+    hidden = positive_int(cfg, "hidden_size")
+    num_kv = positive_int(cfg, "num_key_value_heads", cfg.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv:
         raise ValueError(
             f"config.json: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}"
         )
-    head_dim = _positive_int(cfg, "head_dim", cfg.get("head_dim") or hidden // num_heads)
-    num_layers = _positive_int(cfg, "num_hidden_layers")
+    head_dim = positive_int(cfg, "head_dim", cfg.get("head_dim") or hidden // num_heads)
+    num_layers = positive_int(cfg, "num_hidden_layers")
     if len(layer_windows) != num_layers:
         raise ValueError(f"config.json: {len(layer_windows)} layer types for num_hidden_layers={num_layers}")
     return ModelArgs(
-        vocab_size=_positive_int(cfg, "vocab_size"),
+        vocab_size=positive_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=_positive_int(cfg, "intermediate_size"),
+        intermediate_size=positive_int(cfg, "intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position=_positive_int(cfg, "max_position_embeddings"),
+        max_position=positive_int(cfg, "max_position_embeddings"),
         rope=rope_params_from_config(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -107,14 +107,14 @@ def parse_args(
 
 
 def _window(cfg: dict[str, Any], key: str = "sliding_window") -> int:
-    return _positive_int(cfg, key)
+    return positive_int(cfg, key)
 
 
 def qwen_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
     """Qwen2/Qwen3 as transformers defines them: the window exists only when use_sliding_window is
     true; `layer_types` lists full_attention / sliding_attention per layer, and when absent the
     layers from max_window_layers on slide (if a window exists)."""
-    num_layers = _positive_int(cfg, "num_hidden_layers")
+    num_layers = positive_int(cfg, "num_hidden_layers")
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
     layer_types = cfg.get("layer_types")
     if layer_types is None:
@@ -144,7 +144,7 @@ def qwen_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
 
 def mistral_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
     """Mistral: one `sliding_window` (or null) for every layer, as MistralAttention applies it."""
-    num_layers = _positive_int(cfg, "num_hidden_layers")
+    num_layers = positive_int(cfg, "num_hidden_layers")
     window = _window(cfg) if cfg.get("sliding_window") is not None else None
     return [window] * num_layers
 
@@ -152,10 +152,10 @@ def mistral_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
 def typed_layer_windows(cfg: dict[str, Any], default_pattern: int) -> list[int | None]:
     """Gemma-2/3: `layer_types` when given, else every `sliding_window_pattern`-th layer is global and
     the others slide (Gemma-2: every second, Gemma-3: every sixth), as their HF configs derive it."""
-    num_layers = _positive_int(cfg, "num_hidden_layers")
+    num_layers = positive_int(cfg, "num_hidden_layers")
     layer_types = cfg.get("layer_types")
     if layer_types is None:
-        pattern = _positive_int(cfg, "sliding_window_pattern", cfg.get("sliding_window_pattern") or default_pattern)
+        pattern = positive_int(cfg, "sliding_window_pattern", cfg.get("sliding_window_pattern") or default_pattern)
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if not isinstance(layer_types, list):
         raise ValueError(f"config.json: layer_types={layer_types!r} must be a list")

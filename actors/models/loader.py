@@ -13,8 +13,8 @@ import torch
 
 from actors.config.hf_json import read_config_json
 from actors.config.section import ConfigError
-from actors.driver.node_probe import TINY_RANDOM, resolve_model_dir
 from actors.models.decoder import DecoderForCausalLM
+from actors.models.model_dir import TINY_RANDOM, resolve_model_dir
 from actors.models.registry import build_model
 
 __all__ = ["TINY_RANDOM", "load_model", "read_hf_config", "resolve_dtype", "resolve_model_dir"]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from actors.layers.fused_moe import SparseMoeBlock
-from actors.models.args import ModelArgs, MoeArgs, _positive_int, mistral_layer_windows, parse_args
+from actors.models.args import ModelArgs, MoeArgs, mistral_layer_windows, parse_args, positive_int
 from actors.models.decoder import DecoderForCausalLM, DecoderMLP, DecoderModel
 
 
@@ -64,7 +64,7 @@ class MoeForCausalLM(DecoderForCausalLM):
 
 def _sparse_layers(cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
     """Qwen3-MoE: experts unless the layer is in mlp_only_layers or off the decoder_sparse_step grid."""
-    step = _positive_int(cfg, "decoder_sparse_step", cfg.get("decoder_sparse_step") or 1)
+    step = positive_int(cfg, "decoder_sparse_step", cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or [])
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
 
@@ -72,7 +72,7 @@ def _sparse_layers(cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
 def _num_experts(cfg: dict[str, Any]) -> int:
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map).
     key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
-    return _positive_int(cfg, key)
+    return positive_int(cfg, key)
 
 
 def _moe_args(
@@ -84,13 +84,13 @@ def _moe_args(
     sparse: tuple[bool, ...],
 ) -> ModelArgs:
     num_experts = _num_experts(cfg)
-    top_k = _positive_int(cfg, "num_experts_per_tok")
+    top_k = positive_int(cfg, "num_experts_per_tok")
     if top_k > num_experts:
         raise ValueError(f"config.json: num_experts_per_tok={top_k} exceeds the {num_experts} experts")
     moe = MoeArgs(
         num_experts=num_experts,
         top_k=top_k,
-        intermediate_size=_positive_int(cfg, inter_key),
+        intermediate_size=positive_int(cfg, inter_key),
         normalize_topk=normalize,
         float32_weights=float32_weights,
         sparse_layers=sparse,

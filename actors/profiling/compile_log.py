@@ -28,7 +28,7 @@ class CompileLog:
         self._pending: dict[int, tuple[str, str, float]] = {}  # per thread: the variant being built
         self._lock = threading.Lock()
 
-    def _before(self, *, repr: str, fn: Any, key: Any = None, **_: Any) -> bool:  # noqa: A002 (Triton's keyword)
+    def before_compile(self, *, repr: str, fn: Any, key: Any = None, **_: Any) -> bool:  # noqa: A002 (Triton's keyword)
         # The key holds the argument specialisations (dtypes, alignment, ints equal to 1 or a multiple of
         # 16) and the constexprs: what tells two variants of one kernel apart. Some Triton versions'
         # repr lists none of them.
@@ -36,7 +36,7 @@ class CompileLog:
         self._pending[threading.get_ident()] = (getattr(fn, "name", "?"), sig, time.perf_counter())
         return False  # False: go on and compile
 
-    def _after(self, *, repr: str, fn: Any, **_: Any) -> None:  # noqa: A002
+    def after_compile(self, *, repr: str, fn: Any, **_: Any) -> None:  # noqa: A002
         now = time.perf_counter()
         name, sig, started = self._pending.pop(threading.get_ident(), (getattr(fn, "name", "?"), repr, now))
         with self._lock:
@@ -58,6 +58,6 @@ def install() -> CompileLog | None:
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
         return None
     log = CompileLog()
-    runtime.jit_cache_hook = log._before
-    runtime.jit_post_compile_hook = log._after
+    runtime.jit_cache_hook = log.before_compile
+    runtime.jit_post_compile_hook = log.after_compile
     return log

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from actors.input_batch import InputBatch
 from actors.sample.sampler import SamplingMetadata
-from actors.worker.input_batch import InputBatch
 from kvcore.buffers import CpuGpuBuffer
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from actors.input_batch import InputBatch
 from actors.sample.logprobs import LogprobsTensors, StepLogprobs, compute_logprobs, concat
-from actors.worker.input_batch import InputBatch
 from kvcore.messages import Logprobs, LogprobsBatch
 
 PROMPT_SLICE = 1024  # prompt positions whose logits exist at once

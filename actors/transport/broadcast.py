@@ -6,6 +6,7 @@ Three transports with one contract (`broadcast(so) -> rank 0's ModelRunnerOutput
   skips the per-call task submission of plain actor calls (~0.2 ms vs ~1.3 ms a round trip).
 - ActorCallTransport: plain `.remote()` calls, the fallback.
 - ShmTransport (actors/transport/shm.py): a shared-memory ring on the driver's node, ZMQ across nodes.
+actors/transport/factory.py picks one by `ray.transport`.
 A dead worker or a step longer than `step_timeout_s` raises WorkerFailure naming the rank, within
 seconds; after a failure the transport stays broken (every later call raises the same error), since the
 surviving ranks may be stuck in a collective waiting for the lost one.
@@ -20,8 +21,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
 
-from actors.driver.poison import StepError
-from actors.executor.base import CollectiveError, WorkerFailure  # noqa: F401 - WorkerFailure: imported from here too
+from actors.errors import CollectiveError, StepError, WorkerFailure
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -39,16 +39,16 @@ def diagnose(workers: Sequence[Any], timeout_s: float = PING_TIMEOUT_S) -> tuple
             try:
                 ray.get(ref)
             except RayActorError as e:
-                return rank, f"its actor died ({_first_line(e)})"
+                return rank, f"its actor died ({first_line(e)})"
             except Exception as e:  # noqa: BLE001 - any error of a ping says this rank is broken
-                return rank, f"ping raised {type(e).__name__}: {_first_line(e)}"
+                return rank, f"ping raised {type(e).__name__}: {first_line(e)}"
     for rank, ref in enumerate(refs):
         if ref not in ready_set:
             return rank, f"did not answer a ping within {timeout_s:g}s"
     return None, "every rank is alive"
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     for line in text.splitlines():
         if "actor is dead" in line.lower() or "killed" in line.lower():
@@ -123,7 +123,10 @@ def _summary(e: BaseException) -> str:
     return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
-class _Transport:
+class Transport:
+    """What every transport shares: the broadcast contract and its failure books (once failed, every
+    later call raises the same WorkerFailure). ShmTransport (actors/transport/shm.py) builds on it too."""
+
     def __init__(self, workers: Sequence[Any], step_timeout_s: float) -> None:
         self.workers = list(workers)
         self.step_timeout_s = step_timeout_s
@@ -163,7 +166,7 @@ class _Transport:
         pass
 
 
-class ActorCallTransport(_Transport):
+class ActorCallTransport(Transport):
     name = "actor_calls"
 
     def _submit(self, so: SchedulerOutput) -> Any:
@@ -176,7 +179,7 @@ class ActorCallTransport(_Transport):
         )[0]
 
 
-class CompiledGraphTransport(_Transport):
+class CompiledGraphTransport(Transport):
     name = "compiled_graph"
 
     def __init__(self, workers: Sequence[Any], step_timeout_s: float) -> None:
@@ -190,7 +193,7 @@ class CompiledGraphTransport(_Transport):
             self.graph = dag.experimental_compile(_submit_timeout=step_timeout_s)
         except RayActorError as e:  # a worker died before its channels were set up
             rank, why = diagnose(self.workers)
-            raise WorkerFailure(rank, f"{why} (while compiling the step graph: {_first_line(e)})") from None
+            raise WorkerFailure(rank, f"{why} (while compiling the step graph: {first_line(e)})") from None
 
     def _submit(self, so: SchedulerOutput) -> Any:
         try:
@@ -224,7 +227,7 @@ class CompiledGraphTransport(_Transport):
     def _fail_dead(self, step_id: int, e: BaseException) -> WorkerFailure:
         rank, why = diagnose(self.workers)
         if rank is None:
-            why = f"the compiled graph's channel failed ({_first_line(e)})"
+            why = f"the compiled graph's channel failed ({first_line(e)})"
         return WorkerFailure(rank, f"{why} (while running step {step_id})")
 
     def close(self, kill_actors: bool = False) -> None:
@@ -232,15 +235,3 @@ class CompiledGraphTransport(_Transport):
             self.graph.teardown(kill_actors=kill_actors)
         except Exception as e:  # noqa: BLE001 - a graph broken by a dead actor may fail to tear down
             logger.debug("compiled graph teardown: %s", e)
-
-
-def make_transport(kind: str, workers: Sequence[Any], step_timeout_s: float) -> _Transport:
-    if kind == "compiled_graph":
-        return CompiledGraphTransport(workers, step_timeout_s)
-    if kind == "actor_calls":
-        return ActorCallTransport(workers, step_timeout_s)
-    if kind == "shm":
-        from actors.transport.shm import ShmTransport  # it builds on this module
-
-        return ShmTransport(workers, step_timeout_s)
-    raise ValueError(f"ray.transport={kind!r}: must be compiled_graph, actor_calls or shm")

@@ -27,8 +27,8 @@ import ray
 import zmq
 from ray.exceptions import RayActorError
 
-from actors.executor.base import WorkerFailure
-from actors.transport.broadcast import _first_line, _Transport, diagnose, step_failure
+from actors.errors import WorkerFailure
+from actors.transport.broadcast import Transport, diagnose, first_line, step_failure
 from actors.transport.channels import (
     ChannelSpec,
     Receiver,
@@ -64,7 +64,7 @@ def default_spin_s(n_workers: int) -> float:
     return SPIN_S if len(os.sched_getaffinity(0)) >= 2 * (n_workers + 1) else SHORT_SPIN_S
 
 
-class ShmTransport(_Transport):
+class ShmTransport(Transport):
     name = "shm"
 
     def __init__(
@@ -121,9 +121,7 @@ class ShmTransport(_Transport):
             return ray.get(refs, timeout=SETUP_TIMEOUT_S)
         except (RayActorError, ray.exceptions.GetTimeoutError) as e:
             rank, why = diagnose(self.workers)
-            raise WorkerFailure(
-                rank, f"{why} (while attaching the shm transport: {method}: {_first_line(e)})"
-            ) from None
+            raise WorkerFailure(rank, f"{why} (while attaching the shm transport: {method}: {first_line(e)})") from None
 
     # ---- the step ---------------------------------------------------------------------------
     def _submit(self, so: SchedulerOutput) -> Any:
@@ -224,7 +222,7 @@ class ShmTransport(_Transport):
                     ray.get(ref)
                 except RayActorError as e:
                     raise WorkerFailure(
-                        rank, f"its actor died ({_first_line(e)}) (while running step {step_id})"
+                        rank, f"its actor died ({first_line(e)}) (while running step {step_id})"
                     ) from None
         return [w.ping.remote() for w in self.workers]
 

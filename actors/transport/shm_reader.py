@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from actors.executor.base import CollectiveError
+from actors.errors import CollectiveError
 from actors.transport.channels import ChannelSpec, Receiver, Sender, open_receiver, open_sender
 from actors.transport.codec import decode_step, encode_answer
 from actors.transport.shm_ring import RingClosed, RingTimeout

@@ -21,7 +21,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "kvray_"
 GRACE_S = 30.0
 _ENTRY = re.compile(r"^(kvray_\d+_[0-9a-f]{12})(_bell\d+)?$")
-_swept = False
+swept = False  # set once this process has swept (a test sets it to sweep nothing)
 
 
 def hold_owner_lock(name: str, directory: str = SHM_DIR) -> int | None:
@@ -83,8 +83,8 @@ def sweep(directory: str = SHM_DIR, now: float | None = None) -> int:
 
 def sweep_once() -> int:
     """The sweep, the first time this process creates a ring."""
-    global _swept
-    if _swept:
+    global swept
+    if swept:
         return 0
-    _swept = True
+    swept = True
     return sweep()

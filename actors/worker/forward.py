@@ -15,8 +15,8 @@ import torch
 from actors import parallel_state
 from actors.config.engine import EngineConfig
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from actors.input_batch import InputBatch
 from actors.worker.cuda_graphs import Bucket, BucketPlan, GraphStats, StepGraphs
-from actors.worker.input_batch import InputBatch
 from actors.worker.input_prep import InputStager, StagedStep
 from kvcore.kernels.ops import longest_first
 

@@ -16,12 +16,12 @@ import torch
 
 from actors import parallel_state
 from actors.config.engine import EngineConfig
+from actors.gc_heap import freeze_startup_heap
 
 # First: the time of its import is when this module's import began (torch is most of it).
 from actors.profiling import compile_log, start_timeline
 from actors.profiling.step_profiler import StepProfiler
 from actors.transport.shm_reader import ShmLoopMixin
-from actors.worker.gc_heap import freeze_startup_heap
 from actors.worker.model_runner import ModelRunner
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
@@ -66,8 +66,6 @@ class Worker(ShmLoopMixin):
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.profiler = StepProfiler(rank)
-        self._fail_for: set[str] = set()  # fault injection (tests): steps that run these ids raise
-        self._fail_before = False
         # KVRAY_LOG_COMPILES=1: record every Triton compile (benchmarks/e2e/bench_startup.py reads it).
         self.compile_log = compile_log.install() if os.environ.get("KVRAY_LOG_COMPILES") == "1" else None
         self._marks = {"imported": _IMPORTED, "constructed": time.time()}
@@ -144,13 +142,6 @@ class Worker(ShmLoopMixin):
 
     # ---- the step ---------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        if self._fail_before and not self._fail_for.isdisjoint(scheduler_output.num_scheduled_tokens):
-            # Before the forward: the other ranks enter its collectives and wait for this one.
-            raise ValueError(
-                f"injected fault: rank {self.rank} fails a step with request(s) "
-                f"{sorted(self._fail_for.intersection(scheduler_output.num_scheduled_tokens))} "
-                "before its forward"
-            )
         self.profiler.before_step()
         try:
             # A named range per step, so a trace's steps can be told apart.
@@ -158,25 +149,10 @@ class Worker(ShmLoopMixin):
                 out = self._runner().execute_model(scheduler_output)
         finally:
             self.profiler.after_step()
-        if (
-            self._fail_for
-            and not self._fail_before
-            and not self._fail_for.isdisjoint(scheduler_output.num_scheduled_tokens)
-        ):
-            # After the runner ran, as a real fault would leave it: its state has moved on.
-            bad = sorted(self._fail_for.intersection(scheduler_output.num_scheduled_tokens))
-            raise ValueError(f"injected fault: a step with request(s) {bad} raises")
         return out
 
     def reset_requests(self) -> None:
         self._runner().reset_requests()
-
-    def fail_steps_with(self, request_ids: list[str], before_run: bool = False) -> None:
-        """Fault injection: every later step that runs one of these request ids raises ValueError on
-        this rank (a poison request whose input the worker cannot handle); after the runner ran, or with
-        `before_run` before its forward (so the other ranks wait for this one in a collective)."""
-        self._fail_for = set(request_ids)
-        self._fail_before = before_run
 
     # ---- profiling --------------------------------------------------------------------------
     def start_profile(self, trace_dir: str, num_steps: int = 5, skip_steps: int = 0) -> None:

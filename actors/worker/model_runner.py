@@ -19,6 +19,7 @@ import torch
 
 from actors.config.engine import EngineConfig
 from actors.config.model_rules import resolved_max_model_len
+from actors.input_batch import CachedRequestState, InputBatch
 from actors.profiling.step_profiler import StepTimer
 from actors.sample.inputs import SamplingInputs
 from actors.sample.logprobs import MAX_LOGPROBS
@@ -28,7 +29,6 @@ from actors.sample.step_logprobs import LogprobsCollector, compute_prompt_logpro
 from actors.worker import kv_cache_sizing
 from actors.worker.cuda_graphs import BucketPlan, GraphStats, StepGraphs
 from actors.worker.forward import RunnerGraphs
-from actors.worker.input_batch import CachedRequestState, InputBatch
 from actors.worker.input_prep import InputStager, StagedStep
 from actors.worker.token_readback import SampledStep, TokenReadback
 from actors.worker.warmup import warm_logits, warm_sampler

@@ -16,8 +16,8 @@ from itertools import repeat
 import numpy as np
 import torch
 
+from actors.input_batch import CachedRequestState
 from actors.sample.logprobs import StepLogprobs
-from actors.worker.input_batch import CachedRequestState
 
 
 @dataclass

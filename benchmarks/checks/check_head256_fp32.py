@@ -26,7 +26,7 @@ def child(kind: str, block_m: int, block_n: int) -> None:
 
     log = compile_log.install()
     if log is not None:  # print each compile when it ends, so a hang shows which one was last
-        after = log._after
+        after = log.after_compile
 
         def loud(**kw):
             after(**kw)
@@ -46,7 +46,7 @@ def child(kind: str, block_m: int, block_n: int) -> None:
     err = (out - ref).abs().nan_to_num(0).max().item()
     print(
         f"RESULT {kind} tiles={kw or 'default'}: {time.perf_counter() - t0:.1f} s, max err {err:.2e}, "
-        f"fitted {pa._FITTED}",
+        f"fitted {pa.FITTED_TILES}",
         flush=True,
     )
 

@@ -29,7 +29,7 @@ import time
 import torch
 
 import kvcore.kernels.block_table_delta as delta_mod
-from actors.worker.input_batch import InputBatch
+from actors.input_batch import InputBatch
 from actors.worker.input_prep import InputStager
 from actors.worker.model_runner import ModelRunner
 from benchmarks.common import record

@@ -26,7 +26,7 @@ import torch
 import kvcore.kernels.paged_attention as pa
 from benchmarks.common import record
 from benchmarks.kernels.bench_attention import COPY_GBPS, bench, check, make_paged
-from kvcore.kernels.attention_tiles import _Tiles, choose_num_splits, num_sms
+from kvcore.kernels.attention_tiles import Tiles, choose_num_splits, num_sms
 from kvcore.kernels.ops import longest_first, paged_attention
 
 SCRIPT = "bench_attention_splits"
@@ -43,20 +43,20 @@ def lengths(dist: str, b: int, seed: int) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(b)]
 
 
-TILES: dict[str, _Tiles | None] = {
+TILES: dict[str, Tiles | None] = {
     "default": None,  # small_tiles(): 16 x 128, 4 warps, 3 stages
-    "n64s3": _Tiles(16, 64, 4, 3),
-    "n64s2": _Tiles(16, 64, 4, 2),
-    "n128s2": _Tiles(16, 128, 4, 2),
-    "n32s3": _Tiles(16, 32, 4, 3),
+    "n64s3": Tiles(16, 64, 4, 3),
+    "n64s2": Tiles(16, 64, 4, 2),
+    "n128s2": Tiles(16, 128, 4, 2),
+    "n32s3": Tiles(16, 32, 4, 3),
     # One stage (64 KiB of K and V at 128 wide) leaves room for three programs an SM, where three
     # stages leave room for one: latency hidden by occupancy instead of by the pipeline.
-    "n128s1": _Tiles(16, 128, 4, 1),
-    "n128s1w8": _Tiles(16, 128, 8, 1),
-    "n128s2w8": _Tiles(16, 128, 8, 2),
-    "n64s1": _Tiles(16, 64, 4, 1),
-    "n64s2w2": _Tiles(16, 64, 2, 2),
-    "n256s1": _Tiles(16, 256, 4, 1),
+    "n128s1": Tiles(16, 128, 4, 1),
+    "n128s1w8": Tiles(16, 128, 8, 1),
+    "n128s2w8": Tiles(16, 128, 8, 2),
+    "n64s1": Tiles(16, 64, 4, 1),
+    "n64s2w2": Tiles(16, 64, 2, 2),
+    "n256s1": Tiles(16, 256, 4, 1),
 }
 
 
@@ -70,7 +70,7 @@ def time_ms(fn, smoke: bool, rep_ms: int) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep_ms)
 
 
-def timed(q, kc, vc, out, qsl, sl, bt, max_ctx: int, splits: int, tiles: _Tiles | None, args, order=None) -> float:
+def timed(q, kc, vc, out, qsl, sl, bt, max_ctx: int, splits: int, tiles: Tiles | None, args, order=None) -> float:
     orig = pa.small_tiles
     if tiles is not None:
         pa.small_tiles = lambda *a, **k: tiles  # the launch's small tiles, as the heuristic would return them

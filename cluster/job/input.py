@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterator
 
 from cluster.job.keys import KeySet
+from cluster.job.line_check import LineError, check_text
 from cluster.job.openai_batch import BatchLineError, parse_batch_record
 from kvcore.request import RequestValidationError, SamplingParams, check_token_ids
 
@@ -225,7 +226,7 @@ class InputReader:
                 item.skip = True
                 return item
             self._prepare(where, item, fields)
-        except (_LineError, BatchLineError) as e:
+        except (LineError, BatchLineError) as e:
             item.error = str(e)
         except Exception as e:  # noqa: BLE001 - whatever breaks on one line fails that line alone
             item.error = f"{where}: {type(e).__name__}: {e}"
@@ -238,17 +239,17 @@ class InputReader:
                 SamplingParams(**{**self.default_sp.__dict__, **overrides}) if overrides else self.default_sp
             )
         except (RequestValidationError, TypeError, ValueError) as e:
-            raise _LineError(f"{where}: {e}") from None
+            raise LineError(f"{where}: {e}") from None
         item.prompt, ids = fields.get("prompt"), fields.get("prompt_token_ids")
         if ids is not None:
             item.prompt_token_ids = ids
             return
         if self.tokenizer is None:
-            raise _LineError(f"{where}: text prompt, but the model has no tokenizer.json here")
+            raise LineError(f"{where}: text prompt, but the model has no tokenizer.json here")
         assert item.prompt is not None  # the line parser demands exactly one of prompt, prompt_token_ids
         cap = self.limits.max_prompt_chars
         if cap is not None and len(item.prompt) > cap:
-            raise _LineError(
+            raise LineError(
                 f"{where}: prompt has {len(item.prompt):,} characters, more than "
                 f"max_model_len={self.limits.max_model_len} tokens can hold (a token spans at most "
                 f"{self.limits.max_token_chars} characters here); refused before tokenizing"
@@ -269,73 +270,56 @@ def encode_rendered_chat(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-class _LineError(ValueError):
-    """A rule one line breaks; the message is the line's error record."""
-
-
 def _decode(where: str, raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _LineError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start})") from None
+        raise LineError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise _LineError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise LineError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
-        raise _LineError(f"{where}: not valid JSON here (nested too deeply)") from None
+        raise LineError(f"{where}: not valid JSON here (nested too deeply)") from None
     except ValueError as e:  # e.g. an integer with more digits than Python converts
-        raise _LineError(f"{where}: not valid JSON here ({str(e).splitlines()[0]})") from None
+        raise LineError(f"{where}: not valid JSON here ({str(e).splitlines()[0]})") from None
 
 
 def _kvray_fields(where: str, rec: Any) -> dict[str, Any]:
     """kvray's line format -> {"id"?, "prompt" | "prompt_token_ids", "sampling": {...}}."""
     if not isinstance(rec, dict):
-        raise _LineError(f"{where}: must be a JSON object, got {type(rec).__name__}")
+        raise LineError(f"{where}: must be a JSON object, got {type(rec).__name__}")
     sampling_keys = tuple(SamplingParams.__dataclass_fields__)
     out: dict[str, Any] = {}
     if "id" in rec:
         rid = rec["id"]
         if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
-            raise _LineError(f"{where}: id={_short(rid)} must be a non-empty string or an integer")
+            raise LineError(f"{where}: id={_short(rid)} must be a non-empty string or an integer")
         out["id"] = str(rid)
     unknown = sorted(set(rec) - {"id", *PROMPT_KEYS, *sampling_keys})
     present = [k for k in PROMPT_KEYS if k in rec]
     if unknown:
-        raise _LineError(
+        raise LineError(
             f"{where}: unknown field(s) {_short(unknown)}; allowed: id, prompt | prompt_token_ids, "
             f"and sampling fields {list(sampling_keys)}"
         )
     if len(present) != 1:
-        raise _LineError(f"{where}: needs exactly one of 'prompt' or 'prompt_token_ids', got {present}")
+        raise LineError(f"{where}: needs exactly one of 'prompt' or 'prompt_token_ids', got {present}")
     if "prompt" in rec:
         out["prompt"] = check_text(where, "prompt", rec["prompt"])
     else:
         err = check_token_ids(f"{where}: prompt_token_ids", rec["prompt_token_ids"])  # the vocabulary: the engine's
         if err is not None:
-            raise _LineError(err)
+            raise LineError(err)
         out["prompt_token_ids"] = rec["prompt_token_ids"]
     out["sampling"] = {k: rec[k] for k in sampling_keys if k in rec}
     return out
 
 
-def check_text(where: str, name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise _LineError(f"{where}: {name} must be a string")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise _LineError(
-            f"{where}: {name} is not valid Unicode (a lone surrogate U+{ord(value[e.start]):04X} "
-            f"at character {e.start})"
-        ) from None
-    return value
-
-
 def _check_id(where: str, rid: str) -> None:
     check_text(where, "id", rid)
     if not rid.isprintable():
-        raise _LineError(f"{where}: id={_short(rid)} must be printable (no control characters)")
+        raise LineError(f"{where}: id={_short(rid)} must be printable (no control characters)")
 
 
 def _usable_custom_id(rec: Any) -> str | None:

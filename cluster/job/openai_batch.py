@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Any, Callable
 
+from cluster.job.line_check import check_text
 from kvcore.request import SamplingParams
 
 URLS = ("/v1/completions", "/v1/chat/completions")
@@ -47,8 +48,6 @@ class BatchLineError(ValueError):
 
 def parse_batch_record(where: str, rec: Any, render_chat: Callable[[list[Any]], str] | None) -> dict[str, Any]:
     """-> {"custom_id", "url", "model", "prompt" | "prompt_token_ids", "sampling": {...}}."""
-    from cluster.job.input import check_text
-
     if not isinstance(rec, dict):
         raise BatchLineError(f"{where}: must be a JSON object, got {type(rec).__name__}")
     unknown = sorted(set(rec) - {"custom_id", "method", "url", "body"})
@@ -80,8 +79,6 @@ def parse_batch_record(where: str, rec: Any, render_chat: Callable[[list[Any]], 
 
 
 def _completion_prompt(where: str, body: dict[str, Any]) -> dict[str, Any]:
-    from cluster.job.input import check_text
-
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # one prompt in a list: the common client shape
@@ -190,7 +187,7 @@ def batch_output(item: Any, out: Any) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": c.index,
             "finish_reason": c.finish_reason,
-            "logprobs": _logprobs(c, chat) if c.logprobs is not None else None,
+            "logprobs": openai_logprobs(c, chat) if c.logprobs is not None else None,
         }
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
@@ -214,7 +211,7 @@ def batch_output(item: Any, out: Any) -> dict[str, Any]:
     }
 
 
-def _logprobs(c: Any, chat: bool) -> dict[str, Any]:
+def openai_logprobs(c: Any, chat: bool) -> dict[str, Any]:
     """OpenAI's logprobs shapes: chat {"content": [...]}, completions {"tokens", "token_logprobs", ...}."""
     steps = []
     for tid, d in zip(c.token_ids, c.logprobs, strict=False):

@@ -19,7 +19,7 @@ import sys
 logger = logging.getLogger(__name__)
 
 PACKAGES = ("torch", "ray", "triton")
-_warned = False
+warned = False  # the warning is given once a process (a test sets it back)
 
 
 def _source_file(name: str) -> str | None:
@@ -49,10 +49,10 @@ def packages_without_bytecode(names: tuple[str, ...]) -> list[str]:
 
 def warn_if_no_bytecode() -> None:
     """Log the hint once per process, when it applies."""
-    global _warned
-    if _warned:
+    global warned
+    if warned:
         return
-    _warned = True
+    warned = True
     missing = packages_without_bytecode(PACKAGES)
     if not missing:
         return

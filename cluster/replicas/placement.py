@@ -53,7 +53,7 @@ def connect(config: EngineConfig) -> bool:
     if address:
         # A loopback address is a kvray-style local Ray: this process must take 127.0.0.1 for its own
         # node address too, or it looks for a raylet on the machine's outward IP and never finds one.
-        with _loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext():
+        with loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext():
             ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
         return False
     need = int(total_request(config).get("CPU", 0))
@@ -127,7 +127,7 @@ def start_local_ray(
         os.environ["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT, *paths])
     # address="local": a new private instance even when `ray start` left a cluster on this machine
     # (plain ray.init() would join that one, and then refuse num_cpus).
-    with _loopback_node_ip(), _dynamic_agent_port():
+    with loopback_node_ip(), _dynamic_agent_port():
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -145,15 +145,15 @@ LOOPBACK = "127.0.0.1"
 # Windows; then every server binds the loopback address. The switch is an environment variable read
 # at `import ray`, so the already-imported constant is set for the duration of ray.init as well; the
 # raylet and the workers it starts inherit the variable.
-_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @contextlib.contextmanager
-def _loopback_node_ip() -> Iterator[None]:
+def loopback_node_ip() -> Iterator[None]:
     from ray._private import ray_constants
 
-    old_env, old_flag = os.environ.get(_LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[_LOCAL_ONLY_ENV] = "0"
+    old_env, old_flag = os.environ.get(LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOCAL_ONLY_ENV] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         yield
@@ -161,9 +161,9 @@ def _loopback_node_ip() -> Iterator[None]:
         # Restored so that a later connect() to a real cluster reports this machine's own address.
         ray_constants.ENABLE_RAY_CLUSTER = old_flag
         if old_env is None:
-            os.environ.pop(_LOCAL_ONLY_ENV, None)
+            os.environ.pop(LOCAL_ONLY_ENV, None)
         else:
-            os.environ[_LOCAL_ONLY_ENV] = old_env
+            os.environ[LOCAL_ONLY_ENV] = old_env
 
 
 @contextlib.contextmanager

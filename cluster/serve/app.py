@@ -81,7 +81,7 @@ def start_server(
     from cluster.replicas.placement import connect
 
     check_port_free(host, port)  # in a second, not after Ray and Serve's proxy retried for ~20 s
-    with _proxy_env(config):
+    with proxy_env(config):
         started = connect(config)
     try:
         serve.start(http_options={"host": host, "port": port})
@@ -115,7 +115,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 @contextlib.contextmanager
-def _proxy_env(config: EngineConfig) -> Iterator[None]:
+def proxy_env(config: EngineConfig) -> Iterator[None]:
     """While Ray starts here: the environment its workers inherit, Serve's proxy among them (a cluster
     joined through RAY_ADDRESS keeps its own)."""
     added = {k: v for k, v in PROXY_ONE_LOOP.items() if k not in os.environ} if config.serve.single_event_loop else {}

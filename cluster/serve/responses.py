@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from cluster.job.openai_batch import _logprobs as openai_logprobs
+from cluster.job.openai_batch import openai_logprobs
 from cluster.outputs import RequestOutput
 from cluster.serve.generation import ChoiceDelta
 

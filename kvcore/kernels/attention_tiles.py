@@ -38,7 +38,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tiles:
+class Tiles:
     block_m: int
     block_n: int
     num_warps: int
@@ -100,28 +100,28 @@ def longest_first_max_seqs(num_kv_heads: int, num_sms: int) -> int:
     return _LPT_MAX_PROGRAMS_PER_SM * num_sms // max(1, num_kv_heads) if value == "lpt" else 0
 
 
-def small_tiles(group: int, head_size: int = 128, elem_bytes: int = 2) -> _Tiles:
+def small_tiles(group: int, head_size: int = 128, elem_bytes: int = 2) -> Tiles:
     """Decodes and short chunks: the smallest MMA (16 rows) holding the GROUP heads of a token;
     128-wide KV tiles keep enough bytes in flight for the bandwidth-bound case."""
     rows = max(16, triton.next_power_of_2(group))
     if _wide(head_size, elem_bytes):
-        return _Tiles(rows, 32, 4, 2)
+        return Tiles(rows, 32, 4, 2)
     override = decode_tiles_override(os.environ.get(DECODE_TILES_ENV))
     if override is not None:
-        return _Tiles(rows, *override)
-    return _Tiles(rows, 128, 4, 3)
+        return Tiles(rows, *override)
+    return Tiles(rows, 128, 4, 3)
 
 
-def large_tiles(group: int, head_size: int, elem_bytes: int = 2) -> _Tiles:
+def large_tiles(group: int, head_size: int, elem_bytes: int = 2) -> Tiles:
     """Prefill chunks: 128-row tiles keep Hopper's tensor cores busy; head sizes above 128 halve
     the rows to keep the fp32 accumulator in registers."""
     if _wide(head_size, elem_bytes):
-        return _Tiles(max(32, triton.next_power_of_2(group)), 16, 4, 2)
+        return Tiles(max(32, triton.next_power_of_2(group)), 16, 4, 2)
     block_m = max(128 if head_pad(head_size) <= 128 else 64, triton.next_power_of_2(group))
-    return _Tiles(block_m, 64, 8 if block_m >= 128 else 4, 3)
+    return Tiles(block_m, 64, 8 if block_m >= 128 else 4, 3)
 
 
-def shrink(tiles: _Tiles, min_rows: int) -> _Tiles | None:
+def shrink(tiles: Tiles, min_rows: int) -> Tiles | None:
     """KV columns halved to 16, then fewer stages, then rows halved down to min_rows (the small
     launch keeps its rows: they decide which launch serves a sequence); None when nothing is left."""
     if tiles.block_n > 16:
@@ -133,13 +133,13 @@ def shrink(tiles: _Tiles, min_rows: int) -> _Tiles | None:
     return None
 
 
-def smem_model(tiles: _Tiles, head_pad: int) -> int:
+def smem_model(tiles: Tiles, head_pad: int) -> int:
     """Shared memory of a launch, up to a constant factor: the pipelined K and V tiles plus the
     score tile. Only ratios are used, calibrated by what the compiler reported for one variant."""
     return max(1, tiles.num_stages - 1) * 2 * tiles.block_n * head_pad + tiles.block_m * tiles.block_n
 
 
-def fit(tiles: _Tiles, min_rows: int, head_pad: int, required: int, limit: int) -> _Tiles | None:
+def fit(tiles: Tiles, min_rows: int, head_pad: int, required: int, limit: int) -> Tiles | None:
     """The first tiles along shrink()'s chain that should fit: the compiler said `tiles` need
     `required` bytes against `limit`, and each candidate is scaled by smem_model. One failed compile
     then jumps straight to a fitting variant, where walking the chain one step a time compiled up to

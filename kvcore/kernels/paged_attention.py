@@ -44,7 +44,7 @@ import torch
 import triton
 
 from kvcore.kernels.attention_tiles import (
-    _Tiles,
+    Tiles,
     choose_num_splits,
     fit,
     head_pad,
@@ -64,27 +64,27 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_FITTED: dict[tuple, _Tiles] = {}  # tiles too big for the device -> the smaller ones that fitted
+FITTED_TILES: dict[tuple, Tiles] = {}  # tiles too big for the device -> the smaller ones that fitted
 
 
-def _launch(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int, max_query_len: int) -> None:
-    """_launch_tiles with tiles the device holds: head 256 in fp32 (Gemma) needed 281 KiB of shared
+def _launch(a: dict, tiles: Tiles, num_splits: int, q_filter: int, small_q: int, max_query_len: int) -> None:
+    """launch_tiles with tiles the device holds: head 256 in fp32 (Gemma) needed 281 KiB of shared
     memory on the H200 (227 there), so smaller tiles are tried once per shape and remembered.
     Warm-up launches before any capture, so a CUDA graph never records a failed try."""
     key = (tiles, a["head_pad"], a["query"].dtype, a["key_cache"].dtype, a["precision"])
-    tiles = _FITTED.get(key, tiles)
+    tiles = FITTED_TILES.get(key, tiles)
     while True:
         try:
-            return _launch_tiles(a, tiles, num_splits, q_filter, small_q, max_query_len)
+            return launch_tiles(a, tiles, num_splits, q_filter, small_q, max_query_len)
         except triton.runtime.errors.OutOfResources as e:
             min_rows = tiles.block_m if q_filter != 2 else max(16, a["group"])
             smaller = fit(tiles, min_rows, a["head_pad"], int(e.required), int(e.limit))
             if smaller is None:
                 raise
-            tiles = _FITTED[key] = smaller
+            tiles = FITTED_TILES[key] = smaller
 
 
-def _launch_tiles(a: dict, tiles: _Tiles, num_splits: int, q_filter: int, small_q: int, max_query_len: int) -> None:
+def launch_tiles(a: dict, tiles: Tiles, num_splits: int, q_filter: int, small_q: int, max_query_len: int) -> None:
     """One kernel launch over the batch. q_filter 1 serves only sequences with q_len <= small_q,
     2 only the others, 0 all of them."""
     query, key_cache, value_cache, out = a["query"], a["key_cache"], a["value_cache"], a["out"]
@@ -197,7 +197,7 @@ def paged_attention_triton(
     group = num_heads // key_cache.shape[2]
     small = small_tiles(group, head_size, query.element_size())
     if block_m is not None or block_n is not None:
-        small = _Tiles(block_m or small.block_m, block_n or small.block_n, 4, 2)
+        small = Tiles(block_m or small.block_m, block_n or small.block_n, 4, 2)
     if small.block_m < group:
         raise ValueError(f"block_m={small.block_m} must be >= query heads per KV head ({group})")
     small_q = small.block_m // group

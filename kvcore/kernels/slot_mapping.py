@@ -29,7 +29,7 @@ TOKEN_TILE = 256
 
 
 @triton.jit
-def _slot_mapping_kernel(
+def slot_mapping_kernel(
     query_start_loc_ptr: tl.tensor,  # int32 [num_reqs + 1]
     positions_ptr: tl.tensor,  # int64/int32 [>= num_tokens]
     num_reqs: tl.tensor,
@@ -85,7 +85,7 @@ def triton_runs_on(device: torch.device) -> bool:
         return True
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_slot_mapping_kernel, InterpretedFunction)
+    return isinstance(slot_mapping_kernel, InterpretedFunction)
 
 
 class SlotMappingLaunch:
@@ -125,7 +125,7 @@ class SlotMappingLaunch:
     def __call__(self, num_reqs: int, query_start_loc: torch.Tensor, positions: torch.Tensor) -> None:
         num_out = min(positions.numel(), self.buffer_len)
         grid = (max(1, triton.cdiv(num_out, TOKEN_TILE)), self.num_groups)
-        _slot_mapping_kernel[grid](
+        slot_mapping_kernel[grid](
             query_start_loc,
             positions,
             num_reqs,

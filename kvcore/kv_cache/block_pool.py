@@ -176,11 +176,12 @@ class BlockPool:
         for block in new_blocks:
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
             if block.block_hash is not None:  # most reused blocks hold no cached content
-                self._evict_cached_block(block)
+                self.evict_cached_block(block)
             block.ref_cnt = 1
         return new_blocks
 
-    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+    def evict_cached_block(self, block: KVCacheBlock) -> None:
+        """Forget a block's prefix-cache entry (its content is about to change); uncached: nothing."""
         key = block.block_hash
         if key is None:
             return

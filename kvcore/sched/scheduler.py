@@ -69,7 +69,9 @@ class Scheduler(RequestBook):
         )
         self._step_id = 0
         self._last_step: tuple[SchedulerOutput | None, list[Request | None] | None] = (None, None)
-        self._fast_block_size = self._fit.fast_block_size
+        # Tokens a running request may add without asking the manager for blocks: only when it crosses
+        # a multiple of this. 1 asks the manager every step, as vLLM does (the simulation test compares).
+        self.fast_block_size = self._fit.fast_block_size
 
     # ------------------------------------------------------------------ schedule
 
@@ -110,7 +112,7 @@ class Scheduler(RequestBook):
         running = self.running
         threshold = self.long_prefill_token_threshold
         last_pos = self.max_model_len - 1  # the final token's KV is never needed
-        fast_bs = self._fast_block_size
+        fast_bs = self.fast_block_size
         add_computed = cached.num_computed_tokens.append
         allocate = self.kv_cache_manager.allocate_slots
         num_cached = getattr(self.kv_cache_manager, "num_cached_blocks", None)  # a stand-in manager may lack it

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from actors.layers.fp8_linear import MIN_SCALE
+from actors.layers.kernels.fp8_scale import MIN_SCALE
 from kvcore.kernels.fp8 import FORMATS
 from kvcore.kernels.fp8_round import round_to_fp8_grid
 

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-TINY_RANDOM = "tiny-random"
+from actors.models.model_dir import resolve_model_dir
 
 
 @dataclass
@@ -24,24 +24,6 @@ class NodeProbe:
     port: int
     hf_config: dict[str, Any] = field(default_factory=dict)
     model_dir: str = ""
-
-
-def resolve_model_dir(name: str) -> str:
-    """ "tiny-random" -> the built-in model (written on first use); otherwise an existing local
-    directory. Nothing is downloaded."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"model={name!r}: must be a local HF model directory or {TINY_RANDOM!r}")
-    if name == TINY_RANDOM:
-        from actors.models.tiny_random import ensure_tiny_random  # torch: only for the built-in model
-
-        return ensure_tiny_random()
-    path = os.path.abspath(os.path.expanduser(name))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"model={name!r}: no such directory (kvray loads local HF-format directories, "
-            f"or the built-in {TINY_RANDOM!r}; it downloads nothing)"
-        )
-    return path
 
 
 def probe_node(model: str | None) -> NodeProbe:

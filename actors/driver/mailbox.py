@@ -1,0 +1,198 @@
+"""The driver's mailbox: where client calls and the step loop meet, under one condition variable.
+
+Client calls (add_requests, abort, get_outputs, stats) run on Ray's actor threads and never wait for a
+step: new requests and aborts wait in the inbox until the loop drains it before a step, and outputs wait
+in the outbox until the client polls. The mailbox also keeps the books on every unfinished request
+(actors/driver/live_requests.py) and the replica's state as the client sees it: up, waiting for
+resources to rebuild on (it refuses requests and gives its live ones back), or down for good.
+
+Thread-safe: every method takes the lock. The recovery (actors/driver/recovery.py) and the poison hunt
+(actors/driver/poison.py) change the books through these methods only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterable
+
+from actors.driver.live_requests import LiveRequests
+from actors.messages import PollResult, RequestSpec, RequestTiming, error_output
+from kvcore.messages import EngineCoreOutput
+from kvcore.request import Request
+
+
+class Mailbox:
+    def __init__(self) -> None:
+        # Condition's default lock is re-entrant: a method may call another under it.
+        self._cv = threading.Condition()
+        self._inbox: list[RequestSpec] = []
+        self._abort_inbox: list[str] = []
+        self._outbox: list[EngineCoreOutput] = []
+        self._timings: dict[str, RequestTiming] = {}
+        self._live = LiveRequests()
+        self._fatal: str | None = None
+        self._unavailable: str | None = None  # why, while it waits for resources to rebuild on
+        self._returned: list[str] = []  # requests given back to the client meanwhile
+        self._stop = False
+        self.peak_kv_usage = 0.0
+        self.num_output_tokens = 0
+
+    # ---- the client's side -------------------------------------------------------------------
+    def submit(self, specs: list[RequestSpec], check: Callable[[RequestSpec], str | None]) -> list[str | None]:
+        """Queue every spec that `check` passes (None); -> its refusal message or None, per spec. The
+        check runs under the lock, so that two requests with one id cannot both pass."""
+        errors: list[str | None] = []
+        with self._cv:
+            for spec in specs:
+                err = check(spec)
+                if err is None:
+                    self._live.add(spec, time.monotonic())
+                    self._inbox.append(spec)
+                errors.append(err)
+            self._cv.notify_all()
+        return errors
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        with self._cv:
+            self._abort_inbox.extend(request_ids)
+            self._cv.notify_all()
+
+    def poll(self, timeout_s: float) -> PollResult:
+        """Outputs since the last poll; waits up to timeout_s for the first one."""
+        with self._cv:
+            if not self._outbox and self._fatal is None and not self._returned:
+                self._cv.wait(timeout_s)
+            out, self._outbox = self._outbox, []
+            returned, self._returned = self._returned, []
+            timings = {
+                o.request_id: self._timings.pop(o.request_id)
+                for o in out
+                if o.finished and o.request_id in self._timings
+            }
+            return PollResult(out, timings, self._fatal, returned, self._unavailable is None)
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the replica is down for good; None while it is up."""
+        with self._cv:
+            return self._fatal
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the replica refuses requests for now (it waits for resources); None while it takes them."""
+        with self._cv:
+            return self._unavailable
+
+    def __contains__(self, rid: object) -> bool:
+        """Whether the driver still answers for `rid` (accepted and not yet finished)."""
+        with self._cv:
+            return rid in self._live
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._live)
+
+    @property
+    def num_replayed(self) -> int:
+        with self._cv:
+            return self._live.num_replayed
+
+    # ---- the step loop's side ----------------------------------------------------------------
+    def next_work(self, has_unfinished: Callable[[], bool]) -> tuple[list[RequestSpec], list[str]] | None:
+        """Wait until there is something to do: new requests, aborts, or unfinished work in the engine
+        (`has_unfinished`). -> (new requests, aborts), or None once `stop` was called."""
+        with self._cv:
+            while not self._stop and not self._inbox and not self._abort_inbox and not has_unfinished():
+                self._cv.wait(0.5)
+            if self._stop:
+                return None
+            new, self._inbox = self._inbox, []
+            aborts, self._abort_inbox = self._abort_inbox, []
+            return new, aborts
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+
+    @property
+    def stopping(self) -> bool:
+        with self._cv:
+            return self._stop
+
+    def publish(self, outputs: list[EngineCoreOutput], kv_cache_usage: float) -> int:
+        """One step's outputs to the outbox, their timings to the books; -> the tokens they carry."""
+        now = time.monotonic()
+        new_tokens = 0
+        with self._cv:
+            for o in outputs:
+                new_tokens += len(o.new_token_ids)
+                self._book_timing(o.request_id, self._live.record(o, now))
+                self._outbox.append(o)
+            self.num_output_tokens += new_tokens
+            self.peak_kv_usage = max(self.peak_kv_usage, kv_cache_usage)
+            if outputs:
+                self._cv.notify_all()
+        return new_tokens
+
+    def drop_replayed(
+        self, outputs: list[EngineCoreOutput], abort: Callable[[list[str]], None]
+    ) -> list[EngineCoreOutput]:
+        """See LiveRequests.drop_replayed: tokens a restarted request regenerates are not published twice."""
+        with self._cv:
+            return self._live.drop_replayed(outputs, abort)
+
+    def end(self, rid: str, output: EngineCoreOutput) -> None:
+        """End one request here (the engine does not hold it, or no longer runs it) with `output`."""
+        with self._cv:
+            self._book_timing(rid, self._live.retire(rid, time.monotonic()))
+            self._outbox.append(output)
+            self._cv.notify_all()
+
+    def finish_with_error(self, rid: str, message: str) -> None:
+        self.end(rid, error_output(rid, message))
+
+    def requeue(self, rid: str, add_request: Callable[[Request], None], eos_token_id: int | None) -> None:
+        """Hand a live request to the engine again, by recompute (after a restart or a poison reset). One
+        request that cannot be re-queued fails alone; the others go on."""
+        try:
+            with self._cv:
+                request = self._live.restart(rid, eos_token_id)
+            add_request(request)
+        except Exception as e:  # noqa: BLE001 - its error output says why
+            self.finish_with_error(rid, f"request {rid!r}: could not be re-queued after a worker restart: {e}")
+
+    def waiting_in_engine(self) -> list[str]:
+        """The live requests the engine holds or held: every live one not still in the inbox."""
+        with self._cv:
+            pending = {s.request_id for s in self._inbox}
+            return [rid for rid in self._live.ids() if rid not in pending]
+
+    def fail_all(self, message: str) -> None:
+        """The replica is down for good: every live request ends with `message`, new ones are refused."""
+        with self._cv:
+            self._fatal = message
+            for rid in self._live.clear():
+                self._outbox.append(error_output(rid, message))
+            self._inbox.clear()
+            self._cv.notify_all()
+
+    def hand_back(self, why: str) -> None:
+        """The replica cannot run for now: every live request goes back to the client (which sends it to
+        another replica), and new ones are refused with `why` until `resume`."""
+        with self._cv:
+            self._unavailable = why
+            self._returned.extend(self._live.clear())
+            self._inbox.clear()
+            self._cv.notify_all()
+
+    def resume(self) -> bool:
+        """The replica takes requests again; -> whether it had refused them."""
+        with self._cv:
+            was, self._unavailable = self._unavailable is not None, None
+            return was
+
+    def _book_timing(self, rid: str, timing: RequestTiming | None) -> None:
+        if timing is not None:
+            self._timings[rid] = timing

@@ -1,0 +1,19 @@
+"""Pick the control-plane transport named by `ray.transport` (its three kinds: actors/transport/broadcast.py
+and actors/transport/shm.py). A module of its own so that shm.py builds on broadcast.py without a circle."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from actors.transport.broadcast import ActorCallTransport, CompiledGraphTransport, Transport
+from actors.transport.shm import ShmTransport
+
+
+def make_transport(kind: str, workers: Sequence[Any], step_timeout_s: float) -> Transport:
+    if kind == "compiled_graph":
+        return CompiledGraphTransport(workers, step_timeout_s)
+    if kind == "actor_calls":
+        return ActorCallTransport(workers, step_timeout_s)
+    if kind == "shm":
+        return ShmTransport(workers, step_timeout_s)
+    raise ValueError(f"ray.transport={kind!r}: must be compiled_graph, actor_calls or shm")
