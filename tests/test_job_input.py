@@ -207,3 +207,27 @@ def test_stop_strings_and_n_go_through_the_clients_output_processor(tmp_path, to
     assert [o["text"] for o in by_id["n"]["outputs"]] == ["AB", "AB"] and stats.output_tokens == 4 + len(
         by_id["s"]["output_token_ids"]
     )
+
+
+@pytest.mark.parametrize(
+    "line,rid,message",
+    [
+        ('{"id": "f-unknown", "prompt": "x", "best_of": 2}', "f-unknown", "unknown field(s) ['best_of']"),
+        ('{"id": "neg", "prompt_token_ids": [-1]}', "neg", "prompt_token_ids"),
+        ('{"id": "typo", "prompt": "x", "max_token": 3}', "typo", "unknown field(s) ['max_token']"),
+        ('{"id": "both", "prompt": "x", "prompt_token_ids": [1]}', "both", "needs exactly one of"),
+        ('{"id": "neither", "max_tokens": 3}', "neither", "needs exactly one of"),
+        ('{"id": "int-prompt", "prompt": 7}', "int-prompt", "prompt must be a string"),
+        ('{"id": "floats", "prompt_token_ids": [1.0, 2.5]}', "floats", "prompt_token_ids"),
+        ('{"id": "sur", "prompt": "a\\ud800"}', "sur", "lone surrogate U+D800"),
+        ('{"id": 42, "prompt": 7}', "42", "prompt must be a string"),
+        ('{"prompt": 7}', "1", "prompt must be a string"),  # no id: the line's own, as a good line gets
+    ],
+)
+def test_an_error_record_keeps_the_lines_readable_id(tmp_path, tokenizer, line, rid, message):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(line + "\n")
+    stats, recs, _ = run_job(tmp_path, inp, tokenizer)
+    assert stats.errors == 1 and len(recs) == 1
+    assert recs[0]["finish_reason"] == "error" and message in recs[0]["error"], recs[0]["error"]
+    assert recs[0]["id"] == rid

@@ -212,8 +212,10 @@ class InputReader:
                 item.batch = {k: fields.pop(k) for k in ("custom_id", "url", "model")}
                 item.id = item.batch["custom_id"]  # checked: a valid, printable string
             else:
+                default_id = str(n) if shard.label is None else f"{shard.label}:{n}"
+                item.id = _readable_id(rec, default_id)  # its error record keeps it, whichever field is wrong
                 fields = _kvray_fields(where, rec)
-                rid = fields.pop("id") if "id" in fields else (str(n) if shard.label is None else f"{shard.label}:{n}")
+                rid = fields.pop("id", default_id)
                 _check_id(where, rid)
                 item.id = rid
             if item.id in self.seen:
@@ -340,13 +342,31 @@ def _check_id(where: str, rid: str) -> None:
 
 def _usable_custom_id(rec: Any) -> str | None:
     cid = rec.get("custom_id") if isinstance(rec, dict) else None
-    if not isinstance(cid, str) or not cid or not cid.isprintable():
+    return cid if isinstance(cid, str) and _printable(cid) else None
+
+
+def _readable_id(rec: Any, default_id: str) -> str | None:
+    """A kvray line's id as its record will carry it, when it has one (a non-empty printable string or an
+    integer; the line's own number when it has no `id`); read before any other field is checked, so that
+    the line's error record names it."""
+    if not isinstance(rec, dict):
         return None
+    if "id" not in rec:
+        return default_id
+    rid = rec["id"]
+    if isinstance(rid, int) and not isinstance(rid, bool):
+        return str(rid)
+    return rid if isinstance(rid, str) and _printable(rid) else None
+
+
+def _printable(text: str) -> bool:
+    if not text or not text.isprintable():
+        return False
     try:
-        cid.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
-        return None
-    return cid
+        return False
+    return True
 
 
 def _short(v: Any, limit: int = 80) -> str:
