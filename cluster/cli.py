@@ -164,21 +164,18 @@ def _fail(code: int, message: str) -> int:
 
 
 def _embedded(config: EngineConfig) -> bool:
-    return not (config.ray.address or os.environ.get("RAY_ADDRESS"))
+    from cluster.replicas.placement import ray_address
+
+    return ray_address(config) is None
 
 
 def check_model(config: EngineConfig) -> None:
-    """The model must exist here before Ray starts, when Ray runs here too; on a cluster it may live
-    on the nodes only (token-id prompts still work then)."""
-    from actors.driver.node_probe import resolve_model_dir
+    """The model must exist here before Ray starts, when Ray runs here too (cluster.llm.check_model_here);
+    config.json's rules are checked wherever it is readable."""
     from actors.models.architectures import UnsupportedArchitectureError
-    from cluster.llm import check_client_model, load_client_model
+    from cluster.llm import check_client_model, check_model_here, load_client_model
 
-    if _embedded(config):
-        try:
-            resolve_model_dir(config.model.model)
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"model.model: {e}") from None
+    check_model_here(config)
     try:
         _, hf_config = load_client_model(config)
         if hf_config is not None:

@@ -44,12 +44,23 @@ def total_request(config: EngineConfig) -> dict[str, float]:
     return _sum(bundles_for(config) * config.parallel.data_parallel_size)
 
 
+def ray_address(config: EngineConfig) -> str | None:
+    """The Ray cluster this process joins: config.ray.address, else RAY_ADDRESS (as under `ray job
+    submit`); None starts an embedded local Ray."""
+    return config.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def embedded_ray(config: EngineConfig) -> bool:
+    """Whether `connect` would start Ray on this machine (no address, and no Ray in this process yet)."""
+    return ray_address(config) is None and not ray.is_initialized()
+
+
 def connect(config: EngineConfig) -> bool:
     """Make sure this process talks to Ray. Returns True when this call started a local Ray."""
     warn_if_no_bytecode()
     if ray.is_initialized():
         return False
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    address = ray_address(config)
     if address:
         # A loopback address is a kvray-style local Ray: this process must take 127.0.0.1 for its own
         # node address too, or it looks for a raylet on the machine's outward IP and never finds one.
