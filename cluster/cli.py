@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         check_model(config)
+        if not _embedded(config):
+            connect_interruptibly(config)
         if args.command == "stress":
             return cmd_stress(config, args)
         if args.command == "serve":
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(config, args) if args.command == "run" else cmd_info(config, args)
     except (ConfigError, JobError) as e:
         return _fail(EXIT_USAGE, str(e))
+    except KeyboardInterrupt:  # Ctrl-C while connecting or starting up: one line, no traceback
+        return _fail(EXIT_INTERRUPTED, "interrupted")
     except Exception as e:  # noqa: BLE001 - the message is the interface: one clear line, then exit 1
         if args.verbose:
             log.exception("failed")
@@ -167,6 +171,35 @@ def _embedded(config: EngineConfig) -> bool:
     from cluster.replicas.placement import ray_address
 
     return ray_address(config) is None
+
+
+def connect_interruptibly(config: EngineConfig) -> None:
+    """Join the cluster at ray.address / RAY_ADDRESS with Ctrl-C ending the command at once (exit 130,
+    one line): ray.init waits on the GCS inside C++, where Python's SIGINT handler cannot run until it
+    returns (10-27 s). The signal's wakeup byte reaches a watcher thread at once instead. Only here,
+    where no local Ray process has started yet, is ending without clean-up safe."""
+    import signal
+    import threading
+
+    from cluster.replicas.placement import connect
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def watch() -> None:
+        while byte := os.read(read_fd, 1):
+            if byte[0] == signal.SIGINT:
+                os.write(2, b"kvray: interrupted\n")
+                os._exit(EXIT_INTERRUPTED)
+        os.close(read_fd)
+
+    threading.Thread(target=watch, name="kvray-ctrl-c", daemon=True).start()
+    previous = signal.set_wakeup_fd(write_fd)
+    try:
+        connect(config)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(write_fd)  # the watcher reads the end and leaves
 
 
 def check_model(config: EngineConfig) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,6 +56,46 @@ def embedded_ray(config: EngineConfig) -> bool:
     return ray_address(config) is None and not ray.is_initialized()
 
 
+class RayConnectError(ConnectionError):
+    """The Ray address given cannot be reached; the message names it and what to check."""
+
+
+CONNECT_TIMEOUT_S = 10.0  # a GCS that does not accept a TCP connection in this long is not there
+
+
+def check_reachable(config: EngineConfig, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail at once, naming the address, when nothing listens there: ray.init retries an unreachable
+    address (or a stale `auto`, whose cluster is gone) for more than ten minutes before giving up."""
+    address = ray_address(config)
+    if address is None:
+        return
+    name = f"ray.address={address!r}" if config.ray.address else f"RAY_ADDRESS={address!r}"
+    hint = (
+        "check that the Ray cluster is up (`ray status` on its head node), that this is its GCS address "
+        "(head:6379 by default; ray:// for Ray Client, port 10001) and that this machine can reach it; "
+        "or unset ray.address and RAY_ADDRESS to start a local Ray"
+    )
+    target = address[len("ray://") :] if address.startswith("ray://") else address
+    if target == "auto":
+        from ray._private.services import get_ray_address_from_environment  # the last cluster started here
+
+        try:
+            target = get_ray_address_from_environment("auto", None) or ""
+        except ConnectionError as e:
+            raise RayConnectError(f"{name}: {e}; {hint}") from None
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise RayConnectError(f"{name}: not a host:port address; {hint}")
+    where = "" if target == address else f" (resolved to {target})"
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise RayConnectError(
+            f"{name}{where}: nothing answers at {target} within {timeout_s:g}s ({why}); {hint}"
+        ) from None
+
+
 def connect(config: EngineConfig) -> bool:
     """Make sure this process talks to Ray. Returns True when this call started a local Ray."""
     warn_if_no_bytecode()
@@ -62,6 +103,7 @@ def connect(config: EngineConfig) -> bool:
         return False
     address = ray_address(config)
     if address:
+        check_reachable(config)
         # A loopback address is a kvray-style local Ray: this process must take 127.0.0.1 for its own
         # node address too, or it looks for a raylet on the machine's outward IP and never finds one.
         with _loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext():
