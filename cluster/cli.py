@@ -14,6 +14,7 @@ All of them work unchanged under `ray job submit --working-dir . -- kvray ...` (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -75,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--summary-json", help="also write the summary as JSON to this path")
     run.add_argument("--num-requests", type=int, default=32, help="size of the synthetic workload")
-    run.add_argument("--max-tokens", type=int, default=16, help="default max_tokens for input lines without one")
+    run.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens for input lines without one (default: the model's generation_config.json, else 16, "
+        "as LLM.generate; OpenAI chat lines: the rest of the context, as kvray serve)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument(
         "--profile",
@@ -300,19 +307,23 @@ def _warn_oversubscribed(config: EngineConfig) -> None:
 
 
 def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total: int | None) -> int:
+    from cluster.client.sampling_defaults import default_sampling_params
     from cluster.job.batch_job import Job, format_summary, summarize, synthetic_items
     from cluster.job.input import InputReader, Item
-    from cluster.llm import load_client_model
+    from cluster.llm import client_model_dir, load_client_model
     from cluster.replicas.engine_group import EngineFailure, EngineGroup
-    from kvcore.request import SamplingParams
 
     tokenizer, hf_config = load_client_model(config)
+    # Every field a line leaves out takes the default LLM.generate and kvray serve take.
+    defaults = default_sampling_params(client_model_dir(config) if hf_config is not None else None)
+    if args.max_tokens is not None:
+        defaults = dataclasses.replace(defaults, max_tokens=args.max_tokens)
     engines = EngineGroup(config)
     try:
         info = engines.info
         items: Iterable[Item]
         if shards:
-            items = InputReader(shards, SamplingParams(max_tokens=args.max_tokens))
+            items = InputReader(shards, defaults, chat_to_context_end=args.max_tokens is None)
         else:
             items = synthetic_items(
                 args.num_requests, config.model.seed, int(info["vocab_size"]), int(info["max_model_len"])

@@ -13,6 +13,7 @@ see cluster/job/openai_batch.py) or kvray's own `{"id"?, "prompt" | "prompt_toke
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -20,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterator
 
+from cluster.client.sampling_defaults import chat_max_tokens
 from cluster.job.keys import KeySet
 from cluster.job.openai_batch import BatchLineError, parse_batch_record
 from kvcore.request import RequestValidationError, SamplingParams, check_token_ids
@@ -171,8 +173,12 @@ class InputReader:
         limits: Limits | None = None,
         done: KeySet | None = None,
         render_chat: Callable[[list[Any]], str] | None = None,
+        chat_to_context_end: bool = True,
     ) -> None:
         self.shards = shards
+        # An OpenAI chat line without max_tokens runs to the end of the context, as kvray serve answers it;
+        # False when the caller set the default max_tokens itself (kvray run --max-tokens).
+        self.chat_to_context_end = chat_to_context_end
         self.default_sp = default_sp
         self.tokenizer = tokenizer
         self.limits = limits or Limits()
@@ -260,6 +266,15 @@ class InputReader:
             if fields.get("chat")
             else self.tokenizer.encode(item.prompt)
         )
+        if (
+            fields.get("chat")
+            and self.chat_to_context_end
+            and "max_tokens" not in overrides
+            and self.limits.max_model_len is not None
+        ):
+            # As `kvray serve` answers the same request (cluster/client/sampling_defaults.py).
+            budget = chat_max_tokens(self.limits.max_model_len, len(item.prompt_token_ids))
+            item.sampling = dataclasses.replace(item.sampling, max_tokens=budget)
 
 
 def encode_rendered_chat(tokenizer: Any, text: str) -> list[int]:
