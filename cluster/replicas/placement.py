@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,7 +108,10 @@ def connect(config: EngineConfig) -> bool:
         check_reachable(config)
         # A loopback address is a kvray-style local Ray: this process must take 127.0.0.1 for its own
         # node address too, or it looks for a raylet on the machine's outward IP and never finds one.
-        with _loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext():
+        with (
+            interrupts_held_until_ray_is_up(),
+            _loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext(),
+        ):
             ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
         return False
     need = int(total_request(config).get("CPU", 0))
@@ -180,7 +185,7 @@ def start_local_ray(
         os.environ["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT, *paths])
     # address="local": a new private instance even when `ray start` left a cluster on this machine
     # (plain ray.init() would join that one, and then refuse num_cpus).
-    with _loopback_node_ip(), _dynamic_agent_port():
+    with interrupts_held_until_ray_is_up(), _loopback_node_ip(), _dynamic_agent_port():
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -190,6 +195,32 @@ def start_local_ray(
             dashboard_host=LOOPBACK,
             **kwargs,
         )
+
+
+@contextlib.contextmanager
+def interrupts_held_until_ray_is_up() -> Iterator[None]:
+    """Ctrl-C (SIGINT) during ray.init is held until ray.init returns, then raised as KeyboardInterrupt
+    (with Ray shut down again). Raised in the middle of it, the interrupt left a half-built core worker
+    that crashed the process on its way out (SIGSEGV, exit 139: seen once in nine Ctrl-C during start-up,
+    reproduced by interrupting ray.init). `kvray` itself ends at once while it connects to an address
+    (cluster/cli.py). Only the main thread can set a handler; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous in (signal.SIG_IGN, None):  # ignored (a background job), or a handler Python cannot see
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        if ray.is_initialized():
+            ray.shutdown()
+        raise KeyboardInterrupt
 
 
 LOOPBACK = "127.0.0.1"
