@@ -14,6 +14,7 @@ All of them work unchanged under `ray job submit --working-dir . -- kvray ...` (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -29,11 +30,13 @@ EXIT_FAILED = 1  # the engine or the cluster failed (or the output could not be 
 EXIT_USAGE = 2  # a bad config, argument, input or output path, or a model path that does not exist
 EXIT_LINE_ERRORS = 3  # the job finished, but some lines got error records (the count is on the last line)
 EXIT_INTERRUPTED = 130  # Ctrl-C
+EXIT_CLOSED_OUTPUT = 141  # the reader of stdout went away (`--output - | head`): 128 + SIGPIPE, as Unix tools
 
 EXIT_CODES = f"""exit codes: {EXIT_OK} every line answered; {EXIT_FAILED} the engine or cluster failed \
 (rerun to resume);
 {EXIT_USAGE} bad config, arguments, input/output path or model path (checked before Ray starts);
-{EXIT_LINE_ERRORS} finished, some lines got error records; {EXIT_INTERRUPTED} interrupted (rerun to resume)"""
+{EXIT_LINE_ERRORS} finished, some lines got error records; {EXIT_INTERRUPTED} interrupted (rerun to resume);
+{EXIT_CLOSED_OUTPUT} the reader of stdout went away (--output - | head)"""
 
 
 def _version() -> str:
@@ -58,19 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a batch of prompts (JSON lines) through the engines")
     _common(run)
     run.add_argument(
+        "-i",
         "--input",
         help="JSON lines (kvray's {id?, prompt | prompt_token_ids, sampling fields?} or "
         "OpenAI Batch API lines): a file, a directory of *.jsonl shards, a glob, "
         "or - for stdin; without it, a built-in synthetic workload",
     )
     run.add_argument(
+        "-o",
         "--output",
         help="JSON lines, appended as requests finish; a rerun skips ids answered "
-        "there and retries failed ones (default: kvray-<timestamp>.out.jsonl)",
+        "there and retries failed ones (default: kvray-<timestamp>.out.jsonl); - for stdout "
+        "(records only: the progress bar and the summary go to stderr)",
     )
     run.add_argument("--summary-json", help="also write the summary as JSON to this path")
     run.add_argument("--num-requests", type=int, default=32, help="size of the synthetic workload")
-    run.add_argument("--max-tokens", type=int, default=16, help="default max_tokens for input lines without one")
+    run.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens for input lines without one (default: the model's generation_config.json, else 16, "
+        "as LLM.generate; OpenAI chat lines: the rest of the context, as kvray serve)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument(
         "--profile",
@@ -145,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         check_model(config)
+        if not _embedded(config):
+            connect_interruptibly(config)
         if args.command == "stress":
             return cmd_stress(config, args)
         if args.command == "serve":
@@ -152,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(config, args) if args.command == "run" else cmd_info(config, args)
     except (ConfigError, JobError) as e:
         return _fail(EXIT_USAGE, str(e))
+    except KeyboardInterrupt:  # Ctrl-C while connecting or starting up: one line, no traceback
+        return _fail(EXIT_INTERRUPTED, "interrupted")
+    except BrokenPipeError:  # `kvray info | head`: the reader went away
+        _silence_stdout()
+        return EXIT_CLOSED_OUTPUT
     except Exception as e:  # noqa: BLE001 - the message is the interface: one clear line, then exit 1
         if args.verbose:
             log.exception("failed")
@@ -164,21 +183,47 @@ def _fail(code: int, message: str) -> int:
 
 
 def _embedded(config: EngineConfig) -> bool:
-    return not (config.ray.address or os.environ.get("RAY_ADDRESS"))
+    from cluster.replicas.placement import ray_address
+
+    return ray_address(config) is None
+
+
+def connect_interruptibly(config: EngineConfig) -> None:
+    """Join the cluster at ray.address / RAY_ADDRESS with Ctrl-C ending the command at once (exit 130,
+    one line): ray.init waits on the GCS inside C++, where Python's SIGINT handler cannot run until it
+    returns (10-27 s). The signal's wakeup byte reaches a watcher thread at once instead. Only here,
+    where no local Ray process has started yet, is ending without clean-up safe."""
+    import signal
+    import threading
+
+    from cluster.replicas.placement import connect
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def watch() -> None:
+        while byte := os.read(read_fd, 1):
+            if byte[0] == signal.SIGINT:
+                os.write(2, b"kvray: interrupted\n")
+                os._exit(EXIT_INTERRUPTED)
+        os.close(read_fd)
+
+    threading.Thread(target=watch, name="kvray-ctrl-c", daemon=True).start()
+    previous = signal.set_wakeup_fd(write_fd)
+    try:
+        connect(config)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(write_fd)  # the watcher reads the end and leaves
 
 
 def check_model(config: EngineConfig) -> None:
-    """The model must exist here before Ray starts, when Ray runs here too; on a cluster it may live
-    on the nodes only (token-id prompts still work then)."""
+    """The model must exist here before Ray starts, when Ray runs here too (cluster.llm.check_model_here);
+    config.json's rules are checked wherever it is readable."""
     from actors.models.architectures import UnsupportedArchitectureError
-    from actors.models.model_dir import resolve_model_dir
-    from cluster.llm import check_client_model, load_client_model
+    from cluster.llm import check_client_model, check_model_here, load_client_model
 
-    if _embedded(config):
-        try:
-            resolve_model_dir(config.model.model)
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"model.model: {e}") from None
+    check_model_here(config)
     try:
         _, hf_config = load_client_model(config)
         if hf_config is not None:
@@ -189,27 +234,57 @@ def check_model(config: EngineConfig) -> None:
 
 def cmd_run(config: EngineConfig, args: Any) -> int:
     from cluster.job.input import JobError, count_lines, resolve_shards
-    from cluster.job.output import OutputFile, check_not_an_input, default_output_path
+    from cluster.job.output import OutputFile, StdoutOutput, check_not_an_input, default_output_path, is_stdout
 
     shards = resolve_shards(args.input) if args.input is not None else []
     output_path = args.output or default_output_path()
-    check_not_an_input(output_path, args.input, shards)
-    out = OutputFile(output_path)  # opened and locked before any engine starts
+    out: Any
+    if is_stdout(output_path):
+        out = StdoutOutput()  # records only; the bar, the logs and the summary go to stderr
+    else:
+        check_not_an_input(output_path, args.input, shards)
+        output_path = os.path.abspath(output_path)  # said in full: under `ray job submit` it is on the head
+        _say_where_the_output_is(args.output, output_path)
+        out = OutputFile(output_path)  # opened and locked before any engine starts
     try:
         _warn_oversubscribed(config)
         total = count_lines(shards) if shards else args.num_requests
         return _run_engines(config, args, shards, out, total)
     except KeyboardInterrupt:
-        print(
-            f"\nkvray: interrupted; the records so far are in {output_path}; run the same command with "
-            f"--output {output_path} to resume",
-            file=sys.stderr,
+        where = (
+            f"the records so far are in {output_path}; run the same command with --output {output_path} to resume"
+            if isinstance(out, OutputFile)
+            else "the records so far went to stdout"
         )
+        print(f"\nkvray: interrupted; {where}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): end quietly
+        _silence_stdout()
+        return EXIT_CLOSED_OUTPUT
     except JobError as e:
         return _fail(EXIT_FAILED, str(e))
     finally:
         out.close()
+
+
+def _say_where_the_output_is(given: str | None, path: str) -> None:
+    """Under `ray job submit` the command runs in a copy of the working directory on the head node: a
+    relative --output lands there, never in the directory it was submitted from."""
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and given and not os.path.isabs(given):
+        log.warning(
+            "--output %r is relative: under `ray job submit` it is written on the node running the job, "
+            "as %s (the submitting machine's directory cannot be reached from here); give a path on "
+            "storage both can reach to read it from there",
+            given,
+            path,
+        )
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's own flush at exit does not fail a second time."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
 
 
 def _warn_oversubscribed(config: EngineConfig) -> None:
@@ -232,19 +307,23 @@ def _warn_oversubscribed(config: EngineConfig) -> None:
 
 
 def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total: int | None) -> int:
+    from cluster.client.sampling_defaults import default_sampling_params
     from cluster.job.batch_job import Job, format_summary, summarize, synthetic_items
     from cluster.job.input import InputReader, Item
-    from cluster.llm import load_client_model
+    from cluster.llm import client_model_dir, load_client_model
     from cluster.replicas.engine_group import EngineFailure, EngineGroup
-    from kvcore.request import SamplingParams
 
     tokenizer, hf_config = load_client_model(config)
+    # Every field a line leaves out takes the default LLM.generate and kvray serve take.
+    defaults = default_sampling_params(client_model_dir(config) if hf_config is not None else None)
+    if args.max_tokens is not None:
+        defaults = dataclasses.replace(defaults, max_tokens=args.max_tokens)
     engines = EngineGroup(config)
     try:
         info = engines.info
         items: Iterable[Item]
         if shards:
-            items = InputReader(shards, SamplingParams(max_tokens=args.max_tokens))
+            items = InputReader(shards, defaults, chat_to_context_end=args.max_tokens is None)
         else:
             items = synthetic_items(
                 args.num_requests, config.model.seed, int(info["vocab_size"]), int(info["max_model_len"])
@@ -264,14 +343,16 @@ def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total:
             summary["profile_traces"] = _stop_profile(engines)
     finally:
         engines.shutdown()
-    print(format_summary(summary))
+    # With the records on stdout, everything else goes to stderr.
+    report = sys.stderr if out.path == "<stdout>" else sys.stdout
+    print(format_summary(summary), file=report)
     if not args.output:
         for rid, text in stats.samples:
-            print(f"  {rid}: {text[:100]!r}")
+            print(f"  {rid}: {text[:100]!r}", file=report)
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
-    print(json.dumps(summary), flush=True)
+    print(json.dumps(summary), file=report, flush=True)
     if stats.errors:
         print(
             f"kvray: {stats.errors} of {stats.completed + stats.errors} line(s) got error records "

@@ -39,6 +39,20 @@ class PromptError(ValueError):
     """A prompt that cannot become a request; the message names the prompt and the rule."""
 
 
+def check_model_here(config: EngineConfig) -> None:
+    """When Ray would start on this machine, the model must be here: say so before Ray starts (13-22 s
+    of start-up otherwise, then a misleading tokenizer warning). On a cluster it may live on the nodes
+    only (token-id prompts still work then)."""
+    from actors.executor.node_probe import resolve_model_dir
+    from cluster.replicas.placement import embedded_ray
+
+    if embedded_ray(config):
+        try:
+            resolve_model_dir(config.model.model)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"model.model: {e}") from None
+
+
 def load_client_model(config: EngineConfig) -> tuple[Any, dict[str, Any] | None]:
     """The tokenizer and config.json as this client sees them (None where the model is not local)."""
     from actors.config.hf_json import read_config_json
@@ -85,6 +99,7 @@ class LLM:
         if model is not None:
             kwargs["model"] = model
         self.config = apply_overrides(config, kwargs) if kwargs else config
+        check_model_here(self.config)
         self.tokenizer, hf_config = load_client_model(self.config)
         self.model_dir = client_model_dir(self.config) if hf_config is not None else None
         # Read now, so a bad generation_config.json fails here rather than at the first generate.

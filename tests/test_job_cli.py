@@ -5,6 +5,7 @@ non-zero exit). Each subprocess gets a private Ray temp dir, so it never joins a
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import time
 import pytest
 import ray
 
-from cluster.cli import EXIT_INTERRUPTED, EXIT_USAGE
+from cluster.cli import EXIT_CLOSED_OUTPUT, EXIT_INTERRUPTED, EXIT_USAGE
 from cluster.cli import main as kvray_main
 from cluster.replicas.placement import start_local_ray
 
@@ -70,7 +71,7 @@ def test_a_run_without_output_writes_a_timestamped_file_quietly(env, tmp_path):
     files = [p for p in os.listdir(tmp_path) if p.startswith("kvray-") and p.endswith(".out.jsonl")]
     assert len(files) == 1
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["output"] == files[0] and summary["completed"] == 3
+    assert summary["output"] == str(tmp_path / files[0]) and summary["completed"] == 3  # in full
     assert "  hello: " in r.stdout  # a few sample completions
     assert {json.loads(x)["id"] for x in (tmp_path / files[0]).read_text().splitlines()} == {
         "hello",
@@ -177,3 +178,65 @@ def info_against_a_running_ray(capsys):
     else:
         assert "verdict: fits" in out
     assert ray.is_initialized()  # a Ray the caller started is left up
+
+
+def test_records_on_redirected_stdout_summary_on_stderr_verbose_and_one_tok_per_s(env, tmp_path):
+    # `kvray run -o /dev/stdout > file`: the summary, written through its own offset, overwrote the records.
+    # -v shows kvray's own lines (the driver's, from its actor); the bar's last tok/s is the summary's.
+    records = tmp_path / "records.jsonl"
+    with open(os.path.join(REPO, "examples", "prompts.jsonl"), "rb") as f, open(records, "wb") as stdout:
+        r = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "-v", "run", "-i", "-", "-o", "/dev/stdout"],
+            cwd=tmp_path,
+            env=env,
+            stdin=f,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(x) for x in records.read_text().splitlines()]
+    assert sorted(rec["id"] for rec in recs) == ["greedy-ids", "hello", "sampled"]  # records only
+    summary = json.loads(r.stderr.strip().splitlines()[-1])
+    assert summary["output"] == "<stdout>" and summary["completed"] == 3
+    assert "actors.driver.engine_core: EngineCore:" in r.stderr  # kvray's own INFO line, from the driver actor
+    bar = re.findall(r"kvray run: .*?(\d+) tok/s", r.stderr)
+    assert bar and abs(int(bar[-1]) - summary["output_tok_per_s"]) <= 1, (bar[-1:], summary["output_tok_per_s"])
+
+
+def test_output_dash_into_head_ends_quietly_with_141(env, tmp_path):
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "run", "--num-requests", "64", "--set", "scheduler.max_num_seqs=2"]
+        + ["--no-progress", "-o", "-"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = p.stdout.readline()  # what `| head -n 1` reads before it goes away
+        p.stdout.close()
+        err = p.stderr.read()
+        p.wait(timeout=300)
+    finally:
+        p.kill()
+    assert json.loads(first)["id"].startswith("synthetic-")
+    assert p.returncode == EXIT_CLOSED_OUTPUT, err[-3000:]
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
+    assert not list(tmp_path.glob("*.jsonl"))  # no file named "-", no default file
+
+
+def test_a_relative_output_under_ray_job_submit_is_named_in_full(monkeypatch, tmp_path, caplog):
+    import cluster.cli
+
+    ran = []
+    monkeypatch.setattr(cluster.cli, "_run_engines", lambda config, args, shards, out, total: ran.append(out.path) or 0)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")  # what `ray job submit` sets for its entrypoint
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert kvray_main(["run", "-o", "out.jsonl"]) == 0
+    assert ran == [str(tmp_path / "out.jsonl")]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "--output 'out.jsonl' is relative" in said and str(tmp_path / "out.jsonl") in said

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,79 @@ def test_stop_strings_and_n_go_through_the_clients_output_processor(tmp_path, to
     assert [o["text"] for o in by_id["n"]["outputs"]] == ["AB", "AB"] and stats.output_tokens == 4 + len(
         by_id["s"]["output_token_ids"]
     )
+
+
+@pytest.mark.parametrize(
+    "line,rid,message",
+    [
+        ('{"id": "f-unknown", "prompt": "x", "best_of": 2}', "f-unknown", "unknown field(s) ['best_of']"),
+        ('{"id": "neg", "prompt_token_ids": [-1]}', "neg", "prompt_token_ids"),
+        ('{"id": "typo", "prompt": "x", "max_token": 3}', "typo", "unknown field(s) ['max_token']"),
+        ('{"id": "both", "prompt": "x", "prompt_token_ids": [1]}', "both", "needs exactly one of"),
+        ('{"id": "neither", "max_tokens": 3}', "neither", "needs exactly one of"),
+        ('{"id": "int-prompt", "prompt": 7}', "int-prompt", "prompt must be a string"),
+        ('{"id": "floats", "prompt_token_ids": [1.0, 2.5]}', "floats", "prompt_token_ids"),
+        ('{"id": "sur", "prompt": "a\\ud800"}', "sur", "lone surrogate U+D800"),
+        ('{"id": 42, "prompt": 7}', "42", "prompt must be a string"),
+        ('{"prompt": 7}', "1", "prompt must be a string"),  # no id: the line's own, as a good line gets
+    ],
+)
+def test_an_error_record_keeps_the_lines_readable_id(tmp_path, tokenizer, line, rid, message):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(line + "\n")
+    stats, recs, _ = run_job(tmp_path, inp, tokenizer)
+    assert stats.errors == 1 and len(recs) == 1
+    assert recs[0]["finish_reason"] == "error" and message in recs[0]["error"], recs[0]["error"]
+    assert recs[0]["id"] == rid
+
+
+class RecordingEngines(FakeEngines):
+    """The double as `kvray run` meets it through EngineGroup(config): it records what it is sent."""
+
+    specs: dict[str, Any] = {}
+
+    def __init__(self, config: Any = None, **_kw: Any) -> None:
+        super().__init__()
+        RecordingEngines.specs = {}
+
+    def submit(self, specs: list[Any]) -> dict[str, str]:
+        RecordingEngines.specs.update({s.request_id: s for s in specs})
+        return super().submit(specs)
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [{}]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_kvray_run_lines_take_the_defaults_llm_generate_and_serve_take(tmp_path, monkeypatch):
+    # kvray run's lines without a temperature were greedy while LLM.generate and kvray serve sample at 1.0;
+    # its OpenAI chat lines without max_tokens stopped at 16 while serve runs them to the context's end.
+    import cluster.replicas.engine_group
+    from cluster.cli import main as kvray_main
+    from cluster.client.sampling_defaults import default_sampling_params
+    from cluster.llm import client_model_dir
+
+    monkeypatch.setattr(cluster.replicas.engine_group, "EngineGroup", RecordingEngines)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    shards = tmp_path / "in"
+    shards.mkdir()
+    (shards / "a.jsonl").write_text('{"id": "plain", "prompt_token_ids": [1, 2, 3]}\n')
+    chat = {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}}
+    completion = {"method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}
+    (shards / "b.jsonl").write_text(
+        json.dumps(dict(chat, custom_id="chat")) + "\n" + json.dumps(dict(completion, custom_id="completion")) + "\n"
+    )
+    assert kvray_main(["run", "-i", str(shards), "-o", str(tmp_path / "out.jsonl"), "--no-progress"]) == 0
+    sent = {rid.split(":")[-1] if ":" in rid else rid: s for rid, s in RecordingEngines.specs.items()}
+    llm_default = default_sampling_params(client_model_dir(EngineConfig()))
+    plain = sent["plain"].sampling_params
+    assert plain.temperature == llm_default.temperature == 1.0 and plain.max_tokens == llm_default.max_tokens == 16
+    chat_spec = next(s for rid, s in RecordingEngines.specs.items() if "chat" in rid)
+    assert chat_spec.sampling_params.max_tokens == MAX_MODEL_LEN - len(chat_spec.prompt_token_ids)
+    completion_spec = next(s for rid, s in RecordingEngines.specs.items() if "completion" in rid)
+    assert completion_spec.sampling_params.max_tokens == 16 and completion_spec.sampling_params.temperature == 1.0
+    # --max-tokens sets the default for every line without one, chat lines included
+    assert kvray_main(["run", "-i", str(shards), "-o", str(tmp_path / "out2.jsonl"), "--max-tokens", "5"]) == 0
+    assert {s.sampling_params.max_tokens for s in RecordingEngines.specs.values()} == {5}

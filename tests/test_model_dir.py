@@ -174,3 +174,26 @@ def test_bfloat16_weights_load_under_a_float32_config(model_dir):
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(path)).items()}, str(path))
     model, _ = load_model(str(model_dir), dtype="float32")
     assert next(model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("start", ["llm", "serve"])
+def test_a_missing_model_is_refused_before_ray_starts(tmp_path, monkeypatch, start):
+    import ray
+
+    from cluster.config import ConfigError, EngineConfig, apply_overrides
+    from cluster.replicas import placement
+    from cluster.serve.app import start_server
+
+    def no_ray(**_kw):
+        raise AssertionError("Ray was started for a model that is not here")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(placement, "start_local_ray", no_ray)
+    missing = str(tmp_path / "nonexistent")
+    assert not ray.is_initialized()
+    with pytest.raises(ConfigError, match=f"model.model: model='{missing}': no such directory"):
+        if start == "llm":
+            LLM(model=missing, device="cpu")
+        else:
+            start_server(apply_overrides(EngineConfig(), {"model": missing}), port=1)
+    assert not ray.is_initialized()

@@ -27,9 +27,11 @@ POSITIVE_INT_FIELDS = (
     "num_key_value_heads",
     "head_dim",
     "max_position_embeddings",
-    "sliding_window",
-    "max_window_layers",
 )
+# Integer fields whose every value HF's config classes accept: Qwen's max_window_layers may be 0 (every
+# layer slides) or any int, and a Qwen sliding_window is ignored unless use_sliding_window is true. Where a
+# window is applied, the model family requires it positive (actors.models.args).
+INT_FIELDS = ("sliding_window", "max_window_layers")
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
 BOOL_FIELDS = ("tie_word_embeddings", "use_sliding_window")
 STRING_FIELDS = ("dtype", "torch_dtype", "hidden_act", "model_type")
@@ -94,6 +96,10 @@ def check_hf_config(path: str, cfg: dict[str, Any]) -> None:
         v = cfg.get(key)
         if v is not None and not (_is_int(v) and 1 <= v <= INT32_MAX):
             _fail(path, key, v, f"must be a positive integer <= {INT32_MAX}")
+    for key in INT_FIELDS:
+        v = cfg.get(key)
+        if v is not None and not (_is_int(v) and -INT32_MAX <= v <= INT32_MAX):
+            _fail(path, key, v, f"must be null or an integer in [-{INT32_MAX}, {INT32_MAX}]")
     for key in POSITIVE_FLOAT_FIELDS:
         if key in cfg:
             v = cfg[key]

@@ -35,6 +35,7 @@ from actors.driver.recovery import EngineHooks, Recovery
 from actors.errors import WorkerFailure
 from actors.gc_heap import freeze_startup_heap
 from actors.messages import DOWN, REBUILDING, PollResult, RequestSpec
+from actors.verbose_logging import show_kvray_info_logs
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
 
@@ -49,6 +50,7 @@ class EngineDriver:
     def __init__(
         self, config: EngineConfig, placement_group: Any, replica: int = 0, worker_cls: str = DEFAULT_WORKER_CLS
     ) -> None:
+        show_kvray_info_logs()  # kvray -v: the engine's INFO lines reach the console
         if os.environ.get("KVRAY_VERBOSE") != "1":
             # Tearing down a compiled graph whose worker died (kvray stress kills them on purpose) logs
             # "Error cancelling worker task" with two tracebacks; the failure is reported once, below.

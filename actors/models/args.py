@@ -110,36 +110,50 @@ def _window(cfg: dict[str, Any], key: str = "sliding_window") -> int:
     return positive_int(cfg, key)
 
 
-def qwen_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
-    """Qwen2/Qwen3 as transformers defines them: the window exists only when use_sliding_window is
-    true; `layer_types` lists full_attention / sliding_attention per layer, and when absent the
-    layers from max_window_layers on slide (if a window exists)."""
-    num_layers = positive_int(cfg, "num_hidden_layers")
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        max_window_layers = cfg.get("max_window_layers", 28)
-        layer_types = [
-            "sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
-            for i in range(num_layers)
-        ]
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def windows_from_layer_types(cfg: dict[str, Any], layer_types: Any, window_active: bool = True) -> list[int | None]:
+    """Per layer: None for `full_attention`, the config's positive `sliding_window` for `sliding_attention`
+    (the one reading of `layer_types` every family shares); `window_active=False` (Qwen without
+    use_sliding_window) makes a sliding layer an error rather than a silent full one."""
+    if not isinstance(layer_types, list):
+        raise ValueError(f"config.json: layer_types={layer_types!r} must be a list")
     windows: list[int | None] = []
     for i, kind in enumerate(layer_types):
         if kind == "full_attention":
             windows.append(None)
         elif kind == "sliding_attention":
-            if window is None:
+            if not window_active or cfg.get("sliding_window") is None:
                 raise ValueError(
                     f"config.json: layer_types[{i}]='sliding_attention' but no window is active "
                     "(needs use_sliding_window=true and sliding_window set)"
+                    if not window_active
+                    else f"config.json: layer_types[{i}]='sliding_attention' but sliding_window is null"
                 )
             windows.append(_window(cfg))
         else:
             raise ValueError(
-                f"config.json: layer_types[{i}]={kind!r} is not supported "
-                "(supported: 'full_attention', 'sliding_attention')"
+                f"config.json: layer_types[{i}]={kind!r} is not supported (supported: {list(LAYER_TYPES)})"
             )
     return windows
+
+
+def qwen_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Qwen2/Qwen3 as transformers defines them: the window exists only when use_sliding_window is
+    true; `layer_types` lists full_attention / sliding_attention per layer, and when absent the
+    layers from max_window_layers on slide (if a window exists). max_window_layers may be any integer,
+    as in HF: 0 (or less) makes every layer slide, num_hidden_layers or more makes none."""
+    num_layers = positive_int(cfg, "num_hidden_layers")
+    active = bool(cfg.get("use_sliding_window", False)) and cfg.get("sliding_window") is not None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        max_window_layers = cfg.get("max_window_layers")
+        max_window_layers = 28 if max_window_layers is None else max_window_layers  # HF's default
+        layer_types = [
+            "sliding_attention" if active and i >= max_window_layers else "full_attention" for i in range(num_layers)
+        ]
+    return windows_from_layer_types(cfg, layer_types, window_active=active)
 
 
 def mistral_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
@@ -157,17 +171,4 @@ def typed_layer_windows(cfg: dict[str, Any], default_pattern: int) -> list[int |
     if layer_types is None:
         pattern = positive_int(cfg, "sliding_window_pattern", cfg.get("sliding_window_pattern") or default_pattern)
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    if not isinstance(layer_types, list):
-        raise ValueError(f"config.json: layer_types={layer_types!r} must be a list")
-    windows: list[int | None] = []
-    for i, kind in enumerate(layer_types):
-        if kind == "full_attention":
-            windows.append(None)
-        elif kind == "sliding_attention":
-            windows.append(_window(cfg))
-        else:
-            raise ValueError(
-                f"config.json: layer_types[{i}]={kind!r} is not supported "
-                "(supported: 'full_attention', 'sliding_attention')"
-            )
-    return windows
+    return windows_from_layer_types(cfg, layer_types)

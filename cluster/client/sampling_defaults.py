@@ -1,7 +1,12 @@
-"""Default sampling settings, as vLLM chooses them: the model's generation_config.json where it sets
-temperature, top_p, top_k, repetition_penalty or max_new_tokens, else vLLM's SamplingParams defaults
-(temperature 1.0: sampling, not greedy). They apply when generate/chat get no sampling_params; a
-SamplingParams the caller builds keeps its own values.
+"""Default sampling settings, one per field for every entry point, as vLLM chooses them: the model's
+generation_config.json where it sets temperature, top_p, top_k, repetition_penalty or max_new_tokens, else
+vLLM's SamplingParams defaults (temperature 1.0: sampling, not greedy; max_tokens 16). They apply to
+`LLM.generate`/`chat` without sampling_params, to `kvray run` lines for every field they leave out, and to
+`kvray serve`. A SamplingParams the caller builds keeps its own values.
+
+One exception, vLLM's too: a chat request of the OpenAI API (`kvray serve` /v1/chat/completions, and
+OpenAI Batch chat lines in `kvray run`) without max_tokens may run to the end of the context,
+max_model_len minus its prompt (`chat_max_tokens`); /v1/completions keeps 16.
 """
 
 from __future__ import annotations
@@ -47,3 +52,8 @@ def default_sampling_params(model_dir: str | None) -> SamplingParams:
         return SamplingParams(**{**VLLM_DEFAULTS, **overrides})
     except RequestValidationError as e:  # a checkpoint's value out of range (say top_k=-5): name the file
         raise ModelConfigError(f"{os.path.join(str(model_dir), GENERATION_CONFIG)}: {e}") from None
+
+
+def chat_max_tokens(max_model_len: int, prompt_len: int) -> int:
+    """max_tokens of an OpenAI chat request that sets none (vLLM's server): the rest of the context."""
+    return max(1, max_model_len - prompt_len)

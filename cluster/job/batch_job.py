@@ -113,13 +113,13 @@ class Job(ProcessedStream):
         if isinstance(items, InputReader):
             self._configure(items, self._done)
         self.bar = _Bar(self.progress, self.total)
-        t0 = time.monotonic()
+        t0 = self.bar.t0  # one clock for the bar's tok/s and the summary's
         try:
             self._items, self._exhausted = iter(items), False
             self.loop()
         finally:
             self.stats.wall_s = time.monotonic() - t0
-            self.bar.close()
+            self.bar.close(self.stats)
             if self.out is not None:
                 self.out.close()
         return self.stats
@@ -250,13 +250,22 @@ class _Bar:
         now = time.monotonic()
         if now - self.last >= 0.5:
             self.last = now
-            self.bar.set_postfix_str(
-                f"{stats.output_tokens / max(now - self.t0, 1e-9):.0f} tok/s, {stats.errors} errors", refresh=False
-            )
+            self._postfix(stats, now - self.t0, refresh=False)
 
-    def close(self) -> None:
+    def _postfix(self, stats: JobStats, wall_s: float, refresh: bool) -> None:
+        assert self.bar is not None
+        self.bar.set_postfix_str(f"{output_tok_per_s(stats, wall_s):.0f} tok/s, {stats.errors} errors", refresh=refresh)
+
+    def close(self, stats: JobStats | None = None) -> None:
         if self.bar is not None:
+            if stats is not None:  # the last word: the summary's numbers (a postfix may be 0.5 s old)
+                self._postfix(stats, stats.wall_s, refresh=True)
             self.bar.close()
+
+
+def output_tok_per_s(stats: JobStats, wall_s: float) -> float:
+    """Output tokens per second of wall time: the progress bar's and the summary's one formula."""
+    return stats.output_tokens / wall_s if wall_s > 0 else 0.0
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -282,7 +291,7 @@ def summarize(stats: JobStats, engine_stats: list[dict[str, Any]]) -> dict[str, 
         "input_tokens": stats.input_tokens,
         "output_tokens": stats.output_tokens,
         "wall_s": round(wall, 3),
-        "output_tok_per_s": round(stats.output_tokens / wall, 2) if wall > 0 else None,
+        "output_tok_per_s": round(output_tok_per_s(stats, wall), 2) if wall > 0 else None,
         "ttft_p50_ms": _ms(percentile(stats.ttft_s, 50)),
         "ttft_p99_ms": _ms(percentile(stats.ttft_s, 99)),
         "tpot_p50_ms": _ms(percentile(stats.tpot_s, 50)),

@@ -13,6 +13,7 @@ see cluster/job/openai_batch.py) or kvray's own `{"id"?, "prompt" | "prompt_toke
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -20,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterator
 
+from cluster.client.sampling_defaults import chat_max_tokens
 from cluster.job.keys import KeySet
 from cluster.job.line_check import LineError, check_text
 from cluster.job.openai_batch import BatchLineError, parse_batch_record
@@ -172,8 +174,12 @@ class InputReader:
         limits: Limits | None = None,
         done: KeySet | None = None,
         render_chat: Callable[[list[Any]], str] | None = None,
+        chat_to_context_end: bool = True,
     ) -> None:
         self.shards = shards
+        # An OpenAI chat line without max_tokens runs to the end of the context, as kvray serve answers it;
+        # False when the caller set the default max_tokens itself (kvray run --max-tokens).
+        self.chat_to_context_end = chat_to_context_end
         self.default_sp = default_sp
         self.tokenizer = tokenizer
         self.limits = limits or Limits()
@@ -213,8 +219,10 @@ class InputReader:
                 item.batch = {k: fields.pop(k) for k in ("custom_id", "url", "model")}
                 item.id = item.batch["custom_id"]  # checked: a valid, printable string
             else:
+                default_id = str(n) if shard.label is None else f"{shard.label}:{n}"
+                item.id = _readable_id(rec, default_id)  # its error record keeps it, whichever field is wrong
                 fields = _kvray_fields(where, rec)
-                rid = fields.pop("id") if "id" in fields else (str(n) if shard.label is None else f"{shard.label}:{n}")
+                rid = fields.pop("id", default_id)
                 _check_id(where, rid)
                 item.id = rid
             if item.id in self.seen:
@@ -259,6 +267,15 @@ class InputReader:
             if fields.get("chat")
             else self.tokenizer.encode(item.prompt)
         )
+        if (
+            fields.get("chat")
+            and self.chat_to_context_end
+            and "max_tokens" not in overrides
+            and self.limits.max_model_len is not None
+        ):
+            # As `kvray serve` answers the same request (cluster/client/sampling_defaults.py).
+            budget = chat_max_tokens(self.limits.max_model_len, len(item.prompt_token_ids))
+            item.sampling = dataclasses.replace(item.sampling, max_tokens=budget)
 
 
 def encode_rendered_chat(tokenizer: Any, text: str) -> list[int]:
@@ -324,13 +341,31 @@ def _check_id(where: str, rid: str) -> None:
 
 def _usable_custom_id(rec: Any) -> str | None:
     cid = rec.get("custom_id") if isinstance(rec, dict) else None
-    if not isinstance(cid, str) or not cid or not cid.isprintable():
+    return cid if isinstance(cid, str) and _printable(cid) else None
+
+
+def _readable_id(rec: Any, default_id: str) -> str | None:
+    """A kvray line's id as its record will carry it, when it has one (a non-empty printable string or an
+    integer; the line's own number when it has no `id`); read before any other field is checked, so that
+    the line's error record names it."""
+    if not isinstance(rec, dict):
         return None
+    if "id" not in rec:
+        return default_id
+    rid = rec["id"]
+    if isinstance(rid, int) and not isinstance(rid, bool):
+        return str(rid)
+    return rid if isinstance(rid, str) and _printable(rid) else None
+
+
+def _printable(text: str) -> bool:
+    if not text or not text.isprintable():
+        return False
     try:
-        cid.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
-        return None
-    return cid
+        return False
+    return True
 
 
 def _short(v: Any, limit: int = 80) -> str:

@@ -202,3 +202,44 @@ def _why_unwritable(path: str, e: OSError) -> str:
     if parent and not os.path.isdir(parent):
         return f"{parent!r} is a file, not a directory"
     return e.strerror or str(e)
+
+
+STDOUT_NAMES = ("-", "/dev/stdout")
+
+
+def is_stdout(path: str) -> bool:
+    """`--output -`, /dev/stdout, or a path that is the very file stdout is redirected to (`--output
+    out.jsonl > out.jsonl`): the records go to stdout and nothing else does, or the summary, written
+    through another file offset, would overwrite them."""
+    if path in STDOUT_NAMES:
+        return True
+    try:
+        a, b = os.stat(path), os.fstat(1)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+class StdoutOutput:
+    """The records on stdout, one whole JSON line at a time (the progress bar, logs and summary go to
+    stderr). Nothing to resume from and nothing to lock. A reader that goes away (`| head`) raises
+    BrokenPipeError from `write`, which ends the run quietly (cluster/cli.py)."""
+
+    path = "<stdout>"
+
+    def __init__(self) -> None:
+        self.done = KeySet()
+        self.earlier_errors = 0
+        self.written = 0
+
+    def encode(self, rec: dict[str, Any]) -> bytes:
+        return (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(1, view) :]
+        self.written += 1
+
+    def close(self) -> None:
+        pass

@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,16 +47,71 @@ def total_request(config: EngineConfig) -> dict[str, float]:
     return _sum(bundles_for(config) * config.parallel.data_parallel_size)
 
 
+def ray_address(config: EngineConfig) -> str | None:
+    """The Ray cluster this process joins: config.ray.address, else RAY_ADDRESS (as under `ray job
+    submit`); None starts an embedded local Ray."""
+    return config.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def embedded_ray(config: EngineConfig) -> bool:
+    """Whether `connect` would start Ray on this machine (no address, and no Ray in this process yet)."""
+    return ray_address(config) is None and not ray.is_initialized()
+
+
+class RayConnectError(ConnectionError):
+    """The Ray address given cannot be reached; the message names it and what to check."""
+
+
+CONNECT_TIMEOUT_S = 10.0  # a GCS that does not accept a TCP connection in this long is not there
+
+
+def check_reachable(config: EngineConfig, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail at once, naming the address, when nothing listens there: ray.init retries an unreachable
+    address (or a stale `auto`, whose cluster is gone) for more than ten minutes before giving up."""
+    address = ray_address(config)
+    if address is None:
+        return
+    name = f"ray.address={address!r}" if config.ray.address else f"RAY_ADDRESS={address!r}"
+    hint = (
+        "check that the Ray cluster is up (`ray status` on its head node), that this is its GCS address "
+        "(head:6379 by default; ray:// for Ray Client, port 10001) and that this machine can reach it; "
+        "or unset ray.address and RAY_ADDRESS to start a local Ray"
+    )
+    target = address[len("ray://") :] if address.startswith("ray://") else address
+    if target == "auto":
+        from ray._private.services import get_ray_address_from_environment  # the last cluster started here
+
+        try:
+            target = get_ray_address_from_environment("auto", None) or ""
+        except ConnectionError as e:
+            raise RayConnectError(f"{name}: {e}; {hint}") from None
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise RayConnectError(f"{name}: not a host:port address; {hint}")
+    where = "" if target == address else f" (resolved to {target})"
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise RayConnectError(
+            f"{name}{where}: nothing answers at {target} within {timeout_s:g}s ({why}); {hint}"
+        ) from None
+
+
 def connect(config: EngineConfig) -> bool:
     """Make sure this process talks to Ray. Returns True when this call started a local Ray."""
     warn_if_no_bytecode()
     if ray.is_initialized():
         return False
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    address = ray_address(config)
     if address:
+        check_reachable(config)
         # A loopback address is a kvray-style local Ray: this process must take 127.0.0.1 for its own
         # node address too, or it looks for a raylet on the machine's outward IP and never finds one.
-        with loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext():
+        with (
+            interrupts_held_until_ray_is_up(),
+            loopback_node_ip() if _is_loopback(address) else contextlib.nullcontext(),
+        ):
             ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
         return False
     need = int(total_request(config).get("CPU", 0))
@@ -127,7 +185,7 @@ def start_local_ray(
         os.environ["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT, *paths])
     # address="local": a new private instance even when `ray start` left a cluster on this machine
     # (plain ray.init() would join that one, and then refuse num_cpus).
-    with loopback_node_ip(), _dynamic_agent_port():
+    with interrupts_held_until_ray_is_up(), loopback_node_ip(), _dynamic_agent_port():
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -137,6 +195,32 @@ def start_local_ray(
             dashboard_host=LOOPBACK,
             **kwargs,
         )
+
+
+@contextlib.contextmanager
+def interrupts_held_until_ray_is_up() -> Iterator[None]:
+    """Ctrl-C (SIGINT) during ray.init is held until ray.init returns, then raised as KeyboardInterrupt
+    (with Ray shut down again). Raised in the middle of it, the interrupt left a half-built core worker
+    that crashed the process on its way out (SIGSEGV, exit 139: seen once in nine Ctrl-C during start-up,
+    reproduced by interrupting ray.init). `kvray` itself ends at once while it connects to an address
+    (cluster/cli.py). Only the main thread can set a handler; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous in (signal.SIG_IGN, None):  # ignored (a background job), or a handler Python cannot see
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        if ray.is_initialized():
+            ray.shutdown()
+        raise KeyboardInterrupt
 
 
 LOOPBACK = "127.0.0.1"

@@ -78,8 +78,10 @@ def start_server(
     app; returns once it is ready. -> whether this call started Ray (stop_server then stops it)."""
     from ray import serve
 
+    from cluster.llm import check_model_here
     from cluster.replicas.placement import connect
 
+    check_model_here(config)  # before Ray starts, as LLM(...) and kvray run do
     check_port_free(host, port)  # in a second, not after Ray and Serve's proxy retried for ~20 s
     with proxy_env(config):
         started = connect(config)
