@@ -17,6 +17,14 @@ from cluster.replicas.placement import bundles_for, total_request
 GIB = float(1 << 30)
 
 
+def shown_config(config: EngineConfig) -> dict[str, dict[str, Any]]:
+    """The config as the report prints it: a serve.api_key is a secret, so only whether one is set shows."""
+    shown = config.to_dict()
+    if shown["serve"].get("api_key") is not None:
+        shown["serve"]["api_key"] = "<set>"
+    return shown
+
+
 def plan(config: EngineConfig, nodes: list[dict[str, Any]]) -> tuple[list[list[str | None]], str | None]:
     """-> (per engine, the node id of each bundle or None), and why the first engine that does not fit
     does not (None when all fit)."""
@@ -168,7 +176,7 @@ def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], s
     why = short or why
     p = config.parallel
     report = {
-        "config": config.to_dict(),
+        "config": shown_config(config),
         "placement": {
             "engines": p.data_parallel_size,
             "workers_per_engine": p.tensor_parallel_size,

@@ -273,3 +273,13 @@ def test_every_helper_of_the_ingress_is_defined_above_its_class():
     tree = ast.parse(inspect.getsource(ingress_module))
     last = tree.body[-1]  # nothing (a function, a constant) after the class
     assert isinstance(last, ast.ClassDef) and last.name == "OpenAIServer", ast.dump(last)[:200]
+
+
+def test_kvray_info_never_prints_the_api_key():
+    from cluster.config import EngineConfig
+    from cluster.info import shown_config
+
+    shown = shown_config(EngineConfig().replace(**{"serve.api_key": "sk-secret-123"}))
+    assert shown["serve"]["api_key"] == "<set>"
+    assert "sk-secret-123" not in repr(shown)
+    assert shown_config(EngineConfig())["serve"]["api_key"] is None
