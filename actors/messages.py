@@ -22,6 +22,10 @@ class RequestSpec:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # Tokens another engine already produced for this request (and the client already has): the new
+    # engine goes on after them as outputs, not as prompt, so output positions (the seeded sampler's
+    # counter), penalties' counts, min_tokens and max_tokens continue where they were.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -160,6 +160,8 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         except RequestValidationError as e:
             return f"request {rid!r}: {e}"
         err = check_token_ids("prompt_token_ids", spec.prompt_token_ids, self.info.get("vocab_size"))
+        if err is None and spec.output_token_ids:
+            err = check_token_ids("output_token_ids", spec.output_token_ids, self.info.get("vocab_size"))
         return None if err is None else f"request {rid!r}: {err}"
 
     def abort(self, request_ids: Iterable[str]) -> None:
