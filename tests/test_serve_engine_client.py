@@ -179,3 +179,27 @@ def test_a_poll_cancelled_from_outside_keeps_polling():
         client.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_request_whose_batch_waits_when_its_replica_fails_moves_with_the_rest():
+    async def run():
+        client, group = _client(2)
+        inbox = Inbox()
+        r = await _start(client, "a", inbox)
+        other = group.drivers[1 - r]
+        # "b" is routed to r; r's driver dies before b's batch leaves (the batcher has a call in flight).
+        client.books[1 - r].available = False
+        client.books[r].available = True
+        pending = asyncio.ensure_future(client.submit([RequestSpec("b", [4, 5], SEEDED)], Inbox()))
+        await asyncio.sleep(0)
+        client.books[1 - r].available = True
+        client._replica_down(r, f"the driver actor of engine replica {r} died")
+        got_r, refused = await pending
+        assert not refused  # moved on, not refused
+        assert [s.request_id for s in group.drivers[r].added] == ["a"]  # b's batch found r down
+        assert sorted(s.request_id for s in other.added) == ["a", "b"]
+        assert client.owner == {"a": 1 - r, "b": 1 - r} and client.books[1 - r].outstanding == 2
+        assert client.books[r].outstanding == 0
+        client.shutdown()
+
+    asyncio.run(run())

@@ -39,6 +39,7 @@ from actors.messages import (  # noqa: F401 - re-exported
     error_output,
 )
 from actors.worker.gc_heap import freeze_startup_heap
+from kvcore.kv_cache.block_pool import BlockPool, CacheEvents
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
 
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from actors.driver.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
+
+MAX_PENDING_CACHE_EVENTS = 256  # steps' worth of cache events kept for a client that does not poll
 
 
 class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
@@ -81,6 +84,8 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         self._peak_kv_usage = 0.0
         self._num_output_tokens = 0
         self._metrics: EngineMetrics | None = None
+        # The prefix cache's changes, taken after each step, handed out by get_outputs.
+        self._cache_events: list[CacheEvents] = []
 
     # ---- set-up -----------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -110,6 +115,8 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         except BaseException:
             executor.shutdown()
             raise
+        # A new engine's first events reset the routers' picture of this replica (a rebuild starts empty).
+        self._pool().enable_cache_events()
         hf = executor.probe.hf_config
         eos = hf.get("eos_token_id")
         self.info = {
@@ -176,12 +183,13 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
                 self._cv.wait(timeout_s)
             out, self._outbox = self._outbox, []
             returned, self._returned = self._returned, []
+            events, self._cache_events = self._cache_events, []
             timings = {
                 o.request_id: self._timings.pop(o.request_id)
                 for o in out
                 if o.finished and o.request_id in self._timings
             }
-            return PollResult(out, timings, self._fatal, returned, self._unavailable is None)
+            return PollResult(out, timings, self._fatal, returned, self._unavailable is None, events)
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -241,7 +249,13 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         now = time.monotonic()
         stats = self.engine.stats()
         new_tokens = 0
+        events = self._pool().take_cache_events()
         with self._cv:
+            if events is not None:
+                if len(self._cache_events) >= MAX_PENDING_CACHE_EVENTS:  # nobody polls: keep one snapshot
+                    events = CacheEvents(stored=self._pool().cached_event_keys(), reset=True)
+                    self._cache_events.clear()
+                self._cache_events.append(events)
             for o in outputs:
                 new_tokens += len(o.new_token_ids)
                 self._book_timing(o.request_id, self._live.record(o, now))
@@ -254,6 +268,9 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         self._metrics.record_step(stats, step_time, new_tokens)
         if not self.engine.has_unfinished():
             self._metrics.flush()  # idle from now on: export the last window at once
+
+    def _pool(self) -> BlockPool:
+        return self.engine.kv_cache_manager.block_pool
 
     def _book_timing(self, rid: str, timing: RequestTiming | None) -> None:
         if timing is not None:

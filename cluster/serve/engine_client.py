@@ -34,7 +34,7 @@ from actors.messages import PollResult, RequestSpec, error_output
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.replicas.engine_group import EngineGroup
 from cluster.serve.migration import FlightBook
-from cluster.serve.router import PrefixAffinityRouter
+from cluster.serve.router import KVAwareRouter
 from cluster.serve.submissions import SubmitBatcher
 from kvcore.messages import EngineCoreOutput
 
@@ -117,7 +117,7 @@ class AsyncEngineClient:
         self.capacity = config.scheduler.max_num_seqs + config.serve.max_queued_requests
         self.books = [ReplicaBooks() for _ in range(n)]
         info = self.group.info
-        self.router = PrefixAffinityRouter(
+        self.router = KVAwareRouter(
             n,
             config.cache.block_size,
             int(info.get("num_blocks") or 1),
@@ -173,7 +173,6 @@ class AsyncEngineClient:
             self.flights.add(spec)
             books.owned.add(spec.request_id)
         books.outstanding += need
-        self.router.record(r, specs[0].prompt_token_ids)
         future = self.batchers[r].add(specs)
         try:
             errs = await future
@@ -188,8 +187,10 @@ class AsyncEngineClient:
     async def _send_batch(self, r: int, specs: list[RequestSpec]) -> list[str | None]:
         """One add_requests call for every request gathered for replica r; refused ones are released
         here, whether or not their caller still waits."""
-        if self.books[r].down is not None:
-            errs: list[str | None] = [self.books[r].down] * len(specs)
+        down = self.books[r].down
+        if down is not None:
+            # Those the replica's failure moved on already are accepted (elsewhere); the rest refused.
+            errs: list[str | None] = [down if self.owner.get(s.request_id) == r else None for s in specs]
         else:
             try:
                 errs = await self.group.drivers[r].add_requests.remote(specs)
@@ -264,6 +265,8 @@ class AsyncEngineClient:
                 if owner.get(o.request_id) == r:  # else it moved away already
                     self._deliver(r, o)
             self.books[r].available = res.available
+            if res.cache_events:
+                self.router.apply(r, res.cache_events)
             if res.returned:
                 why = f"engine replica {r} handed its requests back (its placement could not be rebuilt in time)"
                 self._move_away(r, [rid for rid in res.returned if owner.get(rid) == r], why)
