@@ -203,3 +203,35 @@ def test_a_request_whose_batch_waits_when_its_replica_fails_moves_with_the_rest(
         client.shutdown()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("move_running", [False, True])
+def test_a_draining_replica_takes_nothing_new_and_drops_nothing(move_running):
+    async def run():
+        client, group = _client(2)
+        client.books[1].available = False  # both requests go to replica 0
+        running, waiting = Inbox(), Inbox()
+        assert await _start(client, "run", running) == 0
+        assert await _start(client, "wait", waiting) == 0
+        client.books[1].available = True
+        d0, d1 = group.drivers
+        d0.polls.put_nowait(PollResult([out("run", [7])]))
+        await _settle()
+        moved = client.drain(0, move_running=move_running)
+        await _settle()
+        expect = ["run", "wait"] if move_running else ["wait"]
+        assert moved == len(expect) and sorted(s.request_id for s in d1.added) == expect
+        assert sorted(d0.aborted) == expect  # replica 0 lets them go
+        assert await _start(client, "new", Inbox()) == 1  # nothing new for a draining replica
+        # What replica 0 still sends for a request that moved is dropped; its own finish normally.
+        d0.polls.put_nowait(PollResult([out("run", [8], finished=not move_running), out("wait", [], True)]))
+        d1.polls.put_nowait(PollResult([out("wait", [1], finished=True)]))
+        if move_running:
+            d1.polls.put_nowait(PollResult([out("run", [8], finished=True)]))
+        await _settle()
+        assert [o.new_token_ids for o in await running.take_all(0)] == [[7], [8]]
+        assert [o.new_token_ids for o in await waiting.take_all(0)] == [[1]]
+        assert client.drained(0) and not client.drained(1)
+        client.shutdown()
+
+    asyncio.run(run())

@@ -99,11 +99,16 @@ class ReplicaBooks:
     outstanding: int = 0
     down: str | None = None
     available: bool = True  # False while it waits for resources to rebuild on (it refuses requests)
+    draining: bool = False  # being removed: it takes no new request (AsyncEngineClient.drain)
     migrated_away: int = 0  # engine requests it could not go on with, moved to another replica
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finished: int = 0
     owned: set[str] = field(default_factory=set)
+
+    @property
+    def takes_requests(self) -> bool:
+        return self.down is None and self.available and not self.draining
 
 
 class AsyncEngineClient:
@@ -157,7 +162,7 @@ class AsyncEngineClient:
         if all(b.down for b in self.books):
             raise Unavailable("every engine replica is down: " + "; ".join(str(b.down) for b in self.books))
         need = len(specs)
-        eligible = [b.down is None and b.available and b.outstanding + need <= self.capacity for b in self.books]
+        eligible = [b.takes_requests and b.outstanding + need <= self.capacity for b in self.books]
         r = self.router.choose(specs[0].prompt_token_ids, [b.outstanding for b in self.books], eligible)
         if r is None:
             raise Overloaded(
@@ -300,7 +305,7 @@ class AsyncEngineClient:
         """Replica r cannot go on with these requests: each continues on the least-loaded replica that
         can take it (beyond the admission bound: it was admitted already), or, with none left, ends
         with an error output. A settled request (aborted, or its client left) is only released."""
-        targets = [t for t, b in enumerate(self.books) if t != r and b.down is None and b.available]
+        targets = [t for t, b in enumerate(self.books) if t != r and b.takes_requests]
         moved: dict[int, list[RequestSpec]] = {}
         for rid in rids:
             if self.flights.settled(rid):
@@ -320,6 +325,27 @@ class AsyncEngineClient:
             task = _detached(self._send_moved(t, specs, why))
             self._moves.add(task)
             task.add_done_callback(self._moves.discard)
+
+    def drain(self, r: int, move_running: bool = False) -> int:
+        """Replica r is being removed (scale-down): it takes no new request, and its requests that have
+        not produced a token yet move to the other replicas now; with move_running, the running ones too
+        (token-exact continuations; r aborts them, and what it still sends for them is dropped). The
+        rest finish where they are; nothing is dropped. With no other replica to take them, all stay.
+        -> how many moved. `drained(r)` says when it holds nothing."""
+        books = self.books[r]
+        books.draining = True
+        if not any(t != r and b.takes_requests for t, b in enumerate(self.books)):
+            return 0
+        rids = [rid for rid in books.owned if move_running or not self.flights.answered(rid)]
+        live = [rid for rid in rids if not self.flights.settled(rid)]
+        self._move_away(r, rids, f"engine replica {r} is draining")
+        if live and books.down is None:
+            self.group.drivers[r].abort.remote(live)
+        return len(live)
+
+    def drained(self, r: int) -> bool:
+        """Replica r is draining and holds no request: it can go."""
+        return self.books[r].draining and not self.books[r].owned
 
     async def _send_moved(self, t: int, specs: list[RequestSpec], why: str) -> None:
         try:

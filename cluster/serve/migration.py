@@ -13,8 +13,9 @@ detokenizer, stop-string hold-back, logprobs so far, the n siblings) stays in th
 which never notices the move: greedy and seeded streams continue token-exact, with no gap, no repeat and
 no error.
 
-Prompt logprobs come with a request's first output: one that already answered does not ask again. A
-request the ingress gave up on (a stop string ended it and it was aborted, or its client left) is
+The same continuation moves requests off a replica that is draining (scale-down), running or not yet
+started. Prompt logprobs come with a request's first output: one that already answered does not ask
+again. A request the ingress gave up on (a stop string ended it and it was aborted, or its client left) is
 settled: it is not moved, only released.
 """
 
@@ -61,6 +62,10 @@ class FlightBook:
     def settled(self, request_id: str) -> bool:
         f = self._flights.get(request_id)
         return f is None or f.settled
+
+    def answered(self, request_id: str) -> bool:
+        f = self._flights.get(request_id)
+        return f is not None and f.answered
 
     def pop(self, request_id: str) -> None:
         self._flights.pop(request_id, None)
