@@ -28,13 +28,15 @@ def model(tmp_path_factory):
     return path
 
 
-def run(path: str, requests: list[Request]) -> dict[str, tuple[list[int], str | None]]:
+def run(path: str, requests: list[Request], async_scheduling: bool) -> dict[str, tuple[list[int], str | None]]:
     """Every request to its end on one fresh engine: {id: (output tokens, finish reason)}."""
     config = EngineConfig(
         model=ModelConfig(model=path, dtype="float32", seed=0),
         parallel=ParallelConfig(tensor_parallel_size=1, device="cpu"),
         cache=CacheConfig(block_size=8, num_gpu_blocks=None, cpu_kv_cache_gib=0.01),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, debug_invariants=True),
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=64, debug_invariants=True, async_scheduling=async_scheduling
+        ),
     )
     executor = LocalExecutor(config)
     try:
@@ -73,12 +75,12 @@ PARAMS = {
 PROMPT = [3, 17, 42, 9, 11, 17, 42, 5, 8]
 
 
-@pytest.mark.parametrize("cut", [1, 6, 13])
-def test_a_continuation_goes_on_token_exact(model, cut):
+@pytest.mark.parametrize("cut,async_scheduling", [(1, False), (6, False), (13, False), (6, True)])
+def test_a_continuation_goes_on_token_exact(model, cut, async_scheduling):
     specs = [RequestSpec(rid, PROMPT, sp) for rid, sp in PARAMS.items()]
-    whole = run(model, [make_request(s, [], EOS) for s in specs])
+    whole = run(model, [make_request(s, [], EOS) for s in specs], async_scheduling)
     cont = [RequestSpec(s.request_id, PROMPT, s.sampling_params, whole[s.request_id][0][:cut]) for s in specs]
-    rest = run(model, [make_request(s, [], EOS) for s in cont])
+    rest = run(model, [make_request(s, [], EOS) for s in cont], async_scheduling)
     for s in specs:
         toks, reason = whole[s.request_id]
         assert len(toks) > cut, (s.request_id, toks)
