@@ -235,3 +235,20 @@ def test_a_draining_replica_takes_nothing_new_and_drops_nothing(move_running):
         client.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_request_moved_off_a_draining_replica_before_its_batch_left_is_not_sent_there():
+    async def run():
+        client, group = _client(2)
+        client.books[1].available = False
+        pending = asyncio.ensure_future(client.submit([RequestSpec("w", [4, 5], SEEDED)], Inbox()))
+        await asyncio.sleep(0)  # routed to replica 0, its batch not gone yet
+        client.books[1].available = True
+        assert client.drain(0) == 1
+        r, refused = await pending
+        await _settle()
+        assert r == 0 and not refused
+        assert group.drivers[0].added == [] and [s.request_id for s in group.drivers[1].added] == ["w"]
+        client.shutdown()
+
+    asyncio.run(run())

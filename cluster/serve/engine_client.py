@@ -197,12 +197,17 @@ class AsyncEngineClient:
             # Those the replica's failure moved on already are accepted (elsewhere); the rest refused.
             errs: list[str | None] = [down if self.owner.get(s.request_id) == r else None for s in specs]
         else:
+            # A request moved off r while its batch waited (r began draining) has gone elsewhere already.
+            mine = [k for k, s in enumerate(specs) if self.owner.get(s.request_id) == r]
+            errs = [None] * len(specs)
             try:
-                errs = await self.group.drivers[r].add_requests.remote(specs)
+                sent = await self.group.drivers[r].add_requests.remote([specs[k] for k in mine]) if mine else []
             except RayActorError as e:
                 # These requests are the replica's like the rest: they move on (or end) with them.
                 self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
                 return [None] * len(specs)
+            for k, err in zip(mine, sent):
+                errs[k] = err
         for spec, err in zip(specs, errs):
             if err is not None:
                 self._release(spec.request_id)
