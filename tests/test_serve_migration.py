@@ -3,8 +3,9 @@ by the module (local Ray, 127.0.0.1 only, CPU replicas of tiny-random), in this 
   - the very first request to the fresh server leaves mid-stream: no other stream, on any replica, notices
     (the ingress's polling tasks belong to no request);
   - a replica's restart budget runs out mid-load, then a driver actor is killed mid-load: every in-flight
-    stream (greedy, seeded, n=2, stop strings, logprobs, penalties) moves to another replica and completes
-    with exactly the tokens of the no-fault run, with no error event; /metrics counts the migrations.
+    request (greedy, seeded, n=2, stop strings, logprobs, penalties, min_tokens; streamed, a few whole)
+    moves to another replica and completes with exactly the tokens of the no-fault run, with no error
+    event; /metrics counts the migrations.
 """
 
 import asyncio
@@ -167,6 +168,17 @@ async def _run_all(url: str, reqs: list[dict], fault=None) -> list:
     ready = asyncio.Event()
 
     async def one(i: int, req: dict):
+        if i % 11 == 10:  # a whole (non-streamed) response now and then
+            r = await c.completions.create(model=MODEL, **req)
+            return {
+                cc.index: {
+                    "text": cc.text,
+                    "ids": list(cc.token_ids or []),
+                    "finish": cc.finish_reason,
+                    "lp": list(zip(cc.logprobs.tokens, cc.logprobs.token_logprobs)) if cc.logprobs else [],
+                }
+                for cc in r.choices
+            }
         stream = await c.completions.create(model=MODEL, stream=True, **req)
         out: dict = {}
         async for ch in stream:
