@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
+from kvcore.kv_cache.block_pool import CacheEvents
 from kvcore.messages import ENGINE_CORE_OUTPUT_FIELDS, EngineCoreOutput
 from kvcore.request import SamplingParams
 
@@ -22,6 +23,10 @@ class RequestSpec:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # Tokens another engine already produced for this request (and the client already has): the new
+    # engine goes on after them as outputs, not as prompt, so output positions (the seeded sampler's
+    # counter), penalties' counts, min_tokens and max_tokens continue where they were.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +49,8 @@ class PollResult:
     returned: list[str] = field(default_factory=list)
     # False while the replica waits for resources to rebuild on; it refuses requests meanwhile.
     available: bool = True
+    # The prefix cache's changes since the last poll, in order (a KV-aware router's index of the replica).
+    cache_events: list[CacheEvents] = field(default_factory=list)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Sent every step to the client (a few hundred outputs): as plain tuples, Ray's cloudpickle calls
@@ -52,7 +59,7 @@ class PollResult:
         # LogprobsBatch) still pickle once, with their out-of-band buffers.
         rows = list(map(_output_fields, self.outputs))
         timings = {k: (t.ttft_s, t.e2e_s, t.num_prompt_tokens, t.num_output_tokens) for k, t in self.timings.items()}
-        return _rebuild_poll, (rows, timings, self.fatal, self.returned, self.available)
+        return _rebuild_poll, (rows, timings, self.fatal, self.returned, self.available, self.cache_events)
 
 
 _output_fields = attrgetter(*ENGINE_CORE_OUTPUT_FIELDS)
@@ -64,6 +71,7 @@ def _rebuild_poll(
     fatal: str | None,
     returned: list[str],
     available: bool,
+    cache_events: list[CacheEvents] | None = None,
 ) -> PollResult:
     # In ENGINE_CORE_OUTPUT_FIELDS' order (kvcore.messages checks it against the dataclass; the wire test
     # round-trips every field with distinct values).
@@ -83,7 +91,9 @@ def _rebuild_poll(
             o.prompt_logprobs,
         ) = row
         outputs.append(o)
-    return PollResult(outputs, {k: RequestTiming(*t) for k, t in timings.items()}, fatal, returned, available)
+    return PollResult(
+        outputs, {k: RequestTiming(*t) for k, t in timings.items()}, fatal, returned, available, cache_events or []
+    )
 
 
 def error_output(rid: str, message: str) -> EngineCoreOutput:

@@ -46,6 +46,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: BlockIds
     num_computed_tokens: int
+    # Outputs the request already had when it arrived (it continues a stream another engine began).
+    output_token_ids: list[int] | None = None
 
 
 @positional_pickle

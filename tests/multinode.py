@@ -32,13 +32,14 @@ FAST_HEALTH_CHECKS = {
 class LocalCluster:
     """A head without CPUs (the client and the driver actors live there) and worker nodes."""
 
-    def __init__(self, tmp: str) -> None:
+    def __init__(self, tmp: str, head_resources: dict[str, float] | None = None) -> None:
         self.tmp = tmp
         with loopback_node_ip():
             self.cluster = Cluster(
                 initialize_head=True,
                 head_node_args=dict(
                     num_cpus=0,
+                    resources=head_resources or {},  # a custom resource pins an actor to the head
                     node_ip_address=LOOPBACK,
                     temp_dir=tmp,
                     include_dashboard=False,
@@ -86,7 +87,7 @@ ENGINE = dict(
 
 
 @contextlib.contextmanager
-def local_cluster(**nodes: int) -> Iterator[LocalCluster]:
+def local_cluster(head_resources: dict[str, float] | None = None, **nodes: int) -> Iterator[LocalCluster]:
     """A connected LocalCluster with worker nodes {name: num_cpus}; shut down (and its temp dir removed)."""
     tmp = tempfile.mkdtemp(prefix="kvn-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     os.makedirs(os.path.join(tmp, "ray"))
@@ -94,7 +95,7 @@ def local_cluster(**nodes: int) -> Iterator[LocalCluster]:
     os.environ["RAY_TMPDIR"] = tmp  # where Cluster records its address (ray_current_cluster)
     c = None
     try:
-        c = LocalCluster(tmp)
+        c = LocalCluster(tmp, head_resources)
         for name, cpus in nodes.items():
             c.add(name, cpus)
         c.connect()

@@ -184,3 +184,30 @@ def test_reset_prefix_cache_refused_while_blocks_are_held():
     assert pool.get_cached_block(req.block_hashes[0], 0) is None
     assert all(b.block_hash is None for b in pool.blocks)
     assert pool.num_free_blocks == 3
+
+
+def test_cache_events_name_what_became_findable_and_what_was_evicted():
+    from kvcore.kv_cache.block_pool import CacheEvents, event_key
+
+    pool = BlockPool(6)
+    assert pool.take_cache_events() is None  # off until enabled
+    pool.enable_cache_events()
+    assert pool.take_cache_events() == CacheEvents(reset=True)  # the first take: the whole (empty) cache
+    assert pool.take_cache_events() is None  # nothing changed since
+    req = hashed_request("a", list(range(8)), 4)
+    keys = [event_key(h) for h in req.block_hashes]
+    a = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, a, 0, 2, group_id=0)
+    dup = pool.get_new_blocks(1)
+    pool.cache_full_blocks(req, dup, 0, 1, group_id=0)  # the same prefix twice: no new event
+    g1 = pool.get_new_blocks(1)
+    pool.cache_full_blocks(req, g1, 0, 1, group_id=1)  # another group's copy: not published
+    assert pool.take_cache_events() == CacheEvents(stored=keys)
+    pool.free_blocks(reversed(a))
+    pool.free_blocks(dup)
+    pool.get_new_blocks(2)  # the never-used block 5, then cached block 2 (a's second): evicted
+    assert pool.take_cache_events() == CacheEvents(removed=[keys[1]])  # block 1 still findable via dup
+    pool.free_blocks(g1)
+    pool.get_new_blocks(3)  # 4 (g1's group-1 copy), then 1 and 3: the first prefix is gone too
+    assert pool.take_cache_events() == CacheEvents(removed=[keys[0]])
+    assert pool.cached_event_keys() == []

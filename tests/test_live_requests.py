@@ -34,7 +34,9 @@ def test_a_finished_request_leaves_the_books_with_its_timing():
 def test_a_greedy_request_goes_on_from_its_tokens_so_far():
     live = books_with(RequestSpec("g", [1, 2, 3], GREEDY), [7, 8])
     req = live.restart("g", eos_token_id=0)
-    assert req.prompt_token_ids == [1, 2, 3, 7, 8] and req.sampling_params.max_tokens == 8
+    # They join its outputs, not its prompt: output positions, penalties and token limits go on.
+    assert req.prompt_token_ids == [1, 2, 3] and req.output_token_ids == [7, 8]
+    assert req.all_token_ids == [1, 2, 3, 7, 8] and req.sampling_params.max_tokens == 10
     assert live.num_replayed == 0
     # Nothing is replayed: the next output passes as it is.
     assert live.drop_replayed([out("g", [9])], abort=lambda ids: None) == [out("g", [9])]

@@ -9,6 +9,7 @@ import pickle
 import ray.cloudpickle as cloudpickle
 
 from actors.messages import PollResult, RequestTiming, error_output
+from kvcore.kv_cache.block_pool import CacheEvents
 from kvcore.messages import EngineCoreOutput
 
 
@@ -19,7 +20,10 @@ def sample() -> PollResult:
     # Every field distinct (stand-ins for the logprobs objects): a field rebuilt into another's slot shows.
     outputs.append(EngineCoreOutput("all", [3], True, "length", 9, "e", 16, "step-rows", "prompt-rows"))
     timings = {"done": RequestTiming(0.25, 1.5, 40, 12), "bad": RequestTiming(None, 0.01, 3, 0)}
-    return PollResult(outputs, timings, fatal="engine replica 0 is down: gone", returned=["r9"], available=False)
+    events = [CacheEvents([11, 12], [13]), CacheEvents([14], [], reset=True)]
+    return PollResult(
+        outputs, timings, fatal="engine replica 0 is down: gone", returned=["r9"], available=False, cache_events=events
+    )
 
 
 def test_every_field_survives_rays_serializer() -> None:
@@ -36,6 +40,7 @@ def test_every_field_survives_rays_serializer() -> None:
         "prompt-rows",
     )
     assert back.timings["bad"].ttft_s is None and back.returned == ["r9"] and back.available is False
+    assert back.cache_events == [CacheEvents([11, 12], [13]), CacheEvents([14], [], reset=True)]
 
 
 def test_defaults_and_protocol_5() -> None:

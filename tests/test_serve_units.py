@@ -1,11 +1,14 @@
 """The server's pure parts, without Ray: request parsing (OpenAI fields -> SamplingParams, errors naming
-the field), the prefix-affinity router, and the error bodies."""
+the field), the KV-aware router, and the error bodies."""
 
 import pytest
 
 from cluster.serve.errors import APIError, field_of
+from cluster.serve.kv_index import prompt_keys
 from cluster.serve.protocol import CHAT, COMPLETIONS, parse_request
-from cluster.serve.router import PrefixAffinityRouter, block_hashes
+from cluster.serve.router import KVAwareRouter
+from kvcore.kv_cache.block_pool import CacheEvents, event_key
+from kvcore.kv_cache.hashing import compute_block_hashes
 from kvcore.request import SamplingParams
 
 DEFAULTS = SamplingParams(temperature=1.0, max_tokens=16)
@@ -101,36 +104,44 @@ def test_field_of_reads_the_field_from_validation_messages():
     assert e.headers() == {"Retry-After": "2"} and e.body()["error"]["type"] == "service_unavailable_error"
 
 
-def test_block_hashes_chain_full_blocks_only():
-    a, b = block_hashes(list(range(40)), 16), block_hashes(list(range(32)) + [99] * 8, 16)
+def test_prompt_keys_are_the_engines_block_hashes_of_full_blocks_only():
+    a, b = prompt_keys(list(range(40)), 16), prompt_keys(list(range(32)) + [99] * 8, 16)
     assert len(a) == 2 and a == b  # the partial third block does not count
-    assert block_hashes([5] + list(range(1, 32)), 16)[1] != a[1]  # block 2's hash covers block 1 too
+    assert prompt_keys([5] + list(range(1, 32)), 16)[1] != a[1]  # block 2's hash covers block 1 too
+    assert a == [event_key(h) for h in compute_block_hashes(list(range(32)), 16)]
 
 
-def test_router_prefers_the_replica_holding_the_prefix():
-    r = PrefixAffinityRouter(3, 4, max_blocks_per_replica=100, imbalance_threshold=4)
+def test_router_sends_a_family_to_the_replica_whose_cache_holds_it():
+    r = KVAwareRouter(3, 4, max_blocks_per_replica=100, imbalance_threshold=4)
     family = list(range(100, 116))
-    assert r.choose(family + [1], [0, 0, 0], [True] * 3) == 0  # nothing seen: least loaded, then lowest
-    r.record(2, family + [1, 2, 3, 4])
+    # Replica 2's engine reports the family's blocks cached (its poll's cache events).
+    r.apply(2, [CacheEvents(stored=prompt_keys(family + [1, 2, 3, 4], 4))])
     assert r.choose(family + [7, 8], [1, 0, 0], [True] * 3) == 2  # the prefix is there
-    assert r.choose(family + [7, 8], [0, 0, 3], [True] * 3) == 2  # within the imbalance threshold
-    assert r.choose(family + [7, 8], [0, 0, 5], [True] * 3) == 0  # imbalanced: least loaded wins
-    assert r.choose(family + [7, 8], [1, 0, 0], [True, True, False]) == 1  # full or down: never chosen
-    assert r.choose([9] * 16, [2, 1, 1], [True] * 3) == 1  # no match: least loaded, fewest blocks seen
+    assert r.choose(family + [7, 8], [0, 0, 4], [True] * 3) == 2  # within the imbalance threshold
+    assert r.choose(family + [7, 8], [0, 0, 5], [True] * 3) == 0  # overloaded: least outstanding wins
+    # Replica 0 took the family while 2 was overloaded, so it holds it now too; 2 (full or down) never.
+    assert r.choose(family + [7, 8], [1, 0, 0], [True, True, False]) == 0
     assert r.choose(family, [0, 0, 0], [False] * 3) is None
-    off = PrefixAffinityRouter(3, 4, 100, 4, prefix_affinity=False)
-    off.record(2, family)
+    assert r.num_cache_routes == 3 and r.num_overloaded == 1
+    # Evicted there: the index forgets it, and a new prompt goes to the least loaded, fewest blocks held.
+    r.apply(2, [CacheEvents(removed=prompt_keys(family, 4)[:1])])
+    assert r.index.match(2, prompt_keys(family, 4)) == 0
+    r.index.forget(1)
+    assert r.choose([9] * 16, [2, 0, 0], [True] * 3) == 1
+    off = KVAwareRouter(3, 4, 100, 4, prefix_affinity=False)
+    off.apply(2, [CacheEvents(stored=prompt_keys(family, 4))])
     assert off.choose(family, [1, 0, 0], [True] * 3) == 1
 
 
-def test_router_forgets_past_the_pool_and_on_restart():
-    r = PrefixAffinityRouter(2, 4, max_blocks_per_replica=2, imbalance_threshold=8)
-    old, new = list(range(8)), list(range(50, 58))
-    r.record(1, old)
-    r.record(1, new)  # the pool holds two blocks: the old prompt's are gone
-    assert r.choose(old, [0, 0], [True, True]) == 0 and r.choose(new, [0, 0], [True, True]) == 1
-    r.forget(1)
-    assert r.choose(new, [0, 0], [True, True]) == 0
+def test_router_counts_a_routed_prompt_until_the_engine_says_more():
+    r = KVAwareRouter(2, 4, max_blocks_per_replica=2, imbalance_threshold=8)
+    fam = list(range(8))
+    first = r.choose(fam, [0, 0], [True, True])
+    assert r.choose(fam + [1], [0, 1], [True, True]) == first  # a sibling arriving before any event
+    r.apply(first, [CacheEvents(reset=True)])  # the engine restarted empty
+    assert r.index.match(first, prompt_keys(fam, 4)) == 0
+    r.forget(first)
+    assert r.index.size(first) == 0
 
 
 def test_kvray_serve_refuses_bad_arguments_before_ray_starts(capsys):

@@ -36,6 +36,7 @@ from actors.errors import WorkerFailure
 from actors.gc_heap import freeze_startup_heap
 from actors.messages import DOWN, REBUILDING, PollResult, RequestSpec
 from actors.verbose_logging import show_kvray_info_logs
+from kvcore.kv_cache.block_pool import BlockPool
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
 
@@ -112,6 +113,8 @@ class EngineDriver:
             executor.shutdown()
             raise
         self.engine = engine
+        # A new engine's first events reset the routers' picture of this replica (a rebuild starts empty).
+        self._pool(engine).enable_cache_events()
         hf = executor.probe.hf_config
         eos = hf.get("eos_token_id")
         self.info = {
@@ -158,6 +161,8 @@ class EngineDriver:
         err = check_token_ids("prompt_token_ids", spec.prompt_token_ids, vocab) or check_token_ids(
             "stop_token_ids", list(spec.sampling_params.stop_token_ids), vocab
         )
+        if err is None and spec.output_token_ids:
+            err = check_token_ids("output_token_ids", spec.output_token_ids, vocab)
         return None if err is None else f"request {rid!r}: {err}"
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -246,7 +251,10 @@ class EngineDriver:
         outputs = self._mailbox.drop_replayed(outputs, engine.abort)
         self._poison.progress(outputs)
         stats = engine.stats()
-        new_tokens = self._mailbox.publish(outputs, float(stats.get("kv_cache_usage", 0.0)))
+        pool = self._pool(engine)
+        new_tokens = self._mailbox.publish(
+            outputs, float(stats.get("kv_cache_usage", 0.0)), pool.take_cache_events(), pool.cached_event_keys
+        )
         assert self._metrics is not None  # start() sets it before the loop runs
         self._metrics.record_step(stats, step_time, new_tokens)
         if not engine.has_unfinished():
@@ -256,6 +264,10 @@ class EngineDriver:
     def _started_engine(self) -> EngineCore:
         assert self.engine is not None, "start() builds the engine before the loop runs"
         return self.engine
+
+    @staticmethod
+    def _pool(engine: EngineCore) -> BlockPool:
+        return engine.kv_cache_manager.block_pool
 
     def _running_engine(self) -> EngineSteps:
         return self._started_engine()

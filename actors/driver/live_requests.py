@@ -30,21 +30,21 @@ class LiveRequest:
 
 
 def continued(spec: RequestSpec, done: list[int]) -> RequestSpec:
-    """The spec that goes on from `done`, the tokens produced so far: they join the prompt."""
+    """The spec that goes on from `done`, the tokens produced so far: they join its outputs (so output
+    positions, penalties' counts and the token limits go on where they were)."""
     if not done:
         return spec
-    sp = replace(
-        spec.sampling_params,
-        max_tokens=spec.sampling_params.max_tokens - len(done),
-        min_tokens=max(0, spec.sampling_params.min_tokens - len(done)),
-    )
-    return RequestSpec(spec.request_id, spec.prompt_token_ids + done, sp)
+    return replace(spec, output_token_ids=[*spec.output_token_ids, *done])
 
 
 def make_request(spec: RequestSpec, done: list[int], eos_token_id: int | None) -> Request:
-    """The engine's Request for a spec; after a restart the tokens produced so far join the prompt."""
+    """The engine's Request for a spec: the outputs it already has (another engine's, and `done`, those
+    produced here before a restart) are its first output tokens."""
     spec = continued(spec, done)
-    return Request(spec.request_id, spec.prompt_token_ids, spec.sampling_params, eos_token_id=eos_token_id)
+    request = Request(spec.request_id, spec.prompt_token_ids, spec.sampling_params, eos_token_id=eos_token_id)
+    if spec.output_token_ids:
+        request.append_output_token_ids(list(spec.output_token_ids))
+    return request
 
 
 class LiveRequests:
@@ -96,8 +96,7 @@ class LiveRequests:
         again. So it starts over from its prompt, and the tokens already published are regenerated,
         checked and dropped (`drop_replayed`).
         """
-        spec = self.resume_spec(rid)
-        return Request(spec.request_id, spec.prompt_token_ids, spec.sampling_params, eos_token_id=eos_token_id)
+        return make_request(self.resume_spec(rid), [], eos_token_id)
 
     def resume_spec(self, rid: str) -> RequestSpec:
         """What to send a new engine (another replica, a new driver) for a request whose engine was

@@ -18,8 +18,11 @@ from typing import Callable, Iterable
 
 from actors.driver.live_requests import LiveRequests
 from actors.messages import PollResult, RequestSpec, RequestTiming, error_output
+from kvcore.kv_cache.block_pool import CacheEvents
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import Request
+
+MAX_PENDING_CACHE_EVENTS = 256  # steps' worth of cache events kept for a client that does not poll
 
 
 class Mailbox:
@@ -34,6 +37,7 @@ class Mailbox:
         self._fatal: str | None = None
         self._unavailable: str | None = None  # why, while it waits for resources to rebuild on
         self._returned: list[str] = []  # requests given back to the client meanwhile
+        self._cache_events: list[CacheEvents] = []  # prefix-cache changes for the clients' KV-aware routers
         self._stop = False
         self.peak_kv_usage = 0.0
         self.num_output_tokens = 0
@@ -65,12 +69,13 @@ class Mailbox:
                 self._cv.wait(timeout_s)
             out, self._outbox = self._outbox, []
             returned, self._returned = self._returned, []
+            events, self._cache_events = self._cache_events, []
             timings = {
                 o.request_id: self._timings.pop(o.request_id)
                 for o in out
                 if o.finished and o.request_id in self._timings
             }
-            return PollResult(out, timings, self._fatal, returned, self._unavailable is None)
+            return PollResult(out, timings, self._fatal, returned, self._unavailable is None, events)
 
     @property
     def fatal(self) -> str | None:
@@ -121,11 +126,24 @@ class Mailbox:
         with self._cv:
             return self._stop
 
-    def publish(self, outputs: list[EngineCoreOutput], kv_cache_usage: float) -> int:
-        """One step's outputs to the outbox, their timings to the books; -> the tokens they carry."""
+    def publish(
+        self,
+        outputs: list[EngineCoreOutput],
+        kv_cache_usage: float,
+        cache_events: CacheEvents | None = None,
+        cached_keys: Callable[[], list[int]] | None = None,
+    ) -> int:
+        """One step's outputs to the outbox, their timings to the books, the prefix cache's changes
+        to the events; -> the tokens they carry. `cached_keys` gives the whole cache, which replaces
+        the pending events once a client has not polled for MAX_PENDING_CACHE_EVENTS steps."""
         now = time.monotonic()
         new_tokens = 0
         with self._cv:
+            if cache_events is not None:
+                if len(self._cache_events) >= MAX_PENDING_CACHE_EVENTS and cached_keys is not None:
+                    cache_events = CacheEvents(stored=cached_keys(), reset=True)
+                    self._cache_events.clear()
+                self._cache_events.append(cache_events)
             for o in outputs:
                 new_tokens += len(o.new_token_ids)
                 self._book_timing(o.request_id, self._live.record(o, now))

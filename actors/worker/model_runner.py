@@ -192,9 +192,10 @@ class ModelRunner(RunnerGraphs):
             seed=request_seed(sp.seed, self.config.model.seed, nr.req_id),
             block_ids=tuple(list(b) for b in nr.block_ids),
             num_computed_tokens=nr.num_computed_tokens,
+            output_token_ids=list(nr.output_token_ids or ()),
         )
         if sp.has_penalties and self.penalty_state is not None:
-            state.penalty_slot = self.penalty_state.add(nr.req_id, state.prompt_token_ids, [])
+            state.penalty_slot = self.penalty_state.add(nr.req_id, state.prompt_token_ids, state.output_token_ids)
         if sp.min_tokens:
             # What the scheduler's stop check would end the request on (vLLM's all_stop_token_ids).
             eos = [] if sp.ignore_eos or self.eos_token_id is None else [self.eos_token_id]

@@ -66,7 +66,7 @@ class NoopWorker(ShmLoopMixin):
             self.num_tokens.pop(rid, None)
         computed: dict[str, int] = {}
         for nr in so.scheduled_new_reqs:
-            self.num_tokens[nr.req_id] = len(nr.prompt_token_ids)
+            self.num_tokens[nr.req_id] = len(nr.prompt_token_ids) + len(nr.output_token_ids or ())
             computed[nr.req_id] = nr.num_computed_tokens
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):

@@ -8,24 +8,33 @@ each replica's bound (scheduler.max_num_seqs + serve.max_queued_requests outstan
 when none has room it raises Overloaded (503). An output that finishes a request frees its slot, so
 the count is what the engine still holds, aborts included (their echo is the finished output).
 
-A replica whose driver died, or that reports itself down (past its worker-restart budget), ends every
-request it held with an error output and takes no new ones.
+The poll tasks and the submission calls belong to the ingress, not to the request that happened to
+start them: they run detached from its context, so a client that leaves (Ray then cancels the actor
+calls its request task made) cannot cancel another replica's poll or another request's submission.
+
+A replica that cannot go on (its driver died, it reports itself down past its worker-restart budget,
+or it hands its requests back while it waits for resources) loses its requests to the other replicas:
+each moves, its stream unbroken (cluster/serve/migration.py). Only when no replica is left does a
+request end with an error output. A replica down takes no new requests; one rebuilding takes none
+until it reports itself available again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, TaskCancelledError
 
 from actors.messages import PollResult, RequestSpec, error_output
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.replicas.engine_group import EngineGroup
-from cluster.serve.router import PrefixAffinityRouter
+from cluster.serve.migration import FlightBook
+from cluster.serve.router import KVAwareRouter
 from cluster.serve.submissions import SubmitBatcher
 from kvcore.messages import EngineCoreOutput
 
@@ -89,21 +98,31 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 class ReplicaBooks:
     outstanding: int = 0
     down: str | None = None
+    available: bool = True  # False while it waits for resources to rebuild on (it refuses requests)
+    draining: bool = False  # being removed: it takes no new request (AsyncEngineClient.drain)
+    migrated_away: int = 0  # engine requests it could not go on with, moved to another replica
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finished: int = 0
     owned: set[str] = field(default_factory=set)
 
+    @property
+    def takes_requests(self) -> bool:
+        return self.down is None and self.available and not self.draining
+
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> None:
-        self.group = EngineGroup(config, worker_cls=worker_cls)
+    def __init__(
+        self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, group: EngineGroup | None = None
+    ) -> None:
+        # `group`: replicas started elsewhere (tests drive the client over stand-in drivers).
+        self.group = group if group is not None else EngineGroup(config, worker_cls=worker_cls)
         self.config = self.group.config
         n = len(self.group.drivers)
         self.capacity = config.scheduler.max_num_seqs + config.serve.max_queued_requests
         self.books = [ReplicaBooks() for _ in range(n)]
         info = self.group.info
-        self.router = PrefixAffinityRouter(
+        self.router = KVAwareRouter(
             n,
             config.cache.block_size,
             int(info.get("num_blocks") or 1),
@@ -113,7 +132,9 @@ class AsyncEngineClient:
         self.queues: dict[str, Inbox] = {}
         self.owner: dict[str, int] = {}
         self.prompt_len: dict[str, int] = {}
+        self.flights = FlightBook()
         self._tasks: list[asyncio.Task[None]] = []
+        self._moves: set[asyncio.Task[None]] = set()  # strong references: the loop keeps weak ones
         self._closed = False
         gather = config.serve.batch_submissions
         self.batchers = [SubmitBatcher(functools.partial(self._send_batch, r), gather) for r in range(n)]
@@ -122,21 +143,26 @@ class AsyncEngineClient:
     def info(self) -> dict[str, Any]:
         return self.group.info
 
-    def _ensure_polling(self) -> None:
-        # Started from a request handler: the tasks must live on the loop the handlers run on.
+    def start_polling(self) -> None:
+        """Start the poll tasks (idempotent). They must live on the loop the handlers run on, so the first
+        request starts them, but in a context of their own: nothing of that request's reaches them."""
         if not self._tasks and not self._closed:
-            self._tasks = [asyncio.get_running_loop().create_task(self._poll(r)) for r in range(len(self.books))]
+            self._tasks = [_detached(self._poll(r)) for r in range(len(self.books))]
+
+    @property
+    def num_migrations(self) -> int:
+        return sum(b.migrated_away for b in self.books)
 
     # ---- requests ---------------------------------------------------------------------------
     async def submit(self, specs: list[RequestSpec], queue: Inbox) -> tuple[int, dict[str, str]]:
         """Send one prompt's engine requests (its n samples) to one replica, chosen by the router; their
         outputs go to `queue`. -> (the replica, {request_id: why it was refused}); raises Overloaded /
         Unavailable."""
-        self._ensure_polling()
+        self.start_polling()
         if all(b.down for b in self.books):
             raise Unavailable("every engine replica is down: " + "; ".join(str(b.down) for b in self.books))
         need = len(specs)
-        eligible = [b.down is None and b.outstanding + need <= self.capacity for b in self.books]
+        eligible = [b.takes_requests and b.outstanding + need <= self.capacity for b in self.books]
         r = self.router.choose(specs[0].prompt_token_ids, [b.outstanding for b in self.books], eligible)
         if r is None:
             raise Overloaded(
@@ -149,9 +175,9 @@ class AsyncEngineClient:
             self.queues[spec.request_id] = queue
             self.owner[spec.request_id] = r
             self.prompt_len[spec.request_id] = len(spec.prompt_token_ids)
+            self.flights.add(spec)
             books.owned.add(spec.request_id)
         books.outstanding += need
-        self.router.record(r, specs[0].prompt_token_ids)
         future = self.batchers[r].add(specs)
         try:
             errs = await future
@@ -166,14 +192,22 @@ class AsyncEngineClient:
     async def _send_batch(self, r: int, specs: list[RequestSpec]) -> list[str | None]:
         """One add_requests call for every request gathered for replica r; refused ones are released
         here, whether or not their caller still waits."""
-        if self.books[r].down is not None:
-            errs: list[str | None] = [self.books[r].down] * len(specs)
+        down = self.books[r].down
+        if down is not None:
+            # Those the replica's failure moved on already are accepted (elsewhere); the rest refused.
+            errs: list[str | None] = [down if self.owner.get(s.request_id) == r else None for s in specs]
         else:
+            # A request moved off r while its batch waited (r began draining) has gone elsewhere already.
+            mine = [k for k, s in enumerate(specs) if self.owner.get(s.request_id) == r]
+            errs = [None] * len(specs)
             try:
-                errs = await self.group.drivers[r].add_requests.remote(specs)
+                sent = await self.group.drivers[r].add_requests.remote([specs[k] for k in mine]) if mine else []
             except RayActorError as e:
+                # These requests are the replica's like the rest: they move on (or end) with them.
                 self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
-                errs = [self.books[r].down] * len(specs)
+                return [None] * len(specs)
+            for k, err in zip(mine, sent):
+                errs[k] = err
         for spec, err in zip(specs, errs):
             if err is not None:
                 self._release(spec.request_id)
@@ -183,6 +217,7 @@ class AsyncEngineClient:
         """Ask each owner to abort (fire and forget: the driver drains aborts before its next step)."""
         by_replica: dict[int, list[str]] = {}
         for rid in request_ids:
+            self.flights.settle(rid)
             r = self.owner.get(rid)
             if r is not None and self.books[r].down is None:
                 by_replica.setdefault(r, []).append(rid)
@@ -192,14 +227,24 @@ class AsyncEngineClient:
     def close(self, request_ids: list[str]) -> None:
         """The caller stopped reading these requests: outputs still to come are dropped."""
         for rid in request_ids:
+            self.flights.settle(rid)
             self.queues.pop(rid, None)
 
     def _release(self, rid: str) -> None:
-        r = self.owner.pop(rid, None)
+        self._unown(rid)
         self.prompt_len.pop(rid, None)
+        self.flights.pop(rid)
+
+    def _unown(self, rid: str) -> None:
+        r = self.owner.pop(rid, None)
         if r is not None:
             self.books[r].outstanding -= 1
             self.books[r].owned.discard(rid)
+
+    def _own(self, rid: str, r: int) -> None:
+        self.owner[rid] = r
+        self.books[r].outstanding += 1
+        self.books[r].owned.add(rid)
 
     # ---- outputs ----------------------------------------------------------------------------
     async def _poll(self, r: int) -> None:
@@ -210,14 +255,31 @@ class AsyncEngineClient:
             except RayActorError as e:
                 self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
                 return
+            except TaskCancelledError:
+                # Not ours to end (only shutdown cancels this task, and not through Ray): the driver is
+                # fine and its outputs wait in its outbox, so poll again.
+                if self._closed:
+                    return
+                logger.warning("engine replica %d: a get_outputs call was cancelled from outside; polling on", r)
+                continue
             except asyncio.CancelledError:
                 return
             except Exception as e:  # noqa: BLE001 - never let the poll loop die silently
                 logger.exception("engine replica %d: get_outputs failed", r)
                 self._replica_down(r, f"engine replica {r}: get_outputs failed: {type(e).__name__}: {e}")
                 return
+            owner = self.owner
             for o in res.outputs:
-                self._deliver(r, o)
+                if res.fatal is not None and o.error == res.fatal:
+                    continue  # the replica failed under it: it moves below, with the rest
+                if owner.get(o.request_id) == r:  # else it moved away already
+                    self._deliver(r, o)
+            self.books[r].available = res.available
+            if res.cache_events:
+                self.router.apply(r, res.cache_events)
+            if res.returned:
+                why = f"engine replica {r} handed its requests back (its placement could not be rebuilt in time)"
+                self._move_away(r, [rid for rid in res.returned if owner.get(rid) == r], why)
             if res.fatal is not None:
                 self._replica_down(r, res.fatal)
 
@@ -229,6 +291,8 @@ class AsyncEngineClient:
             books.cached_tokens += o.num_cached_tokens
             books.prompt_tokens += self.prompt_len.get(rid, 0)
             self._release(rid)
+        else:
+            self.flights.record(o)
         q = self.queues.get(rid)
         if q is not None:
             q.put_nowait(o)
@@ -240,8 +304,64 @@ class AsyncEngineClient:
         logger.error("engine replica %d is down: %s", r, why)
         books.down = why
         self.router.forget(r)
-        for rid in list(books.owned):
-            self._deliver(r, error_output(rid, why))
+        self._move_away(r, list(books.owned), why)
+
+    def _move_away(self, r: int, rids: list[str], why: str) -> None:
+        """Replica r cannot go on with these requests: each continues on the least-loaded replica that
+        can take it (beyond the admission bound: it was admitted already), or, with none left, ends
+        with an error output. A settled request (aborted, or its client left) is only released."""
+        targets = [t for t, b in enumerate(self.books) if t != r and b.takes_requests]
+        moved: dict[int, list[RequestSpec]] = {}
+        for rid in rids:
+            if self.flights.settled(rid):
+                self._release(rid)
+                continue
+            if not targets:
+                self._deliver(r, error_output(rid, why))
+                continue
+            t = min(targets, key=lambda k: (self.books[k].outstanding, k))
+            spec = self.flights.continuation(rid)
+            self._unown(rid)
+            self._own(rid, t)
+            self.books[r].migrated_away += 1
+            moved.setdefault(t, []).append(spec)
+        for t, specs in moved.items():
+            logger.warning("engine replica %d: %d request(s) move to replica %d (%s)", r, len(specs), t, why)
+            task = _detached(self._send_moved(t, specs, why))
+            self._moves.add(task)
+            task.add_done_callback(self._moves.discard)
+
+    def drain(self, r: int, move_running: bool = False) -> int:
+        """Replica r is being removed (scale-down): it takes no new request, and its requests that have
+        not produced a token yet move to the other replicas now; with move_running, the running ones too
+        (token-exact continuations; r aborts them, and what it still sends for them is dropped). The
+        rest finish where they are; nothing is dropped. With no other replica to take them, all stay.
+        -> how many moved. `drained(r)` says when it holds nothing."""
+        books = self.books[r]
+        books.draining = True
+        if not any(t != r and b.takes_requests for t, b in enumerate(self.books)):
+            return 0
+        rids = [rid for rid in books.owned if move_running or not self.flights.answered(rid)]
+        live = [rid for rid in rids if not self.flights.settled(rid)]
+        self._move_away(r, rids, f"engine replica {r} is draining")
+        if live and books.down is None:
+            self.group.drivers[r].abort.remote(live)
+        return len(live)
+
+    def drained(self, r: int) -> bool:
+        """Replica r is draining and holds no request: it can go."""
+        return self.books[r].draining and not self.books[r].owned
+
+    async def _send_moved(self, t: int, specs: list[RequestSpec], why: str) -> None:
+        try:
+            errs = await self.batchers[t].add(specs)
+        except Exception as e:  # noqa: BLE001 - the engine client closed under it
+            errs = [f"{type(e).__name__}: {e}"] * len(specs)
+        for spec, err in zip(specs, errs):
+            if err is not None:  # _send_batch released it: its stream still needs its end
+                q = self.queues.get(spec.request_id)
+                if q is not None:
+                    q.put_nowait(error_output(spec.request_id, f"{why}; moving it to replica {t} failed: {err}"))
 
     # ---- introspection and teardown ---------------------------------------------------------
     async def engine_stats(self) -> list[dict[str, Any]]:
@@ -261,6 +381,12 @@ class AsyncEngineClient:
 
     def shutdown(self) -> None:
         self._closed = True
-        for t in self._tasks:
+        for t in [*self._tasks, *self._moves]:
             t.cancel()
         self.group.shutdown()
+
+
+def _detached(coro: Any) -> asyncio.Task[None]:
+    """A task on the running loop in a fresh context: it carries nothing of the request task that made
+    it (Ray's record of the calling task among them), so cancelling that request cannot reach it."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())

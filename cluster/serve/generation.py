@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from actors.messages import RequestSpec
+from actors.messages import DOWN, REBUILDING, RequestSpec
 from cluster.client.output_processor import OutputProcessor, RequestState
 from cluster.outputs import Logprob, RequestOutput
 from cluster.serve.engine_client import AsyncEngineClient, Inbox
@@ -89,7 +89,7 @@ class Generation:
         if refused:
             self.close()
             why = next(iter(refused.values()))
-            if "is down" in why:
+            if DOWN in why or REBUILDING in why:
                 raise APIError(503, why, code="engine_down")
             raise bad_request(why)
 

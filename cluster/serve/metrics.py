@@ -47,6 +47,12 @@ class ServerMetrics:
             registry=r,
         )
         self.replica_up = Gauge("kvray_serve_replica_up", "1 while the replica serves", ["replica"], registry=r)
+        self.migrations = Gauge(
+            "kvray_serve_migrations",
+            "in-flight engine requests this replica could not go on with, moved to another replica",
+            ["replica"],
+            registry=r,
+        )
         self.engine = {k: Gauge(f"kvray_engine_{k}", doc, ["replica"], registry=r) for k, doc in _ENGINE_GAUGES.items()}
         self.cached_share = Gauge(
             "kvray_serve_replica_prompt_cached_share",
@@ -68,6 +74,7 @@ class ServerMetrics:
             label = str(r)
             self.outstanding.labels(label).set(b.outstanding)
             self.replica_up.labels(label).set(0 if b.down else 1)
+            self.migrations.labels(label).set(b.migrated_away)
             self.cached_share.labels(label).set(b.cached_tokens / b.prompt_tokens if b.prompt_tokens else 0.0)
         for r, s in enumerate(engine_stats):
             for k, g in self.engine.items():

@@ -1,33 +1,26 @@
-"""Which data-parallel replica takes a request: least outstanding requests, with prefix affinity.
+"""Which data-parallel replica takes a request: the one whose prefix cache holds the longest prefix of
+its prompt, unless that replica is overloaded; then the least outstanding.
 
-The policy of Ray Serve LLM's PrefixCacheAffinityRouter, on token blocks rather than characters:
-  - load imbalanced (busiest - idlest outstanding > imbalance_threshold): the least-loaded replica;
-  - else the replica whose past prompts share the longest run of leading full blocks with this one,
-    when that covers at least MATCH_RATE_THRESHOLD of the prompt (ties: the least loaded);
-  - else the least-loaded replica (ties: the one that has seen the fewest blocks, so new prefixes
+KV-aware routing across DP replicas: the engines publish what their prefix caches hold (cache events on
+the poll path), the ingress keeps an approximate index of it (cluster/serve/kv_index.py). Policy:
+  - the replica holding the longest run of the prompt's leading full blocks, when that covers at least
+    MATCH_RATE_THRESHOLD of the prompt (ties: the least loaded), unless it holds more than
+    imbalance_threshold requests beyond the least-loaded eligible replica (overloaded);
+  - else the least-loaded replica (ties: the one holding the fewest cached blocks, so new prefixes
     spread over the replicas' caches).
-Each replica's record is an LRU of chained block hashes, as the engine's prefix cache keys its blocks
-(kvcore/kv_cache/hashing.py), bounded by the replica's KV pool: what the pool can no longer hold is forgotten.
-Replicas without room (back-pressure) or down are never chosen.
+Replicas without room (back-pressure), down or rebuilding are never chosen. `prefix_affinity` off:
+plain least outstanding, as EngineGroup.submit spreads `kvray run`'s requests.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from cluster.serve.kv_index import KVIndex, prompt_keys
+from kvcore.kv_cache.block_pool import CacheEvents
 
 MATCH_RATE_THRESHOLD = 0.1  # Ray Serve LLM's default match_rate_threshold
 
 
-def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """The chained hash of each full block: block k's hash covers tokens [0, (k+1) * block_size)."""
-    out, prev = [], 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash((prev, tuple(token_ids[start : start + block_size])))
-        out.append(prev)
-    return out
-
-
-class PrefixAffinityRouter:
+class KVAwareRouter:
     def __init__(
         self,
         num_replicas: int,
@@ -37,52 +30,41 @@ class PrefixAffinityRouter:
         prefix_affinity: bool = True,
     ) -> None:
         self.block_size = block_size
-        self.max_blocks = max(1, max_blocks_per_replica)
         self.imbalance_threshold = imbalance_threshold
         self.prefix_affinity = prefix_affinity
-        self.seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
-        self.num_affinity_routes = 0
+        self.index = KVIndex(num_replicas, max_blocks_per_replica)
+        self.num_cache_routes = 0  # requests sent where their prefix was cached
+        self.num_overloaded = 0  # requests whose cached prefix sat on an overloaded replica
 
     def choose(self, prompt_token_ids: list[int], outstanding: list[int], eligible: list[bool]) -> int | None:
-        """The replica for this prompt among the eligible ones (None: no replica can take it)."""
+        """The replica for this prompt among the eligible ones (None: no replica can take it); the index
+        then counts the prompt's blocks as that replica's."""
         candidates = [r for r, ok in enumerate(eligible) if ok]
         if not candidates:
             return None
-        # Off: plain least outstanding, as EngineGroup.submit spreads `kvray run`'s requests.
-        least = min(candidates, key=lambda r: (outstanding[r], len(self.seen[r]) if self.prefix_affinity else 0, r))
-        if not self.prefix_affinity or len(candidates) == 1:
-            return least
-        loads = [outstanding[r] for r in candidates]
-        if max(loads) - min(loads) > self.imbalance_threshold:
-            return least
-        hashes = block_hashes(prompt_token_ids, self.block_size)
-        if not hashes:
-            return least
-        matched = {r: self._match(r, hashes) for r in candidates}
-        best = max(matched.values())
-        if best * self.block_size < MATCH_RATE_THRESHOLD * len(prompt_token_ids) or best == 0:
-            return least
-        self.num_affinity_routes += 1
-        return min((r for r in candidates if matched[r] == best), key=lambda r: (outstanding[r], r))
+        if not self.prefix_affinity:
+            return min(candidates, key=lambda r: (outstanding[r], r))
+        index = self.index
+        least = min(candidates, key=lambda r: (outstanding[r], index.size(r), r))
+        keys = prompt_keys(prompt_token_ids, self.block_size)
+        chosen = least
+        if keys and len(candidates) > 1:
+            matched = {r: index.match(r, keys) for r in candidates}
+            best = max(matched.values())
+            if best > 0 and best * self.block_size >= MATCH_RATE_THRESHOLD * len(prompt_token_ids):
+                holder = min((r for r in candidates if matched[r] == best), key=lambda r: (outstanding[r], r))
+                if outstanding[holder] - outstanding[least] > self.imbalance_threshold:
+                    self.num_overloaded += 1
+                else:
+                    self.num_cache_routes += 1
+                    chosen = holder
+        index.note_routed(chosen, keys)
+        return chosen
 
-    def _match(self, replica: int, hashes: list[int]) -> int:
-        seen = self.seen[replica]
-        n = 0
-        for h in hashes:
-            if h not in seen:
-                break
-            n += 1
-        return n
-
-    def record(self, replica: int, prompt_token_ids: list[int]) -> None:
-        """The replica now holds (or soon will) this prompt's full blocks in its prefix cache."""
-        seen = self.seen[replica]
-        for h in block_hashes(prompt_token_ids, self.block_size):
-            seen[h] = None
-            seen.move_to_end(h)
-        while len(seen) > self.max_blocks:
-            seen.popitem(last=False)
+    def apply(self, replica: int, events: list[CacheEvents]) -> None:
+        """A replica's cache events (from its poll)."""
+        self.index.apply(replica, events)
 
     def forget(self, replica: int) -> None:
         """A replica restarted or went down: its cache is empty."""
-        self.seen[replica].clear()
+        self.index.forget(replica)

@@ -15,6 +15,7 @@ driver, so there is nothing to abort.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -75,7 +76,9 @@ class SubmitBatcher:
     def _start(self, batch: list[_Entry]) -> None:
         self._in_flight += 1
         self.num_calls += 1
-        task = asyncio.get_running_loop().create_task(self._call(batch))
+        # Detached from the request that happened to start it: the call carries other requests' specs too,
+        # and Ray cancels the actor calls a cancelled request task made (a client that left).
+        task = asyncio.get_running_loop().create_task(self._call(batch), context=contextvars.Context())
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 

@@ -10,10 +10,16 @@ Free-queue order decides what is reused first:
   tail: cached (hashed) blocks, least recently freed first (LRU eviction from the head side).
 A freed unhashed block is put at the head, a freed hashed block at the tail, so holding no
 prefix-cache content is always reused before evicting any.
+
+Cache events (off until `enable_cache_events`): which prefixes became findable in the prefix cache and
+which stopped being findable, for a router outside the engine that sends a request to the replica
+holding its prefix (cluster/serve/kv_index.py). They name group 0's blocks (every group caches the same
+prefixes) by `event_key`, 8 bytes of the chained hash: an index of what an engine holds, not a cache key.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 from kvcore.kv_cache.hashing import BlockHash
@@ -22,6 +28,21 @@ from kvcore.request import Request
 # A cached block is keyed by its chained hash and its KV-cache group: the same tokens in two groups
 # are two different blocks of KV.
 BlockHashKey = tuple[BlockHash, int]
+
+
+def event_key(block_hash: BlockHash) -> int:
+    """A cached prefix's name in cache events: the first 8 bytes of its chained hash, as an int."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+@dataclass
+class CacheEvents:
+    """Changes of the prefix cache since the last take: keys (event_key) now findable, keys no longer
+    findable. `reset`: the receiver forgets what it knew first (`stored` is then the whole cache)."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    reset: bool = False
 
 
 class KVCacheBlock:
@@ -147,6 +168,30 @@ class BlockPool:
         # Several blocks may hold the same content (e.g. two requests that computed the same prefix
         # before either was cached), hence a dict of blocks per key.
         self.cached_block_hash_to_block: dict[BlockHashKey, dict[int, KVCacheBlock]] = {}
+        # Cache events since the last take: event key -> findable now (the last change wins). None: off.
+        self._changes: dict[int, bool] | None = None
+        self._reset = False
+
+    # ---- cache events ----------------------------------------------------------------------------
+    def enable_cache_events(self) -> None:
+        """Start recording cache events; the first take hands out the whole cache (a reset)."""
+        self._changes = {}
+        self._reset = True
+
+    def take_cache_events(self) -> CacheEvents | None:
+        """The changes since the last take (None: events off, or nothing changed)."""
+        changes = self._changes
+        if changes is None or not (changes or self._reset):
+            return None
+        self._changes = {}
+        if self._reset:
+            self._reset = False
+            return CacheEvents(stored=self.cached_event_keys(), reset=True)
+        return CacheEvents([k for k, v in changes.items() if v], [k for k, v in changes.items() if not v])
+
+    def cached_event_keys(self) -> list[int]:
+        """Every prefix findable now (group 0), by event key."""
+        return [event_key(h) for h, gid in self.cached_block_hash_to_block if gid == 0]
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -190,6 +235,8 @@ class BlockPool:
             same.pop(block.block_id, None)
             if not same:
                 del self.cached_block_hash_to_block[key]
+                if self._changes is not None and key[1] == 0:
+                    self._changes[event_key(key[0])] = False
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -250,6 +297,8 @@ class BlockPool:
             same = cached.get(key)
             if same is None:
                 cached[key] = {block.block_id: block}
+                if self._changes is not None and group_id == 0:
+                    self._changes[event_key(key[0])] = True
             else:
                 same[block.block_id] = block
 
@@ -260,4 +309,7 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self._changes is not None:
+            self._changes.clear()
+            self._reset = True
         return True

@@ -233,7 +233,14 @@ class Scheduler(RequestBook):
                 cached.add(rid, block_ids, c, resumed_token_ids=list(request.all_token_ids))
             else:
                 new_reqs.append(
-                    NewRequestData(rid, list(request.prompt_token_ids), request.sampling_params, block_ids, c)
+                    NewRequestData(
+                        rid,
+                        list(request.prompt_token_ids),
+                        request.sampling_params,
+                        block_ids,
+                        c,
+                        list(request.output_token_ids) if request.output_token_ids else None,
+                    )
                 )
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
