@@ -40,7 +40,14 @@ from actors.messages import (  # noqa: F401 - re-exported
 )
 from actors.worker.gc_heap import freeze_startup_heap
 from kvcore.messages import EngineCoreOutput
-from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
+from kvcore.request import (
+    RequestValidationError,
+    SamplingParams,
+    check_request_id,
+    check_token_ids,
+    check_vocab_fields,
+    validate,
+)
 
 if TYPE_CHECKING:
     from actors.driver.metrics import EngineMetrics
@@ -160,6 +167,8 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
         except RequestValidationError as e:
             return f"request {rid!r}: {e}"
         err = check_token_ids("prompt_token_ids", spec.prompt_token_ids, self.info.get("vocab_size"))
+        if err is None:
+            err = check_vocab_fields(spec.sampling_params, self.info.get("vocab_size"))
         return None if err is None else f"request {rid!r}: {err}"
 
     def abort(self, request_ids: Iterable[str]) -> None:
