@@ -180,7 +180,7 @@ def test_other_errors_are_openai_shaped(server, client):
     with pytest.raises(openai.BadRequestError, match="max_model_len=256"):
         client.completions.create(model=MODEL, prompt=list(range(300)), max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model=MODEL, prompt="Hi", logit_bias={"5": 1.0})
+        client.completions.create(model=MODEL, prompt="Hi", logit_bias={"5": 1000})  # OpenAI's range: [-100, 100]
     r = requests.post(server[0] + "/v1/completions", data=b"{not json", timeout=30)
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = requests.get(server[0] + "/v1/nothing-here", timeout=30)

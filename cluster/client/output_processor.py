@@ -16,6 +16,7 @@ from typing import Any
 
 from cluster.client.detokenizer import IncrementalDetokenizer, check_stop_strings
 from cluster.client.logprobs import LogprobsProcessor, TokenDecoder
+from cluster.client.tokenizer import with_bad_words_tokenized
 from cluster.outputs import CompletionOutput, RequestOutput
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams
@@ -149,6 +150,7 @@ class OutputProcessor:
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
     ) -> tuple[ParentRequest, list[tuple[str, SamplingParams]]]:
         """Register a request; -> (its parent record, the (engine request id, params) to submit)."""
+        params = with_bad_words_tokenized(params, self.tokenizer)
         parent = ParentRequest(request_id, prompt, prompt_token_ids)
         subs = (
             [(request_id, params)]

@@ -1,5 +1,5 @@
 """Default sampling settings, as vLLM chooses them: the model's generation_config.json where it sets
-temperature, top_p, top_k, repetition_penalty or max_new_tokens, else vLLM's SamplingParams defaults
+temperature, top_p, top_k, repetition_penalty, min_p or max_new_tokens, else vLLM's SamplingParams defaults
 (temperature 1.0: sampling, not greedy). They apply when generate/chat get no sampling_params; a
 SamplingParams the caller builds keeps its own values.
 """
@@ -19,6 +19,7 @@ GENERATION_CONFIG_KEYS = {
     "top_p": "top_p",
     "top_k": "top_k",
     "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
     "max_new_tokens": "max_tokens",
 }
 VLLM_DEFAULTS: dict[str, Any] = {
@@ -26,6 +27,7 @@ VLLM_DEFAULTS: dict[str, Any] = {
     "top_p": 1.0,
     "top_k": 0,
     "repetition_penalty": 1.0,
+    "min_p": 0.0,
     "max_tokens": 16,
 }
 

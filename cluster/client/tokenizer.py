@@ -9,10 +9,13 @@ returns None then.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from actors.config.hf_json import read_eos_token_ids
+from kvcore.request import SamplingParams
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -59,3 +62,26 @@ def load_tokenizer_if_present(model_dir: str) -> Tokenizer | None:
         return Tokenizer.from_dir(model_dir)
     except TokenizerNotFoundError:
         return None
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's update_from_tokenizer: each word as token ids, alone and after a space (a word inside a text
+    usually tokenizes with its leading space); the spaced form only where it is a different sequence of
+    the same length (vLLM's rule)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if plain:
+            out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
+
+
+def with_bad_words_tokenized(sp: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """sp with bad_words_token_ids filled from bad_words (a copy; sp unchanged). Without a tokenizer it
+    stays unfilled, and the engine refuses the request, naming bad_words."""
+    if not sp.bad_words or sp.bad_words_token_ids is not None or tokenizer is None:
+        return sp
+    return replace(sp, bad_words_token_ids=bad_words_token_ids(tokenizer, sp.bad_words))

@@ -1,7 +1,8 @@
 """OpenAI request bodies -> what the engine runs: the prompt, SamplingParams, and the streaming options.
 
 Field names and meanings are OpenAI's (and vLLM's extras: top_k, min_tokens, repetition_penalty,
-ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens). Each value is checked by
+ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_p, allowed_token_ids,
+bad_words; logit_bias is OpenAI's). Each value is checked by
 SamplingParams itself (kvcore/request.py), so a bad one gets the rule that engine applies, with the
 field named; a field kvray cannot honour is refused by name rather than ignored.
 """
@@ -31,16 +32,19 @@ _SAMPLING = (
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "min_p",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
 )
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "user", "logprobs", "return_token_ids", *_SAMPLING}
 _KNOWN = {
-    COMPLETIONS: _COMMON | {"prompt", "echo", "best_of", "logit_bias", "suffix"},
+    COMPLETIONS: _COMMON | {"prompt", "echo", "best_of", "suffix"},
     CHAT: _COMMON
     | {
         "messages",
         "max_completion_tokens",
         "top_logprobs",
-        "logit_bias",
         "tools",
         "tool_choice",
         "response_format",
@@ -51,7 +55,6 @@ _KNOWN = {
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
