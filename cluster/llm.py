@@ -9,6 +9,7 @@ for good raises EngineFailure.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
@@ -133,7 +134,17 @@ class LLM:
 
     # ---- generate and chat ------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
-        return self.tokenizer
+        """The model's tokenizer as vLLM's LLM.get_tokenizer() gives it: transformers' PreTrainedTokenizerFast
+        over the model's tokenizer.json (built on first call, no checkpoint code run); None where the model
+        has no tokenizer on this machine."""
+        return self._user_tokenizer
+
+    @functools.cached_property
+    def _user_tokenizer(self) -> Any:
+        from cluster.client.tokenizer import hf_tokenizer
+
+        model_dir = getattr(self.tokenizer, "model_dir", None)
+        return hf_tokenizer(model_dir) if model_dir else self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate/chat use without sampling_params: the model's generation_config.json, else vLLM's."""

@@ -335,3 +335,17 @@ def test_processors_through_llm_generate(llm):
     assert out.finish_reason == "length"
     assert word not in out.text and len(out.token_ids) == 12
     assert out.text[:1] == word[:1]  # the first token is allowed: only the completion is banned
+
+
+def test_get_tokenizer_is_hfs_class_over_the_models_files(llm):
+    import transformers
+
+    tok = llm.get_tokenizer()
+    assert isinstance(tok, transformers.PreTrainedTokenizerFast) and llm.get_tokenizer() is tok
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert (
+        out.prompt_token_ids == tok("Hello")["input_ids"]
+        and tok.decode(out.outputs[0].token_ids, skip_special_tokens=True) == out.outputs[0].text
+    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

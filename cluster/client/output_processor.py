@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cluster.client.bad_words import with_bad_words_tokenized
 from cluster.client.detokenizer import IncrementalDetokenizer, check_stop_strings
 from cluster.client.logprobs import LogprobsProcessor, TokenDecoder
-from cluster.client.tokenizer import with_bad_words_tokenized
 from cluster.outputs import CompletionOutput, RequestOutput
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams
