@@ -349,3 +349,17 @@ def test_get_tokenizer_is_hfs_class_over_the_models_files(llm):
     )
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_continues_the_final_message(llm):
+    from cluster.client.chat import ChatTemplateError
+
+    conv = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi, I am"}]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    out = llm.chat(conv, sp, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    want = llm.get_tokenizer().apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True)
+    want = want if isinstance(want, list) else want["input_ids"]
+    assert out.prompt_token_ids == want and llm.get_tokenizer().decode(want).endswith("assistant\nHi, I am")
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ChatTemplateError, match="continue_final_message=True and add_generation_prompt=True"):
+        llm.chat(conv, sp, use_tqdm=False, continue_final_message=True)
