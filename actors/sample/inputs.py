@@ -23,6 +23,9 @@ from actors.sample.sampler import SamplingMetadata
 from actors.worker.input_batch import InputBatch
 from kvcore.buffers import CpuGpuBuffer
 
+# SamplingMetadata's first five fields: temperature, top_k, top_p, seeds, positions.
+RowViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 class SamplingInputs:
     def __init__(self, max_num_reqs: int, device: torch.device, pin_memory: bool) -> None:
@@ -84,7 +87,7 @@ class SamplingInputs:
             if ban_prev is not None and last_token_source is None:
                 raise RuntimeError("SamplingInputs.build: a row has bad words but no last_token_source was given")
         return SamplingMetadata(
-            **self._row_views(fg, ig, n),
+            *self._row_views(fg, ig, n),
             all_greedy=bool(greedy.all()),
             need_filter=bool(((top_k > 0) | (top_p < 1.0)).any()) or has_min_p,
             penalty_slots=ig[3, :n] if has_pen else None,
@@ -106,13 +109,14 @@ class SamplingInputs:
         i[:, :n] = np.array([8 if filters else 0, 0, 0, -1, -1], dtype=np.int64)[:, None]
         fg, ig = self.f32.copy_to_gpu(), self.i64.copy_to_gpu()
         return SamplingMetadata(
-            **self._row_views(fg, ig, n), all_greedy=False, need_filter=filters, num_logprobs=num_logprobs
+            *self._row_views(fg, ig, n), all_greedy=False, need_filter=filters, num_logprobs=num_logprobs
         )
 
     @staticmethod
-    def _row_views(fg: torch.Tensor, ig: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-        """The per-row views of the device buffers, one layout for build() and dummy()."""
-        return dict(temperature=fg[0, :n], top_k=ig[0, :n], top_p=fg[1, :n], seeds=ig[1, :n], positions=ig[2, :n])
+    def _row_views(fg: torch.Tensor, ig: torch.Tensor, n: int) -> RowViews:
+        """The per-row views of the device buffers, one layout for build() and dummy(): SamplingMetadata's
+        temperature, top_k, top_p, seeds, positions."""
+        return fg[0, :n], ig[0, :n], fg[1, :n], ig[1, :n], ig[2, :n]
 
     @staticmethod
     def _ban_lists(batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> dict[int, list[tuple[int, int]]]:

@@ -413,13 +413,13 @@ def launch_sample(
     if ban_ids is not None and ban_ids.stride(1) != 1:
         ban_ids = ban_ids.contiguous()
     num_ban = 0 if ban_ids is None else ban_ids.shape[1]
-    has_prev = ban_prev is not None and num_ban > 0
-    if has_prev:
-        assert ban_prev is not None and last_tokens is not None and ban_prev.shape == ban_ids.shape, (
+    has_prev = ban_ids is not None and ban_prev is not None and num_ban > 0
+    if ban_ids is not None and ban_prev is not None and has_prev:
+        assert last_tokens is not None and ban_prev.shape == ban_ids.shape, (
             "launch_sample: ban_prev needs last_tokens and the shape of ban_ids"
         )
         last_tokens = last_tokens.contiguous()
-        if ban_ids is not None and (ban_prev.stride() != ban_ids.stride() or ban_prev.stride(1) != 1):
+        if ban_prev.stride() != ban_ids.stride() or ban_prev.stride(1) != 1:
             ban_ids, ban_prev = ban_ids.contiguous(), ban_prev.contiguous()  # the two share one stride
     ban_args = (
         (ban_ids, ban_prev if has_prev else ban_ids, ban_ids.stride(0), num_ban, last_tokens if has_prev else dummy)
@@ -427,11 +427,10 @@ def launch_sample(
         else (dummy, dummy, 0, 0, dummy)
     )
     has_row = logit_slots is not None
-    if has_row:
+    row_args: tuple[torch.Tensor, torch.Tensor, int] = (dummy, dummy, 0)
+    if logit_slots is not None:
         assert logit_rows is not None and logit_rows.stride(1) == 1, "launch_sample: logit_slots needs logit_rows"
         row_args = (logit_rows, logit_slots.contiguous(), logit_rows.stride(0))
-    else:
-        row_args = (dummy, dummy, 0)
     has_min_p = min_p is not None
     assert not has_min_p or need_filter, "launch_sample: min_p needs need_filter (it needs the row maximum first)"
     if block_v is None:

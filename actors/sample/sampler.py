@@ -111,18 +111,7 @@ class Sampler:
         positions = md.positions if md.positions is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         slots, penalties, counts, prompt_mask = self._penalty_inputs(md)
         need_filter = md.need_filter and not md.all_greedy
-        extra = dict(
-            ban_ids=md.ban_ids,
-            ban_prev=md.ban_prev,
-            last_tokens=self._last_tokens(md, n),
-            logit_rows=self._logit_rows(md),
-            logit_slots=md.logit_slots,
-            min_p=md.min_p if need_filter else None,
-            penalty_slots=slots,
-            penalties=penalties,
-            counts=counts,
-            prompt_mask=prompt_mask,
-        )
+        last_tokens, rows_t, min_p = self._last_tokens(md, n), self._logit_rows(md), md.min_p if need_filter else None
         if kernel_runs(dev, self.use_triton):
             # The interpreter vectorises one program's rows; a GPU program owns one row.
             rows = 1 if dev.type == "cuda" else 16
@@ -135,9 +124,35 @@ class Sampler:
                 positions,
                 need_filter=need_filter,
                 rows_per_program=rows,
-                **extra,
+                ban_ids=md.ban_ids,
+                ban_prev=md.ban_prev,
+                last_tokens=last_tokens,
+                logit_rows=rows_t,
+                logit_slots=md.logit_slots,
+                min_p=min_p,
+                penalty_slots=slots,
+                penalties=penalties,
+                counts=counts,
+                prompt_mask=prompt_mask,
             )
-        return sample_reference(logits, temperature, top_k, top_p, seeds, positions, **extra)
+        return sample_reference(
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            seeds,
+            positions,
+            ban_ids=md.ban_ids,
+            ban_prev=md.ban_prev,
+            last_tokens=last_tokens,
+            logit_rows=rows_t,
+            logit_slots=md.logit_slots,
+            min_p=min_p,
+            penalty_slots=slots,
+            penalties=penalties,
+            counts=counts,
+            prompt_mask=prompt_mask,
+        )
 
     @staticmethod
     def _last_tokens(md: SamplingMetadata, n: int) -> torch.Tensor | None:

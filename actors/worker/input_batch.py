@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable, cast
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -84,7 +84,7 @@ class InputBatch:
         # Rows using min_p or a logit row: while none does, the sampler's inputs skip both.
         self.num_logit_extras = 0
         self.bad_words: dict[int, list[list[int]]] = {}  # row -> bad words of 2+ tokens (sparse)
-        self._row_dicts = (self.min_tokens_ban, self.bad_words)
+        self._row_dicts: tuple[dict[int, Any], ...] = (self.min_tokens_ban, self.bad_words)
         # The per-row scalars that move with a request (condense, swap); token ids and the sparse
         # ban lists are moved by hand.
         self._row_scalars = (
@@ -217,7 +217,7 @@ class InputBatch:
         for d in self._row_dicts:
             entry = d.pop(src, None)
             if entry is not None:
-                d[dst] = entry  # type: ignore[index]
+                d[dst] = entry
         self.block_table.move_row(src, dst)
         self.block_table.clear_row(src)  # move_row copies; a stale source row must not linger
         self.index_to_req_id[dst], self.index_to_req_id[src] = req_id, None
@@ -249,9 +249,9 @@ class InputBatch:
         for d in self._row_dicts:
             ei, ej = d.pop(i, None), d.pop(j, None)
             if ei is not None:
-                d[j] = ei  # type: ignore[index]
+                d[j] = ei
             if ej is not None:
-                d[i] = ej  # type: ignore[index]
+                d[i] = ej
         self.block_table.swap_row(i, j)
         self.index_to_req_id[i], self.index_to_req_id[j] = rj, ri
         self.req_id_to_index[ri], self.req_id_to_index[rj] = j, i
