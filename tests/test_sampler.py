@@ -437,6 +437,8 @@ def test_logit_rows_hold_vllms_meanings():
     state.remove("a")
     assert state.add("c", SamplingParams(logit_bias={0: 1.0})) == a  # the slot is reused, rebuilt
     assert state.rows[a].tolist() == [1.0] + [0.0] * 9
+    state.clear()  # the runner's reset: every slot free again, lowest first
+    assert "b" not in state and state.add("d", SamplingParams(allowed_token_ids=[2])) == 0
 
 
 def test_min_p_keeps_tokens_within_min_p_of_the_top_probability():

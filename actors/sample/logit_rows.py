@@ -73,6 +73,11 @@ class LogitRows:
         kept = [t for t in ids if 0 <= t < self.vocab_size]
         return torch.tensor(kept, dtype=torch.int64).to(self.device, non_blocking=True)
 
+    def clear(self) -> None:
+        """Forget every request (the runner's reset after a failed step); the memory stays for reuse."""
+        self._slot_of.clear()
+        self._free = list(range(self._capacity - 1, -1, -1))
+
     def remove(self, req_id: str) -> None:
         slot = self._slot_of.pop(req_id, None)
         if slot is not None:

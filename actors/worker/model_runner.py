@@ -225,6 +225,8 @@ class ModelRunner(RunnerGraphs):
         re-queues the survivors from scratch and the workers go on with their weights and KV cache."""
         self._batch().remove_all()
         self.requests.clear()
+        if self.logit_rows is not None:
+            self.logit_rows.clear()  # the survivors come back as new requests and rebuild their rows
         self._in_flight = self._last = None
         if self._copies_done is not None:
             self._copies_done.synchronize()
