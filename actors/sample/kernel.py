@@ -112,9 +112,9 @@ def _sample_kernel(
         pres = tl.load(pen_ptr + rows, mask=rmask, other=0.0)
         freq = tl.load(pen_ptr + stride_p + rows, mask=rmask, other=0.0)
         rep = tl.load(pen_ptr + 2 * stride_p + rows, mask=rmask, other=1.0)
-    last = tl.full((BLOCK_R,), -1, tl.int64)
+    last_tok = tl.full((BLOCK_R,), -1, tl.int64)  # each row's last token (bad words' conditional bans)
     if HAS_BAN_PREV:
-        last = tl.load(last_ptr + rows, mask=rmask, other=-1)
+        last_tok = tl.load(last_ptr + rows, mask=rmask, other=-1)
     lslot = tl.full((BLOCK_R,), -1, tl.int64)
     if HAS_ROW:
         lslot = tl.load(lslot_ptr + rows, mask=rmask, other=-1)
@@ -148,7 +148,7 @@ def _sample_kernel(
             prev_ptr,
             stride_b,
             num_ban,
-            last,
+            last_tok,
             lrow_ptr,
             lslot,
             stride_lr,
@@ -201,7 +201,7 @@ def _sample_kernel(
                             prev_ptr,
                             stride_b,
                             num_ban,
-                            last,
+                            last_tok,
                             lrow_ptr,
                             lslot,
                             stride_lr,
@@ -252,7 +252,7 @@ def _sample_kernel(
                     prev_ptr,
                     stride_b,
                     num_ban,
-                    last,
+                    last_tok,
                     lrow_ptr,
                     lslot,
                     stride_lr,
@@ -294,7 +294,7 @@ def _sample_kernel(
                             prev_ptr,
                             stride_b,
                             num_ban,
-                            last,
+                            last_tok,
                             lrow_ptr,
                             lslot,
                             stride_lr,
@@ -336,7 +336,7 @@ def _sample_kernel(
                 prev_ptr,
                 stride_b,
                 num_ban,
-                last,
+                last_tok,
                 lrow_ptr,
                 lslot,
                 stride_lr,
