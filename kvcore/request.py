@@ -376,8 +376,11 @@ def _int_keys(d: dict[Any, Any]) -> dict[Any, Any]:
     validate() names it."""
     out: dict[Any, Any] = {}
     for k, v in d.items():
-        if isinstance(k, str) and k.strip().lstrip("-").isdigit() and len(k) < 20:
-            k = int(k)
+        if isinstance(k, str) and len(k) < 20:
+            try:
+                k = int(k)
+            except ValueError:
+                pass
         out[k] = v
     return out
 
