@@ -192,3 +192,17 @@ def test_continue_final_message_rules(model_dir) -> None:
     # Off, the same text as before: the final message closed by the template.
     closed = render_chat(PREFILL, template, add_generation_prompt=False)
     assert closed.endswith("The colour is <|im_end|>\n")
+
+
+def test_the_server_takes_continue_final_message() -> None:
+    from cluster.serve.errors import APIError
+    from cluster.serve.protocol import CHAT, parse_request
+    from kvcore.request import SamplingParams
+
+    body = {"messages": PREFILL, "add_generation_prompt": False, "continue_final_message": True}
+    assert parse_request(CHAT, body, SamplingParams()).continue_final_message
+    assert not parse_request(CHAT, {"messages": PREFILL}, SamplingParams()).continue_final_message
+    with pytest.raises(APIError, match="continue_final_message=true needs add_generation_prompt=false"):
+        parse_request(CHAT, {"messages": PREFILL, "continue_final_message": True}, SamplingParams())
+    with pytest.raises(APIError, match="continue_final_message='yes': must be a bool"):
+        parse_request(CHAT, {**body, "continue_final_message": "yes"}, SamplingParams())

@@ -49,6 +49,7 @@ _KNOWN = {
         "tool_choice",
         "response_format",
         "add_generation_prompt",
+        "continue_final_message",
     },
 }
 # Accepted only with their "off" value: anything else would be silently ignored.
@@ -74,6 +75,7 @@ class ParsedRequest:
     include_usage: bool
     add_generation_prompt: bool = True
     return_token_ids: bool = False  # vLLM's extra: token ids in each choice (and every token streamed)
+    continue_final_message: bool = False  # vLLM's (HF's) chat extra: the model continues the last message
 
     @property
     def chat(self) -> bool:
@@ -110,11 +112,17 @@ def parse_request(endpoint: str, body: Any, defaults: SamplingParams) -> ParsedR
     except TypeError as e:  # a value of a type the comparisons in validate() cannot take
         raise bad_request(f"a sampling field has a wrong type: {e}") from None
     agp, rti = body.get("add_generation_prompt", True), body.get("return_token_ids") or False
-    for name, v in (("add_generation_prompt", agp), ("return_token_ids", rti)):
+    cfm = body.get("continue_final_message", False)
+    for name, v in (("add_generation_prompt", agp), ("return_token_ids", rti), ("continue_final_message", cfm)):
         if not isinstance(v, bool):
             raise bad_request(f"body.{name}={v!r}: must be a bool")
+    if agp and cfm:
+        raise bad_request(
+            "body.continue_final_message=true needs add_generation_prompt=false (they are not compatible)",
+            param="continue_final_message",
+        )
     return ParsedRequest(
-        endpoint, model, prompt, ids, messages, params, max_tokens is not None, stream, include_usage, agp, rti
+        endpoint, model, prompt, ids, messages, params, max_tokens is not None, stream, include_usage, agp, rti, cfm
     )
 
 
