@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable, cast
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     penalty_slot: int = -1  # its row in the runner's PenaltyState, -1 without penalties
     min_tokens_ban: list[int] = field(default_factory=list)  # ids masked until min_tokens outputs
+    logit_slot: int = -1  # its row in the runner's LogitRows (logit_bias, allowed_token_ids), -1 without
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +79,12 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: no logprobs
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.min_tokens_ban: dict[int, list[int]] = {}  # row -> ids banned until min_tokens (sparse)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)  # 0 = off (and for greedy rows)
+        self.logit_slot = np.full(max_num_reqs, -1, dtype=np.int64)
+        # Rows using min_p or a logit row: while none does, the sampler's inputs skip both.
+        self.num_logit_extras = 0
+        self.bad_words: dict[int, list[list[int]]] = {}  # row -> bad words of 2+ tokens (sparse)
+        self._row_dicts: tuple[dict[int, Any], ...] = (self.min_tokens_ban, self.bad_words)
         # The per-row scalars that move with a request (condense, swap); token ids and the sparse
         # ban lists are moved by hand.
         self._row_scalars = (
@@ -96,6 +103,8 @@ class InputBatch:
             self.min_tokens,
             self.num_logprobs,
             self.num_prompt_logprobs,
+            self.min_p,
+            self.logit_slot,
         )
 
         self.block_table = MultiGroupBlockTable(
@@ -156,6 +165,14 @@ class InputBatch:
             self.min_tokens_ban[row] = state.min_tokens_ban
         else:
             self.min_tokens_ban.pop(row, None)
+        self.min_p[row] = 0.0 if sp.greedy else sp.min_p
+        self.logit_slot[row] = state.logit_slot
+        self.num_logit_extras += int(self.min_p[row] > 0 or state.logit_slot >= 0)
+        long_words = [seq for seq in sp.bad_words_token_ids or () if len(seq) > 1]
+        if long_words:
+            self.bad_words[row] = long_words
+        else:
+            self.bad_words.pop(row, None)
         self.block_table.add_row(state.block_ids, row)
         return row
 
@@ -165,7 +182,10 @@ class InputBatch:
         if row is None:
             return None
         self.index_to_req_id[row] = None
-        self.min_tokens_ban.pop(row, None)
+        for d in self._row_dicts:
+            d.pop(row, None)
+        self.num_logit_extras -= int(self.min_p[row] > 0 or self.logit_slot[row] >= 0)
+        self.min_p[row], self.logit_slot[row] = 0.0, -1
         self.block_table.clear_row(row)
         if row == self._num_rows - 1:
             self._num_rows -= 1
@@ -194,9 +214,10 @@ class InputBatch:
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
         for arr in self._row_scalars:
             arr[dst] = arr[src]
-        ban = self.min_tokens_ban.pop(src, None)
-        if ban is not None:
-            self.min_tokens_ban[dst] = ban
+        for d in self._row_dicts:
+            entry = d.pop(src, None)
+            if entry is not None:
+                d[dst] = entry
         self.block_table.move_row(src, dst)
         self.block_table.clear_row(src)  # move_row copies; a stale source row must not linger
         self.index_to_req_id[dst], self.index_to_req_id[src] = req_id, None
@@ -225,11 +246,12 @@ class InputBatch:
         self.token_ids_cpu[[i, j], :n] = self.token_ids_cpu[[j, i], :n]
         for arr in self._row_scalars:
             arr[[i, j]] = arr[[j, i]]
-        bi, bj = self.min_tokens_ban.pop(i, None), self.min_tokens_ban.pop(j, None)
-        if bi is not None:
-            self.min_tokens_ban[j] = bi
-        if bj is not None:
-            self.min_tokens_ban[i] = bj
+        for d in self._row_dicts:
+            ei, ej = d.pop(i, None), d.pop(j, None)
+            if ei is not None:
+                d[j] = ei
+            if ej is not None:
+                d[i] = ej
         self.block_table.swap_row(i, j)
         self.index_to_req_id[i], self.index_to_req_id[j] = rj, ri
         self.req_id_to_index[ri], self.req_id_to_index[rj] = j, i

@@ -9,13 +9,21 @@ for good raises EngineFailure.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from actors.messages import RequestSpec
-from cluster.client.chat import ChatTemplateError, as_conversations, render_chat, resolve_chat_template, special_tokens
+from cluster.client.chat import (
+    ChatTemplateError,
+    as_conversations,
+    check_chat_flags,
+    render_chat,
+    resolve_chat_template,
+    special_tokens,
+)
 from cluster.client.logprobs import engine_computes_logprobs
 from cluster.client.output_processor import OutputProcessor, ParentRequest
 from cluster.client.sampling_defaults import default_sampling_params
@@ -148,7 +156,17 @@ class LLM:
 
     # ---- generate and chat ------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
-        return self.tokenizer
+        """The model's tokenizer as vLLM's LLM.get_tokenizer() gives it: transformers' PreTrainedTokenizerFast
+        over the model's tokenizer.json (built on first call, no checkpoint code run); None where the model
+        has no tokenizer on this machine."""
+        return self._user_tokenizer
+
+    @functools.cached_property
+    def _user_tokenizer(self) -> Any:
+        from cluster.client.tokenizer import hf_tokenizer
+
+        model_dir = getattr(self.tokenizer, "model_dir", None)
+        return hf_tokenizer(model_dir) if model_dir else self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate/chat use without sampling_params: the model's generation_config.json, else vLLM's."""
@@ -179,9 +197,13 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, rendered with the model's chat
-        template (or `chat_template`), then generated as LLM.generate does; one output per conversation."""
+        template (or `chat_template`), then generated as LLM.generate does; one output per conversation.
+        continue_final_message (HF's and vLLM's): the model continues the last message (needs
+        add_generation_prompt=False)."""
+        check_chat_flags(add_generation_prompt, continue_final_message)
         if self.tokenizer is None:
             raise PromptError("LLM.chat: the model has no tokenizer.json on this machine")
         template = resolve_chat_template(self.tokenizer.model_dir, chat_template)
@@ -194,6 +216,7 @@ class LLM:
                     conv,
                     template,
                     add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                     tokens=tokens,
                     tools=tools,
                     **(chat_template_kwargs or {}),

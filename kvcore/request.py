@@ -28,6 +28,11 @@ MAX_PENALTY = 2.0  # presence/frequency penalties in [-2, 2], as OpenAI and vLLM
 MAX_REPETITION_PENALTY = 100.0  # > 0; past this it only flips signs of far-gone logits
 MAX_N = 1024  # samples per prompt (each is an engine request)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024  # each new token scans the text's tail for every one
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+MAX_LOGIT_BIAS_TOKENS = 1024  # vLLM's cap on logit_bias entries
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # more than any vocabulary: the worker keeps a dense row, any length costs the same
+MAX_BAD_WORDS = 128  # words; each becomes up to two token sequences, checked every step
+MAX_BAD_WORD_TOKENS = 64  # tokens in one bad word's sequence
 
 
 def _check(cond: bool, field_name: str, value: Any, rule: str) -> None:
@@ -108,6 +113,7 @@ def validate(sp: "SamplingParams") -> None:
     )
     _validate_penalties_and_logprobs(sp)
     _validate_output_fields(sp)
+    _validate_logits_processors(sp)
 
 
 def _validate_penalties_and_logprobs(sp: "SamplingParams") -> None:
@@ -146,6 +152,87 @@ def _validate_output_fields(sp: "SamplingParams") -> None:
     for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
         _check(isinstance(getattr(sp, name), bool), name, getattr(sp, name), "must be a bool")
     _check(not stop or sp.detokenize, "stop", sp.stop, "stop strings need detokenize=True")
+
+
+def _validate_logits_processors(sp: "SamplingParams") -> None:
+    """min_p, logit_bias, allowed_token_ids, bad_words (vLLM's), and best_of, which vLLM V1 refuses."""
+    b = sp.best_of
+    _check(
+        b is None or (_is_int(b) and b == 1),
+        "best_of",
+        b,
+        "is not supported (vLLM V1 does not support best_of either); leave it None and use n for several samples",
+    )
+    p = sp.min_p
+    _check(_is_number(p), "min_p", p, "must be a number")
+    _check(0 <= p <= 1, "min_p", p, "must be in [0, 1] (0 disables it)")
+    lb = sp.logit_bias
+    rule = (
+        f"must be None or a dict of at most {MAX_LOGIT_BIAS_TOKENS} entries, token id (an integer in "
+        f"[0, {INT32_MAX}]) -> bias (a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}])"
+    )
+    _check(lb is None or (isinstance(lb, dict) and len(lb) <= MAX_LOGIT_BIAS_TOKENS), "logit_bias", lb, rule)
+    for k, v in (lb or {}).items():
+        _check(_is_int(k) and 0 <= k <= INT32_MAX, "logit_bias", {k: v}, rule)
+        _check(_is_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS, "logit_bias", {k: v}, rule)
+    a = sp.allowed_token_ids
+    rule = f"must be None or a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} integers in [0, {INT32_MAX}]"
+    _check(
+        a is None or (isinstance(a, (list, tuple)) and 0 < len(a) <= MAX_ALLOWED_TOKEN_IDS),
+        "allowed_token_ids",
+        a,
+        rule,
+    )
+    _check(all(_is_int(i) and 0 <= i <= INT32_MAX for i in a or ()), "allowed_token_ids", a, rule)
+    w = sp.bad_words
+    rule = f"must be None or a list of at most {MAX_BAD_WORDS} non-empty strings of at most {MAX_STOP_CHARS} characters"
+    _check(w is None or (isinstance(w, (list, tuple)) and len(w) <= MAX_BAD_WORDS), "bad_words", w, rule)
+    _check(all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in w or ()), "bad_words", w, rule)
+    ids = sp.bad_words_token_ids
+    rule = (
+        f"must be None or a list of at most {2 * MAX_BAD_WORDS} non-empty lists of at most {MAX_BAD_WORD_TOKENS} "
+        f"token ids in [0, {INT32_MAX}] (the client fills it from bad_words)"
+    )
+    _check(
+        ids is None or (isinstance(ids, (list, tuple)) and len(ids) <= 2 * MAX_BAD_WORDS),
+        "bad_words_token_ids",
+        ids,
+        rule,
+    )
+    for seq in ids or ():
+        _check(
+            isinstance(seq, (list, tuple))
+            and 0 < len(seq) <= MAX_BAD_WORD_TOKENS
+            and all(_is_int(t) and 0 <= t <= INT32_MAX for t in seq),
+            "bad_words_token_ids",
+            seq,
+            rule,
+        )
+
+
+def check_vocab_fields(sp: "SamplingParams", vocab_size: int | None) -> str | None:
+    """-> None when every token id the sampler indexes by lies in the vocabulary, else the message.
+
+    The engine checks this (the client may not know the vocabulary): the worker writes these ids into
+    vocabulary-wide rows. bad_words that the client could not tokenize are refused here too.
+    """
+    if sp.bad_words and sp.bad_words_token_ids is None:
+        return (
+            f"SamplingParams.bad_words={short_repr(sp.bad_words)}: needs the model's tokenizer on the client "
+            "to become token ids (bad_words_token_ids)"
+        )
+    if vocab_size is None:
+        return None
+    checks = (
+        ("logit_bias", list(sp.logit_bias or ())),
+        ("allowed_token_ids", list(sp.allowed_token_ids or ())),
+        ("bad_words_token_ids", [t for seq in sp.bad_words_token_ids or () for t in seq]),
+    )
+    for name, ids in checks:
+        err = check_token_ids(f"SamplingParams.{name}", ids, vocab_size)
+        if err is not None:
+            return err
+    return None
 
 
 def check_token_ids(field_name: str, ids: Any, vocab_size: int | None = None) -> str | None:
@@ -224,12 +311,32 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Logits processors, vLLM's names and meanings, applied in the sampler (actors/sample/kernel.py).
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top token's; 0 disables
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (JSON's string keys converted)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never completed: a word's last token is banned after its others
+    # bad_words as token sequences: the client fills it with its tokenizer (each word with and without a
+    # leading space, as vLLM's update_from_tokenizer); the engine reads only this.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    best_of: int | None = None  # refused above 1, as vLLM V1 does (use n)
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = _int_keys(self.logit_bias)
         validate(self)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.min_p = float(self.min_p)
         self.stop_token_ids = list(self.stop_token_ids)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM drops repeats
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids]
 
     def validate(self) -> None:
         validate(self)
@@ -242,6 +349,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def has_logit_row(self) -> bool:
+        """Whether the worker keeps a vocabulary-wide additive row for it: logit_bias, allowed_token_ids
+        or one-token bad words (longer ones depend on the output and are banned per step)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.has_bad_words
+
+    @property
+    def has_bad_words(self) -> bool:
+        return bool(self.bad_words_token_ids)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
         """Build from a JSON-like dict; an unknown key is an error that names it."""
@@ -252,6 +369,20 @@ class SamplingParams:
                 f"SamplingParams: unknown field(s) {unknown}; known fields are {sorted(known)}"
             )
         return cls(**d)
+
+
+def _int_keys(d: dict[Any, Any]) -> dict[Any, Any]:
+    """logit_bias from JSON has string keys ("42"); vLLM converts them. A key that is no integer stays, and
+    validate() names it."""
+    out: dict[Any, Any] = {}
+    for k, v in d.items():
+        if isinstance(k, str) and len(k) < 20:
+            try:
+                k = int(k)
+            except ValueError:
+                pass
+        out[k] = v
+    return out
 
 
 class RequestStatus(enum.IntEnum):

@@ -71,7 +71,7 @@ def test_greedy_text_equals_hf(llm) -> None:
     c = out.outputs[0]
     assert out.prompt == PROMPT and out.prompt_token_ids == list(PROMPT.encode())
     assert c.token_ids == hf_greedy(llm.model_dir, out.prompt_token_ids, NEW)
-    assert c.text == llm.get_tokenizer().decode(c.token_ids) and c.finish_reason == "length"
+    assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True) and c.finish_reason == "length"
 
 
 def test_stop_string_across_tokens_cuts_and_aborts_in_the_engine(llm) -> None:
@@ -94,7 +94,9 @@ def test_stop_string_across_tokens_cuts_and_aborts_in_the_engine(llm) -> None:
     )
     assert kept.outputs[0].text == text[: first + len(stop)]
     tok = llm.get_tokenizer()
-    upto = next(k for k in range(len(full.token_ids) + 1) if stop in tok.decode(full.token_ids[:k]))
+    upto = next(
+        k for k in range(len(full.token_ids) + 1) if stop in tok.decode(full.token_ids[:k], skip_special_tokens=True)
+    )
     assert cut.outputs[0].token_ids == kept.outputs[0].token_ids == full.token_ids[:upto]
     # Aborted in the engine: it stopped stepping long before max_tokens.
     assert wait_idle(llm)["num_steps"] - steps_before < 100

@@ -142,3 +142,67 @@ def test_sandbox_and_errors() -> None:
     )
     assert batched and convs[0][0]["content"] == "a\nb"
     assert render_chat(SIMPLE, "{{ {'a': '<&>'} | tojson }}") == '{"a": "<&>"}'  # no HTML escaping, as HF
+
+
+PREFILL = [
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "The colour is "},  # trailing space: HF keeps what the template keeps
+]
+
+
+@pytest.mark.parametrize("template", ["tiny-random", "qwen", "llama3"])
+@pytest.mark.parametrize("final", ["The colour is ", "  Blue", "Red"])
+def test_continue_final_message_equals_hf(tmp_path, model_dir, template, final) -> None:
+    path = model_dir
+    if template != "tiny-random":
+        extra = {"bos_token": "<|im_start|>"} if template == "llama3" else {}
+        path = model_with(tmp_path, model_dir, chat_template=QWEN if template == "qwen" else LLAMA3, **extra)
+    conv = [PREFILL[0], {"role": "assistant", "content": final}]
+    ours = render_chat(
+        conv,
+        load_chat_template(path),
+        add_generation_prompt=False,
+        continue_final_message=True,
+        tokens=special_tokens(path),
+    )
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    want = hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert ours == want
+    assert ours.rstrip().endswith(final.strip()) and "<|im_end|>" not in ours[ours.rindex(final.strip()) :]
+
+
+def test_continue_final_message_rules(model_dir) -> None:
+    template = load_chat_template(model_dir)
+    with pytest.raises(ChatTemplateError, match="continue_final_message=True and add_generation_prompt=True"):
+        render_chat(PREFILL, template, continue_final_message=True)  # add_generation_prompt defaults to True
+    with pytest.raises(ChatTemplateError, match="continue_final_message=1: must be a bool"):
+        render_chat(PREFILL, template, add_generation_prompt=False, continue_final_message=1)
+    with pytest.raises(ChatTemplateError, match="the final message has no text to continue"):
+        render_chat(
+            [{"role": "assistant", "content": None}],
+            "{{ messages[0].role }}",
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+    # A template whose own code fails (here on a None content) is named, not a raw TypeError.
+    with pytest.raises(ChatTemplateError, match="chat template: TypeError"):
+        render_chat([{"role": "assistant", "content": None}], template)
+    with pytest.raises(ChatTemplateError, match="does not appear in the chat"):
+        render_chat(PREFILL, "{{ 'x' }}", add_generation_prompt=False, continue_final_message=True)
+    # Off, the same text as before: the final message closed by the template.
+    closed = render_chat(PREFILL, template, add_generation_prompt=False)
+    assert closed.endswith("The colour is <|im_end|>\n")
+
+
+def test_the_server_takes_continue_final_message() -> None:
+    from cluster.serve.errors import APIError
+    from cluster.serve.protocol import CHAT, parse_request
+    from kvcore.request import SamplingParams
+
+    body = {"messages": PREFILL, "add_generation_prompt": False, "continue_final_message": True}
+    assert parse_request(CHAT, body, SamplingParams()).continue_final_message
+    assert not parse_request(CHAT, {"messages": PREFILL}, SamplingParams()).continue_final_message
+    with pytest.raises(APIError, match="continue_final_message=true needs add_generation_prompt=false"):
+        parse_request(CHAT, {"messages": PREFILL, "continue_final_message": True}, SamplingParams())
+    with pytest.raises(APIError, match="continue_final_message='yes': must be a bool"):
+        parse_request(CHAT, {**body, "continue_final_message": "yes"}, SamplingParams())

@@ -151,3 +151,87 @@ def test_error_for_a_nested_value_stays_short():
     msg = check_request_id(value)
     assert msg is not None and msg.startswith("request_id=") and len(msg) < 300
     assert len(short_repr(value)) <= 200
+
+
+@pytest.mark.parametrize(
+    "fields,rule",
+    [
+        ({"best_of": 2}, "SamplingParams.best_of=2: is not supported (vLLM V1 does not support best_of either)"),
+        ({"best_of": 0}, "SamplingParams.best_of=0: is not supported"),
+        ({"min_p": 1.5}, "SamplingParams.min_p=1.5: must be in [0, 1]"),
+        ({"min_p": math.nan}, "SamplingParams.min_p=nan: must be in [0, 1]"),
+        ({"min_p": "0.1"}, "SamplingParams.min_p='0.1': must be a number"),
+        ({"logit_bias": {"x": 1.0}}, "SamplingParams.logit_bias={'x': 1.0}: must be None or a dict"),
+        ({"logit_bias": {5: 101}}, "SamplingParams.logit_bias={5: 101}: must be None or a dict"),
+        ({"logit_bias": {5: math.inf}}, "bias (a number in [-100, 100])"),
+        ({"logit_bias": {-1: 1.0}}, "token id (an integer in [0, 2147483647])"),
+        ({"logit_bias": [1, 2]}, "SamplingParams.logit_bias=[1, 2]: must be None or a dict"),
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "at most 1024 entries"),
+        ({"allowed_token_ids": []}, "SamplingParams.allowed_token_ids=[]: must be None or a non-empty list"),
+        ({"allowed_token_ids": [1, -2]}, "SamplingParams.allowed_token_ids=[1, -2]: must be None or a non-empty"),
+        ({"bad_words": [""]}, "SamplingParams.bad_words=['']: must be None or a list of at most 128 non-empty"),
+        ({"bad_words": "word"}, "SamplingParams.bad_words='word': must be None or a list"),
+        (
+            {"bad_words_token_ids": [[]]},
+            "SamplingParams.bad_words_token_ids=[]: must be None or a list of at most 256 non-empty lists",
+        ),
+    ],
+)
+def test_logits_processor_fields_name_the_field_and_the_rule(fields, rule):
+    with pytest.raises(RequestValidationError) as e:
+        SamplingParams(**fields)
+    assert rule in str(e.value)
+
+
+def test_logits_processor_fields_take_vllms_values():
+    sp = SamplingParams(
+        min_p=1, logit_bias={"7": -100, 9: 2}, allowed_token_ids=(1, 2), bad_words=["a", "b", "a"], best_of=1
+    )
+    assert sp.min_p == 1.0 and sp.logit_bias == {7: -100.0, 9: 2.0} and sp.allowed_token_ids == [1, 2]
+    assert sp.bad_words == ["a", "b"]  # repeats dropped, as vLLM
+    assert sp.has_logit_row and not sp.has_bad_words
+    assert not SamplingParams(min_p=0.5).has_logit_row
+    # from_dict names best_of like any other field (a job record or a request body)
+    with pytest.raises(RequestValidationError, match="best_of=3"):
+        SamplingParams.from_dict({"best_of": 3})
+
+
+def test_vocabulary_checks_of_the_processor_fields():
+    from kvcore.request import check_vocab_fields
+
+    assert check_vocab_fields(SamplingParams(logit_bias={9: 1.0}, allowed_token_ids=[0, 9]), 10) is None
+    err = check_vocab_fields(SamplingParams(logit_bias={10: 1.0}), 10)
+    assert err is not None and "SamplingParams.logit_bias" in err and "[0, 10)" in err
+    err = check_vocab_fields(SamplingParams(allowed_token_ids=[3, 12]), 10)
+    assert err is not None and "allowed_token_ids has id(s) [12]" in err
+    err = check_vocab_fields(SamplingParams(bad_words_token_ids=[[1, 11]]), 10)
+    assert err is not None and "bad_words_token_ids" in err
+    # bad_words the client could not tokenize (no tokenizer there) are refused, not ignored
+    err = check_vocab_fields(SamplingParams(bad_words=["x"]), 10)
+    assert err is not None and "SamplingParams.bad_words=['x']: needs the model's tokenizer" in err
+
+
+def test_the_server_passes_the_processor_fields_through():
+    from cluster.serve.errors import APIError
+    from cluster.serve.protocol import CHAT, COMPLETIONS, parse_request
+
+    body = {
+        "prompt": "Hi",
+        "min_p": 0.1,
+        "logit_bias": {"5": -100, "7": 2},
+        "allowed_token_ids": [5, 7, 9],
+        "bad_words": ["no"],
+    }
+    sp = parse_request(COMPLETIONS, body, SamplingParams()).params
+    assert (sp.min_p, sp.logit_bias, sp.allowed_token_ids, sp.bad_words) == (
+        0.1,
+        {5: -100.0, 7: 2.0},
+        [5, 7, 9],
+        ["no"],
+    )
+    chat = parse_request(
+        CHAT, {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"3": 1}}, SamplingParams()
+    )
+    assert chat.params.logit_bias == {3: 1.0}
+    with pytest.raises(APIError, match=r"SamplingParams.logit_bias=\{5: 101\}"):
+        parse_request(COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": 101}}, SamplingParams())

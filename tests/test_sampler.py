@@ -347,3 +347,139 @@ def test_ties_at_the_cut_off_are_all_kept_by_kernel_and_reference():
         assert tokens.tolist() == want.tolist()
         assert set(tokens.tolist()) <= set(range(5, 15)) | ({20} if top_k == 11 else set())
         assert len(set(tokens.tolist()) & set(range(5, 15))) > 5
+
+
+def _logit_rows(n, vocab=V, seed=2):
+    """LogitRows for some rows: allowed_token_ids, logit_bias and one-token bad words (vLLM's order: masked
+    ids stay -inf whatever their bias)."""
+    from actors.sample.logit_rows import LogitRows
+    from kvcore.request import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    state = LogitRows(vocab, torch.device("cpu"), initial_slots=1)
+    slots = []
+    for i in range(n):
+        if i % 4 == 3:
+            slots.append(-1)
+            continue
+        ids = torch.randperm(vocab, generator=g).tolist()
+        sp = SamplingParams(
+            allowed_token_ids=ids[:20] if i % 2 else None,
+            logit_bias={t: float(torch.rand(1, generator=g)) * 8 - 4 for t in ids[10:16]},
+            bad_words_token_ids=[[ids[0]], [ids[11], ids[12]]],  # the second is a per-step ban, not a row
+        )
+        slots.append(state.add(f"r{i}", sp))
+    return state, torch.tensor(slots)
+
+
+@pytest.mark.parametrize("need_filter", [False, True])
+def test_logit_rows_bans_after_a_token_and_min_p_match_reference(need_filter):
+    """logit_bias / allowed_token_ids rows, bans conditional on the last token (bad words) and min_p: the
+    kernel against the reference, with penalties and greedy rows in the batch."""
+    n = 12
+    logits, temp, top_k, top_p, seeds, pos = _rows(n, seed=3)
+    temp[[0, 6]] = 0.0
+    if not need_filter:
+        top_k, top_p = torch.zeros_like(top_k), torch.ones_like(top_p)
+    state, slots, pen = _penalty_inputs(n)
+    rows, lslots = _logit_rows(n)
+    g = torch.Generator().manual_seed(4)
+    last = torch.randint(0, V, (n,), generator=g)
+    ban = torch.randint(0, V, (n, 3), generator=g, dtype=torch.int32)
+    prev = torch.full((n, 3), -1, dtype=torch.int32)
+    prev[:, 1] = last.to(torch.int32)  # met: banned
+    prev[:, 2] = ((last + 1) % V).to(torch.int32)  # not met: not banned
+    ban[0, 1] = int(logits[0].argmax())  # the greedy row's argmax banned after its last token
+    ban[3, 2] = int(logits[3].argmax())  # ... and one not banned
+    min_p = torch.rand(n, generator=g) * 0.5 if need_filter else None
+    if min_p is not None:
+        min_p[[2, 7]] = 0.0
+    kw = dict(
+        penalty_slots=slots,
+        penalties=pen,
+        counts=state.counts,
+        prompt_mask=state.prompt_mask,
+        ban_ids=ban,
+        ban_prev=prev,
+        last_tokens=last,
+        logit_rows=rows.rows,
+        logit_slots=lslots,
+        min_p=min_p,
+    )
+    ref = sample_reference(logits, temp, top_k, top_p, seeds, pos, **kw)
+    for block_v in [V, 16]:
+        out = launch_sample(
+            logits, temp, top_k, top_p, seeds, pos, need_filter=need_filter, rows_per_program=n, block_v=block_v, **kw
+        )
+        assert out.tolist() == ref.tolist(), block_v
+    # What the reference does is what vLLM does: the sampled token is allowed, never banned.
+    for i in range(n):
+        if int(lslots[i]) >= 0:
+            assert float(rows.rows[lslots[i], out[i]]) > float("-inf")
+        assert int(out[i]) != int(ban[i, 1])
+    assert int(out[0]) != int(logits[0].argmax())
+    # Without the bans whose condition fails, the same tokens: they were not applied.
+    kw["ban_ids"], kw["ban_prev"] = ban[:, :2].contiguous(), prev[:, :2].contiguous()
+    assert sample_reference(logits, temp, top_k, top_p, seeds, pos, **kw).tolist() == ref.tolist()
+
+
+def test_logit_rows_hold_vllms_meanings():
+    from actors.sample.logit_rows import LogitRows
+    from kvcore.request import SamplingParams
+
+    state = LogitRows(10, torch.device("cpu"), initial_slots=1)
+    assert state.add("plain", SamplingParams(min_p=0.5)) == -1  # nothing vocabulary-wide: no slot
+    a = state.add("a", SamplingParams(allowed_token_ids=[1, 4, 5], logit_bias={4: 2.5, 7: 9.0}))
+    b = state.add("b", SamplingParams(logit_bias={"3": -1.5}, bad_words_token_ids=[[6], [2, 9]]))
+    inf = float("inf")
+    assert state.rows[a].tolist() == [-inf, 0, -inf, -inf, 2.5, 0, -inf, -inf, -inf, -inf]
+    assert state.rows[b].tolist() == [0, 0, 0, -1.5, 0, 0, -inf, 0, 0, 0]
+    state.remove("a")
+    assert state.add("c", SamplingParams(logit_bias={0: 1.0})) == a  # the slot is reused, rebuilt
+    assert state.rows[a].tolist() == [1.0] + [0.0] * 9
+    state.clear()  # the runner's reset: every slot free again, lowest first
+    assert "b" not in state and state.add("d", SamplingParams(allowed_token_ids=[2])) == 0
+
+
+def test_min_p_keeps_tokens_within_min_p_of_the_top_probability():
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(6, V, generator=g) * 2
+    min_p = torch.tensor([0.0, 0.05, 0.2, 0.5, 1.0, 0.9])
+    keep = top_k_top_p_mask(y, torch.zeros(6, dtype=torch.int32), torch.ones(6), min_p)
+    probs = y.softmax(-1)
+    want = probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values  # vLLM's formula
+    assert torch.equal(keep, want)
+    assert bool(keep[0].all()) and int(keep[4].sum()) == 1
+
+
+def test_bad_word_bans_follow_the_output_tail():
+    """A bad word [a, b, c] bans c only when the output ends with a, b: the host checks a against the
+    output it has, the kernel checks b against the last token (which async scheduling keeps on the
+    device). Output tokens only: a prompt ending in a, b bans nothing."""
+    from actors.input_batch import CachedRequestState, InputBatch
+    from actors.sample.inputs import SamplingInputs
+    from kvcore.request import SamplingParams
+
+    batch = InputBatch(4, 32, 64, torch.device("cpu"), False, [16])
+    words = [[7, 8, 9], [3, 4], [5]]
+    for i, out in enumerate([[1, 7, 8], [7], [], [2, 7]]):
+        sp = SamplingParams(temperature=1.0, bad_words_token_ids=words)
+        batch.add_request(CachedRequestState(f"r{i}", [7, 8], sp, 0, ([1],), 2 + len(out), list(out)))
+    rows = np.arange(4)
+    # Row 3's last output token (8) is in flight: the host has [2, 7] but samples output position 3.
+    positions = np.array([3, 1, 0, 3])
+    ids = torch.tensor([0, 8, 0, 7, 0, 8, 0, 8])  # the step's input ids; each row's last token below
+    idx = torch.tensor([1, 3, 5, 7])
+    md = SamplingInputs(4, torch.device("cpu"), False).build(batch, rows, positions, (ids, idx))
+    assert md.ban_ids is not None and md.ban_prev is not None and md.logit_slots is None
+    bans = {j: sorted((int(b), int(p)) for b, p in zip(md.ban_ids[j], md.ban_prev[j]) if b >= 0) for j in range(4)}
+    # Row 0: [.., 7, 8] matches [7, 8] before 9 (its last token, 8, still checked on the device); and
+    # [3, 4] waits for a last token 3. Row 1: one output token, too short for [7, 8, 9]. Row 2: no output
+    # (the prompt's 7, 8 do not count). Row 3: the host knows 7 at position 1, the kernel checks 8.
+    assert bans == {0: [(4, 3), (9, 8)], 1: [(4, 3)], 2: [], 3: [(4, 3), (9, 8)]}
+    logits = torch.zeros(4, 12)
+    logits[:, 9] = logits[:, 4] = 5.0
+    logits[:, 9] += 1.0
+    md.temperature.zero_()  # greedy: the argmax of what is left
+    tokens = Sampler(use_triton=False)(logits, md).token_ids.tolist()
+    assert tokens == [4, 9, 9, 4]  # rows 0 and 3 end with 7, 8: 9 banned; nobody ends with 3

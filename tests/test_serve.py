@@ -98,6 +98,27 @@ def test_greedy_equals_llm_generate_and_chat(server, client):
     assert chat.choices[0].message.content == want["chat"] and chat.choices[0].message.role == "assistant"
 
 
+def test_logits_processors_and_continue_final_message(client):
+    """vLLM's extras through the server: allowed_token_ids, logit_bias, bad_words (tokenized by the server),
+    and a chat whose last assistant message the model continues (the same text as completing the rendered
+    prompt)."""
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=0)
+    ab = client.completions.create(**kw, extra_body={"allowed_token_ids": list(b"ab")}).choices[0].text
+    assert set(ab) <= {"a", "b"} and len(ab) == 8
+    no_ab = client.completions.create(**kw, extra_body={"allowed_token_ids": list(b"ab"), "bad_words": ["ab"]})
+    assert "ab" not in no_ab.choices[0].text and set(no_ab.choices[0].text) <= {"a", "b"}
+    assert client.completions.create(**kw, logit_bias={str(ord("q")): 100}).choices[0].text == "q" * 8
+    conv = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi, I am"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    chat = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, temperature=0, extra_body=extra)
+    rendered = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\nHi, I am"
+    assert chat.choices[0].message.content == client.completions.create(**{**kw, "prompt": rendered}).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(
+            model=MODEL, messages=conv, max_tokens=2, extra_body={"continue_final_message": True}
+        )
+
+
 def test_streaming_equals_whole_with_n_seed_usage(client):
     kw = dict(model=MODEL, prompt="Once upon", max_tokens=10, n=2, temperature=1.0, seed=7)
     whole = client.completions.create(**kw)
@@ -177,7 +198,7 @@ def test_other_errors_are_openai_shaped(server, client):
     with pytest.raises(openai.BadRequestError, match="max_model_len=256"):
         client.completions.create(model=MODEL, prompt=list(range(300)), max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model=MODEL, prompt="Hi", logit_bias={"5": 1.0})
+        client.completions.create(model=MODEL, prompt="Hi", logit_bias={"5": 1000})  # OpenAI's range: [-100, 100]
     r = requests.post(
         server[0] + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}, timeout=30
     )

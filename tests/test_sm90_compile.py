@@ -32,6 +32,17 @@ def test_the_fp8_kernels_compile_for_sm90():
     assert "_w8a16_kernel" in r.stdout and "FP8_DOT_F16': True" in r.stdout
 
 
+def test_the_sampler_with_every_logits_processor_compiles_for_sm90():
+    """Logit rows, conditional bans and min_p with penalties and filters: the variant first written reused
+    the name `last` the vocabulary-share merge rebinds to a mask, which the interpreter ran and sm_90 refused."""
+    r = run_tool("tests/test_sampler.py", "-k", "logit_rows_bans")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "'HAS_BAN_PREV': True" in r.stdout and "'HAS_MIN_P': True" in r.stdout and "'HAS_ROW': True" in r.stdout
+    summary = [line for line in r.stdout.splitlines() if line.startswith("sm_90:")]
+    compiled, total = (int(w) for w in summary[0].split()[1:4:2])
+    assert compiled == total >= 2, summary
+
+
 def test_the_check_reports_a_kernel_the_gpu_would_refuse(tmp_path):
     (tmp_path / "bad_kernel.py").write_text(
         "import triton\nimport triton.language as tl\nLIMIT = 3.0\n\n\n"

@@ -38,7 +38,14 @@ from actors.messages import DOWN, REBUILDING, PollResult, RequestSpec
 from actors.verbose_logging import show_kvray_info_logs
 from kvcore.kv_cache.block_pool import BlockPool
 from kvcore.messages import EngineCoreOutput
-from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
+from kvcore.request import (
+    RequestValidationError,
+    SamplingParams,
+    check_request_id,
+    check_token_ids,
+    check_vocab_fields,
+    validate,
+)
 
 if TYPE_CHECKING:
     from actors.driver.engine_core import EngineCore
@@ -163,6 +170,8 @@ class EngineDriver:
         )
         if err is None and spec.output_token_ids:
             err = check_token_ids("output_token_ids", spec.output_token_ids, vocab)
+        if err is None:
+            err = check_vocab_fields(spec.sampling_params, vocab)
         return None if err is None else f"request {rid!r}: {err}"
 
     def abort(self, request_ids: Iterable[str]) -> None:

@@ -1,5 +1,6 @@
-"""One Triton launch that samples every row of a step: penalties, min-tokens ban, temperature, top-k,
-top-p and a Gumbel-max draw from a counter-based generator.
+"""One Triton launch that samples every row of a step: logit_bias / allowed_token_ids / bad words,
+penalties, min-tokens ban, temperature, min-p, top-k, top-p and a Gumbel-max draw from a counter-based
+generator.
 
 Randomness: the uniform of vocabulary entry v for the token at output position `pos` of a request with
 seed `s` is lane v & 3 of Philox4x32-10 with key s (64 bits) and counter (v >> 2, pos, 0, 0), Triton's
@@ -7,9 +8,10 @@ seed `s` is lane v & 3 of Philox4x32-10 with key s (64 bits) and counter (v >> 2
 batch, not the process, so a seeded request draws the same tokens in any batch and after any restart. The draw is the
 exponential race in log space: argmax_v y_v - log(-log u_v) picks v with probability softmax(y)_v.
 
-Top-k and top-p are thresholds found by bisection on the float's order-preserving integer key (exact;
+Min-p, top-k and top-p are thresholds found by bisection on the float's order-preserving integer key (exact;
 a pass over the row per step, stopping once no key lies inside the bracket, at most 33 each): top-k
-keeps every token whose value is >= the k-th largest; top-p then keeps
+keeps every token whose value is >= the k-th largest; min-p (vLLM's: p >= min_p x the top probability)
+keeps every token with y >= max + log(min_p), applied with top-k as vLLM does before top-p; top-p then keeps
 every token whose strictly-larger tokens hold less than p of the top-k mass. Ties at a cut-off are all
 kept (vLLM's top-k does the same; its top-p splits ties by sort order). Rows without either filter
 make one pass. The plain-torch reference is actors/sample/reference.py.
@@ -69,8 +71,14 @@ def _sample_kernel(
     pmask_ptr,
     stride_c,
     ban_ptr,
+    prev_ptr,
     stride_b,
     num_ban,
+    last_ptr,
+    lrow_ptr,
+    lslot_ptr,
+    stride_lr,
+    minp_ptr,
     n_rows,
     V,
     part_val_ptr,
@@ -81,6 +89,9 @@ def _sample_kernel(
     BLOCK_V: tl.constexpr,
     HAS_PENALTY: tl.constexpr,
     HAS_BAN: tl.constexpr,
+    HAS_BAN_PREV: tl.constexpr,
+    HAS_ROW: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     STEPS: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
@@ -101,6 +112,12 @@ def _sample_kernel(
         pres = tl.load(pen_ptr + rows, mask=rmask, other=0.0)
         freq = tl.load(pen_ptr + stride_p + rows, mask=rmask, other=0.0)
         rep = tl.load(pen_ptr + 2 * stride_p + rows, mask=rmask, other=1.0)
+    last_tok = tl.full((BLOCK_R,), -1, tl.int64)  # each row's last token (bad words' conditional bans)
+    if HAS_BAN_PREV:
+        last_tok = tl.load(last_ptr + rows, mask=rmask, other=-1)
+    lslot = tl.full((BLOCK_R,), -1, tl.int64)
+    if HAS_ROW:
+        lslot = tl.load(lslot_ptr + rows, mask=rmask, other=-1)
     base = tl.arange(0, BLOCK_V)
     neg_inf = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     zero_i = tl.zeros((BLOCK_R,), tl.int64)
@@ -128,10 +145,17 @@ def _sample_kernel(
             pmask_ptr,
             stride_c,
             ban_ptr,
+            prev_ptr,
             stride_b,
             num_ban,
+            last_tok,
+            lrow_ptr,
+            lslot,
+            stride_lr,
             HAS_PENALTY,
             HAS_BAN,
+            HAS_BAN_PREV,
+            HAS_ROW,
         )
         m, g_arg = _argmax_update(y, start, m, g_arg)
         if not HAS_FILTER:
@@ -174,10 +198,17 @@ def _sample_kernel(
                             pmask_ptr,
                             stride_c,
                             ban_ptr,
+                            prev_ptr,
                             stride_b,
                             num_ban,
+                            last_tok,
+                            lrow_ptr,
+                            lslot,
+                            stride_lr,
                             HAS_PENALTY,
                             HAS_BAN,
+                            HAS_BAN_PREV,
+                            HAS_ROW,
                         )
                         key = _order_key(y)
                         valid = offs[None, :] < V
@@ -189,6 +220,11 @@ def _sample_kernel(
                     hi = tl.where(ok, hi, mid)
                     ge_hi = tl.where(ok, ge_hi, ge)
             t_k = lo
+        if HAS_MIN_P:
+            # min_p keeps p_v >= min_p * p_max, i.e. y_v >= m + log(min_p): one more lower bound on the key.
+            min_p = tl.load(minp_ptr + rows, mask=rmask, other=0.0)
+            t_min = tl.where(min_p > 0.0, _order_key(m + tl.log(tl.maximum(min_p, 1e-30))), INT32_MIN)
+            t_k = tl.maximum(t_k, t_min)
         # top-p: the smallest key t whose strictly-larger kept tokens hold less than p of the kept mass.
         thr = t_k
         if tl.min(top_p, axis=0) < 1.0:
@@ -213,10 +249,17 @@ def _sample_kernel(
                     pmask_ptr,
                     stride_c,
                     ban_ptr,
+                    prev_ptr,
                     stride_b,
                     num_ban,
+                    last_tok,
+                    lrow_ptr,
+                    lslot,
+                    stride_lr,
                     HAS_PENALTY,
                     HAS_BAN,
+                    HAS_BAN_PREV,
+                    HAS_ROW,
                 )
                 key = _order_key(y)
                 kept = (key >= t_k[:, None]) & (offs[None, :] < V)
@@ -248,10 +291,17 @@ def _sample_kernel(
                             pmask_ptr,
                             stride_c,
                             ban_ptr,
+                            prev_ptr,
                             stride_b,
                             num_ban,
+                            last_tok,
+                            lrow_ptr,
+                            lslot,
+                            stride_lr,
                             HAS_PENALTY,
                             HAS_BAN,
+                            HAS_BAN_PREV,
+                            HAS_ROW,
                         )
                         key = _order_key(y)
                         kept = (key >= t_k[:, None]) & (offs[None, :] < V)
@@ -283,10 +333,17 @@ def _sample_kernel(
                 pmask_ptr,
                 stride_c,
                 ban_ptr,
+                prev_ptr,
                 stride_b,
                 num_ban,
+                last_tok,
+                lrow_ptr,
+                lslot,
+                stride_lr,
                 HAS_PENALTY,
                 HAS_BAN,
+                HAS_BAN_PREV,
+                HAS_ROW,
             )
             score = y - tl.log(-tl.log(_uniform(seed, pos, start, BLOCK_V)))
             score = tl.where(_order_key(y) >= thr[:, None], score, float("-inf"))
@@ -313,14 +370,22 @@ def launch_sample(
     counts: torch.Tensor | None = None,
     prompt_mask: torch.Tensor | None = None,
     ban_ids: torch.Tensor | None = None,
+    ban_prev: torch.Tensor | None = None,
+    last_tokens: torch.Tensor | None = None,
+    logit_rows: torch.Tensor | None = None,
+    logit_slots: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
     rows_per_program: int = 1,
     block_v: int | None = None,
 ) -> torch.Tensor:
     """Sampled token ids int64 [N] for logits [N, V] (any float dtype, unit stride along V).
 
     penalties is float32 [3, >=N] (presence, frequency, repetition); counts int32 and prompt_mask
-    uint8/bool [slots, V] are indexed by penalty_slots (-1: none). ban_ids int32 [N, B] (-1 pads) are
-    set to -inf. rows_per_program > 1 only for the interpreter (it vectorises a program's rows).
+    uint8/bool [slots, V] are indexed by penalty_slots (-1: none). logit_rows float32 [slots, V] are
+    added to the logits of the rows logit_slots int64 [N] name (-1: none). ban_ids int32 [N, B] (-1 pads)
+    are set to -inf; with ban_prev int32 [N, B] an entry whose prev is not -1 only when last_tokens
+    int64 [N] (each row's last token) equals it. min_p float32 [N] (0: off) needs need_filter.
+    rows_per_program > 1 only for the interpreter (it vectorises a program's rows).
     """
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
@@ -348,7 +413,26 @@ def launch_sample(
     if ban_ids is not None and ban_ids.stride(1) != 1:
         ban_ids = ban_ids.contiguous()
     num_ban = 0 if ban_ids is None else ban_ids.shape[1]
-    ban_args = (ban_ids, ban_ids.stride(0)) if ban_ids is not None and num_ban else (dummy, 0)
+    has_prev = ban_ids is not None and ban_prev is not None and num_ban > 0
+    if ban_ids is not None and ban_prev is not None and has_prev:
+        assert last_tokens is not None and ban_prev.shape == ban_ids.shape, (
+            "launch_sample: ban_prev needs last_tokens and the shape of ban_ids"
+        )
+        last_tokens = last_tokens.contiguous()
+        if ban_prev.stride() != ban_ids.stride() or ban_prev.stride(1) != 1:
+            ban_ids, ban_prev = ban_ids.contiguous(), ban_prev.contiguous()  # the two share one stride
+    ban_args = (
+        (ban_ids, ban_prev if has_prev else ban_ids, ban_ids.stride(0), num_ban, last_tokens if has_prev else dummy)
+        if ban_ids is not None and num_ban
+        else (dummy, dummy, 0, 0, dummy)
+    )
+    has_row = logit_slots is not None
+    row_args: tuple[torch.Tensor, torch.Tensor, int] = (dummy, dummy, 0)
+    if logit_slots is not None:
+        assert logit_rows is not None and logit_rows.stride(1) == 1, "launch_sample: logit_slots needs logit_rows"
+        row_args = (logit_rows, logit_slots.contiguous(), logit_rows.stride(0))
+    has_min_p = min_p is not None
+    assert not has_min_p or need_filter, "launch_sample: min_p needs need_filter (it needs the row maximum first)"
     if block_v is None:
         block_v = min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(vocab))
     block_v = max(16, triton.next_power_of_2(block_v))  # the draw takes whole Philox groups of 4 entries
@@ -371,7 +455,8 @@ def launch_sample(
         positions,
         *pen_args,
         *ban_args,
-        num_ban,
+        *row_args,
+        min_p.contiguous() if min_p is not None else dummy,
         n,
         vocab,
         part_val,
@@ -382,6 +467,9 @@ def launch_sample(
         BLOCK_V=block_v,
         HAS_PENALTY=has_pen,
         HAS_BAN=num_ban > 0,
+        HAS_BAN_PREV=has_prev,
+        HAS_ROW=has_row,
+        HAS_MIN_P=has_min_p,
         HAS_FILTER=need_filter,
         STEPS=BISECT_STEPS,
         SPLIT_PAD=SPLIT_PAD,

@@ -1,6 +1,7 @@
 """The building blocks of the sample kernel (actors/sample/kernel.py): the counter-based Philox
 uniforms its draws use, the order-preserving integer key of a float its top-k / top-p bisections run
-on, a logits tile with penalties, min-tokens ban and temperature applied, the running argmax; and the
+on, a logits tile with the logit row (logit_bias, allowed_token_ids, bad words), penalties, bans
+and temperature applied, the running argmax; and the
 uniforms as a tensor, for the tests against the torch Philox.
 """
 
@@ -46,16 +47,30 @@ def tile_values(
     pmask_ptr,
     stride_c,
     ban_ptr,
+    prev_ptr,
     stride_b,
     num_ban,
+    last,
+    lrow_ptr,
+    lslot,
+    stride_lr,
     HAS_PENALTY: tl.constexpr,
     HAS_BAN: tl.constexpr,
+    HAS_BAN_PREV: tl.constexpr,
+    HAS_ROW: tl.constexpr,
 ):
-    """The processed, temperature-scaled logits of a [R, BLOCK_V] tile; -inf outside the vocabulary."""
+    """The processed, temperature-scaled logits of a [R, BLOCK_V] tile; -inf outside the vocabulary.
+
+    In vLLM's order: the logit row (logit_bias added, -inf outside allowed_token_ids and at one-token bad
+    words), the penalties, then the bans (-inf: min_tokens' stop ids, and the last token of a longer bad
+    word whose other tokens end the output), then the temperature."""
     m2 = rmask[:, None] & (offs[None, :] < V)
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + offs[None, :], mask=m2, other=float("-inf")).to(
         tl.float32
     )
+    if HAS_ROW:
+        rm = m2 & (lslot[:, None] >= 0)
+        x += tl.load(lrow_ptr + lslot[:, None].to(tl.int64) * stride_lr + offs[None, :], mask=rm, other=0.0)
     if HAS_PENALTY:
         # vLLM's apply_penalties: repetition over prompt + output tokens, then frequency and presence
         # over the output tokens' counts.
@@ -71,6 +86,10 @@ def tile_values(
         # A runtime loop: stop_token_ids may be long, and unrolling would compile a variant per width.
         for j in range(num_ban):
             banned = tl.load(ban_ptr + rows.to(tl.int64) * stride_b + j, mask=rmask, other=-1)
+            if HAS_BAN_PREV:
+                # A conditional ban: only when the sequence's last token is `prev` (-1: always).
+                prev = tl.load(prev_ptr + rows.to(tl.int64) * stride_b + j, mask=rmask, other=-1)
+                banned = tl.where((prev < 0) | (prev == last), banned, -1)
             x = tl.where(offs[None, :] == banned[:, None], float("-inf"), x)
     return x / t_eff[:, None]
 

@@ -64,14 +64,20 @@ def apply_penalties(
     return logits - presence.unsqueeze(1) * output_mask.to(logits.dtype)
 
 
-def top_k_top_p_mask(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Kept entries (bool [N, V]) of scaled logits y: values >= the k-th largest (0 disables), then those
-    whose strictly larger kept values hold less than p of the kept probability (ties all kept)."""
+def top_k_top_p_mask(
+    y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Kept entries (bool [N, V]) of scaled logits y: values >= the k-th largest (0 disables) and, with
+    min_p > 0, >= max + log(min_p) (probability >= min_p x the top one); then those whose strictly larger
+    kept values hold less than p of the kept probability (ties all kept)."""
     n, vocab = y.shape
     sorted_y, order = y.sort(dim=-1, descending=True)
     k = top_k.to(torch.int64)
     k = torch.where((k <= 0) | (k > vocab), vocab, k)
     keep = y >= sorted_y.gather(1, (k - 1).unsqueeze(1))
+    if min_p is not None:
+        floor = sorted_y[:, 0] + min_p.float().clamp(min=1e-30).log()
+        keep &= (y >= floor.unsqueeze(1)) | (min_p <= 0).unsqueeze(1)
     if bool((top_p < 1).any()):
         m = sorted_y[:, :1]
         kept_sorted = keep.gather(1, order)
@@ -102,10 +108,19 @@ def sample_reference(
     counts: torch.Tensor | None = None,
     prompt_mask: torch.Tensor | None = None,
     ban_ids: torch.Tensor | None = None,
+    ban_prev: torch.Tensor | None = None,
+    last_tokens: torch.Tensor | None = None,
+    logit_rows: torch.Tensor | None = None,
+    logit_slots: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """launch_sample's contract (see actors/sample/kernel.py) in plain torch."""
     n, vocab = logits.shape
     x = logits.float()
+    if logit_slots is not None:
+        assert logit_rows is not None, "sample_reference: logit_slots needs logit_rows"
+        has_row = (logit_slots >= 0).unsqueeze(1)
+        x = x + torch.where(has_row, logit_rows[logit_slots.clamp(min=0).long()], 0.0)
     if penalty_slots is not None:
         assert penalties is not None and counts is not None and prompt_mask is not None, (
             "sample_reference: penalty_slots needs penalties, counts and prompt_mask"
@@ -119,10 +134,13 @@ def sample_reference(
     if ban_ids is not None and ban_ids.numel():
         rows = torch.arange(n, device=x.device).unsqueeze(1).expand_as(ban_ids)
         valid = ban_ids >= 0
+        if ban_prev is not None:
+            assert last_tokens is not None, "sample_reference: ban_prev needs last_tokens"
+            valid &= (ban_prev < 0) | (ban_prev.long() == last_tokens.long().unsqueeze(1))
         x = x.index_put((rows[valid], ban_ids[valid].long()), torch.tensor(float("-inf"), device=x.device))
     greedy = temperature <= 0
     y = x / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    keep = top_k_top_p_mask(y, top_k, top_p)
+    keep = top_k_top_p_mask(y, top_k, top_p, min_p)
     u = philox_uniform(seeds, positions, vocab)
     score = torch.where(keep, y - (-u.log()).log(), float("-inf"))
     return torch.where(greedy, y.argmax(dim=-1), score.argmax(dim=-1))

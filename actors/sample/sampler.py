@@ -1,4 +1,5 @@
-"""Batched sampling in one launch per step: greedy, penalties, min_tokens, temperature, top-k, top-p.
+"""Batched sampling in one launch per step: greedy, logit_bias, allowed_token_ids, bad_words, penalties,
+min_tokens, temperature, min-p, top-k, top-p.
 
 Every tensor-parallel rank holds the same full-vocabulary logits and the same per-row parameters, so
 every rank draws the same tokens and no token ever travels between ranks. Randomness is counter-based
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.sample.kernel import launch_sample
+from actors.sample.logit_rows import LogitRows
 from actors.sample.logprobs import LogprobsTensors, compute_logprobs, kernel_runs
 from actors.sample.penalties import PenaltyState
 from actors.sample.reference import sample_reference
@@ -42,12 +44,20 @@ class SamplingMetadata:
     need_filter: bool  # some random row has top-k or top-p
     penalty_slots: torch.Tensor | None = None  # int64 [N] into PenaltyState; -1 = none. None: no row
     penalties: torch.Tensor | None = None  # float32 [3, N]: presence, frequency, repetition
-    ban_ids: torch.Tensor | None = None  # int32 [N, B]: ids masked to -inf (min_tokens); -1 pads
+    ban_ids: torch.Tensor | None = None  # int32 [N, B]: ids masked to -inf (min_tokens, bad words); -1 pads
+    # int32 [N, B] beside ban_ids: ban only when the row's last token is this id (a bad word's other
+    # tokens end the output); -1 = always. None: every ban is unconditional.
+    ban_prev: torch.Tensor | None = None
+    # (input ids, logits indices) of the step: input_ids[logits_indices[j]] is row j's last token. Read
+    # at sampling time, after the step's inputs are built on the device (the host may not know it yet).
+    last_token_source: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_slots: torch.Tensor | None = None  # int64 [N] into LogitRows; -1 = none. None: no row
+    min_p: torch.Tensor | None = None  # float32 [N]; 0 = off. None: no row
     num_logprobs: int = -1  # the largest k any row asked for; -1 = no row
 
     @property
     def plain_argmax(self) -> bool:
-        return self.all_greedy and self.penalty_slots is None and self.ban_ids is None
+        return self.all_greedy and self.penalty_slots is None and self.ban_ids is None and self.logit_slots is None
 
 
 @dataclass
@@ -66,11 +76,17 @@ def request_seed(seed: int | None, engine_seed: int, req_id: str) -> int:
 
 
 class Sampler:
-    def __init__(self, penalty_state: PenaltyState | None = None, use_triton: bool | None = None) -> None:
+    def __init__(
+        self,
+        penalty_state: PenaltyState | None = None,
+        use_triton: bool | None = None,
+        logit_rows: LogitRows | None = None,
+    ) -> None:
         """use_triton None: the kernels on CUDA, the torch references on the CPU (actors/sample/logprobs.py's
         kernel_runs: the rule of the sampled and the prompt logprobs too)."""
         self.penalty_state = penalty_state
         self.use_triton = use_triton
+        self.logit_rows = logit_rows
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [N, V] (model dtype; read as float32) -> sampled token ids int64 [N] (+ logprobs when asked)."""
@@ -94,6 +110,8 @@ class Sampler:
         seeds = md.seeds if md.seeds is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         positions = md.positions if md.positions is not None else torch.zeros(n, dtype=torch.int64, device=dev)
         slots, penalties, counts, prompt_mask = self._penalty_inputs(md)
+        need_filter = md.need_filter and not md.all_greedy
+        last_tokens, rows_t, min_p = self._last_tokens(md, n), self._logit_rows(md), md.min_p if need_filter else None
         if kernel_runs(dev, self.use_triton):
             # The interpreter vectorises one program's rows; a GPU program owns one row.
             rows = 1 if dev.type == "cuda" else 16
@@ -104,9 +122,14 @@ class Sampler:
                 top_p,
                 seeds,
                 positions,
-                need_filter=md.need_filter and not md.all_greedy,
-                ban_ids=md.ban_ids,
+                need_filter=need_filter,
                 rows_per_program=rows,
+                ban_ids=md.ban_ids,
+                ban_prev=md.ban_prev,
+                last_tokens=last_tokens,
+                logit_rows=rows_t,
+                logit_slots=md.logit_slots,
+                min_p=min_p,
                 penalty_slots=slots,
                 penalties=penalties,
                 counts=counts,
@@ -120,11 +143,32 @@ class Sampler:
             seeds,
             positions,
             ban_ids=md.ban_ids,
+            ban_prev=md.ban_prev,
+            last_tokens=last_tokens,
+            logit_rows=rows_t,
+            logit_slots=md.logit_slots,
+            min_p=min_p,
             penalty_slots=slots,
             penalties=penalties,
             counts=counts,
             prompt_mask=prompt_mask,
         )
+
+    @staticmethod
+    def _last_tokens(md: SamplingMetadata, n: int) -> torch.Tensor | None:
+        if md.ban_prev is None:
+            return None
+        if md.last_token_source is None:
+            raise RuntimeError("Sampler: ban_prev given without last_token_source")
+        input_ids, logits_indices = md.last_token_source
+        return input_ids[logits_indices[:n]]
+
+    def _logit_rows(self, md: SamplingMetadata) -> torch.Tensor | None:
+        if md.logit_slots is None:
+            return None
+        if self.logit_rows is None:
+            raise RuntimeError("Sampler: logit_slots given but the sampler has no LogitRows")
+        return self.logit_rows.rows
 
     def _penalty_inputs(self, md: SamplingMetadata) -> tuple[torch.Tensor | None, ...]:
         """(penalty_slots, penalties, counts, prompt_mask), all None when no row has penalties."""

@@ -22,6 +22,7 @@ from actors.config.model_rules import resolved_max_model_len
 from actors.input_batch import CachedRequestState, InputBatch
 from actors.profiling.step_profiler import StepTimer
 from actors.sample.inputs import SamplingInputs
+from actors.sample.logit_rows import LogitRows
 from actors.sample.logprobs import MAX_LOGPROBS
 from actors.sample.penalties import PenaltyState
 from actors.sample.sampler import Sampler, request_seed
@@ -65,6 +66,7 @@ class ModelRunner(RunnerGraphs):
         self.dtype = torch.float32
         self.sampler = Sampler()
         self.penalty_state: PenaltyState | None = None  # built with the model (it needs the vocabulary)
+        self.logit_rows: LogitRows | None = None  # likewise
         self.logprobs = LogprobsCollector()
         self.eos_token_id: int | None = None
         self.requests: dict[str, CachedRequestState] = {}
@@ -106,7 +108,8 @@ class ModelRunner(RunnerGraphs):
         eos = self._hf("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos  # as the driver's stop check
         self.penalty_state = PenaltyState(int(self._hf("vocab_size")), self.device)
-        self.sampler = Sampler(self.penalty_state)
+        self.logit_rows = LogitRows(int(self._hf("vocab_size")), self.device)
+        self.sampler = Sampler(self.penalty_state, logit_rows=self.logit_rows)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return kv_cache_sizing.kv_cache_specs(
@@ -196,6 +199,8 @@ class ModelRunner(RunnerGraphs):
         )
         if sp.has_penalties and self.penalty_state is not None:
             state.penalty_slot = self.penalty_state.add(nr.req_id, state.prompt_token_ids, state.output_token_ids)
+        if sp.has_logit_row and self.logit_rows is not None:
+            state.logit_slot = self.logit_rows.add(nr.req_id, sp)
         if sp.min_tokens:
             # What the scheduler's stop check would end the request on (vLLM's all_stop_token_ids).
             eos = [] if sp.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
@@ -206,6 +211,8 @@ class ModelRunner(RunnerGraphs):
         self.requests.pop(req_id, None)
         if self.penalty_state is not None:
             self.penalty_state.remove(req_id)
+        if self.logit_rows is not None:
+            self.logit_rows.remove(req_id)
         self.logprobs.forget(req_id)
 
     def _resumed(self, state: CachedRequestState) -> None:
@@ -219,6 +226,8 @@ class ModelRunner(RunnerGraphs):
         re-queues the survivors from scratch and the workers go on with their weights and KV cache."""
         self._batch().remove_all()
         self.requests.clear()
+        if self.logit_rows is not None:
+            self.logit_rows.clear()  # the survivors come back as new requests and rebuild their rows
         self._in_flight = self._last = None
         if self._copies_done is not None:
             self._copies_done.synchronize()
@@ -273,7 +282,8 @@ class ModelRunner(RunnerGraphs):
         # Sampling parameters of the sampling rows (their output position: what Philox is keyed by) and
         # the prompt positions whose logprobs this step scores.
         out_pos = staged.seq_lens[rows] - batch.num_prompt_tokens[rows]
-        staged.sampling = self.sampling_inputs.build(batch, rows, out_pos) if len(rows) else None
+        last = (self.stager.out.input_ids, self.stager.out.logits_indices)  # read after the inputs are built
+        staged.sampling = self.sampling_inputs.build(batch, rows, out_pos, last) if len(rows) else None
         staged.prompt_plan = prompt_plan(
             batch, num_reqs, computed, num_sched, np.cumsum(num_sched) - num_sched, self.logprobs.done
         )

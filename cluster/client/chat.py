@@ -164,20 +164,62 @@ def as_conversations(messages: Any) -> tuple[list[list[dict[str, Any]]], bool]:
     return out, batched
 
 
+def check_chat_flags(add_generation_prompt: Any, continue_final_message: Any) -> None:
+    """HF's rule: a new assistant header and continuing the final message exclude each other."""
+    for name, v in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
+        if not isinstance(v, bool):
+            raise ChatTemplateError(f"{name}={v!r}: must be a bool")
+    if add_generation_prompt and continue_final_message:
+        raise ChatTemplateError(
+            "continue_final_message=True and add_generation_prompt=True are not compatible: continue_final_message "
+            "lets the model continue the last message, add_generation_prompt opens a new assistant message; "
+            "set add_generation_prompt=False to continue"
+        )
+
+
 def render_chat(
     conversation: list[dict[str, Any]],
     template: str,
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     tokens: dict[str, str] | None = None,
     tools: list[dict[str, Any]] | None = None,
     **template_kwargs: Any,
 ) -> str:
-    """One conversation -> the prompt text, as HF's apply_chat_template(..., tokenize=False)."""
+    """One conversation -> the prompt text, as HF's apply_chat_template(..., tokenize=False).
+
+    continue_final_message (HF's): the text ends where the final message's content ends, with nothing the
+    template closes it with (an end-of-turn token), so the model continues that message."""
+    check_chat_flags(add_generation_prompt, continue_final_message)
     variables = {**(tokens or {}), **template_kwargs}  # caller's kwargs override special tokens, as in HF
     try:
-        return compile_template(template).render(
+        text = compile_template(template).render(
             messages=conversation, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
         )
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # the template's own code failed
+        raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from None
+    return _cut_after_final_message(text, conversation[-1].get("content")) if continue_final_message else text
+
+
+def _cut_after_final_message(text: str, final: Any) -> str:
+    """HF's cut: at the last place the final message's stripped content appears, keeping its trailing
+    whitespace where the template kept it."""
+    if not isinstance(final, str) or not final.strip():
+        raise ChatTemplateError(
+            f"continue_final_message: the final message has no text to continue (content={final!r})"
+        )
+    if final.strip() not in text:
+        raise ChatTemplateError(
+            "continue_final_message: the final message does not appear in the chat after applying the chat "
+            "template (the template changes it); check the template and the final message"
+        )
+    at = text.rindex(final.strip())
+    if text[at : at + len(final.lstrip())] == final:
+        return text[: at + len(final.lstrip())]
+    return text[: at + len(final.strip())]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cluster.client.bad_words import with_bad_words_tokenized
 from cluster.client.detokenizer import IncrementalDetokenizer, check_stop_strings
 from cluster.client.logprobs import LogprobsProcessor, TokenDecoder
 from cluster.outputs import CompletionOutput, RequestOutput
@@ -149,6 +150,7 @@ class OutputProcessor:
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
     ) -> tuple[ParentRequest, list[tuple[str, SamplingParams]]]:
         """Register a request; -> (its parent record, the (engine request id, params) to submit)."""
+        params = with_bad_words_tokenized(params, self.tokenizer)
         parent = ParentRequest(request_id, prompt, prompt_token_ids)
         subs = (
             [(request_id, params)]

@@ -1,5 +1,6 @@
 """Default sampling settings, one per field for every entry point, as vLLM chooses them: the model's
-generation_config.json where it sets temperature, top_p, top_k, repetition_penalty or max_new_tokens, else
+generation_config.json where it sets temperature, top_p, top_k, repetition_penalty, min_p or
+max_new_tokens, else
 vLLM's SamplingParams defaults (temperature 1.0: sampling, not greedy; max_tokens 16). They apply to
 `LLM.generate`/`chat` without sampling_params, to `kvray run` lines for every field they leave out, and to
 `kvray serve`. A SamplingParams the caller builds keeps its own values.
@@ -24,6 +25,7 @@ GENERATION_CONFIG_KEYS = {
     "top_p": "top_p",
     "top_k": "top_k",
     "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
     "max_new_tokens": "max_tokens",
 }
 VLLM_DEFAULTS: dict[str, Any] = {
@@ -31,6 +33,7 @@ VLLM_DEFAULTS: dict[str, Any] = {
     "top_p": 1.0,
     "top_k": 0,
     "repetition_penalty": 1.0,
+    "min_p": 0.0,
     "max_tokens": 16,
 }
 

@@ -1,6 +1,12 @@
 """Text <-> token ids for a model directory, with the `tokenizers` library and tokenizer.json only
 (no Python tokenizer code from the checkpoint is ever run).
 
+The client tokenizes with `Tokenizer` (the `tokenizers` library alone: ~0.1 s to import). What
+LLM.get_tokenizer() hands users is `hf_tokenizer`: transformers' own PreTrainedTokenizerFast over the same
+tokenizer.json and tokenizer_config.json, the class vLLM users call (apply_chat_template, __call__,
+batch_decode, ...). transformers takes ~3 s to import and loads no torch for it, so it is imported only
+when a user asks for that tokenizer.
+
 `Tokenizer.from_dir` raises TokenizerNotFoundError when the directory has no tokenizer.json;
 callers that accept token-id prompts without a tokenizer use `load_tokenizer_if_present`, which
 returns None then.
@@ -9,6 +15,7 @@ returns None then.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -54,6 +61,20 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def hf_tokenizer(model_dir: str) -> Any:
+    """transformers' PreTrainedTokenizerFast of a model directory: tokenizer.json, with the special tokens,
+    chat template (tokenizer_config.json or chat_template.jinja) and added tokens HF reads.
+
+    The class is named, never resolved from the checkpoint (no AutoTokenizer, no auto_map), so no Python
+    code the checkpoint ships is run; HF renders chat templates in its sandboxed jinja2."""
+    path = os.path.join(model_dir, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        raise TokenizerNotFoundError(f"{model_dir}: no {TOKENIZER_FILE}; cannot build its tokenizer")
+    from transformers import PreTrainedTokenizerFast  # seconds to import: only for a user who asks
+
+    return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True, tokenizer_file=path)
 
 
 def load_tokenizer_if_present(model_dir: str) -> Tokenizer | None:

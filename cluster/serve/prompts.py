@@ -67,7 +67,13 @@ class PromptEncoder:
             template = resolve_chat_template(self.tokenizer.model_dir, None)
             tokens = special_tokens(self.tokenizer.model_dir) if self.tokenizer.model_dir else {}
             convs, _ = as_conversations(req.messages)
-            return render_chat(convs[0], template, add_generation_prompt=req.add_generation_prompt, tokens=tokens)
+            return render_chat(
+                convs[0],
+                template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tokens=tokens,
+            )
         except ChatTemplateError as e:
             raise bad_request(str(e), param="messages") from None
 

@@ -1,7 +1,8 @@
 """OpenAI request bodies -> what the engine runs: the prompt, SamplingParams, and the streaming options.
 
 Field names and meanings are OpenAI's (and vLLM's extras: top_k, min_tokens, repetition_penalty,
-ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens). Each value is checked by
+ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_p, allowed_token_ids,
+bad_words; logit_bias is OpenAI's). Each value is checked by
 SamplingParams itself (kvcore/request.py), so a bad one gets the rule that engine applies, with the
 field named; a field kvray cannot honour is refused by name rather than ignored (best_of, as vLLM V1).
 /v1/completions takes one prompt or a list of them (vLLM's batch: the choices of prompt i are
@@ -33,27 +34,30 @@ _SAMPLING = (
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "min_p",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
 )
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "user", "logprobs", "return_token_ids", *_SAMPLING}
 _KNOWN = {
-    COMPLETIONS: _COMMON | {"prompt", "echo", "best_of", "logit_bias", "suffix"},
+    COMPLETIONS: _COMMON | {"prompt", "echo", "best_of", "suffix"},
     CHAT: _COMMON
     | {
         "messages",
         "max_completion_tokens",
         "top_logprobs",
-        "logit_bias",
         "tools",
         "tool_choice",
         "response_format",
         "add_generation_prompt",
+        "continue_final_message",
     },
 }
 # Accepted only with their "off" value: anything else would be silently ignored.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -80,6 +84,7 @@ class ParsedRequest:
     include_usage: bool
     add_generation_prompt: bool = True
     return_token_ids: bool = False  # vLLM's extra: token ids in each choice (and every token streamed)
+    continue_final_message: bool = False  # vLLM's (HF's) chat extra: the model continues the last message
 
     @property
     def chat(self) -> bool:
@@ -131,11 +136,17 @@ def parse_request(endpoint: str, body: Any, defaults: SamplingParams) -> ParsedR
     except TypeError as e:  # a value of a type the comparisons in validate() cannot take
         raise bad_request(f"a sampling field has a wrong type: {e}") from None
     agp, rti = body.get("add_generation_prompt", True), body.get("return_token_ids") or False
-    for name, v in (("add_generation_prompt", agp), ("return_token_ids", rti)):
+    cfm = body.get("continue_final_message", False)
+    for name, v in (("add_generation_prompt", agp), ("return_token_ids", rti), ("continue_final_message", cfm)):
         if not isinstance(v, bool):
             raise bad_request(f"body.{name}={clip(v)}: must be a bool")
+    if agp and cfm:
+        raise bad_request(
+            "body.continue_final_message=true needs add_generation_prompt=false (they are not compatible)",
+            param="continue_final_message",
+        )
     return ParsedRequest(
-        endpoint, model, prompts, messages, params, max_tokens is not None, stream, include_usage, agp, rti
+        endpoint, model, prompts, messages, params, max_tokens is not None, stream, include_usage, agp, rti, cfm
     )
 
 
