@@ -35,11 +35,10 @@ from actors.messages import (  # noqa: F401 - re-exported
     REBUILDING,
     PollResult,
     RequestSpec,
-    RequestTiming,
     error_output,
 )
 from actors.worker.gc_heap import freeze_startup_heap
-from kvcore.messages import EngineCoreOutput
+from kvcore.messages import EngineCoreOutput, RequestTiming
 from kvcore.request import RequestValidationError, SamplingParams, check_request_id, check_token_ids, validate
 
 if TYPE_CHECKING:
@@ -174,12 +173,10 @@ class EngineDriver(DriverRecovery, PoisonIsolation, DriverDebug):
                 self._cv.wait(timeout_s)
             out, self._outbox = self._outbox, []
             returned, self._returned = self._returned, []
-            timings = {
-                o.request_id: self._timings.pop(o.request_id)
-                for o in out
-                if o.finished and o.request_id in self._timings
-            }
-            return PollResult(out, timings, self._fatal, returned, self._unavailable is None)
+            for o in out:
+                if o.finished and o.request_id in self._timings:
+                    o.timing = self._timings.pop(o.request_id)
+            return PollResult(out, self._fatal, returned, self._unavailable is None)
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
