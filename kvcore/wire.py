@@ -42,7 +42,11 @@ _T = TypeVar("_T")
 _SCALARS = frozenset({int, float, str, bool, bytes, complex, type(None)})
 _SEQUENCES = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}
 PICKLED, FIELDS = 0, 1  # the first item of a marshalled message: its whole pickle, or its fields
+# A dataclass field's metadata that keeps it off the wire (a cache): the receiving end gets its default.
+LOCAL_ONLY = types.MappingProxyType({"wire": False})
 _BY_REFERENCE: set[type] = set()  # classes marked @message(inline=False)
+# pickle writes a reduce by this function as NEWOBJ (cls.__new__(cls), no global for the function itself).
+_NEWOBJ: Callable[..., Any] = copyreg.__dict__["__newobj__"]
 
 # ---- a field's annotation, as a tree of nodes ---------------------------------------------------------
 # ("scalar",) | ("any",) | ("msg", cls) | ("opt", node) | ("seq", kind, node) | ("tup", nodes) |
@@ -207,8 +211,6 @@ class _Gen:
         self.env[klass] = cls
         if new:
             lines.append(f"    {dst} = _new({klass})")
-        if not names:
-            return
         targets = ", ".join(f"{dst}.{a}" for a in names)
         xs = [self.fresh() for _ in names]
         inner: list[str] = []
@@ -223,6 +225,16 @@ class _Gen:
                 parts.append(y)
             else:
                 parts.append(self.walk(n, x, decode=True, marshal_form=marshal_form) or x)
+        for f in _local_fields(cls):  # not on the wire: its default, as __init__ would set it
+            name = f"_default_{cls.__name__}_{f.name}_{id(cls):x}"
+            if f.default is not dataclasses.MISSING:
+                self.env[name] = f.default
+                lines.append(f"    {dst}.{f.name} = {name}")
+            else:
+                self.env[name] = f.default_factory
+                lines.append(f"    {dst}.{f.name} = {name}()")
+        if not names:
+            return
         if parts == xs:
             lines.append(f"    {targets}, = {src}")
             return
@@ -359,19 +371,19 @@ class _Codec:
         if len(names) > 1 and not any(_holds(n, ("msg",)) for n in nodes):
             self.encode = attrgetter(*names)  # nothing to encode: the C getter builds the tuple
         self.decode: Callable[[Any], Any] = gen.env["decode"]
-        self.encode_m: Callable[[Any, list[Any]], tuple[Any, ...]] = gen.env["encode_m"]
+        self.encode_m: Callable[[Any, list[Any] | None], tuple[Any, ...]] = gen.env["encode_m"]
         self.decode_m: Callable[[Any, Any], Any] = gen.env["decode_m"]
         self.decode_list: Callable[[Any], list[Any]] = gen.env["decode_list"]
         self.decode_list_m: Callable[[Any, Any], list[Any]] = gen.env["decode_list_m"]
         self.plain: Callable[[Any], bool] = gen.env["plain"]
         self.has_side = "_put(side" in code  # some value, here or in a nested message, goes to the side pickle
         gen.env["_encode"] = self.encode
-        gen.env.update(_newobj=copyreg.__newobj__, _fill_any=_fill_any, _reduce_any=_reduce_any)
+        gen.env.update(_newobj=_NEWOBJ, _fill_any=_fill_any, _reduce_any=_reduce_any)
         self.fill: Callable[[Any, tuple[Any, ...]], None] = gen.env["fill"]
         if getattr(cls.__reduce__, "wire_reducer", False):  # @message (or a subclass): bind its own pair
             reduce = gen.env["reduce"]
             reduce.wire_reducer = True
-            cls.__reduce__, cls.__setstate__ = reduce, self.fill  # type: ignore[attr-defined]
+            cls.__reduce__, cls.__setstate__ = reduce, self.fill  # type: ignore[method-assign,attr-defined]
         self.write, self.read, self.read_form = _marshal_carrier(cls, self)
 
 
@@ -413,13 +425,21 @@ _BUILDING: set[type] = set()  # the classes whose codec is being generated (a cy
 
 
 def _fields(cls: type) -> tuple[list[str], list[Node]]:
-    """The class's field names in declaration order and their annotations' nodes."""
+    """The class's field names in declaration order and their annotations' nodes (LOCAL_ONLY fields left out)."""
     got = _FIELDS_OF.get(cls)
     if got is None:
         hints = typing.get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls)]
+        names = [f.name for f in dataclasses.fields(cls) if f.metadata.get("wire", True)]
         got = _FIELDS_OF[cls] = (names, [_node(hints[n]) for n in names])
     return got
+
+
+def _local_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    local = [f for f in dataclasses.fields(cls) if not f.metadata.get("wire", True)]
+    for f in local:
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise TypeError(f"kvray wire: {cls.__name__}.{f.name} is LOCAL_ONLY: it needs a default to be rebuilt with")
+    return local
 
 
 def _refuse_cycle(cls: type, stack: Any) -> None:
@@ -447,7 +467,7 @@ def decode(cls: type[_T], data: tuple[Any, ...]) -> _T:
 def _reduce_any(self: Any) -> tuple[Callable[..., Any], tuple[type], tuple[Any, ...]]:
     """A message's __reduce__ until its codec is built (which binds the class's own, see _Codec)."""
     cls = type(self)
-    return copyreg.__newobj__, (cls,), _codec(cls).encode(self)
+    return _NEWOBJ, (cls,), _codec(cls).encode(self)
 
 
 def _fill_any(self: Any, data: tuple[Any, ...]) -> None:
@@ -466,7 +486,7 @@ def message(cls: type[_T] | None = None, *, inline: bool = True) -> Any:
             raise TypeError(f"kvray wire: @message {c.__name__} must be a dataclass (put @message above @dataclass)")
         if c.__dataclass_params__.frozen:  # type: ignore[attr-defined]
             raise TypeError(f"kvray wire: @message {c.__name__} must not be frozen (decode sets its fields)")
-        c.__reduce__, c.__setstate__ = _reduce_any, _fill_any  # type: ignore[assignment,attr-defined]
+        c.__reduce__, c.__setstate__ = _reduce_any, _fill_any  # type: ignore[method-assign,attr-defined]
         if not inline:
             _BY_REFERENCE.add(c)
         return c

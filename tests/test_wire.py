@@ -228,3 +228,28 @@ class Node:
 def test_a_message_that_holds_itself_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="Node holds itself"):
         wire.encode(Node(1))
+
+
+def test_local_only_fields_stay_behind_and_read_their_default() -> None:
+    def make() -> LogprobsBatch:
+        return LogprobsBatch(np.zeros((2, 3), np.int32), np.ones((2, 3), np.float32), np.ones(2, np.int32), ["a", "b"])
+
+    batch = make()
+    assert batch.span("b") == (1, 2) and batch.own_logprobs() == [1.0, 1.0]  # fills its caches
+    assert len(wire.encode(batch)) == 5 and pickle.dumps(batch) == pickle.dumps(make())  # the caches stay behind
+    for name, roundtrip in CARRIERS.items():
+        back = roundtrip(batch)
+        assert back.span("b") == (1, 2) and back.own_logprobs() == [1.0, 1.0] and same(back, batch), name
+
+
+@dataclass
+class CacheWithoutDefault:
+    a: int
+    cache: dict[str, int] = field(init=False, metadata=wire.LOCAL_ONLY)
+
+
+def test_a_local_only_field_without_a_default_is_refused_by_name() -> None:
+    msg = CacheWithoutDefault.__new__(CacheWithoutDefault)
+    msg.a, msg.cache = 1, {}
+    with pytest.raises(TypeError, match="CacheWithoutDefault.cache is LOCAL_ONLY: it needs a default"):
+        wire.encode(msg)
