@@ -98,7 +98,7 @@ class _Gen:
     travels as it is). `env` collects the globals the generated code reads (nested codecs, helpers)."""
 
     def __init__(self) -> None:
-        self.env: dict[str, Any] = {"_put": _put, "_first_ok": _first_ok, "_first_present": _first_present}
+        self.env: dict[str, Any] = {"_put": _put}
         self.env.update(_deep_plain=_deep_plain, _S=_SCALARS, _SEQ=frozenset(_SEQUENCES), _new=object.__new__)
         self.env["_LT"] = frozenset({list, tuple})
         self._n = 0
@@ -258,8 +258,8 @@ class _Gen:
         return parts
 
     def _items(self, node: Node, v: str) -> str:
-        if node[0] == "scalar":
-            return f"_first_ok({v})"
+        if node[0] == "scalar":  # the first item (a dict's first key), None when empty: in C, no frame
+            return f"type(next(iter({v}), None)) in _S"
         x = self.fresh()
         inner = self.check(node, x)
         if inner is None:
@@ -270,7 +270,7 @@ class _Gen:
             return f"all({inner} for {x} in {v} if {x} is not None)"
         if node[0] == "opt":  # _first_present skips the Nones
             inner = self.check(node[1], x) or "True"
-        return f"(({x} := _first_present({v})) is None or {inner})"
+        return f"(({x} := next(filter(None, {v}), None)) is None or {inner})"  # the first present item
 
 
 def _put(side: list[Any], value: Any) -> int | None:
@@ -278,21 +278,6 @@ def _put(side: list[Any], value: Any) -> int | None:
         return None
     side.append(value)
     return len(side) - 1
-
-
-def _first_ok(values: Any) -> bool:
-    """The first item of a list, set or dict (its key) is a plain scalar (true when empty)."""
-    for v in values:
-        return type(v) in _SCALARS
-    return True
-
-
-def _first_present(values: Any) -> Any:
-    """The first item that is neither None nor empty, or None."""
-    for v in values:
-        if v:
-            return v
-    return None
 
 
 def _deep_plain(v: Any) -> bool:
