@@ -100,7 +100,8 @@ class _Gen:
     def __init__(self) -> None:
         self.env: dict[str, Any] = {"_put": _put}
         self.env.update(_deep_plain=_deep_plain, _S=_SCALARS, _SEQ=frozenset(_SEQUENCES), _new=object.__new__)
-        self.env["_LT"] = frozenset({list, tuple})
+        self.env.update(_LT=frozenset({list, tuple}), _load=marshal.loads, _unpickle=pickle.loads, _FIELDS=FIELDS)
+        self.env.update(_dump=marshal.dumps, _pickle=_pickle, _PICKLED=PICKLED)
         self._n = 0
         self.stack: list[type] = []  # the messages being inlined, outermost first
 
@@ -316,11 +317,12 @@ class _Codec:
         gen.env["_cls"] = cls
         src = []
 
-        def encoder(fn: str, marshal_form: bool) -> None:
+        def encoder(fn: str, marshal_form: bool) -> str:
             parts = [gen.walk(n, f"o.{a}", decode=False, marshal_form=marshal_form) for a, n in zip(names, nodes)]
             args = "o, side" if marshal_form else "o"
-            body = "".join(f"{p or f'o.{a}'}, " for a, p in zip(names, parts))
-            src.append(f"def {fn}({args}):\n    return ({body})\n")
+            body = "(" + "".join(f"{p or f'o.{a}'}, " for a, p in zip(names, parts)) + ")"
+            src.append(f"def {fn}({args}):\n    return {body}\n")
+            return body
 
         def decoder(fn: str, marshal_form: bool) -> None:
             lines = [f"def {fn}({'t, side' if marshal_form else 't'}):"]
@@ -345,10 +347,38 @@ class _Codec:
             "def reduce(o):\n    if type(o) is not _cls:\n        return _reduce_any(o)\n"
             "    return (_newobj, (_cls,), _encode(o))\n"
         )
-        encoder("encode_m", True)
+        tuple_m = encoder("encode_m", True)
         decoder("decode_m", True)
+        # The marshal form's readers, from marshal's bytes or its loaded tuple: decode_m's body inlined (the
+        # step's hot path), the side pickle read first.
+        for fn, get in (("read", "_load(data)"), ("read_form", "data")):
+            lines = [
+                f"def {fn}(data):",
+                f"    kind, t, side = {get}",
+                "    if kind != _FIELDS:",
+                "        return _unpickle(t)",
+            ]
+            lines.append("    if side is not None:\n        side = _unpickle(side)")
+            gen.build(cls, "t", "o", lines, True)
+            src.append("\n".join([*lines, "    return o\n"]))
         gen.stack.pop()
-        src.append(f"def plain(o):\n    return {gen.check(('msg', cls), 'o')}\n")
+        plain = gen.check(("msg", cls), "o")
+        src.append(f"def plain(o):\n    return {plain}\n")
+        # The marshal form's writer: plain's and encode_m's bodies inlined; the side pickle only where some
+        # value (here or in a nested message) goes there.
+        has_side = "_put(side" in tuple_m
+        write = ["def write(o):", "    try:", f"        if type(o) is _cls and {plain}:"]
+        if has_side:
+            write += ["            side = []", f"            t = {tuple_m}"]
+            write += ["            return _dump((_FIELDS, t, _pickle(side) if side else None))"]
+        else:
+            write += [f"            return _dump((_FIELDS, {tuple_m}, None))"]
+        write += [
+            "    except ValueError:  # marshal's 'unmarshallable object' (past the first items checked)",
+            "        pass",
+        ]
+        write += ["    return _dump((_PICKLED, _pickle(o), None))\n"]
+        src.append("\n".join(write))
         code = "\n".join(src)
         exec(compile(code, f"<kvray wire: {cls.__qualname__}>", "exec"), gen.env)  # noqa: S102 - our own source
         self.source = code
@@ -361,7 +391,6 @@ class _Codec:
         self.decode_list: Callable[[Any], list[Any]] = gen.env["decode_list"]
         self.decode_list_m: Callable[[Any, Any], list[Any]] = gen.env["decode_list_m"]
         self.plain: Callable[[Any], bool] = gen.env["plain"]
-        self.has_side = "_put(side" in code  # some value, here or in a nested message, goes to the side pickle
         gen.env["_encode"] = self.encode
         gen.env.update(_newobj=_NEWOBJ, _fill_any=_fill_any, _reduce_any=_reduce_any)
         self.fill: Callable[[Any, tuple[Any, ...]], None] = gen.env["fill"]
@@ -369,39 +398,9 @@ class _Codec:
             reduce = gen.env["reduce"]
             reduce.wire_reducer = True
             cls.__reduce__, cls.__setstate__ = reduce, self.fill  # type: ignore[method-assign,attr-defined]
-        self.write, self.read, self.read_form = _marshal_carrier(cls, self)
-
-
-def _marshal_carrier(cls: type, codec: _Codec) -> tuple[Any, Any, Any]:
-    """The class's marshal writer, reader and form reader (closures: no lookup per call)."""
-    plain, encode_m, decode_m, has_side = codec.plain, codec.encode_m, codec.decode_m, codec.has_side
-    dump, load = marshal.dumps, marshal.loads
-
-    def write(msg: Any) -> bytes:
-        try:
-            if type(msg) is cls and plain(msg):
-                if not has_side:
-                    return dump((FIELDS, encode_m(msg, None), None))
-                side: list[Any] = []
-                t = encode_m(msg, side)
-                return dump((FIELDS, t, _pickle(side) if side else None))
-        except ValueError:  # marshal's "unmarshallable object" (past the first items the check reads)
-            pass
-        return dump((PICKLED, _pickle(msg), None))
-
-    def read_form(form: tuple[Any, ...]) -> Any:
-        kind, t, side = form
-        if kind == FIELDS:
-            return decode_m(t, None if side is None else pickle.loads(side))
-        return pickle.loads(t)
-
-    def read(data: bytes | memoryview) -> Any:
-        kind, t, side = load(data)  # read_form's body, inlined: the step's hot path
-        if kind == FIELDS:
-            return decode_m(t, None if side is None else pickle.loads(side))
-        return pickle.loads(t)
-
-    return write, read, read_form
+        self.write: Callable[[Any], bytes] = gen.env["write"]
+        self.read: Callable[[bytes | memoryview], Any] = gen.env["read"]
+        self.read_form: Callable[[tuple[Any, ...]], Any] = gen.env["read_form"]
 
 
 _CODECS: dict[type, _Codec] = {}
