@@ -7,37 +7,38 @@ once per message however many outputs point at it). Each EngineCoreOutput of the
 batch; the client finds its request's rows by request id (`span`, an index built once per batch), and
 only the client's output processor turns rows into Python objects. `Logprobs` is a window of a batch:
 one request's rows (its prompt logprobs travel as one, and `EngineCoreOutput.logprobs` reads one).
+
+Both are messages of kvcore/wire.py that travel by reference (`inline=False`): the outputs that point at a
+batch keep pointing at one object on the other side.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
+from kvcore.wire import LOCAL_ONLY, message
 
+
+@message(inline=False)
+@dataclass(slots=True, eq=False)
 class LogprobsBatch:
     """Rows: token_ids int32 [R, W], logprobs float32 [R, W], ranks int32 [R]. For a step's sampled
     rows also req_ids (one per row; a request's rows are consecutive, in token order) and ks int32 [R]
     (the k its request asked; -1: none, the row was computed for the batch only)."""
 
-    __slots__ = ("token_ids", "logprobs", "ranks", "req_ids", "ks", "_last", "_first", "_own")
-
-    def __init__(
-        self,
-        token_ids: np.ndarray,
-        logprobs: np.ndarray,
-        ranks: np.ndarray,
-        req_ids: list[str] | None = None,
-        ks: np.ndarray | None = None,
-    ) -> None:
-        self.token_ids, self.logprobs, self.ranks = token_ids, logprobs, ranks
-        self.req_ids, self.ks = req_ids, ks
-        self._last: dict[str, int] | None = None  # req_id -> its last row
-        self._first: dict[str, int] | None = None  # req_id -> its first row, when some have several
-        self._own: list[float] | None = None
-
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        # The caches are rebuilt on demand by whoever reads the batch.
-        return LogprobsBatch, (self.token_ids, self.logprobs, self.ranks, self.req_ids, self.ks)
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    req_ids: list[str] | None = None
+    ks: np.ndarray | None = None
+    # Caches, rebuilt on demand by whoever reads the batch (off the wire).
+    _last: dict[str, int] | None = field(
+        default=None, init=False, repr=False, metadata=LOCAL_ONLY
+    )  # req_id -> last row
+    _first: dict[str, int] | None = field(default=None, init=False, repr=False, metadata=LOCAL_ONLY)  # its first row
+    _own: list[float] | None = field(default=None, init=False, repr=False, metadata=LOCAL_ONLY)
 
     def __len__(self) -> int:
         return int(self.ranks.shape[0])
@@ -72,6 +73,8 @@ class LogprobsBatch:
         return self._own
 
 
+@message(inline=False)
+@dataclass(slots=True, eq=False, init=False, repr=False)
 class Logprobs:
     """Log-probabilities of P consecutive positions of one request: rows [start, stop) and the first
     `width` columns of a LogprobsBatch.
@@ -82,7 +85,10 @@ class Logprobs:
     `Logprobs(token_ids, logprobs, ranks)` wraps arrays of its own; `window` shares a batch.
     """
 
-    __slots__ = ("batch", "start", "stop", "width")
+    batch: LogprobsBatch
+    start: int
+    stop: int
+    width: int
 
     def __init__(self, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> None:
         self.batch = LogprobsBatch(token_ids, logprobs, ranks)
@@ -93,9 +99,6 @@ class Logprobs:
         lp = Logprobs.__new__(Logprobs)
         lp.batch, lp.start, lp.stop, lp.width = batch, start, stop, width
         return lp
-
-    def __reduce__(self) -> tuple[object, tuple[LogprobsBatch, int, int, int]]:
-        return Logprobs.window, (self.batch, self.start, self.stop, self.width)
 
     def __len__(self) -> int:
         return self.stop - self.start

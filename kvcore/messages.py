@@ -2,41 +2,22 @@
 
 These messages never carry tensors; their size grows with the number of changes in a step,
 not with context length. They use __slots__: the scheduler builds one EngineCoreOutput per running
-request per step, and slotted instances are cheaper to create and to pickle.
+request per step, and slotted instances are cheaper to create. Their wire form (pickle's and the shm
+transport's) is derived from their fields by kvcore/wire.py: `@message`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from operator import attrgetter
-from typing import Any, TypeVar
 
-from kvcore.logprob_rows import Logprobs, LogprobsBatch  # noqa: F401 - the messages' logprob rows
+from kvcore.logprob_rows import Logprobs, LogprobsBatch
 from kvcore.request import SamplingParams
+from kvcore.wire import message
 
 BlockIds = tuple[list[int], ...]  # one list per KV-cache group
-_T = TypeVar("_T")
 
 
-def positional_pickle(cls: type[_T]) -> type[_T]:
-    """Pickle a slotted dataclass as (cls, its fields in order), rebuilt by its __init__.
-
-    What slots=True generates instead calls fields() per instance to dump and setattr per field to load:
-    twice the cost, on the control plane's hot path (every step's SchedulerOutput and answer)."""
-    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
-    if not all(f.init for f in fields(cls)):  # type: ignore[arg-type]
-        raise TypeError(f"positional_pickle: every field of {cls.__name__} must be an __init__ argument")
-    get = attrgetter(*names)
-    one = len(names) == 1
-
-    def __reduce__(self: Any) -> tuple[type, tuple[Any, ...]]:
-        return cls, ((get(self),) if one else get(self))
-
-    cls.__reduce__ = __reduce__  # type: ignore[method-assign]
-    return cls
-
-
-@positional_pickle
+@message
 @dataclass(slots=True)
 class NewRequestData:
     """A request scheduled for the first time: its full block list per group."""
@@ -50,7 +31,7 @@ class NewRequestData:
     output_token_ids: list[int] | None = None
 
 
-@positional_pickle
+@message
 @dataclass(slots=True)
 class CachedRequestData:
     """Requests the workers already know. Index i of every list describes req_ids[i].
@@ -96,7 +77,7 @@ class CachedRequestData:
         self.resumed_token_ids.extend([None] * k)
 
 
-@positional_pickle
+@message
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's decisions. `num_scheduled_tokens` maps every scheduled req_id to its token count.
@@ -119,7 +100,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@positional_pickle
+@message
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """What rank 0 returns: the tokens it sampled, per scheduled request.
@@ -140,9 +121,22 @@ class ModelRunnerOutput:
     cudagraph: bool = False  # the step replayed a CUDA graph (the engine reports the share)
 
 
+@message(inline=False)  # set on a request's last output only: the outputs keep their C-speed encoder
+@dataclass(slots=True)
+class RequestTiming:
+    """Per finished request, measured on the driver: seconds from arrival."""
+
+    ttft_s: float | None
+    e2e_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@message
 @dataclass(slots=True)
 class EngineCoreOutput:
-    """The per-step news for one request, as the scheduler hands it to the client side."""
+    """The per-step news for one request, as the scheduler hands it to the client side (and the client
+    side to its users: the driver adds `timing` to a request's last output)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -155,6 +149,7 @@ class EngineCoreOutput:
     # all of them, so the output path never splits them per request); `logprobs` reads this request's.
     step_logprobs: LogprobsBatch | None = None
     prompt_logprobs: Logprobs | None = None  # with the first token, when SamplingParams.prompt_logprobs is set
+    timing: RequestTiming | None = None  # on the last output, set by the driver
 
     @property
     def logprobs(self) -> Logprobs | None:
@@ -178,9 +173,10 @@ ENGINE_CORE_OUTPUT_FIELDS = (
     "num_cached_tokens",
     "step_logprobs",
     "prompt_logprobs",
+    "timing",
 )
 if tuple(f.name for f in fields(EngineCoreOutput)) != ENGINE_CORE_OUTPUT_FIELDS:
     raise RuntimeError(
-        "kvcore.messages: EngineCoreOutput's fields changed; update Scheduler._apply_sampled and "
-        f"actors.messages._rebuild_poll, which fill {ENGINE_CORE_OUTPUT_FIELDS} by hand"
+        "kvcore.messages: EngineCoreOutput's fields changed; update Scheduler._apply_sampled, which fills "
+        f"{ENGINE_CORE_OUTPUT_FIELDS} by hand"
     )

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.messages import RequestTiming
-from cluster.replicas.engine_group import EngineFailure, EngineOutput
-from kvcore.messages import EngineCoreOutput
+from cluster.replicas.engine_group import EngineFailure
+from kvcore.messages import EngineCoreOutput, RequestTiming
 
 VOCAB = 260
 MAX_MODEL_LEN = 64
@@ -62,13 +61,9 @@ class FakeEngines:
         for rid, s in list(self.open.items())[:4]:
             toks = expected_tokens(s.prompt_token_ids, s.sampling_params.max_tokens)
             half = len(toks) // 2
-            out.append(EngineOutput(EngineCoreOutput(rid, toks[:half])))
-            out.append(
-                EngineOutput(
-                    EngineCoreOutput(rid, toks[half:], True, "length"),
-                    RequestTiming(0.01, 0.02, len(s.prompt_token_ids), len(toks)),
-                )
-            )
+            out.append(EngineCoreOutput(rid, toks[:half]))
+            timing = RequestTiming(0.01, 0.02, len(s.prompt_token_ids), len(toks))
+            out.append(EngineCoreOutput(rid, toks[half:], True, "length", timing=timing))
             del self.open[rid]
             self.finished += 1
         return out

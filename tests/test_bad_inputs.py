@@ -126,10 +126,9 @@ def test_duplicate_request_id_via_the_api_is_refused_and_the_first_one_runs(llm)
     finished, tokens = {}, {"dup": [], "other": []}
     t0 = time.monotonic()
     while len(finished) < 2 and time.monotonic() - t0 < 60:
-        for item in engines.poll(timeout_s=0.5):
-            o = item.output
+        for o in engines.poll(timeout_s=0.5):
             tokens[o.request_id].extend(o.new_token_ids)
-            if item.finished:
+            if o.finished:
                 assert o.request_id not in finished, "a request ended twice"
                 finished[o.request_id] = o
     assert {k: v.finish_reason for k, v in finished.items()} == {"dup": "length", "other": "length"}

@@ -114,10 +114,9 @@ def test_restart_budget_rebuilds_the_tp_group_and_loses_nothing():
             if not killed and sum(map(len, tokens.values())) > 0:
                 ray.get(group.drivers[0].kill_worker.remote(0))
                 killed = True
-            for item in group.poll(timeout_s=0.5):
-                o = item.output
+            for o in group.poll(timeout_s=0.5):
                 tokens[o.request_id].extend(o.new_token_ids)
-                if item.finished:
+                if o.finished:
                     assert o.error is None, o.error
                     finished.append(o.request_id)
             assert group.fatal is None, group.fatal
@@ -170,6 +169,6 @@ def test_a_driver_killed_from_outside_leaves_no_placement_group_behind():
             step=lambda: done.extend(i for i in again.poll(timeout_s=0.5) if i.finished),
             what="the request on the second group finishing",
         )
-        assert [d.output.request_id for d in done] == ["r0"] and done[0].output.error is None
+        assert [d.request_id for d in done] == ["r0"] and done[0].error is None
     finally:
         again.shutdown()

@@ -1,6 +1,6 @@
-"""The control-plane messages pickle as (class, fields in order) (kvcore.messages.positional_pickle): every
-field survives a round trip through pickle, Ray's cloudpickle and deepcopy, with the defaults and with
-every field set, and a class the scheme cannot rebuild through its __init__ is refused at import."""
+"""The control-plane messages pickle as (class, fields in order) (kvcore/wire.py's `@message`): every field
+survives a round trip through pickle, Ray's cloudpickle and deepcopy, with the defaults and with every field
+set, a field outside __init__ travels too, and a class the codec cannot rebuild is refused by name."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import pytest
 from ray import cloudpickle
 
-from kvcore.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput, positional_pickle
+from kvcore.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.request import SamplingParams
+from kvcore.wire import message
 
 
 def messages() -> list[object]:
@@ -48,11 +49,30 @@ def test_a_shared_request_id_is_pickled_once():
     assert back.scheduled_cached_reqs.req_ids[0] is next(k for k in back.num_scheduled_tokens if k == "r1")
 
 
-def test_a_field_outside_init_is_refused():
-    with pytest.raises(TypeError, match="every field of Bad must be an __init__ argument"):
+@message
+@dataclass(slots=True)
+class WithDerived:
+    a: int
+    b: list[int] = field(default_factory=list, init=False)
 
-        @positional_pickle
-        @dataclass(slots=True)
-        class Bad:
+
+def test_a_field_outside_init_travels():
+    m = WithDerived(3)
+    m.b.append(4)
+    for back in (pickle.loads(pickle.dumps(m, protocol=5)), cloudpickle.loads(cloudpickle.dumps(m))):
+        assert (back.a, back.b) == (3, [4])
+
+
+def test_a_class_the_codec_cannot_rebuild_is_refused():
+    with pytest.raises(TypeError, match="@message Plain must be a dataclass"):
+
+        @message
+        class Plain:
+            pass
+
+    with pytest.raises(TypeError, match="@message Frozen must not be frozen"):
+
+        @message
+        @dataclass(frozen=True)
+        class Frozen:
             a: int
-            b: list[int] = field(default_factory=list, init=False)

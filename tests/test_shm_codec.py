@@ -1,7 +1,7 @@
-"""The shm transport's wire form (actors/transport/codec.py): every field of a step and of an answer survives
-encode -> decode, in the marshal form and in the pickle fallback (a value marshal refuses), with logprob
-rows (arrays, pickled inside) and for every kind of answer (rank 0's output, another rank's None, a step
-error)."""
+"""The shm transport's wire (actors/transport/codec.py over kvcore/wire.py's marshal form): every field of a
+step and of an answer survives encode -> decode, in the marshal form and in the pickle fallback (a value
+marshal would write unfaithfully), with logprob rows (arrays, pickled beside the tuple) and for every kind of
+answer (rank 0's output, another rank's None, a step error)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import marshal
 import numpy as np
 
 from actors.transport.codec import decode_answer, decode_step, encode_answer, encode_step
+from kvcore import wire
 from kvcore.logprob_rows import Logprobs, LogprobsBatch
 from kvcore.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvcore.request import SamplingParams
@@ -32,7 +33,7 @@ def steps() -> list[SchedulerOutput]:
 def test_every_field_of_a_step_survives():
     for so in steps():
         data = encode_step(so)
-        assert marshal.loads(data)[0] == 1  # the marshal form, not the fallback
+        assert marshal.loads(data)[0] == wire.FIELDS  # the marshal form, not the fallback
         back = decode_step(data)
         assert type(back) is SchedulerOutput and back == so
         # Tuples stay tuples (a request's block ids per group), lists lists.
@@ -54,7 +55,7 @@ def test_numpy_values_go_as_pickle_not_as_marshal_bytes():
         so = steps()[1]
         edit(so)
         data = encode_step(so)
-        assert marshal.loads(data)[0] == 0
+        assert marshal.loads(data)[0] == wire.PICKLED
         back = decode_step(data)
         assert back == so and type(back.step_id) is type(so.step_id)
     for out in (
@@ -63,7 +64,7 @@ def test_numpy_values_go_as_pickle_not_as_marshal_bytes():
         ModelRunnerOutput(list(np.array(["r0"])), [[5]], step_id=3),
     ):
         data = encode_answer(True, out)
-        assert marshal.loads(data)[0] == 0
+        assert marshal.loads(data)[0] == wire.PICKLED
         ok, back = decode_answer(data)
         assert ok and back == out and type(back.sampled_token_ids[-1][0]) is type(out.sampled_token_ids[-1][0])
 

@@ -60,11 +60,11 @@ def test_a_killed_rank_on_another_node_is_replaced(cluster):
         if not killed and sum(map(len, tokens.values())) > 30:
             ray.get(group.drivers[0].kill_worker.remote(1))
             killed.append(True)
-        for item in group.poll(timeout_s=0.3):
-            tokens[item.output.request_id].extend(item.output.new_token_ids)
-            if item.finished:
-                assert item.output.error is None, item.output.error
-                finished.append(item.output.request_id)
+        for o in group.poll(timeout_s=0.3):
+            tokens[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                assert o.error is None, o.error
+                finished.append(o.request_id)
         assert group.fatal is None, group.fatal
 
     try:

@@ -105,11 +105,11 @@ def drain(group, specs, limit_s, on_step=lambda: None):
 
     def step():
         on_step()
-        for item in group.poll(timeout_s=0.3):
-            tokens[item.output.request_id].extend(item.output.new_token_ids)
-            if item.finished:
-                assert item.output.error is None, item.output.error
-                finished.append(item.output.request_id)
+        for o in group.poll(timeout_s=0.3):
+            tokens[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                assert o.error is None, o.error
+                finished.append(o.request_id)
 
     wait_until(
         lambda: len(finished) == len(specs) or group.fatal is not None,

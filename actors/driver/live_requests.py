@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
-from actors.messages import RequestSpec, RequestTiming, error_output
-from kvcore.messages import EngineCoreOutput
+from actors.messages import RequestSpec, error_output
+from kvcore.messages import EngineCoreOutput, RequestTiming
 from kvcore.request import Request
 
 

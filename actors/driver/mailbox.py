@@ -17,9 +17,9 @@ import time
 from typing import Callable, Iterable
 
 from actors.driver.live_requests import LiveRequests
-from actors.messages import PollResult, RequestSpec, RequestTiming, error_output
+from actors.messages import PollResult, RequestSpec, error_output
 from kvcore.kv_cache.block_pool import CacheEvents
-from kvcore.messages import EngineCoreOutput
+from kvcore.messages import EngineCoreOutput, RequestTiming
 from kvcore.request import Request
 
 MAX_PENDING_CACHE_EVENTS = 256  # steps' worth of cache events kept for a client that does not poll
@@ -70,12 +70,10 @@ class Mailbox:
             out, self._outbox = self._outbox, []
             returned, self._returned = self._returned, []
             events, self._cache_events = self._cache_events, []
-            timings = {
-                o.request_id: self._timings.pop(o.request_id)
-                for o in out
-                if o.finished and o.request_id in self._timings
-            }
-            return PollResult(out, timings, self._fatal, returned, self._unavailable is None, events)
+            for o in out:
+                if o.finished and o.request_id in self._timings:
+                    o.timing = self._timings.pop(o.request_id)
+            return PollResult(out, self._fatal, returned, self._unavailable is None, events)
 
     @property
     def fatal(self) -> str | None:

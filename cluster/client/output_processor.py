@@ -54,7 +54,7 @@ class RequestState:
     def finished(self) -> bool:
         return self.completion.finish_reason is not None
 
-    def update(self, o: EngineCoreOutput, timing: Any = None) -> bool:
+    def update(self, o: EngineCoreOutput) -> bool:
         """Take one engine output; True when a stop string ended the request here (the engine must abort it)."""
         # As vLLM: the EOS / stop token that ended a request adds no text unless include_stop_str_in_output.
         stop_terminated = o.finished and o.finish_reason == "stop"
@@ -72,7 +72,7 @@ class RequestState:
         if o.finished:
             # Held-back bytes can still complete a stop string; the engine has finished the request anyway.
             by_stop_string = self.detokenizer is not None and self._check_stop(self.detokenizer.flush())
-            self._finish(o, timing, keep_reason=by_stop_string)
+            self._finish(o, keep_reason=by_stop_string)
         return False
 
     def _check_stop(self, delta: str) -> bool:
@@ -93,11 +93,11 @@ class RequestState:
         self.completion.finish_reason, self.completion.stop_reason = "stop", stop_str
         return True
 
-    def _finish(self, o: EngineCoreOutput, timing: Any, keep_reason: bool = False) -> None:
+    def _finish(self, o: EngineCoreOutput, keep_reason: bool = False) -> None:
         c = self.completion
         if not keep_reason:
             c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
-        self.error, self.timing, self.num_cached_tokens = o.error, timing, o.num_cached_tokens
+        self.error, self.timing, self.num_cached_tokens = o.error, o.timing, o.num_cached_tokens
 
     def fail(self, message: str) -> None:
         self.completion.finish_reason, self.error = "error", message
@@ -169,13 +169,13 @@ class OutputProcessor:
         state.fail(message)
         return parent if parent.finished else None
 
-    def process_output(self, o: EngineCoreOutput, timing: Any = None) -> tuple[ParentRequest | None, bool]:
+    def process_output(self, o: EngineCoreOutput) -> tuple[ParentRequest | None, bool]:
         """-> (the parent, when this output finished it; whether the engine must abort o.request_id)."""
         entry = self.states.get(o.request_id)
         if entry is None:
             return None, False  # finished here already (e.g. the abort echo after a stop string)
         state, parent = entry
-        abort = state.update(o, timing)
+        abort = state.update(o)
         if state.finished:
             del self.states[o.request_id]
         return (parent if state.finished and parent.finished else None), abort

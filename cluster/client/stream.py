@@ -10,7 +10,8 @@ import time
 
 from actors.messages import RequestSpec
 from cluster.client.output_processor import OutputProcessor, ParentRequest
-from cluster.replicas.engine_group import EngineFailure, EngineGroup, EngineOutput
+from cluster.replicas.engine_group import EngineFailure, EngineGroup
+from kvcore.messages import EngineCoreOutput
 
 
 class Stalled(EngineFailure):
@@ -39,7 +40,7 @@ class Stream:
         """engines.submit refused these ({request_id: error}; maybe none): bad requests, or every replica
         down (then `fatal` is set)."""
 
-    def take(self, out: EngineOutput) -> None:
+    def take(self, out: EngineCoreOutput) -> None:
         """One output: new tokens; the last one of a request is `finished`."""
 
     def aborts(self) -> list[str]:
@@ -104,8 +105,8 @@ class ProcessedStream(Stream):
             if parent is not None:
                 self.finished(parent, refused=True)
 
-    def take(self, out: EngineOutput) -> None:
-        parent, abort = self.processor.process_output(out.output, out.timing)
+    def take(self, out: EngineCoreOutput) -> None:
+        parent, abort = self.processor.process_output(out)
         if abort:
             self._aborts.append(out.request_id)  # a stop string ended it here: free its engine slot
         if parent is not None:

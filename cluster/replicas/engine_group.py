@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import ray
@@ -18,7 +17,7 @@ from ray.exceptions import RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.driver.engine_driver import driver_actor_class
-from actors.messages import DOWN, PollResult, RequestSpec, RequestTiming, error_output
+from actors.messages import DOWN, PollResult, RequestSpec, error_output
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.replicas.failover import (  # noqa: F401 - DRIVER_CALL_GRACE_S re-exported
     DOWN_STATE,
@@ -40,23 +39,6 @@ DRIVER_NAME_PREFIX = "kvray-driver-"
 
 class EngineFailure(RuntimeError):
     """An engine replica is down (a worker failed past its restart budget, or its driver died)."""
-
-
-@dataclass
-class EngineOutput:
-    """One output of one request, as `EngineGroup.poll` returns it: new tokens, and on the last one
-    (`finished`) the request's timing on the driver."""
-
-    output: EngineCoreOutput
-    timing: RequestTiming | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.output.request_id
-
-    @property
-    def finished(self) -> bool:
-        return self.output.finished
 
 
 def driver_placement() -> NodeAffinitySchedulingStrategy:
@@ -175,11 +157,12 @@ class EngineGroup(ReplicaFailover):
         for r, ids in by_replica.items():
             self.drivers[r].abort.remote(ids)
 
-    def poll(self, timeout_s: float = 1.0) -> list[EngineOutput]:
-        """Outputs that arrived within timeout_s, streaming and finished ones alike."""
+    def poll(self, timeout_s: float = 1.0) -> list[EngineCoreOutput]:
+        """Outputs that arrived within timeout_s, streaming and finished ones alike (a request's last one,
+        `finished`, carries its timing on the driver)."""
         self._check_starting()
         self._dispatch_pending()
-        items = [EngineOutput(error_output(rid, err)) for rid, err in self._refused_late.items()]
+        items = [error_output(rid, err) for rid, err in self._refused_late.items()]
         self._refused_late.clear()
         for r, s in enumerate(self.state):
             if s in (UP, REBUILDING_STATE) and r not in self._polls.values():
@@ -194,13 +177,13 @@ class EngineGroup(ReplicaFailover):
         self._check_fatal()
         return items
 
-    def _take(self, r: int, ref: Any) -> list[EngineOutput]:
+    def _take(self, r: int, ref: Any) -> list[EngineCoreOutput]:
         try:
             res: PollResult = self._get(ref, r)
         except ReplicaLost as e:
             self.pending += self._lose(r, str(e))
             return []
-        items: list[EngineOutput] = []
+        items: list[EngineCoreOutput] = []
         # Outputs of requests moved away from r since are stale; unknown ids (aborted) pass through.
         kept = self.live.drop_replayed(
             [o for o in res.outputs if self.owner.get(o.request_id) == r or o.request_id not in self.live],
@@ -212,7 +195,7 @@ class EngineGroup(ReplicaFailover):
             self.live.record(o, time.monotonic())
             if o.finished:
                 self._unown(o.request_id)
-            items.append(EngineOutput(o, res.timings.get(o.request_id) if o.finished else None))
+            items.append(o)
         if res.returned:
             self.pending += self._orphans(r, res.returned)
         if res.fatal is not None:

@@ -134,7 +134,7 @@ class Generation:
         batch = await self.queue.take_all(timeout_s, ends_only)
         aborts = []
         for o in batch:
-            _, abort = self.processor.process_output(o, None)
+            _, abort = self.processor.process_output(o)
             if abort:
                 aborts.append(o.request_id)  # a stop string ended it here: free its engine slot
         if aborts:

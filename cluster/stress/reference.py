@@ -9,8 +9,9 @@ from __future__ import annotations
 from actors.messages import RequestSpec
 from cluster.client.stream import Stream
 from cluster.config import EngineConfig
-from cluster.replicas.engine_group import EngineFailure, EngineGroup, EngineOutput
+from cluster.replicas.engine_group import EngineFailure, EngineGroup
 from cluster.stress.workload import StressRequest
+from kvcore.messages import EngineCoreOutput
 
 
 def reference_config(
@@ -63,10 +64,9 @@ class ReferenceRun(Stream):
             rid, err = next(iter(errors.items()))
             raise RuntimeError(f"reference run refused {len(errors)} request(s), e.g. {rid}: {err}")
 
-    def take(self, item: EngineOutput) -> None:
-        out = item.output
+    def take(self, out: EngineCoreOutput) -> None:
         self.tokens[out.request_id].extend(out.new_token_ids)
-        if item.finished:
+        if out.finished:
             if out.finish_reason == "error":
                 raise RuntimeError(f"reference run: request {out.request_id}: {out.error}")
             self.open_ids.discard(out.request_id)

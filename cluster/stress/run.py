@@ -31,8 +31,9 @@ import ray
 from actors.messages import RequestSpec
 from cluster.client.stream import Stalled, Stream
 from cluster.config import EngineConfig
-from cluster.replicas.engine_group import EngineFailure, EngineGroup, EngineOutput
+from cluster.replicas.engine_group import EngineFailure, EngineGroup
 from cluster.stress.workload import StressRequest, WorkloadShape, make_workload, max_total_tokens
+from kvcore.messages import EngineCoreOutput
 
 log = logging.getLogger("kvray.stress")
 
@@ -176,17 +177,16 @@ class StressDriver(Stream):
             o.num_finished, o.finish_reason, o.error, o.finished_at = 1, "error", err, now
             self.ended += 1
 
-    def take(self, item: EngineOutput) -> None:
-        out = item.output
+    def take(self, out: EngineCoreOutput) -> None:
         o = self.obs.outcomes.get(out.request_id)
         if o is None:
             self.obs.unknown_outputs += 1
             return
         if o.num_finished:
-            o.late_outputs += 0 if item.finished else 1
+            o.late_outputs += 0 if out.finished else 1
         else:
             o.tokens.extend(out.new_token_ids)
-        if item.finished:
+        if out.finished:
             o.num_finished += 1
             if o.num_finished == 1:
                 o.finished_at, o.finish_reason, o.error = time.monotonic(), out.finish_reason, out.error

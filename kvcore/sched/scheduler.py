@@ -331,7 +331,7 @@ class Scheduler(RequestBook):
                     # filled in place: half the cost of the dataclass __init__ (see messages.ENGINE_CORE_OUTPUT_FIELDS).
                     o = new_bare(EngineCoreOutput)
                     o.request_id, o.new_token_ids, o.finished, o.finish_reason = rid, token_ids, False, None
-                    o.stop_reason = o.error = o.step_logprobs = o.prompt_logprobs = None
+                    o.stop_reason = o.error = o.step_logprobs = o.prompt_logprobs = o.timing = None
                     o.num_cached_tokens = request.num_cached_tokens
                     emit(o)
                     continue
