@@ -1,6 +1,8 @@
 """What the engine loop needs from whatever runs the workers: in-process, processes, or Ray actors.
 
-Every method fans out to all tensor-parallel ranks; `execute_model` returns rank 0's answer.
+Every method fans out to all ranks (pipeline_parallel_size x tensor_parallel_size of them); `execute_model`
+returns the answering rank's output: the first TP rank of the last pipeline stage, the one that samples
+(rank 0 without pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -53,13 +55,44 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None: ...
 
+    def submit_step(self, scheduler_output: SchedulerOutput) -> Any:
+        """Send one step without waiting for its output (pipeline parallelism keeps several in flight);
+        collect_step(handle) returns it. Steps are collected in the order they were submitted. This
+        default runs the step at once (an executor that cannot overlap steps)."""
+        return self.execute_model(scheduler_output)
+
+    def collect_step(self, handle: Any) -> ModelRunnerOutput | None:
+        out: ModelRunnerOutput | None = handle
+        return out
+
     # Set-up steps, the same for every executor.
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        return self.collective_rpc("get_kv_cache_specs")[0]
+        """Every attention layer's spec: each pipeline stage answers for its own layers."""
+        specs: dict[str, KVCacheSpec] = {}
+        for answer in self.collective_rpc("get_kv_cache_specs"):
+            specs.update(answer)
+        return specs
 
     def determine_num_blocks(self) -> int:
-        """The smallest block count any rank can hold."""
+        """The smallest block count any rank can hold. With pipeline stages each rank sizes the blocks of
+        its own layers as the engine's groups (of every stage's layers) lay them out."""
+        if self.pipeline_parallel_size > 1:
+            return min(self.collective_rpc("determine_num_blocks", self.get_kv_cache_specs()))
         return min(self.collective_rpc("determine_num_blocks"))
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        config = getattr(self, "config", None)
+        return 1 if config is None else int(config.parallel.pipeline_parallel_size)
+
+    @property
+    def answer_rank(self) -> int:
+        """The rank whose output a step returns: the first TP rank of the last stage, which samples."""
+        config = getattr(self, "config", None)
+        if config is None:
+            return 0
+        p = config.parallel
+        return (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.collective_rpc("initialize_kv_cache", kv_cache_config)

@@ -23,6 +23,10 @@ from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 _SHUTDOWN = "__shutdown__"
 
 
+class _Submitted:
+    """A step sent to the worker processes whose answers are still in their pipes."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -58,7 +62,7 @@ def _worker_main(
 class LocalExecutor(Executor):
     def __init__(self, config: EngineConfig, poll_interval_s: float = 0.5) -> None:
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
+        self.world_size = config.parallel.ranks_per_engine  # pipeline stages x tensor-parallel ranks
         self._poll = poll_interval_s
         self._worker: Worker | None = None
         self._procs: list[mp.process.BaseProcess] = []
@@ -151,7 +155,24 @@ class LocalExecutor(Executor):
         raise WorkerFailure(rank, reason)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.collective_rpc("execute_model", scheduler_output)[0]
+        out: ModelRunnerOutput | None = self.collective_rpc("execute_model", scheduler_output)[self.answer_rank]
+        return out
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> Any:
+        if self._worker is not None:
+            return self.execute_model(scheduler_output)
+        if self._closed:
+            raise RuntimeError("LocalExecutor is shut down")
+        for conn in self._conns:  # pipes keep order: each rank runs the submitted steps one after another
+            conn.send(("execute_model", (scheduler_output,), {}))
+        return _Submitted()
+
+    def collect_step(self, handle: Any) -> ModelRunnerOutput | None:
+        if not isinstance(handle, _Submitted):
+            out: ModelRunnerOutput | None = handle
+            return out
+        answer: ModelRunnerOutput | None = self._gather("execute_model")[self.answer_rank]
+        return answer
 
     # ---- teardown ---------------------------------------------------------------------------
     def shutdown(self, graceful: bool = True) -> None:

@@ -56,6 +56,7 @@ def _plain_step(so: SchedulerOutput) -> bool:
         and _first_is(so.preempted_req_ids, str)
         and all(_first_is(ids, int) for blocks in filter(None, c.new_block_ids) for ids in blocks)
         and all(_first_is(ids, int) for ids in filter(None, c.resumed_token_ids))
+        and (so.pipeline_token_ids is None or all(_first_is(ids, int) for ids in so.pipeline_token_ids.values()))
     )
 
 
@@ -90,6 +91,7 @@ def encode_step(so: SchedulerOutput) -> bytes:
                 so.finished_req_ids,
                 so.preempted_req_ids,
                 so.step_id,
+                so.pipeline_token_ids,
             )
         )
     except ValueError:  # not plain, or marshal's "unmarshallable object"
@@ -101,7 +103,7 @@ def decode_step(data: bytes | memoryview) -> SchedulerOutput:
     if f[0] == _PICKLED:
         so: SchedulerOutput = pickle.loads(f[1])
         return so
-    _, new, req_ids, resumed, new_blocks, resumed_tokens, computed, scheduled, total, finished, preempted, step = f
+    _, new, req_ids, resumed, new_blocks, resumed_tokens, computed, scheduled, total, finished, preempted, step, pp = f
     return SchedulerOutput(
         [] if new is None else pickle.loads(new),
         CachedRequestData(req_ids, resumed, new_blocks, resumed_tokens, computed),
@@ -110,6 +112,7 @@ def decode_step(data: bytes | memoryview) -> SchedulerOutput:
         finished,
         preempted,
         step,
+        pp,
     )
 
 
@@ -165,6 +168,7 @@ def _check_fields() -> None:
             "finished_req_ids",
             "preempted_req_ids",
             "step_id",
+            "pipeline_token_ids",
         ),
         CachedRequestData: (
             "req_ids",

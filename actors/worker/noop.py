@@ -53,7 +53,7 @@ class NoopWorker(ShmLoopMixin):
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return {"layers.0.attn": FullAttentionSpec(self.config.cache.block_size, 1, 8, torch.float32)}
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, layer_specs: dict[str, KVCacheSpec] | None = None) -> int:
         return self.config.cache.num_gpu_blocks or 4096
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
