@@ -163,6 +163,24 @@ class ParallelConfig(_Section):
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
+    def num_bundles(self) -> int:
+        """Placement bundles of one engine: one per rank, or with pipeline stages one per stage (a bundle
+        never spans nodes, so a stage's TP ranks, whose all-reduces run every layer, share a node)."""
+        return self.pipeline_parallel_size if self.pipeline_parallel_size > 1 else self.tensor_parallel_size
+
+    def bundle_of_rank(self, rank: int) -> int:
+        return rank // self.tensor_parallel_size if self.pipeline_parallel_size > 1 else rank
+
+    @property
+    def stage_placement_strategy(self) -> str:
+        """The placement group's strategy. With pipeline stages the bundles are stages: STRICT_PACK (the
+        default, "keep a TP group on one node") then packs them onto as few nodes as hold them (PACK),
+        so stages spread over nodes only when they do not fit one; SPREAD and STRICT_SPREAD spread them."""
+        if self.pipeline_parallel_size > 1 and self.placement_strategy == "STRICT_PACK":
+            return "PACK"
+        return self.placement_strategy
+
+    @property
     def resolved_collective_timeout_s(self) -> float:
         return self.collective_timeout_s if self.collective_timeout_s is not None else self.step_timeout_s / 2
 

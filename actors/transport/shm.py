@@ -3,7 +3,8 @@
 - Ranks on the driver's node read one shared-memory ring (actors/transport/shm_ring.py), every reader
   acknowledging each chunk before its slot is reused; ranks on other nodes get the same bytes over ZMQ.
 - Every rank answers on a channel of its own (a one-reader ring on this node, ZMQ from other nodes):
-  rank 0 with its ModelRunnerOutput, the others with None or their step's error.
+  the answering rank (rank 0; with pipeline stages the last stage's first TP rank) with its
+  ModelRunnerOutput, the others with None or their step's error.
 - Ray places the workers, starts and kills them; the transport only attaches to them
   (`start_shm_loop`, actors/transport/shm_reader.py) once they are up.
 
@@ -68,9 +69,14 @@ class ShmTransport(_Transport):
     name = "shm"
 
     def __init__(
-        self, workers: Sequence[Any], step_timeout_s: float, force_zmq: bool = False, spin_s: float | None = None
+        self,
+        workers: Sequence[Any],
+        step_timeout_s: float,
+        force_zmq: bool = False,
+        spin_s: float | None = None,
+        answer_rank: int = 0,
     ) -> None:
-        super().__init__(workers, step_timeout_s)
+        super().__init__(workers, step_timeout_s, answer_rank)
         self.spin_s = default_spin_s(len(workers)) if spin_s is None else spin_s
         self._ring: ShmRing | None = None
         self._senders: list[Sender] = []  # the broadcast: the ring (if any) + one per remote rank
@@ -107,7 +113,7 @@ class ShmTransport(_Transport):
                 pull, pull_addr = bind(zmq.PULL, ip)
                 self._replies[rank] = ZmqReceiver(pull)
                 steps, replies = ChannelSpec(zmq_addr=push_addr, spin_s=self.spin_s), ChannelSpec(zmq_addr=pull_addr)
-            specs[rank] = ShmLoopSpec(rank, steps, replies, self.step_timeout_s)
+            specs[rank] = ShmLoopSpec(rank, steps, replies, self.step_timeout_s, answers=rank == self.answer_rank)
         self._setup_call([w.start_shm_loop.remote(specs[r]) for r, w in enumerate(self.workers)], "start_shm_loop")
         self._remote_ranks = [r for r in range(len(self.workers)) if r not in local]
         self._poller = zmq.Poller()
@@ -173,7 +179,7 @@ class ShmTransport(_Transport):
         errors = [(r, *payload) for r, (ok, payload) in sorted(answers.items()) if not ok]
         if errors:
             raise step_failure(errors)
-        return answers[0][1]
+        return answers[self.answer_rank][1]
 
     def _block(self, answers: dict[int, Any], deadline: float, until: float, step_id: int) -> None:
         """Sleep in the kernel until an answer channel may have something, or `until`."""

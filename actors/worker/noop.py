@@ -1,6 +1,11 @@
 """A worker with no model: it follows the Worker contract and answers every step at once with a fixed
 token, so the control plane (schedule + broadcast + reply) can be timed alone, and faults (a hang,
 an exit) can be injected at a chosen step for the failure tests.
+
+With pipeline stages it behaves as a stage of fixed cost: a later stage waits for the previous stage's
+(tiny) activation of the step over the real point-to-point path, then every stage spends
+KVRAY_NOOP_STAGE_S seconds (default 0) and sends on, so the pipelining of the engine's batch queue can
+be measured without a model (benchmarks/host/bench_pipeline.py).
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ import time
 
 import torch
 
+from actors import parallel_state
 from actors.config.engine import EngineConfig
 from actors.transport.shm_reader import ShmLoopMixin
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 
 FAKE_TOKEN = 7
+STAGE_TIME_ENV = "KVRAY_NOOP_STAGE_S"
 
 
 class NoopWorker(ShmLoopMixin):
@@ -36,10 +43,27 @@ class NoopWorker(ShmLoopMixin):
         # Async scheduling: like the model runner, answer each step with the previous step's output.
         self.lag_outputs = config.use_async_scheduling
         self._held: ModelRunnerOutput | None = None
+        p = config.parallel
+        self.pp_size = p.pipeline_parallel_size
+        self.pp_rank = rank // p.tensor_parallel_size
+        # The answering rank: the last stage's first TP rank (rank 0 without stages).
+        self.answers = rank == (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+        self.stage_time_s = float(os.environ.get(STAGE_TIME_ENV, "0") or 0)
+        self._activation = torch.zeros(1)
 
     # ---- the Worker contract ----------------------------------------------------------------
     def init_device(self, dist_init_method: str | None = None) -> None:
-        pass
+        if self.pp_size > 1:  # the stages' point-to-point path is real; TP collectives are not used
+            p = self.config.parallel
+            parallel_state.init_model_parallel(
+                self.rank,
+                p.tensor_parallel_size,
+                self.pp_size,
+                dist_init_method,
+                "gloo",
+                timeout_s=p.step_timeout_s,
+                collective_timeout_s=p.resolved_collective_timeout_s,
+            )
 
     def start_phases(self, requested: float) -> dict[str, float]:
         return {}
@@ -62,6 +86,8 @@ class NoopWorker(ShmLoopMixin):
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.steps += 1
         self._maybe_fault()
+        if self.pp_size > 1 and not so.is_empty:
+            self._run_stage(so.step_id)
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.num_tokens.pop(rid, None)
         computed: dict[str, int] = {}
@@ -83,13 +109,28 @@ class NoopWorker(ShmLoopMixin):
                 self.num_tokens[rid] = self.num_tokens.get(rid, 0) + 1
             else:
                 sampled.append([])
-        if self.rank != 0:
+        if not self.answers:
             return None
         out = ModelRunnerOutput(req_ids, sampled, step_id=so.step_id)
         if not self.lag_outputs:
             return out
         held, self._held = self._held, (None if so.is_empty else out)
         return held
+
+    def _run_stage(self, step_id: int) -> None:
+        """Receive the step's activation from the previous stage, spend the stage's time, send it on."""
+        if self.pp_rank > 0:
+            parallel_state.recv_from_prev_stage([self._activation])
+            if int(self._activation.item()) != step_id:
+                raise RuntimeError(
+                    f"stage {self.pp_rank} got step {int(self._activation.item())}'s activation for step {step_id}"
+                )
+        if self.stage_time_s:
+            time.sleep(self.stage_time_s)
+        if self.pp_rank < self.pp_size - 1:
+            parallel_state.wait_for_sends()
+            self._activation = torch.tensor([float(step_id)])
+            parallel_state.send_to_next_stage([self._activation])
 
     def ping(self) -> int:
         return self.rank
@@ -100,6 +141,8 @@ class NoopWorker(ShmLoopMixin):
 
     def shutdown(self) -> None:
         self.num_tokens.clear()
+        if self.pp_size > 1:
+            parallel_state.destroy_tensor_parallel()
 
     # ---- fault injection --------------------------------------------------------------------
     def inject_fault(self, kind: str, at_step: int) -> None:
