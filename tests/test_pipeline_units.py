@@ -82,10 +82,11 @@ def test_without_stages_the_bundles_stay_one_per_rank():
 # ---------------------------------------------------------------- the batch queue's scheduler
 
 
-def make_pipeline_scheduler(**kw) -> PipelineScheduler:
+def make_pipeline_scheduler(depth: int = 2, **kw) -> PipelineScheduler:
     base = make_scheduler(**kw)  # the same manager and limits, as a PipelineScheduler
     return PipelineScheduler(
         base.kv_cache_manager,
+        depth=depth,
         max_num_seqs=base.max_num_seqs,
         max_num_batched_tokens=base.max_num_batched_tokens,
         max_model_len=base.max_model_len,
@@ -136,20 +137,22 @@ def run_queue(sched: PipelineScheduler, depth: int, max_steps: int = 5000) -> di
 
 
 def test_in_flight_requests_are_not_scheduled_again_and_take_turns():
-    sched = make_pipeline_scheduler(num_blocks=64)
+    sched = make_pipeline_scheduler(depth=2, num_blocks=64)
     for i in range(4):
         sched.add_request(make_request(f"r{i}", 8, max_tokens=4, start=50 * i))
     first = sched.schedule()
-    assert set(first.num_scheduled_tokens) == {"r0", "r1", "r2", "r3"}
+    assert set(first.num_scheduled_tokens) == {"r0", "r1"}  # its share: half of the live requests
     assert first.pipeline_token_ids == {}  # prompts only: the first stage has them
     second = sched.schedule()
-    assert second.num_scheduled_tokens == {}  # every request is in flight
-    sched.update_from_output(second, ModelRunnerOutput([], [], second.step_id))
-    sched.update_from_output(first, answer(sched, first))
+    assert set(second.num_scheduled_tokens) == {"r2", "r3"}
     third = sched.schedule()
-    assert set(third.num_scheduled_tokens) == {"r0", "r1", "r2", "r3"}
+    assert third.num_scheduled_tokens == {}  # every request is in flight
+    sched.update_from_output(third, ModelRunnerOutput([], [], third.step_id))
+    sched.update_from_output(first, answer(sched, first))
+    fourth = sched.schedule()
+    assert set(fourth.num_scheduled_tokens) == {"r0", "r1"}
     # each decode embeds the token the last stage sampled, which the first stage never saw
-    assert third.pipeline_token_ids == {f"r{i}": [token_at(f"r{i}", 8)] for i in range(4)}
+    assert fourth.pipeline_token_ids == {f"r{i}": [token_at(f"r{i}", 8)] for i in range(2)}
     assert sched.num_running == 4
 
 
@@ -161,7 +164,7 @@ def test_the_queue_gives_the_synchronous_tokens_under_preemption(depth):
     for rid, n, m in reqs:
         sync.add_request(make_request(rid, n, max_tokens=m, start=100 * int(rid[1:])))
     expected = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in drain(sync, token_at).items()}
-    pipe = make_pipeline_scheduler(**kw)
+    pipe = make_pipeline_scheduler(depth, **kw)
     for rid, n, m in reqs:
         pipe.add_request(make_request(rid, n, max_tokens=m, start=100 * int(rid[1:])))
     got = run_queue(pipe, depth)

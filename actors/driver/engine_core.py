@@ -10,10 +10,11 @@ schedules step N+2, the GPU runs step N+1, and the workers' own per-step host wo
 kvcore/sched/async_steps.py for how the scheduler plans with tokens it has not seen yet). When nothing
 is left to schedule, an empty step collects the last output.
 
-With pipeline parallelism up to `pipeline_parallel_size` steps are in flight instead (vLLM's batch
-queue): a step is submitted without waiting while the queue has room and something could be scheduled,
-else the oldest step's output is collected and applied. The PipelineScheduler never puts one request in
-two in-flight steps (kvcore/sched/pipeline_steps.py).
+With pipeline parallelism up to `pipeline_parallel_size` + 1 steps are in flight instead (vLLM's batch
+queue, one deeper: actors/executor/base.pipeline_depth): a step is submitted without waiting while the
+queue has room and something could be scheduled, else the oldest step's output is collected and
+applied. The PipelineScheduler never puts one request in two in-flight steps and gives each step its
+share of the requests (kvcore/sched/pipeline_steps.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections import deque
 from typing import Any, Iterable
 
 from actors.config.engine import EngineConfig
-from actors.executor.base import Executor
+from actors.executor.base import Executor, pipeline_depth
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvcore.request import Request, RequestStatus
@@ -62,7 +63,7 @@ class EngineCore:
         executor.open_step_path()
         self.startup_s["step_path_s"] = round(time.perf_counter() - t2, 2)
         self.async_scheduling = config.use_async_scheduling
-        self.pipeline_depth = config.parallel.pipeline_parallel_size  # steps in flight at most
+        self.pipeline_depth = pipeline_depth(config)  # steps in flight at most
         self._new_scheduler()
         self._num_steps = 0
         self._num_tokens_scheduled = 0
@@ -89,8 +90,10 @@ class EngineCore:
         scheduler_cls: type[Scheduler] = (
             PipelineScheduler if self.pipeline_depth > 1 else AsyncScheduler if self.async_scheduling else Scheduler
         )
+        extra: dict[str, Any] = {"depth": self.pipeline_depth} if scheduler_cls is PipelineScheduler else {}
         self.scheduler = scheduler_cls(
             self.kv_cache_manager,
+            **extra,
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len,

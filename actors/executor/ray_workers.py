@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config.engine import DEFAULT_WORKER_CLS, EngineConfig
 from actors.driver.node_probe import NodeProbe, probe_node
-from actors.executor.base import Executor
+from actors.executor.base import Executor, pipeline_depth
 from actors.transport.broadcast import WorkerFailure, gather_ranks, make_transport
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -124,7 +124,7 @@ class RayExecutor(Executor):
                 self.workers,
                 self.config.parallel.step_timeout_s,
                 answer_rank=self.answer_rank,
-                max_in_flight=self.config.parallel.pipeline_parallel_size,
+                max_in_flight=pipeline_depth(self.config),
             )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

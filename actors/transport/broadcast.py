@@ -264,5 +264,5 @@ def make_transport(
     if kind == "shm":
         from actors.transport.shm import ShmTransport  # it builds on this module
 
-        return ShmTransport(workers, step_timeout_s, answer_rank=answer_rank)
+        return ShmTransport(workers, step_timeout_s, answer_rank=answer_rank, max_in_flight=max_in_flight)
     raise ValueError(f"ray.transport={kind!r}: must be compiled_graph, actor_calls or shm")

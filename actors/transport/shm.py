@@ -75,8 +75,13 @@ class ShmTransport(_Transport):
         force_zmq: bool = False,
         spin_s: float | None = None,
         answer_rank: int = 0,
+        max_in_flight: int = 1,
     ) -> None:
         super().__init__(workers, step_timeout_s, answer_rank)
+        # Steps submitted and not yet collected: each needs a broadcast slot until every rank read it, and
+        # a rank may answer all of them before the driver reads the first answer.
+        self._broadcast_slots = max(BROADCAST_SLOTS, max_in_flight + 1)
+        self._reply_slots = max(REPLY_SLOTS, max_in_flight + 1)
         self.spin_s = default_spin_s(len(workers)) if spin_s is None else spin_s
         self._ring: ShmRing | None = None
         self._senders: list[Sender] = []  # the broadcast: the ring (if any) + one per remote rank
@@ -96,12 +101,12 @@ class ShmTransport(_Transport):
         ip = ray.util.get_node_ip_address()
         specs: dict[int, ShmLoopSpec] = {}
         if local:
-            self._ring = ShmRing.create(len(local), BROADCAST_SLOTS, BROADCAST_SLOT_BYTES)
+            self._ring = ShmRing.create(len(local), self._broadcast_slots, BROADCAST_SLOT_BYTES)
             self._owned_rings.append(self._ring)
             self._senders.append(RingSender(self._ring))
         for rank in range(len(self.workers)):
             if rank in local:
-                reply = ShmRing.create(1, REPLY_SLOTS, REPLY_SLOT_BYTES)
+                reply = ShmRing.create(1, self._reply_slots, REPLY_SLOT_BYTES)
                 self._owned_rings.append(reply)
                 self._replies[rank] = RingReceiver(reply, 0)
                 assert self._ring is not None

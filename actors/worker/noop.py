@@ -2,10 +2,10 @@
 token, so the control plane (schedule + broadcast + reply) can be timed alone, and faults (a hang,
 an exit) can be injected at a chosen step for the failure tests.
 
-With pipeline stages it behaves as a stage of fixed cost: a later stage waits for the previous stage's
-(tiny) activation of the step over the real point-to-point path, then every stage spends
-KVRAY_NOOP_STAGE_S seconds (default 0) and sends on, so the pipelining of the engine's batch queue can
-be measured without a model (benchmarks/host/bench_pipeline.py).
+It can stand in for a model of fixed cost: KVRAY_NOOP_MODEL_S seconds a step (default 0), split evenly
+over the pipeline stages. A later stage first waits for the previous stage's (tiny) activation of the
+step over the real point-to-point path, then every stage spends its share and sends on, so the
+pipelining of the engine's batch queue can be measured without a model (benchmarks/host/bench_pipeline.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 
 FAKE_TOKEN = 7
-STAGE_TIME_ENV = "KVRAY_NOOP_STAGE_S"
+MODEL_TIME_ENV = "KVRAY_NOOP_MODEL_S"  # a step's cost over all stages together
 
 
 class NoopWorker(ShmLoopMixin):
@@ -48,8 +48,8 @@ class NoopWorker(ShmLoopMixin):
         self.pp_rank = rank // p.tensor_parallel_size
         # The answering rank: the last stage's first TP rank (rank 0 without stages).
         self.answers = rank == (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
-        self.stage_time_s = float(os.environ.get(STAGE_TIME_ENV, "0") or 0)
-        self._activation = torch.zeros(1)
+        self.stage_time_s = float(os.environ.get(MODEL_TIME_ENV, "0") or 0) / self.pp_size
+        self._inbox = torch.zeros(1)  # what the previous stage sends (never the tensor this stage is sending)
 
     # ---- the Worker contract ----------------------------------------------------------------
     def init_device(self, dist_init_method: str | None = None) -> None:
@@ -86,7 +86,7 @@ class NoopWorker(ShmLoopMixin):
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.steps += 1
         self._maybe_fault()
-        if self.pp_size > 1 and not so.is_empty:
+        if (self.pp_size > 1 or self.stage_time_s) and not so.is_empty:
             self._run_stage(so.step_id)
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.num_tokens.pop(rid, None)
@@ -120,17 +120,14 @@ class NoopWorker(ShmLoopMixin):
     def _run_stage(self, step_id: int) -> None:
         """Receive the step's activation from the previous stage, spend the stage's time, send it on."""
         if self.pp_rank > 0:
-            parallel_state.recv_from_prev_stage([self._activation])
-            if int(self._activation.item()) != step_id:
-                raise RuntimeError(
-                    f"stage {self.pp_rank} got step {int(self._activation.item())}'s activation for step {step_id}"
-                )
+            parallel_state.recv_from_prev_stage([self._inbox])
+            got = int(self._inbox.item())
+            if got != step_id:
+                raise RuntimeError(f"stage {self.pp_rank} got step {got}'s activation for step {step_id}")
         if self.stage_time_s:
             time.sleep(self.stage_time_s)
         if self.pp_rank < self.pp_size - 1:
-            parallel_state.wait_for_sends()
-            self._activation = torch.tensor([float(step_id)])
-            parallel_state.send_to_next_stage([self._activation])
+            parallel_state.send_to_next_stage([torch.tensor([float(step_id)])])  # a fresh tensor per send
 
     def ping(self) -> int:
         return self.rank

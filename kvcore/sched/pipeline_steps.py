@@ -5,14 +5,15 @@ With PP stages and one step in flight, every stage but one idles: stage 2 waits 
 stage 1 for the driver's next one. The engine (actors/driver/engine_core.py) therefore keeps up to PP
 steps in flight, vLLM's batch queue: while the last stage runs batch k, the first runs batch k+1. A
 request's next step needs the token its previous step samples, so a request in an in-flight batch is
-not scheduled again until that batch's output is applied (vLLM's rule too): each batch takes the
-requests that are free, and the running requests split into PP groups that take turns.
+not scheduled again until that batch's output is applied (vLLM's rule too), and each batch takes at
+most its share (1/PP) of the live requests, so the running requests split into PP groups that take turns
+(one batch of all of them would leave the next batches empty).
 
 Everything else is the synchronous Scheduler's: while `schedule()` runs, the busy requests are set
-aside from the running list (so they are neither scheduled nor preempted, and their rows still count
-against max_num_seqs) and put back after it, in their places. Because the first stage never sampled the
-tokens it must embed, each step carries the scheduled tokens past each request's prompt
-(`SchedulerOutput.pipeline_token_ids`).
+aside from the running list, with those past the batch's share (so they are neither scheduled nor
+preempted, and their rows still count against max_num_seqs), and put back after it, in their places.
+Because the first stage never sampled the tokens it must embed, each step carries the scheduled tokens
+past each request's prompt (`SchedulerOutput.pipeline_token_ids`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from kvcore.sched.scheduler import Scheduler
 
 
 class PipelineScheduler(Scheduler):
-    def __init__(self, kv_cache_manager: Any, **kwargs: Any) -> None:
+    def __init__(self, kv_cache_manager: Any, depth: int = 2, **kwargs: Any) -> None:
         super().__init__(kv_cache_manager, **kwargs)
+        if depth < 1:
+            raise ValueError(f"PipelineScheduler: depth={depth} must be >= 1 (the steps in flight at most)")
+        self.depth = depth
         self._busy: dict[int, set[str]] = {}  # step_id -> the requests its batch runs (not yet applied)
 
     @property
@@ -35,18 +39,24 @@ class PipelineScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         busy = self.busy_request_ids
         running = self.running
-        held = [(i, r) for i, r in enumerate(running) if r.request_id in busy]
+        limit = self.max_num_seqs
+        # A batch takes its share of the live requests, so that the next ones have requests to run too
+        # (one batch of every request would leave the others empty, and the stages idle).
+        share = max(1, -(-(len(running) + len(self.waiting)) // self.depth))
+        free = [r for r in running if r.request_id not in busy]
+        chosen = {id(r) for r in free[:share]}
+        held = [(i, r) for i, r in enumerate(running) if id(r) not in chosen]
         check, self.debug_invariants = self.debug_invariants, False  # the book is split until they are back
-        if held:
-            # Aside while this batch is decided; their rows still count against max_num_seqs.
-            self.running = [r for r in running if r.request_id not in busy]
-            self.max_num_seqs -= len(held)
+        # Aside while this batch is decided: neither scheduled nor preempted, and their rows still count
+        # against max_num_seqs; new requests join up to the batch's share.
+        self.running = [r for r in running if id(r) in chosen]
+        self.max_num_seqs = min(share, len(self.running) + max(0, limit - len(running)))
         try:
             out = super().schedule()
         finally:
             self.debug_invariants = check
+            self.max_num_seqs = limit
             if held:
-                self.max_num_seqs += len(held)
                 merged = self.running
                 for i, r in held:  # back in their places (preemption takes victims from the tail)
                     merged.insert(min(i, len(merged)), r)
