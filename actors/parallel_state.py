@@ -32,6 +32,8 @@ _PP_SIZE = 1
 _PP_GROUP: dist.ProcessGroup | None = None  # this TP rank's column across the stages
 _P2P_TIMEOUT = datetime.timedelta(seconds=60)
 _PENDING_SENDS: list[dist.Work] = []  # the last send's works (its tensors must live until they finish)
+_SENDING: list[torch.Tensor] = []  # the tensors those works read
+_P2P_VIA_HOST = False  # gloo sends and receives host tensors only: device tensors go through a host copy
 _BROKEN: str | None = None  # why the groups are out of step, once a collective or send failed
 
 
@@ -59,8 +61,9 @@ def init_model_parallel(
     """Join the engine's groups as global rank `rank` of pp_size x tp_size: `backend` is "nccl" on GPUs,
     "gloo" on CPUs (or GPUs sharing one device). `timeout_s` bounds the rendezvous,
     `collective_timeout_s` (default: timeout_s) every collective and every stage-to-stage transfer."""
-    global _RANK, _WORLD, _GROUP, _PP_RANK, _PP_SIZE, _PP_GROUP, _P2P_TIMEOUT, _BROKEN
+    global _RANK, _WORLD, _GROUP, _PP_RANK, _PP_SIZE, _PP_GROUP, _P2P_TIMEOUT, _BROKEN, _P2P_VIA_HOST
     world = tp_size * pp_size
+    _P2P_VIA_HOST = backend == "gloo"
     if not 0 <= rank < world:
         raise ValueError(f"init_model_parallel: rank={rank} must be in [0, {world}) (pp={pp_size} x tp={tp_size})")
     _RANK, _WORLD, _GROUP, _BROKEN = rank % tp_size, tp_size, None, None
@@ -95,6 +98,7 @@ def init_model_parallel(
 def destroy_tensor_parallel() -> None:
     global _RANK, _WORLD, _GROUP, _PP_RANK, _PP_SIZE, _PP_GROUP, _BROKEN
     _PENDING_SENDS.clear()
+    _SENDING.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
     _RANK, _WORLD, _GROUP, _BROKEN = 0, 1, None, None
@@ -151,7 +155,9 @@ def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
     dst = (_PP_RANK + 1) * _WORLD + _RANK
     try:
         for tag, t in enumerate(tensors):
-            _PENDING_SENDS.append(dist.isend(t.contiguous(), dst=dst, group=_PP_GROUP, tag=tag))
+            t = t.cpu() if _P2P_VIA_HOST and t.device.type != "cpu" else t.contiguous()
+            _SENDING.append(t)
+            _PENDING_SENDS.append(dist.isend(t, dst=dst, group=_PP_GROUP, tag=tag))
     except Exception as e:  # noqa: BLE001 - as in all_reduce
         raise _failed("send to the next stage", e) from e
 
@@ -163,8 +169,10 @@ def wait_for_sends() -> None:
         while _PENDING_SENDS:
             _PENDING_SENDS[0].wait(_P2P_TIMEOUT)
             _PENDING_SENDS.pop(0)
+        _SENDING.clear()
     except Exception as e:  # noqa: BLE001 - as in all_reduce
         _PENDING_SENDS.clear()
+        _SENDING.clear()
         raise _failed("send to the next stage", e) from e
 
 
@@ -175,12 +183,16 @@ def recv_from_prev_stage(buffers: list[torch.Tensor]) -> None:
         raise RuntimeError(f"recv_from_prev_stage: stage {_PP_RANK} of {_PP_SIZE} has no previous stage")
     _check_group()
     src = (_PP_RANK - 1) * _WORLD + _RANK
+    staged = [torch.empty(b.shape, dtype=b.dtype) if _P2P_VIA_HOST and b.device.type != "cpu" else b for b in buffers]
     try:
-        works = [dist.irecv(b, src=src, group=_PP_GROUP, tag=tag) for tag, b in enumerate(buffers)]
+        works = [dist.irecv(b, src=src, group=_PP_GROUP, tag=tag) for tag, b in enumerate(staged)]
         for w in works:
             w.wait(_P2P_TIMEOUT)
     except Exception as e:  # noqa: BLE001 - as in all_reduce
         raise _failed("receive from the previous stage", e) from e
+    for b, h in zip(buffers, staged):
+        if h is not b:
+            b.copy_(h)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
