@@ -157,7 +157,9 @@ def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
         for tag, t in enumerate(tensors):
             t = t.cpu() if _P2P_VIA_HOST and t.device.type != "cpu" else t.contiguous()
             _SENDING.append(t)
-            _PENDING_SENDS.append(dist.isend(t, dst=dst, group=_PP_GROUP, tag=tag))
+            work = dist.isend(t, dst=dst, group=_PP_GROUP, tag=tag)
+            if work is not None:  # None only when this rank is not in the group, which it always is
+                _PENDING_SENDS.append(work)
     except Exception as e:  # noqa: BLE001 - as in all_reduce
         raise _failed("send to the next stage", e) from e
 
@@ -187,7 +189,8 @@ def recv_from_prev_stage(buffers: list[torch.Tensor]) -> None:
     try:
         works = [dist.irecv(b, src=src, group=_PP_GROUP, tag=tag) for tag, b in enumerate(staged)]
         for w in works:
-            w.wait(_P2P_TIMEOUT)
+            if w is not None:
+                w.wait(_P2P_TIMEOUT)
     except Exception as e:  # noqa: BLE001 - as in all_reduce
         raise _failed("receive from the previous stage", e) from e
     for b, h in zip(buffers, staged):

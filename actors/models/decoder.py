@@ -198,7 +198,9 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.args, self.dtype = args, dtype
         self.model = type(self).model_class(args, dtype, attention_backend)
-        self.stage: PipelineStage = self.model.stage
+        stage = self.model.stage
+        assert isinstance(stage, PipelineStage)  # every model_class builds one stage (actors/models/stage.py)
+        self.stage: PipelineStage = stage
         # The LM head lives on the last stage only; a tied one is the embedding there, or (when the
         # embedding is on another stage) a head of its own filled from the embedding's tensor.
         self.lm_head: VocabParallelEmbedding | None = None

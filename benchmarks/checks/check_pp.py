@@ -93,13 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_batched_tokens, args.eager = 256, True
         from actors.models.loader import resolve_model_dir
 
-        models = [("tiny-random", resolve_model_dir("tiny-random"), 256)]
+        models: list[tuple[str, str, int]] = [("tiny-random", resolve_model_dir("tiny-random"), 256)]
     else:
         models = [
             (
                 shape,
                 make_random_model(shape, args.model_dir, dtype="float32", num_layers=DEFAULT_SHAPES.get(shape)),
-                SHAPES[shape]["vocab_size"],
+                int(SHAPES[shape]["vocab_size"]),  # type: ignore[call-overload]
             )
             for shape in args.shapes
         ]
