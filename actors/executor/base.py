@@ -23,7 +23,8 @@ def pipeline_depth(config: Any) -> int:
     the workers instead), else one per stage and one more. With exactly one per stage the first stage
     idles for the driver's round trip each cycle (collect the oldest step, apply it, schedule and send
     the next); the extra step is queued at the first stage when it finishes, which hides that round trip
-    (benchmarks/host/bench_pipeline.py: PP=4 of 20 ms stages, 3.0x -> 3.2x on the 2-core CPU host)."""
+    (benchmarks/host/bench_pipeline.py --executor local, PP=4 of 20 ms stages on the loaded 2-core CPU
+    host: 3.02x -> 3.17x the one-stage steps/s, measured one after the other, not side by side)."""
     pp = int(config.parallel.pipeline_parallel_size)
     return 1 if pp == 1 else pp + 1
 
