@@ -53,6 +53,8 @@ class CollectiveError(RuntimeError):
 class Executor(abc.ABC):
     # Seconds each set-up phase took (probe, worker start, model load), for the engine's stats.
     startup_s: Mapping[str, float] = MappingProxyType({})
+    # The engine's EngineConfig, set by every executor (typed loosely: this module stays torch-free).
+    config: Any = None
 
     @abc.abstractmethod
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -93,17 +95,15 @@ class Executor(abc.ABC):
 
     @property
     def pipeline_parallel_size(self) -> int:
-        config = getattr(self, "config", None)
-        return 1 if config is None else int(config.parallel.pipeline_parallel_size)
+        return 1 if self.config is None else int(self.config.parallel.pipeline_parallel_size)
 
     @property
     def answer_rank(self) -> int:
         """The rank whose output a step returns: the first TP rank of the last stage, which samples."""
-        config = getattr(self, "config", None)
-        if config is None:
+        if self.config is None:
             return 0
-        p = config.parallel
-        return (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+        p = self.config.parallel
+        return int((p.pipeline_parallel_size - 1) * p.tensor_parallel_size)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.collective_rpc("initialize_kv_cache", kv_cache_config)

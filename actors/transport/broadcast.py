@@ -126,6 +126,8 @@ def _summary(e: BaseException) -> str:
 
 
 class _Transport:
+    answer_rank = 0  # also for instances assembled without __init__ (benchmarks/host/bench_control_plane_phases.py)
+
     def __init__(self, workers: Sequence[Any], step_timeout_s: float, answer_rank: int = 0) -> None:
         self.workers = list(workers)
         self.step_timeout_s = step_timeout_s
