@@ -27,7 +27,7 @@ def _stage(rank: int, init_method: str, silent_sender: bool, out: mp.Queue) -> N
                 ps.send_to_next_stage([torch.full((4, 8), float(step)), torch.full((4, 8), -float(step))])
             ps.wait_for_sends()
             if silent_sender:
-                time.sleep(4 * TIMEOUT_S)  # alive, but never sends the next step
+                time.sleep(600)  # alive, but never sends the next step (killed by the test once it has its answer)
             out.put((rank, "ok"))
             return
         hidden, residual = torch.empty(4, 8), torch.empty(4, 8)
@@ -60,10 +60,12 @@ def run_stages(silent_sender: bool) -> dict[int, object]:
     for p in procs:
         p.start()
     try:
-        return dict(out.get(timeout=120) for _ in procs)
+        # The silent sender never answers; the receiver must, long before the sender would ever end.
+        wanted = 1 if silent_sender else 2
+        return dict(out.get(timeout=120) for _ in range(wanted))
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
 
@@ -76,6 +78,7 @@ def test_activations_arrive_in_order():
 
 def test_a_silent_previous_stage_fails_the_receive_at_the_timeout():
     results = run_stages(silent_sender=True)
+    assert set(results) == {1}, results
     r = results[1]
     assert isinstance(r, dict), r
     assert "receive from the previous stage failed on stage 1" in r["late"], r
