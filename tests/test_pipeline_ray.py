@@ -1,7 +1,8 @@
 """Pipeline parallelism on Ray (a local Ray started here): the tiny-random model split over two stages gives
-PP=1's greedy tokens through each step transport, and the batch queue keeps several steps in flight; a
-killed rank of either stage of a TP=2 x PP=2 engine is survived within max_worker_restarts, the whole
-engine's group rebuilt, every request answered exactly once with all its tokens."""
+PP=1's greedy tokens through each step transport and with two data-parallel replicas, and the batch queue
+keeps several steps in flight; a killed rank of either stage of a TP=2 x PP=2 engine is survived within
+max_worker_restarts, the whole engine's group rebuilt, every request answered exactly once with all its
+tokens."""
 
 import os
 
@@ -97,3 +98,8 @@ def test_a_killed_rank_of_any_stage_rebuilds_the_engine_and_loses_nothing(rank):
         assert killed and group.stats()[0]["worker_restarts"] == 1
     finally:
         group.shutdown()
+
+
+def test_two_replicas_of_two_stages_give_the_one_stage_tokens(reference):
+    tokens, _ = generate(pipeline_parallel_size=2, data_parallel_size=2)
+    assert tokens == reference
