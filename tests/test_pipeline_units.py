@@ -200,3 +200,33 @@ def test_each_stage_holds_its_layers_of_the_engine_groups():
     assert [g.layer_names for g in own_groups(specs, stage1)] == [["l4"], ["l3", "l5"]]
     lone = KVCacheConfig(10, [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)])
     assert [g.layer_names for g in own_kv_cache_config(lone, {"l1"}).kv_cache_groups] == [[], ["l1"]]
+
+
+def test_kvray_info_shows_each_stage_layers_and_refuses_a_split_the_model_cannot_take():
+    from cluster.info import stage_layers, table
+
+    layers, why = stage_layers(EngineConfig().replace(pipeline_parallel_size=2))
+    assert why is None and len(layers) == 2 and min(layers) >= 1
+    layers, why = stage_layers(EngineConfig().replace(pipeline_parallel_size=99))
+    assert layers is None and "pipeline_parallel_size=99: must be <= the model's num_hidden_layers" in why
+    c = EngineConfig().replace(pipeline_parallel_size=2, tensor_parallel_size=2, device="cpu")
+    on, _ = plan(c, nodes(a=2, b=2))
+    report = {
+        "cluster": {"nodes": [{**n, "node_ip": "127.0.0.1"} for n in nodes(a=2, b=2)], "cluster_resources": {}},
+        "placement": {
+            "engines_on": on,
+            "engines": 1,
+            "workers_per_engine": 4,
+            "stages": 2,
+            "ranks_per_stage": 2,
+            "stage_layers": [2, 2],
+            "bundles_per_engine": bundles_for(c),
+            "strategy": "PACK",
+            "transport": "shm",
+            "total_request": {"CPU": 4.0},
+            "verdict": "fits",
+        },
+    }
+    text = table(report)
+    assert "e0s0" in text and "e0s1" in text, text
+    assert "2 stage(s) of 2 tensor-parallel rank(s) on one node each, decoder layers per stage [2, 2]" in text
