@@ -32,17 +32,53 @@ def plan(config: EngineConfig, nodes: list[dict[str, Any]]) -> tuple[list[list[s
     free = {n["node_id"]: dict(n["resources"]) for n in nodes if n["alive"]}
     out: list[list[str | None]] = []
     why = None
+    bundles = bundles_for(config)
     for e in range(p.data_parallel_size):
-        got = _place(bundles_for(config), free, p.placement_strategy)
+        got = _place(bundles, free, p.stage_placement_strategy)
         if got is None:
-            why = why or (
-                f"engine {e} of {p.data_parallel_size}: {p.tensor_parallel_size} bundle(s) of "
-                f"{bundles_for(config)[0]} with {p.placement_strategy} do not fit what is left"
-            )
-            out.append([None] * p.tensor_parallel_size)
+            why = why or _why_not(config, e, bundles, free)
+            out.append([None] * len(bundles))
         else:
             out.append(list(got))
     return out, why
+
+
+def _why_not(
+    config: EngineConfig, engine: int, bundles: list[dict[str, float]], free: dict[str, dict[str, float]]
+) -> str:
+    p = config.parallel
+    if p.pipeline_parallel_size > 1:
+        if not any(_fits(bundles[0], r) for r in free.values()):
+            return (
+                f"engine {engine} of {p.data_parallel_size}: a pipeline stage's {p.tensor_parallel_size} "
+                f"tensor-parallel rank(s) must share one node, {bundles[0]} on one node, and no node has that "
+                "left; lower parallel.tensor_parallel_size or use nodes with more resources"
+            )
+        return (
+            f"engine {engine} of {p.data_parallel_size}: {p.pipeline_parallel_size} stage(s) of {bundles[0]} "
+            f"each (one node per stage at most) with {p.stage_placement_strategy} do not fit what is left"
+        )
+    return (
+        f"engine {engine} of {p.data_parallel_size}: {len(bundles)} bundle(s) of "
+        f"{bundles[0]} with {p.placement_strategy} do not fit what is left"
+    )
+
+
+def stage_layers(config: EngineConfig) -> tuple[list[int] | None, str | None]:
+    """(decoder layers per pipeline stage, why the split is impossible) from the model's config.json;
+    (None, None) when the model cannot be read here."""
+    from actors.config.model_rules import pipeline_layer_partition
+    from actors.config.section import ConfigError
+    from actors.models.loader import read_hf_config, resolve_model_dir
+
+    try:
+        hf_config = read_hf_config(resolve_model_dir(config.model.model))
+    except (OSError, ValueError):
+        return None, None
+    try:
+        return pipeline_layer_partition(config, int(hf_config["num_hidden_layers"])), None
+    except ConfigError as e:
+        return None, str(e)
 
 
 def _fits(bundle: dict[str, float], res: dict[str, float]) -> bool:
@@ -118,10 +154,11 @@ def table(report: dict[str, Any]) -> str:
     nodes = report["cluster"]["nodes"]
     rows = [("node", "ip", "alive", "CPUs", "GPUs", "memory GiB", "labels", "bundles")]
     where: dict[str, list[str]] = {}
+    unit = "s" if report["placement"].get("stages", 1) > 1 else "r"  # bundles are stages, or ranks
     for e, placed in enumerate(report["placement"]["engines_on"]):
-        for rank, node in enumerate(placed):
+        for i, node in enumerate(placed):
             if node is not None:
-                where.setdefault(node, []).append(f"e{e}r{rank}")
+                where.setdefault(node, []).append(f"e{e}{unit}{i}")
     for n in nodes:
         r = n["resources"]
         rows.append(
@@ -145,6 +182,13 @@ def table(report: dict[str, Any]) -> str:
         f"{p['bundles_per_engine'][0]}, {p['strategy']}, transport {p['transport']}; "
         f"asks {p['total_request']} of {report['cluster']['cluster_resources']}"
     )
+    if p.get("stages", 1) > 1:
+        layers = p.get("stage_layers")
+        lines.append(
+            f"pipeline: {p['stages']} stage(s) of {p['ranks_per_stage']} tensor-parallel rank(s) on one node each"
+            + (f", decoder layers per stage {layers}" if layers else "")
+            + " (bundles e<engine>s<stage>)"
+        )
     lines.append(f"verdict: {p['verdict']}")
     return "\n".join(lines)
 
@@ -173,15 +217,19 @@ def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], s
     engines_on, why = plan(config, cluster["nodes"])
     if embedded and note and why:
         why = None  # CPU ranks beyond the cores: the run oversubscribes them (the embedded Ray makes room)
-    why = short or why
     p = config.parallel
+    layers, split_why = stage_layers(config) if p.pipeline_parallel_size > 1 else (None, None)
+    why = short or split_why or why
     report = {
         "config": shown_config(config),
         "placement": {
             "engines": p.data_parallel_size,
-            "workers_per_engine": p.tensor_parallel_size,
+            "workers_per_engine": p.ranks_per_engine,
+            "stages": p.pipeline_parallel_size,
+            "ranks_per_stage": p.tensor_parallel_size,
+            "stage_layers": layers,
             "bundles_per_engine": bundles_for(config),
-            "strategy": p.placement_strategy,
+            "strategy": p.stage_placement_strategy,
             "collective_backend": p.collective_backend,
             "transport": config.ray.transport,
             "total_request": total_request(config),

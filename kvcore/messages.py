@@ -94,6 +94,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     step_id: int = 0
+    # Pipeline parallelism only (else None): per scheduled request, the tokens after its prompt that
+    # this step computes. The first stage embeds them and never sampled them (the last stage did).
+    pipeline_token_ids: dict[str, list[int]] | None = None
 
     @property
     def is_empty(self) -> bool:

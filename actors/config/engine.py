@@ -82,6 +82,12 @@ class ModelConfig(Section):
 class ParallelConfig(Section):
     SECTION = "parallel"
     tensor_parallel_size: int = 1
+    # Stages of one engine, each of tensor_parallel_size ranks (rank = pp_rank * tp + tp_rank): the
+    # decoder layers are split over them; activations cross between stages, never all-reduces.
+    pipeline_parallel_size: int = 1
+    # Decoder layers per stage, first stage first (vLLM's VLLM_PP_LAYER_PARTITION); null: an even split,
+    # the remainder on the last stages. Checked against the model's num_hidden_layers when it is read.
+    pp_layer_partition: tuple[int, ...] | None = None
     data_parallel_size: int = 1
     device: str = "auto"  # auto (cuda where the workers' nodes have GPUs, else cpu) | cpu | cuda
     placement_strategy: str = "STRICT_PACK"  # STRICT_PACK | PACK | SPREAD | STRICT_SPREAD
@@ -99,6 +105,29 @@ class ParallelConfig(Section):
 
     def _rules(self) -> None:
         self._check(1 <= self.tensor_parallel_size <= 1024, "tensor_parallel_size", "must be in [1, 1024]")
+        self._check(1 <= self.pipeline_parallel_size <= 256, "pipeline_parallel_size", "must be in [1, 256]")
+        self._check(
+            self.pipeline_parallel_size * self.tensor_parallel_size <= 4096,
+            "pipeline_parallel_size",
+            "times tensor_parallel_size must be <= 4096 ranks per engine",
+        )
+        part = self.pp_layer_partition
+        if isinstance(part, list):  # from YAML or --set: kept as a tuple, so the config stays hashable
+            part = tuple(part)
+            object.__setattr__(self, "pp_layer_partition", part)
+        if part is not None:
+            self._check(
+                isinstance(part, (list, tuple))
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in part),
+                "pp_layer_partition",
+                "must be a list of layer counts, each an integer >= 1 (or null for an even split)",
+            )
+            self._check(
+                len(part) == self.pipeline_parallel_size,
+                "pp_layer_partition",
+                f"must name one layer count per stage: {len(part)} given for "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}",
+            )
         self._check(1 <= self.data_parallel_size <= 1024, "data_parallel_size", "must be in [1, 1024]")
         self._check(self.device in DEVICES, "device", f"must be one of {list(DEVICES)}")
         self._check(self.placement_strategy in STRATEGIES, "placement_strategy", f"must be one of {list(STRATEGIES)}")
@@ -126,6 +155,29 @@ class ParallelConfig(Section):
         )
         self._check(0 <= self.max_worker_restarts <= 1000, "max_worker_restarts", "must be in [0, 1000]")
         self._check(0 <= self.max_driver_restarts <= 1000, "max_driver_restarts", "must be in [0, 1000]")
+
+    @property
+    def ranks_per_engine(self) -> int:
+        """pipeline_parallel_size x tensor_parallel_size: the workers (and placement bundles) of one engine."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def num_bundles(self) -> int:
+        """Placement bundles of one engine: one per rank, or with pipeline stages one per stage (a bundle
+        never spans nodes, so a stage's TP ranks, whose all-reduces run every layer, share a node)."""
+        return self.pipeline_parallel_size if self.pipeline_parallel_size > 1 else self.tensor_parallel_size
+
+    def bundle_of_rank(self, rank: int) -> int:
+        return rank // self.tensor_parallel_size if self.pipeline_parallel_size > 1 else rank
+
+    @property
+    def stage_placement_strategy(self) -> str:
+        """The placement group's strategy. With pipeline stages the bundles are stages: STRICT_PACK (the
+        default, "keep a TP group on one node") then packs them onto as few nodes as hold them (PACK),
+        so stages spread over nodes only when they do not fit one; SPREAD and STRICT_SPREAD spread them."""
+        if self.pipeline_parallel_size > 1 and self.placement_strategy == "STRICT_PACK":
+            return "PACK"
+        return self.placement_strategy
 
     @property
     def resolved_collective_timeout_s(self) -> float:
@@ -322,6 +374,12 @@ class EngineConfig:
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"config: {name}={getattr(self, name)!r}: must be a {cls.__name__}")
+        if self.parallel.pipeline_parallel_size > 1 and self.scheduler.async_scheduling:
+            raise ConfigError(
+                f"config: scheduler.async_scheduling=true: not with parallel.pipeline_parallel_size="
+                f"{self.parallel.pipeline_parallel_size} (the batch queue overlaps the stages' steps "
+                "instead); leave it null or false"
+            )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "EngineConfig":
@@ -345,7 +403,10 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
-        """scheduler.async_scheduling, where null means on for CUDA (the fastest measured setting)."""
+        """scheduler.async_scheduling, where null means on for CUDA (the fastest measured setting). Off
+        with pipeline parallelism: there the batch queue keeps the stages busy instead (EngineCore)."""
+        if self.parallel.pipeline_parallel_size > 1:
+            return False
         on = self.scheduler.async_scheduling
         return on if on is not None else self.parallel.resolved_device() == "cuda"
 

@@ -9,20 +9,28 @@ feed step N's tokens into step N+1 on the device). So while the driver applies s
 schedules step N+2, the GPU runs step N+1, and the workers' own per-step host work is hidden too (see
 kvcore/sched/async_steps.py for how the scheduler plans with tokens it has not seen yet). When nothing
 is left to schedule, an empty step collects the last output.
+
+With pipeline parallelism up to `pipeline_parallel_size` + 1 steps are in flight instead (vLLM's batch
+queue, one deeper: actors/executor/base.pipeline_depth): a step is submitted without waiting while the
+queue has room and something could be scheduled, else the oldest step's output is collected and
+applied. The PipelineScheduler never puts one request in two in-flight steps and gives each step its
+share of the requests (kvcore/sched/pipeline_steps.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any, Iterable
 
 from actors.config.engine import EngineConfig
-from actors.executor.base import Executor
+from actors.executor.base import Executor, pipeline_depth
 from kvcore.kv_cache_manager import KVCacheManager
 from kvcore.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvcore.request import Request, RequestStatus
 from kvcore.sched.async_steps import AsyncScheduler
+from kvcore.sched.pipeline_steps import PipelineScheduler
 from kvcore.sched.scheduler import Scheduler
 from kvcore.spec import KVCacheConfig, make_kv_cache_config, max_concurrency
 
@@ -55,6 +63,7 @@ class EngineCore:
         executor.open_step_path()
         self.startup_s["step_path_s"] = round(time.perf_counter() - t2, 2)
         self.async_scheduling = config.use_async_scheduling
+        self.pipeline_depth = pipeline_depth(config)  # steps in flight at most
         self._new_scheduler()
         self._num_steps = 0
         self._num_tokens_scheduled = 0
@@ -78,9 +87,13 @@ class EngineCore:
             self.kv_cache_config, self.max_model_len, enable_caching=self.config.cache.enable_prefix_caching
         )
         sc = self.config.scheduler
-        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        scheduler_cls: type[Scheduler] = (
+            PipelineScheduler if self.pipeline_depth > 1 else AsyncScheduler if self.async_scheduling else Scheduler
+        )
+        extra: dict[str, Any] = {"depth": self.pipeline_depth} if scheduler_cls is PipelineScheduler else {}
         self.scheduler = scheduler_cls(
             self.kv_cache_manager,
+            **extra,
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -90,11 +103,19 @@ class EngineCore:
             debug_invariants=sc.debug_invariants,
         )
         self._outstanding: SchedulerOutput | None = None  # async: run by the workers, output not yet back
+        # Pipeline parallelism: the steps submitted and not yet collected, oldest first (with their handles).
+        self._batches: deque[tuple[SchedulerOutput, Any]] = deque()
 
     def reset_requests(self) -> None:
         """Forget every request, here and on the workers, keeping the workers, their weights and their
         KV cache: after a step raised with every worker alive (a StepError), the driver re-queues the
         requests it still answers for, which then run again by recompute."""
+        while self._batches:  # the other in-flight steps' answers come first, whatever they are
+            _, handle = self._batches.popleft()
+            try:
+                self.executor.collect_step(handle)
+            except Exception as e:  # noqa: BLE001 - their requests are re-queued with the rest
+                logger.info("a pipelined step in flight failed too: %s", e)
         self._new_scheduler()
         self.executor.collective_rpc("reset_requests")
 
@@ -124,13 +145,15 @@ class EngineCore:
     @property
     def step_in_flight(self) -> bool:
         """Async scheduling: a step is running at the workers and its output is not back yet."""
-        return self._outstanding is not None
+        return self._outstanding is not None or bool(self._batches)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._outstanding is not None
+        return self.scheduler.has_unfinished_requests() or self._outstanding is not None or bool(self._batches)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         if self.async_scheduling:
             return self._step_async()
         so = self.scheduler.schedule()
@@ -164,6 +187,27 @@ class EngineCore:
         self._outstanding = so
         return outputs
 
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Submit a step while the queue has room and something runs; else apply the oldest step's output."""
+        outputs: list[EngineCoreOutput] = []
+        if len(self._batches) < self.pipeline_depth and self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            if self._needs_run(so):
+                self._batches.append((so, self.executor.submit_step(so)))
+                if not so.is_empty and len(self._batches) < self.pipeline_depth:
+                    return outputs  # room for one more: schedule again before waiting for any
+            else:
+                outputs = self.scheduler.update_from_output(so, _empty(so))
+        if not self._batches:
+            return outputs
+        so, handle = self._batches.popleft()
+        out = self.executor.collect_step(handle)
+        if out is None:
+            raise RuntimeError(f"workers answered pipelined step {so.step_id} with no output")
+        if out.step_id != so.step_id:
+            raise RuntimeError(f"workers answered step {so.step_id} with the output of step {out.step_id}")
+        return outputs + self.scheduler.update_from_output(so, self._count(so, out))
+
     @staticmethod
     def _needs_run(so: SchedulerOutput) -> bool:
         # A step with nothing to run still goes out when it tells workers to drop state.
@@ -195,6 +239,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._outstanding = None  # its output is lost with the workers; the driver re-queues requests
+        self._batches.clear()
         self.executor.shutdown()
 
 

@@ -8,6 +8,7 @@ stops every worker, since the others may be stuck in a collective waiting for th
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import socket
 import time
@@ -24,6 +25,10 @@ from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 _SHUTDOWN = "__shutdown__"
 
 
+class _Submitted:
+    """A step sent to the worker processes whose answers are still in their pipes."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -31,14 +36,20 @@ def free_port() -> int:
 
 
 def _worker_main(
-    config: EngineConfig, rank: int, world_size: int, init_method: str, conn: Connection, num_threads: int
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    conn: Connection,
+    num_threads: int,
+    worker_cls: type[Any] = Worker,
 ) -> None:
     """Child process loop: call the requested Worker method, send back ("ok", result) or ("err", tb)."""
     import torch
 
     torch.set_num_threads(num_threads)
     device_index = rank if config.parallel.resolved_device() == "cuda" else None
-    worker = Worker(config, rank, world_size, init_method, device_index=device_index)
+    worker = worker_cls(config, rank, world_size, init_method, device_index=device_index)
     while True:
         try:
             method, args, kwargs = conn.recv()
@@ -57,20 +68,23 @@ def _worker_main(
 
 
 class LocalExecutor(Executor):
-    def __init__(self, config: EngineConfig, poll_interval_s: float = 0.5) -> None:
+    def __init__(self, config: EngineConfig, poll_interval_s: float = 0.5, worker_cls: type[Any] = Worker) -> None:
+        """`worker_cls`: the Worker contract's class (tests and benchmarks pass the no-op worker)."""
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
+        self.worker_cls = worker_cls
+        self.world_size = config.parallel.ranks_per_engine  # pipeline stages x tensor-parallel ranks
         self._poll = poll_interval_s
-        self._worker: Worker | None = None
+        self._worker: Any = None
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
         self._closed = False
+        self._init_method: str | None = None
         if self.world_size == 1:
-            self._worker = Worker(config, 0, 1, None, device_index=None)
+            self._worker = worker_cls(config, 0, 1, None, device_index=None)
         else:
             self._spawn()
         try:
-            self.collective_rpc("init_device")
+            self.collective_rpc("init_device", self._init_method)
             self.collective_rpc("load_model")
         except BaseException:
             self.shutdown()
@@ -78,7 +92,7 @@ class LocalExecutor(Executor):
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = self._init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=True)
@@ -86,7 +100,7 @@ class LocalExecutor(Executor):
                 target=_worker_main,
                 name=f"kvray-worker-{rank}",
                 daemon=True,
-                args=(self.config, rank, self.world_size, init_method, child, threads),
+                args=(self.config, rank, self.world_size, init_method, child, threads, self.worker_cls),
             )
             proc.start()
             child.close()
@@ -94,7 +108,7 @@ class LocalExecutor(Executor):
             self._conns.append(parent)
 
     @property
-    def worker(self) -> Worker | None:
+    def worker(self) -> Any:
         """The in-process worker at TP=1 (tests look inside it); None when the ranks are processes."""
         return self._worker
 
@@ -130,9 +144,12 @@ class LocalExecutor(Executor):
                     ranks[0] if len(ranks) == 1 else None,
                     f"rank(s) {ranks} did not answer {method} within {timeout_s:g}s",
                 )
+            # One wait on every pending pipe (woken by whichever answers first; no spinning), then a
+            # liveness look at the silent ones.
+            ready = set(mp_connection.wait([self._conns[r] for r in pending], timeout=self._poll))
             for rank in sorted(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
-                if not conn.poll(self._poll / max(len(pending), 1)):
+                if conn not in ready:
                     if not proc.is_alive():
                         self._fail(rank, f"died (exit code {proc.exitcode}) during {method}")
                     continue
@@ -152,7 +169,24 @@ class LocalExecutor(Executor):
         raise WorkerFailure(rank, reason)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.collective_rpc("execute_model", scheduler_output)[0]
+        out: ModelRunnerOutput | None = self.collective_rpc("execute_model", scheduler_output)[self.answer_rank]
+        return out
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> Any:
+        if self._worker is not None:
+            return self.execute_model(scheduler_output)
+        if self._closed:
+            raise RuntimeError("LocalExecutor is shut down")
+        for conn in self._conns:  # pipes keep order: each rank runs the submitted steps one after another
+            conn.send(("execute_model", (scheduler_output,), {}))
+        return _Submitted()
+
+    def collect_step(self, handle: Any) -> ModelRunnerOutput | None:
+        if not isinstance(handle, _Submitted):
+            out: ModelRunnerOutput | None = handle
+            return out
+        answer: ModelRunnerOutput | None = self._gather("execute_model")[self.answer_rank]
+        return answer
 
     # ---- teardown ---------------------------------------------------------------------------
     def shutdown(self, graceful: bool = True) -> None:

@@ -1,4 +1,5 @@
-"""The Executor over Ray: one worker actor per tensor-parallel rank, inside the engine's placement group.
+"""The Executor over Ray: one worker actor per rank (pipeline stages x tensor-parallel ranks), inside the
+engine's placement group (a bundle per rank, or per stage with pipeline parallelism).
 
 Set-up: a probe task on bundle 0 (rank 0's node) finds the node IP and a free port for the TP process
 group, and reads the model's config.json there; then the worker actors start (one bundle each), join
@@ -19,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config.engine import DEFAULT_WORKER_CLS, EngineConfig
 from actors.errors import WorkerFailure
-from actors.executor.base import Executor
+from actors.executor.base import Executor, pipeline_depth
 from actors.executor.node_probe import NodeProbe, probe_node
 from actors.transport.broadcast import gather_ranks
 from actors.transport.factory import make_transport
@@ -44,7 +45,7 @@ class RayExecutor(Executor):
     ) -> None:
         self.config = config
         self.pg = placement_group
-        self.world_size = config.parallel.tensor_parallel_size
+        self.world_size = config.parallel.ranks_per_engine
         # Loading a big checkpoint takes minutes; a dead rank is still reported at once (ray.wait).
         self.setup_timeout_s = setup_timeout_s or max(600.0, config.parallel.step_timeout_s)
         self.workers: list[Any] = []
@@ -76,7 +77,8 @@ class RayExecutor(Executor):
             raise
 
     def _strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
+        bundle = self.config.parallel.bundle_of_rank(rank)
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
 
     def _probe_ref(self, probe_model: bool) -> Any:
         task = ray.remote(num_cpus=0)(probe_node).options(scheduling_strategy=self._strategy(0))
@@ -120,12 +122,24 @@ class RayExecutor(Executor):
         # the first request, which would otherwise wait for Ray to compile the graph.
         if self.transport is None:
             self.transport = make_transport(
-                self.config.ray.transport, self.workers, self.config.parallel.step_timeout_s
+                self.config.ray.transport,
+                self.workers,
+                self.config.parallel.step_timeout_s,
+                answer_rank=self.answer_rank,
+                max_in_flight=pipeline_depth(self.config),
             )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.open_step_path()
         return self.transport.broadcast(scheduler_output)
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> Any:
+        self.open_step_path()
+        return self.transport.submit(scheduler_output)
+
+    def collect_step(self, handle: Any) -> ModelRunnerOutput | None:
+        out: ModelRunnerOutput | None = self.transport.collect(handle)
+        return out
 
     @property
     def failed(self) -> bool:

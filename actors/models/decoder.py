@@ -23,6 +23,7 @@ from actors.layers.rotary import RotaryEmbedding
 from actors.layers.weight_utils import ShardShapeError, load_weight
 from actors.models.args import ModelArgs
 from actors.models.checkpoint import Checkpoint, CorruptCheckpointError, TensorShapeError, UnexpectedTensorError
+from actors.models.stage import MissingLayer, PipelineStage, StageActivations, current_stage
 
 # (fused parameter, checkpoint sub-module, shard id)
 STACKED_PARAMS = (
@@ -134,27 +135,57 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """The decoder stack, or the layers of one pipeline stage (actors/models/stage.py): the embedding on
+    the first stage, the final norm on the last; other stages' layers are placeholders."""
+
+    # Tensors one stage hands the next (hidden state and residual).
+    carries_residual = True
+
     def __init__(self, args: ModelArgs, dtype: torch.dtype, backend: str) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype)
+        self.stage = stage = current_stage(args.num_layers)
+        self.hidden_size, self.dtype = args.hidden_size, dtype
+        self.embed_tokens: VocabParallelEmbedding | None = (
+            VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype) if stage.is_first else None
+        )
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope, backend)
         self.layers = nn.ModuleList(
             DecoderLayer(args, i, rotary, dtype, backend, self.make_mlp(args, i, dtype, backend))
+            if stage.owns_layer(i)
+            else MissingLayer()
             for i in range(args.num_layers)
         )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
+        self.norm: RMSNorm | None = (
+            RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend) if stage.is_last else None
+        )
 
     def make_mlp(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype, backend: str) -> nn.Module:
         """Layer `layer_idx`'s feed-forward block (mixture-of-experts models override this)."""
         return DecoderMLP(args, dtype, backend)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: StageActivations | None = None
+    ) -> torch.Tensor | StageActivations:
+        stage = self.stage
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate is not None, "a later pipeline stage starts from the previous stage's activations"
+            hidden, residual = intermediate.hidden, intermediate.residual
+        for layer in self.layers[stage.start : stage.end]:
             hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:
+            return StageActivations(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def empty_activations(self, num_tokens: int, device: torch.device) -> StageActivations:
+        """Buffers for what the previous stage sends (a later stage receives into them)."""
+        shape = (num_tokens, self.hidden_size)
+        return StageActivations(
+            torch.zeros(shape, dtype=self.dtype, device=device),
+            torch.zeros(shape, dtype=self.dtype, device=device) if self.carries_residual else None,
+        )
 
 
 class DecoderForCausalLM(nn.Module):
@@ -167,19 +198,39 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.args, self.dtype = args, dtype
         self.model = type(self).model_class(args, dtype, attention_backend)
-        self.lm_head: VocabParallelEmbedding
-        if args.tie_word_embeddings:
+        stage = self.model.stage
+        assert isinstance(stage, PipelineStage)  # every model_class builds one stage (actors/models/stage.py)
+        self.stage: PipelineStage = stage
+        # The LM head lives on the last stage only; a tied one is the embedding there, or (when the
+        # embedding is on another stage) a head of its own filled from the embedding's tensor.
+        self.lm_head: VocabParallelEmbedding | None = None
+        if self.stage.is_last:
             embed = self.model.embed_tokens
-            assert isinstance(embed, VocabParallelEmbedding)  # every model_class embeds with it
-            self.lm_head = embed
-        else:
-            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, dtype)
+            if args.tie_word_embeddings and embed is not None:
+                assert isinstance(embed, VocabParallelEmbedding)  # every model_class embeds with it
+                self.lm_head = embed
+            else:
+                self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: StageActivations | None = None
+    ) -> torch.Tensor | StageActivations:
+        """Hidden states on the last stage (the whole model's), else the activations for the next stage."""
+        if intermediate is None:
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError(
+                f"pipeline stage [{self.stage.start}, {self.stage.end}) has no LM head: only the last samples"
+            )
         return self.lm_head.logits(hidden, self.args.final_softcap)
+
+    def empty_activations(self, num_tokens: int, device: torch.device) -> StageActivations:
+        make = getattr(self.model, "empty_activations")
+        acts: StageActivations = make(num_tokens, device)
+        return acts
 
     def attention_layers(self) -> list[Attention]:
         # Each decoder layer holds one Attention (at layer.self_attn.attn), in layer order.
@@ -187,6 +238,8 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
         """The checkpoint tensors (name, shard id) that make up one of our parameters."""
+        if param_name.startswith("lm_head.") and self.args.tie_word_embeddings:
+            return [(param_name.replace("lm_head.", "model.embed_tokens.", 1), None)]  # tied, on another stage
         stacked: list[tuple[str, object]] = [
             (param_name.replace(f".{fused}.", f".{original}."), shard_id)
             for fused, original, shard_id in STACKED_PARAMS
@@ -216,6 +269,7 @@ class DecoderForCausalLM(nn.Module):
             name
             for name in ckpt.weight_map
             if name not in used
+            and self.stage.owns_tensor(name)  # another pipeline stage's tensors are that stage's to read
             and not name.endswith("rotary_emb.inv_freq")
             and not (self.args.tie_word_embeddings and name == "lm_head.weight")
         )

@@ -24,6 +24,7 @@ from actors.layers.norm import GemmaRMSNorm
 from actors.layers.rotary import RopeParams, RotaryEmbedding, rope_params_from_config
 from actors.models.args import ModelArgs, parse_args, typed_layer_windows
 from actors.models.decoder import DecoderAttention, DecoderForCausalLM
+from actors.models.stage import MissingLayer, StageActivations, current_stage
 
 
 class GemmaMLP(nn.Module):
@@ -59,9 +60,18 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
+    """Gemma's stack, or one pipeline stage of it (as DecoderModel): the sandwich norms carry no
+    residual between layers, so a stage hands the next only its hidden state."""
+
+    carries_residual = False
+
     def __init__(self, args: ModelArgs, dtype: torch.dtype, backend: str) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype)
+        self.stage = stage = current_stage(args.num_layers)
+        self.hidden_size, self.dtype = args.hidden_size, dtype
+        self.embed_tokens: VocabParallelEmbedding | None = (
+            VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype) if stage.is_first else None
+        )
         # HF multiplies by the scale cast to the weight dtype (sqrt(3072) = 55.43 becomes 55.5 in bf16).
         self.register_buffer("normalizer", torch.tensor(args.hidden_size**0.5).to(dtype), persistent=False)
         rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope, backend)
@@ -72,15 +82,30 @@ class GemmaModel(nn.Module):
         )
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(args, i, local if args.layer_windows[i] is not None else rotary, dtype, backend)
+            if stage.owns_layer(i)
+            else MissingLayer()
             for i in range(args.num_layers)
         )
-        self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend)
+        self.norm: GemmaRMSNorm | None = (
+            GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype, backend) if stage.is_last else None
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.normalizer
-        for layer in self.layers:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: StageActivations | None = None
+    ) -> torch.Tensor | StageActivations:
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(input_ids) * self.normalizer
+        else:
+            assert intermediate is not None, "a later pipeline stage starts from the previous stage's activations"
+            hidden = intermediate.hidden
+        for layer in self.layers[self.stage.start : self.stage.end]:
             hidden = layer(positions, hidden)
+        if self.norm is None:
+            return StageActivations(hidden)
         return self.norm(hidden)
+
+    def empty_activations(self, num_tokens: int, device: torch.device) -> StageActivations:
+        return StageActivations(torch.zeros((num_tokens, self.hidden_size), dtype=self.dtype, device=device))
 
 
 def _optional_positive(cfg: dict[str, Any], key: str) -> float | None:

@@ -7,7 +7,7 @@ target dtype, then fills it from safetensors only, each rank reading just its ow
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -16,6 +16,7 @@ from actors.config.section import ConfigError
 from actors.models.decoder import DecoderForCausalLM
 from actors.models.model_dir import TINY_RANDOM, resolve_model_dir
 from actors.models.registry import build_model
+from actors.models.stage import PipelineStage, building_stage
 
 __all__ = ["TINY_RANDOM", "load_model", "read_hf_config", "resolve_dtype", "resolve_model_dir"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,9 +54,11 @@ def load_model(
     attention_backend: str = "torch",
     device: str | torch.device = "cpu",
     quantization: str | None = None,
+    stage_for: Callable[[int], PipelineStage] | None = None,
 ) -> tuple[DecoderForCausalLM, dict[str, Any]]:
     """-> (model in eval mode with weights loaded on `device`, the config.json dict). quantization="fp8"
-    swaps the dense linear weights for e4m3 ones once loaded (actors/layers/fp8_linear.py)."""
+    swaps the dense linear weights for e4m3 ones once loaded (actors/layers/fp8_linear.py).
+    `stage_for(num_hidden_layers)` names the pipeline stage to build (and read tensors for); None: all."""
     model_dir = resolve_model_dir(model_dir_or_name)
     hf_config = read_hf_config(model_dir)
     torch_dtype = resolve_dtype(dtype, hf_config)
@@ -64,7 +67,8 @@ def load_model(
             f"model.quantization='fp8': the GPU's row-wise scaled GEMM writes bfloat16 only, and the model "
             f"runs in {str(torch_dtype).removeprefix('torch.')}; set model.dtype=bfloat16"
         )
-    with torch.device(device):
+    stage = None if stage_for is None else stage_for(int(hf_config["num_hidden_layers"]))
+    with torch.device(device), building_stage(stage):
         model = build_model(hf_config, torch_dtype, attention_backend)
     model.load_weights(model_dir)
     model.eval()

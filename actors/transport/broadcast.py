@@ -1,6 +1,8 @@
-"""The control-plane broadcast: one SchedulerOutput to every tensor-parallel rank, rank 0's reply back.
+"""The control-plane broadcast: one SchedulerOutput to every rank, the answering rank's reply back (rank 0,
+or with pipeline stages the last stage's first TP rank, which samples).
 
-Three transports with one contract (`broadcast(so) -> rank 0's ModelRunnerOutput | None`, `close()`):
+Three transports with one contract (`broadcast(so) -> the answering rank's ModelRunnerOutput | None`,
+`submit(so)` / `collect(handle)` for several steps in flight, `close()`):
 - CompiledGraphTransport: a Ray Compiled Graph (InputNode -> every worker's execute_model ->
   MultiOutputNode), compiled once; each step writes the message once to shared-memory channels, which
   skips the per-call task submission of plain actor calls (~0.2 ms vs ~1.3 ms a round trip).
@@ -125,17 +127,32 @@ def _summary(e: BaseException) -> str:
 
 class Transport:
     """What every transport shares: the broadcast contract and its failure books (once failed, every
-    later call raises the same WorkerFailure). ShmTransport (actors/transport/shm.py) builds on it too."""
+    later call raises the same WorkerFailure). ShmTransport (actors/transport/shm.py) builds on it too.
+    `answer_rank`: whose output a step returns (the last pipeline stage's first TP rank)."""
 
-    def __init__(self, workers: Sequence[Any], step_timeout_s: float) -> None:
+    answer_rank = 0  # also for instances assembled without __init__ (benchmarks/host/bench_control_plane_phases.py)
+
+    def __init__(self, workers: Sequence[Any], step_timeout_s: float, answer_rank: int = 0) -> None:
         self.workers = list(workers)
         self.step_timeout_s = step_timeout_s
+        # Whose output a step returns: rank 0, or with pipeline stages the last stage's first TP rank.
+        self.answer_rank = answer_rank
         self.failure: WorkerFailure | None = None
 
     def broadcast(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Send the step to every rank and return rank 0's answer (within step_timeout_s)."""
+        """Send the step to every rank and return the answering rank's output (within step_timeout_s)."""
         handle = self._guard(self._submit, so)
         return self._guard(self._collect, so, handle)
+
+    def submit(self, so: SchedulerOutput) -> tuple[SchedulerOutput, Any]:
+        """Send the step without waiting (pipeline parallelism keeps several in flight); collect() in
+        submission order."""
+        return so, self._guard(self._submit, so)
+
+    def collect(self, submitted: tuple[SchedulerOutput, Any]) -> ModelRunnerOutput | None:
+        so, handle = submitted
+        out: ModelRunnerOutput | None = self._guard(self._collect, so, handle)
+        return out
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         # After a failure the transport stays broken: survivors may sit in a collective.
@@ -176,21 +193,26 @@ class ActorCallTransport(Transport):
     def _collect(self, so: SchedulerOutput, refs: Any) -> ModelRunnerOutput:
         return gather_ranks(
             refs, "execute_model", self.step_timeout_s, on_timeout=lambda _ranks: self._fail_hang(so.step_id)
-        )[0]
+        )[self.answer_rank]
 
 
 class CompiledGraphTransport(Transport):
     name = "compiled_graph"
 
-    def __init__(self, workers: Sequence[Any], step_timeout_s: float) -> None:
-        super().__init__(workers, step_timeout_s)
+    def __init__(
+        self, workers: Sequence[Any], step_timeout_s: float, answer_rank: int = 0, max_in_flight: int = 1
+    ) -> None:
+        super().__init__(workers, step_timeout_s, answer_rank)
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as inp:
             dag = MultiOutputNode([w.execute_model.bind(inp) for w in self.workers])
-        # One execution is in flight at a time (async scheduling overlaps inside the workers instead).
+        # One execution in flight at a time (async scheduling overlaps inside the workers instead), or one
+        # per pipeline stage (the engine's batch queue).
         try:
-            self.graph = dag.experimental_compile(_submit_timeout=step_timeout_s)
+            self.graph = dag.experimental_compile(
+                _submit_timeout=step_timeout_s, _max_inflight_executions=max(1, max_in_flight)
+            )
         except RayActorError as e:  # a worker died before its channels were set up
             rank, why = diagnose(self.workers)
             raise WorkerFailure(rank, f"{why} (while compiling the step graph: {first_line(e)})") from None
@@ -222,7 +244,7 @@ class CompiledGraphTransport(Transport):
                 errors.append((rank, _cause(e), isinstance(e.cause, CollectiveError)))
         if errors:
             raise step_failure(errors)
-        return results[0]
+        return results[self.answer_rank]
 
     def _fail_dead(self, step_id: int, e: BaseException) -> WorkerFailure:
         rank, why = diagnose(self.workers)

@@ -9,11 +9,14 @@ from actors.transport.broadcast import ActorCallTransport, CompiledGraphTranspor
 from actors.transport.shm import ShmTransport
 
 
-def make_transport(kind: str, workers: Sequence[Any], step_timeout_s: float) -> Transport:
+def make_transport(
+    kind: str, workers: Sequence[Any], step_timeout_s: float, answer_rank: int = 0, max_in_flight: int = 1
+) -> Transport:
+    """`answer_rank`: whose output a step returns; `max_in_flight`: steps submitted and not yet collected."""
     if kind == "compiled_graph":
-        return CompiledGraphTransport(workers, step_timeout_s)
+        return CompiledGraphTransport(workers, step_timeout_s, answer_rank, max_in_flight)
     if kind == "actor_calls":
-        return ActorCallTransport(workers, step_timeout_s)
+        return ActorCallTransport(workers, step_timeout_s, answer_rank)
     if kind == "shm":
-        return ShmTransport(workers, step_timeout_s)
+        return ShmTransport(workers, step_timeout_s, answer_rank=answer_rank, max_in_flight=max_in_flight)
     raise ValueError(f"ray.transport={kind!r}: must be compiled_graph, actor_calls or shm")

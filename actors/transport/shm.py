@@ -3,7 +3,8 @@
 - Ranks on the driver's node read one shared-memory ring (actors/transport/shm_ring.py), every reader
   acknowledging each chunk before its slot is reused; ranks on other nodes get the same bytes over ZMQ.
 - Every rank answers on a channel of its own (a one-reader ring on this node, ZMQ from other nodes):
-  rank 0 with its ModelRunnerOutput, the others with None or their step's error.
+  the answering rank (rank 0; with pipeline stages the last stage's first TP rank) with its
+  ModelRunnerOutput, the others with None or their step's error.
 - Ray places the workers, starts and kills them; the transport only attaches to them
   (`start_shm_loop`, actors/transport/shm_reader.py) once they are up.
 
@@ -68,9 +69,19 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(
-        self, workers: Sequence[Any], step_timeout_s: float, force_zmq: bool = False, spin_s: float | None = None
+        self,
+        workers: Sequence[Any],
+        step_timeout_s: float,
+        force_zmq: bool = False,
+        spin_s: float | None = None,
+        answer_rank: int = 0,
+        max_in_flight: int = 1,
     ) -> None:
-        super().__init__(workers, step_timeout_s)
+        super().__init__(workers, step_timeout_s, answer_rank)
+        # Steps submitted and not yet collected: each needs a broadcast slot until every rank read it, and
+        # a rank may answer all of them before the driver reads the first answer.
+        self._broadcast_slots = max(BROADCAST_SLOTS, max_in_flight + 1)
+        self._reply_slots = max(REPLY_SLOTS, max_in_flight + 1)
         self.spin_s = default_spin_s(len(workers)) if spin_s is None else spin_s
         self._ring: ShmRing | None = None
         self._senders: list[Sender] = []  # the broadcast: the ring (if any) + one per remote rank
@@ -90,12 +101,12 @@ class ShmTransport(Transport):
         ip = ray.util.get_node_ip_address()
         specs: dict[int, ShmLoopSpec] = {}
         if local:
-            self._ring = ShmRing.create(len(local), BROADCAST_SLOTS, BROADCAST_SLOT_BYTES)
+            self._ring = ShmRing.create(len(local), self._broadcast_slots, BROADCAST_SLOT_BYTES)
             self._owned_rings.append(self._ring)
             self._senders.append(RingSender(self._ring))
         for rank in range(len(self.workers)):
             if rank in local:
-                reply = ShmRing.create(1, REPLY_SLOTS, REPLY_SLOT_BYTES)
+                reply = ShmRing.create(1, self._reply_slots, REPLY_SLOT_BYTES)
                 self._owned_rings.append(reply)
                 self._replies[rank] = RingReceiver(reply, 0)
                 assert self._ring is not None
@@ -107,7 +118,7 @@ class ShmTransport(Transport):
                 pull, pull_addr = bind(zmq.PULL, ip)
                 self._replies[rank] = ZmqReceiver(pull)
                 steps, replies = ChannelSpec(zmq_addr=push_addr, spin_s=self.spin_s), ChannelSpec(zmq_addr=pull_addr)
-            specs[rank] = ShmLoopSpec(rank, steps, replies, self.step_timeout_s)
+            specs[rank] = ShmLoopSpec(rank, steps, replies, self.step_timeout_s, answers=rank == self.answer_rank)
         self._setup_call([w.start_shm_loop.remote(specs[r]) for r, w in enumerate(self.workers)], "start_shm_loop")
         self._remote_ranks = [r for r in range(len(self.workers)) if r not in local]
         self._poller = zmq.Poller()
@@ -171,7 +182,7 @@ class ShmTransport(Transport):
         errors = [(r, *payload) for r, (ok, payload) in sorted(answers.items()) if not ok]
         if errors:
             raise step_failure(errors)
-        return answers[0][1]
+        return answers[self.answer_rank][1]
 
     def _block(self, answers: dict[int, Any], deadline: float, until: float, step_id: int) -> None:
         """Sleep in the kernel until an answer channel may have something, or `until`."""

@@ -6,7 +6,8 @@ calls and the fault-injection seams keep working as under the compiled graph (wh
 beside the actor's thread). The driver waits for every rank's answer before it sends anything else,
 so a plain call never runs while a step does.
 
-Every rank answers every step: rank 0 with its ModelRunnerOutput, the others with None, and a rank
+Every rank answers every step: the answering rank (rank 0, or the last pipeline stage's first TP rank)
+with its ModelRunnerOutput, the others with None, and a rank
 whose step raised with (the error's repr, whether it is a CollectiveError): (ok, payload) in
 actors/transport/codec.py's wire form.
 """
@@ -35,6 +36,7 @@ class ShmLoopSpec:
     steps: ChannelSpec  # the driver's broadcast, for this rank
     replies: ChannelSpec  # this rank's answers, to the driver
     reply_timeout_s: float
+    answers: bool | None = None  # whether its output goes back (None: rank 0's does)
 
 
 class ShmWorkerLoop:
@@ -70,7 +72,8 @@ class ShmWorkerLoop:
             text = repr(e)
             text = text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
             return False, (text, isinstance(e, CollectiveError))
-        return True, out if self.spec.rank == 0 else None
+        answers = self.spec.rank == 0 if self.spec.answers is None else self.spec.answers
+        return True, out if answers else None
 
     def _close(self) -> None:
         for end in (self._steps, self._replies):

@@ -39,6 +39,8 @@ from unittest import mock
 
 import torch
 
+from actors.models.stage import StageActivations
+
 logger = logging.getLogger(__name__)
 
 GRAPH_MODES = ("all", "decode", "none")
@@ -156,7 +158,8 @@ def frozen_gc() -> Iterator[None]:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    output: torch.Tensor  # hidden states [bucket tokens, H], rewritten by every replay
+    # hidden states [bucket tokens, H] (a stage before the last: its activations), rewritten by every replay
+    output: torch.Tensor | StageActivations
 
 
 class StepGraphs:
@@ -176,7 +179,10 @@ class StepGraphs:
         return bucket in self._graphs
 
     def capture(
-        self, buckets: list[Bucket], prepare: Callable[[Bucket], None], forward: Callable[[Bucket], torch.Tensor]
+        self,
+        buckets: list[Bucket],
+        prepare: Callable[[Bucket], None],
+        forward: Callable[[Bucket], torch.Tensor | StageActivations],
     ) -> bool:
         """Capture every bucket, largest first, into one shared pool. True when all were captured; on
         any error nothing is kept."""
@@ -209,7 +215,7 @@ class StepGraphs:
             return False
         return True
 
-    def replay(self, bucket: Bucket) -> torch.Tensor:
+    def replay(self, bucket: Bucket) -> torch.Tensor | StageActivations:
         captured = self._graphs[bucket]
         captured.graph.replay()
         return captured.output

@@ -16,6 +16,7 @@ from actors import parallel_state
 from actors.config.engine import EngineConfig
 from actors.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from actors.input_batch import InputBatch
+from actors.models.stage import StageActivations
 from actors.worker.cuda_graphs import Bucket, BucketPlan, GraphStats, StepGraphs
 from actors.worker.input_prep import InputStager, StagedStep
 from kvcore.kernels.ops import longest_first
@@ -41,6 +42,7 @@ class RunnerGraphs:
     pad_to_buckets: bool
     stager: InputStager
     lpt_max_seqs: int = 0  # see attention_tiles.longest_first_max_seqs; set with the KV cache
+    stage_inputs: StageActivations | None  # a later pipeline stage's receive buffers
 
     def _model(self) -> DecoderForCausalLM:
         raise NotImplementedError
@@ -98,10 +100,12 @@ class RunnerGraphs:
         empty = np.zeros(0, dtype=np.int64)
         self.stager.stage_step(empty, empty, empty, empty, self._batch().token_ids_cpu)
 
-    def _bucket_forward(self, bucket: Bucket) -> torch.Tensor:
+    def _bucket_forward(self, bucket: Bucket) -> torch.Tensor | StageActivations:
         return self._forward(bucket.num_seqs, bucket.num_tokens, bucket.max_query_len, self.max_model_len)
 
-    def _forward(self, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    def _forward(
+        self, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int
+    ) -> torch.Tensor | StageActivations:
         """The step on the static buffers: input kernels, slot mapping, model; hidden states."""
         batch = self._batch()
         self.stager.build(num_seqs, num_tokens)
@@ -126,9 +130,11 @@ class RunnerGraphs:
             for gid, table in enumerate(batch.block_table.block_tables)
         }
         with set_forward_context(ForwardContext(attn_metadata=metadata, layer_to_group=self.layer_to_group)):
+            if self.stage_inputs is not None:  # a later pipeline stage starts from the received activations
+                return self._model()(out.input_ids[:num_tokens], positions, self.stage_inputs.narrow(num_tokens))
             return self._model()(out.input_ids[:num_tokens], positions)
 
-    def _run_forward(self, staged: StagedStep) -> tuple[torch.Tensor, bool]:
+    def _run_forward(self, staged: StagedStep) -> tuple[torch.Tensor | StageActivations, bool]:
         """Replay the step's bucket graph, or run it eagerly (padded to the bucket in the tests'
         pad_to_buckets mode); the hidden states and whether a graph ran."""
         bucket, reason = self.plan.select(staged.num_reqs, staged.num_tokens, staged.max_query_len)

@@ -1,4 +1,5 @@
-"""The worker: one tensor-parallel rank. Picks its device, joins the TP process group, owns a ModelRunner.
+"""The worker: one rank of an engine (one TP rank of one pipeline stage). Picks its device, joins the
+model-parallel groups (actors/parallel_state.py), owns a ModelRunner.
 
 Usable in-process (tests, LocalExecutor) and as a Ray actor (the Ray executor wraps it with ray.remote);
 ray is therefore only imported when the process already runs under Ray.
@@ -100,9 +101,16 @@ class Worker(ShmLoopMixin):
         else:  # resolved_device() is cpu or cuda; the config rejected any other name
             self.device = torch.device("cpu")
         self._marks["device"] = time.time()
-        parallel_state.init_tensor_parallel(
+        p = self.config.parallel
+        if self.world_size != p.ranks_per_engine:
+            raise ValueError(
+                f"Worker: world_size={self.world_size} must be pipeline_parallel_size x tensor_parallel_size "
+                f"= {p.ranks_per_engine}"
+            )
+        parallel_state.init_model_parallel(
             self.rank,
-            self.world_size,
+            p.tensor_parallel_size,
+            p.pipeline_parallel_size,
             self.dist_init_method,
             select_backend(self.config),
             timeout_s=self.config.parallel.step_timeout_s,
@@ -131,9 +139,10 @@ class Worker(ShmLoopMixin):
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return self._runner().get_kv_cache_specs()
 
-    def determine_num_blocks(self) -> int:
-        """This rank's answer, reduced to the smallest over the TP group (a collective: all ranks call it)."""
-        return parallel_state.all_reduce_min(self._runner().determine_num_blocks())
+    def determine_num_blocks(self, layer_specs: dict[str, KVCacheSpec] | None = None) -> int:
+        """This rank's answer, reduced to the smallest over its TP group (a collective: all ranks call it).
+        `layer_specs`: every stage's layers (pipeline parallelism), as the engine will group them."""
+        return parallel_state.all_reduce_min(self._runner().determine_num_blocks(layer_specs))
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self._runner().initialize_kv_cache(kv_cache_config)

@@ -10,10 +10,12 @@ import torch
 
 from actors.config.engine import ConfigError, EngineConfig
 from actors.forward_context import ForwardContext, set_forward_context
+from actors.models.stage import StageActivations
 from kvcore.kernels.fp8 import is_fp8, kv_cache_torch_dtype
 from kvcore.spec import (
     FullAttentionSpec,
     KVCacheConfig,
+    KVCacheGroupSpec,
     KVCacheSpec,
     SlidingWindowSpec,
     group_layers_by_spec,
@@ -65,14 +67,21 @@ def profile_run(
     num_rows: int,
     max_model_len: int,
     device: torch.device,
+    stage_inputs: StageActivations | None,
     sample: Callable[[torch.Tensor], object],
 ) -> None:
     """A forward of num_tokens tokens and logits for num_rows rows, with no KV cache, so the peak
-    activation memory is what a real step can reach; `sample(logits)` runs the sampler's worst case."""
+    activation memory is what a real step can reach; `sample(logits)` runs the sampler's worst case.
+    A later pipeline stage starts from `stage_inputs`; a stage before the last computes no logits."""
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     pos = torch.arange(num_tokens, dtype=torch.int64, device=device) % max(max_model_len, 1)
     with set_forward_context(ForwardContext(attn_metadata=None, layer_to_group={})):
-        hidden = model(ids, pos)
+        if stage_inputs is not None:
+            hidden = model(ids, pos, stage_inputs.narrow(num_tokens))
+        else:
+            hidden = model(ids, pos)
+    if isinstance(hidden, StageActivations):
+        return
     logits = model.compute_logits(hidden[: min(num_rows, num_tokens)])
     del hidden
     sample(logits)
@@ -84,9 +93,12 @@ def determine_num_blocks(
     device: torch.device,
     rank: int,
     run_profile: Callable[[], None],
+    groups: list[KVCacheGroupSpec] | None = None,
 ) -> int:
-    """Blocks this rank can hold: the override, else the memory budget left after a profile run."""
-    groups = group_layers_by_spec(specs)
+    """Blocks this rank can hold: the override, else the memory budget left after a profile run.
+    `groups`: how this rank's layers sit in the engine's groups (pipeline parallelism; own_groups)."""
+    if groups is None:
+        groups = group_layers_by_spec(specs)
     if config.cache.num_gpu_blocks is not None:
         return int(config.cache.num_gpu_blocks)
     if device.type != "cuda":
@@ -113,6 +125,23 @@ def determine_num_blocks(
     return num_blocks_for_budget(groups, budget)
 
 
+def own_groups(all_specs: dict[str, KVCacheSpec], own: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """The engine's KV-cache groups (of every pipeline stage's layers), each cut to this rank's layers:
+    what one block id costs this rank is a page for each of its layers in its largest cut group."""
+    groups = group_layers_by_spec(all_specs)
+    return [g for g in _cut_groups(groups, set(own)) if g.layer_names]
+
+
+def own_kv_cache_config(config: KVCacheConfig, own_layers: set[str]) -> KVCacheConfig:
+    """The engine's KV-cache config with every group cut to this rank's layers: the same groups, ids
+    and block count (one block-id space for every stage), the memory of this rank's layers only."""
+    return KVCacheConfig(num_blocks=config.num_blocks, kv_cache_groups=_cut_groups(config.kv_cache_groups, own_layers))
+
+
+def _cut_groups(groups: list[KVCacheGroupSpec], own_layers: set[str]) -> list[KVCacheGroupSpec]:
+    return [KVCacheGroupSpec([n for n in g.layer_names if n in own_layers], g.kv_cache_spec) for g in groups]
+
+
 def allocate_kv_cache(
     model: DecoderForCausalLM, kv_cache_config: KVCacheConfig, device: torch.device
 ) -> list[torch.Tensor]:
@@ -126,7 +155,7 @@ def allocate_kv_cache(
     for layer in layers.values():
         layer.kv_cache = None
     num_blocks = kv_cache_config.num_blocks
-    page_bytes = {g.kv_cache_spec.page_size_bytes for g in kv_cache_config.kv_cache_groups}
+    page_bytes = {g.kv_cache_spec.page_size_bytes for g in kv_cache_config.kv_cache_groups if g.layer_names}
     if len(page_bytes) != 1:
         raise ValueError(f"KV-cache groups must share one page size; got {sorted(page_bytes)}")
     slot_bytes = num_blocks * page_bytes.pop()
@@ -135,6 +164,8 @@ def allocate_kv_cache(
         torch.zeros(slot_bytes, dtype=torch.uint8, device=device) for _ in range(kv_cache_config.num_memory_slots)
     ]
     for group in kv_cache_config.kv_cache_groups:
+        if not group.layer_names:
+            continue  # a group of another pipeline stage's layers only
         s = group.kv_cache_spec
         shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)
         for name in group.layer_names:

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from actors import parallel_state
 from actors.config.engine import EngineConfig
-from actors.config.model_rules import resolved_max_model_len
+from actors.config.model_rules import resolved_max_model_len, stage_layer_range
 from actors.input_batch import CachedRequestState, InputBatch
+from actors.models.stage import PipelineStage, StageActivations
 from actors.profiling.step_profiler import StepTimer
 from actors.sample.inputs import SamplingInputs
 from actors.sample.logit_rows import LogitRows
@@ -90,6 +92,13 @@ class ModelRunner(RunnerGraphs):
         self._in_flight: SampledStep | None = None  # lag mode: launched, output not yet returned
         self._last: SampledStep | None = None  # the last launched step: the next one's feed source
         self.sampling_inputs = SamplingInputs(self.max_num_reqs, device, self.pin_memory)
+        # Pipeline parallelism: this rank's stage (the process joined its groups before building the runner).
+        self.pp_rank, self.pp_size = parallel_state.pp_rank(), parallel_state.pp_size()
+        self.is_first_stage = self.pp_rank == 0
+        self.is_last_stage = self.pp_rank == self.pp_size - 1
+        # The rank whose output the driver reads: the last stage's first TP rank (rank 0 without stages).
+        self.answers = self.is_last_stage and parallel_state.tp_rank() == 0
+        self.stage_inputs: StageActivations | None = None  # a later stage's receive buffers
 
     # ---- model and KV cache -----------------------------------------------------------------
     def load_model(self) -> None:
@@ -101,8 +110,12 @@ class ModelRunner(RunnerGraphs):
             attention_backend=self.backend,
             device=self.device,
             quantization=self.config.model.quantization,
+            stage_for=self._stage_for if self.pp_size > 1 else None,
         )
         self.model.eval()
+        if not self.is_first_stage:
+            # Fixed buffers, so a CUDA graph reads what each step receives from the previous stage.
+            self.stage_inputs = self.model.empty_activations(self.max_num_tokens, self.device)
         self.dtype = self.model.dtype  # the activations' dtype (fp8 weights are buffers of their own)
         self.max_model_len = resolved_max_model_len(self.config, self.hf_config)
         eos = self._hf("eos_token_id")
@@ -110,6 +123,10 @@ class ModelRunner(RunnerGraphs):
         self.penalty_state = PenaltyState(int(self._hf("vocab_size")), self.device)
         self.logit_rows = LogitRows(int(self._hf("vocab_size")), self.device)
         self.sampler = Sampler(self.penalty_state, logit_rows=self.logit_rows)
+
+    def _stage_for(self, num_layers: int) -> PipelineStage:
+        start, end = stage_layer_range(self.config, num_layers, self.pp_rank)
+        return PipelineStage(start, end, self.is_first_stage, self.is_last_stage)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return kv_cache_sizing.kv_cache_specs(
@@ -129,15 +146,20 @@ class ModelRunner(RunnerGraphs):
             rows,
             self.max_model_len,
             self.device,
+            self.stage_inputs,
             lambda logits: (
                 self.device.type == "cuda"
                 and self.sampler(logits, self.sampling_inputs.dummy(rows, True, MAX_LOGPROBS))
             ),
         )
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, layer_specs: dict[str, KVCacheSpec] | None = None) -> int:
+        """Blocks this rank can hold; `layer_specs` (every stage's layers) lays the blocks out as the
+        engine's groups will, of which this rank holds its own layers."""
+        own = self.get_kv_cache_specs()
+        groups = None if layer_specs is None else kv_cache_sizing.own_groups(layer_specs, own)
         return kv_cache_sizing.determine_num_blocks(
-            self.config, self.get_kv_cache_specs(), self.device, self.rank, self.profile_run
+            self.config, own, self.device, self.rank, self.profile_run, groups=groups
         )
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -145,7 +167,9 @@ class ModelRunner(RunnerGraphs):
         the sampler. Re-entrant: old state goes."""
         self._drop_graphs()  # they read the old cache and buffers
         self.kv_caches = []
-        self.kv_caches = kv_cache_sizing.allocate_kv_cache(self._model(), kv_cache_config, self.device)
+        # One block-id space for every stage; this rank holds the memory of its own stage's layers.
+        own = kv_cache_sizing.own_kv_cache_config(kv_cache_config, set(self.get_kv_cache_specs()))
+        self.kv_caches = kv_cache_sizing.allocate_kv_cache(self._model(), own, self.device)
         kv_heads = max(g.kv_cache_spec.num_kv_heads for g in kv_cache_config.kv_cache_groups)
         self.lpt_max_seqs = longest_first_max_seqs(kv_heads, num_sms(self.device))
         self.kv_cache_config = kv_cache_config
@@ -161,6 +185,8 @@ class ModelRunner(RunnerGraphs):
             kv_cache_config.block_sizes,
         )
         self.capture_graphs()
+        if not self.is_last_stage:
+            return  # only the last stage computes logits and samples
         model = self._model()
         warm_logits(model.compute_logits, int(self._hf("hidden_size")), self.dtype, self.device, self.max_num_reqs)
         warm_sampler(
@@ -235,6 +261,24 @@ class ModelRunner(RunnerGraphs):
 
     def update_states(self, so: SchedulerOutput) -> None:
         self._batch().apply_scheduler_output(so, self.requests, self._new_state, self._forget, self._resumed)
+        if so.pipeline_token_ids and not self.is_last_stage:
+            self._take_pipeline_tokens(so.pipeline_token_ids)
+
+    def _take_pipeline_tokens(self, tokens: dict[str, list[int]]) -> None:
+        """A stage before the last never sampled its requests' tokens: the step brings the ones it
+        computes past each prompt; they go into the request's state and its row."""
+        batch = self._batch()
+        for rid, ids in tokens.items():
+            state = self.requests[rid]
+            prompt_len = len(state.prompt_token_ids)
+            start = max(state.num_computed_tokens, prompt_len)
+            outs = state.output_token_ids
+            del outs[start - prompt_len :]  # positions from `start` on are this step's, as the step says
+            outs.extend(ids)
+            row = batch.req_id_to_index[rid]
+            end = start + len(ids)
+            batch.token_ids_cpu[row, start:end] = ids
+            batch.num_tokens[row] = max(int(batch.num_tokens[row]), end)
 
     # ---- the step: prepare -> launch -> complete -----------------------------------------------
     @torch.inference_mode()
@@ -252,7 +296,7 @@ class ModelRunner(RunnerGraphs):
             previous, self._in_flight = self._in_flight, None
             if previous is not None:
                 return self._complete(previous)
-            return None if self.lag_outputs or self.rank != 0 else ModelRunnerOutput([], [], step_id=so.step_id)
+            return None if self.lag_outputs or not self.answers else ModelRunnerOutput([], [], step_id=so.step_id)
         step: SampledStep | None = self._launch(so, self._prepare(so))
         self._last = step
         if timer is not None:
@@ -279,14 +323,17 @@ class ModelRunner(RunnerGraphs):
         )
         staged = self.stager.stage_step(num_sched, computed, batch.num_tokens[:num_reqs], feed, batch.token_ids_cpu)
         rows = staged.sample_rows
+        if not self.is_last_stage:
+            rows = staged.sample_rows = rows[:0]  # only the last stage samples
         # Sampling parameters of the sampling rows (their output position: what Philox is keyed by) and
         # the prompt positions whose logprobs this step scores.
         out_pos = staged.seq_lens[rows] - batch.num_prompt_tokens[rows]
         last = (self.stager.out.input_ids, self.stager.out.logits_indices)  # read after the inputs are built
         staged.sampling = self.sampling_inputs.build(batch, rows, out_pos, last) if len(rows) else None
-        staged.prompt_plan = prompt_plan(
-            batch, num_reqs, computed, num_sched, np.cumsum(num_sched) - num_sched, self.logprobs.done
-        )
+        if self.is_last_stage:
+            staged.prompt_plan = prompt_plan(
+                batch, num_reqs, computed, num_sched, np.cumsum(num_sched) - num_sched, self.logprobs.done
+            )
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
@@ -306,7 +353,18 @@ class ModelRunner(RunnerGraphs):
         batch = self._batch()
         if self.step_timer is not None:
             self.step_timer.begin(batch.num_reqs, so.total_num_scheduled_tokens, int(staged.seq_lens.sum()))
-        hidden, graph = self._run_forward(staged)
+        if self.stage_inputs is not None:
+            # A later stage: the previous stage's activations for this step's tokens, into fixed buffers.
+            parallel_state.recv_from_prev_stage(self.stage_inputs.narrow(staged.num_tokens).tensors())
+        if not self.is_last_stage:
+            parallel_state.wait_for_sends()  # the last step's activations left: their buffers are free again
+        result, graph = self._run_forward(staged)
+        if isinstance(result, StageActivations):
+            parallel_state.send_to_next_stage(result.narrow(staged.num_tokens).tensors())
+            if self.step_timer is not None:
+                self.step_timer.end()
+            return self.readback.start(so.step_id, batch.req_ids, [], staged.sample_rows, None, graph=graph)
+        hidden = result
         tokens = sample_lp = prompt_lp = None
         rows = staged.sample_rows
         if staged.sampling is not None:
@@ -354,7 +412,7 @@ class ModelRunner(RunnerGraphs):
                     rows_now[i] = batch.req_id_to_index.get(state.req_id, -1)
             live = rows_now >= 0
             batch.append_tokens(rows_now[live], np.asarray(sampled)[live])
-        if self.rank != 0:
+        if not self.answers:
             return None
         logprobs, prompt_logprobs = self.logprobs.collect(step.logprobs, step.req_ids, step.sample_rows)
         return ModelRunnerOutput(

@@ -1,6 +1,11 @@
 """A worker with no model: it follows the Worker contract and answers every step at once with a fixed
 token, so the control plane (schedule + broadcast + reply) can be timed alone, and faults (a hang,
 an exit) can be injected at a chosen step for the failure tests.
+
+It can stand in for a model of fixed cost: KVRAY_NOOP_MODEL_S seconds a step (default 0), split evenly
+over the pipeline stages. A later stage first waits for the previous stage's (tiny) activation of the
+step over the real point-to-point path, then every stage spends its share and sends on, so the
+pipelining of the engine's batch queue can be measured without a model (benchmarks/host/bench_pipeline.py).
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ import time
 
 import torch
 
+from actors import parallel_state
 from actors.config.engine import EngineConfig
 from actors.transport.shm_reader import ShmLoopMixin
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 
 FAKE_TOKEN = 7
+MODEL_TIME_ENV = "KVRAY_NOOP_MODEL_S"  # a step's cost over all stages together
 
 
 class NoopWorker(ShmLoopMixin):
@@ -36,10 +43,27 @@ class NoopWorker(ShmLoopMixin):
         # Async scheduling: like the model runner, answer each step with the previous step's output.
         self.lag_outputs = config.use_async_scheduling
         self._held: ModelRunnerOutput | None = None
+        p = config.parallel
+        self.pp_size = p.pipeline_parallel_size
+        self.pp_rank = rank // p.tensor_parallel_size
+        # The answering rank: the last stage's first TP rank (rank 0 without stages).
+        self.answers = rank == (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+        self.stage_time_s = float(os.environ.get(MODEL_TIME_ENV, "0") or 0) / self.pp_size
+        self._inbox = torch.zeros(1)  # what the previous stage sends (never the tensor this stage is sending)
 
     # ---- the Worker contract ----------------------------------------------------------------
     def init_device(self, dist_init_method: str | None = None) -> None:
-        pass
+        if self.pp_size > 1:  # the stages' point-to-point path is real; TP collectives are not used
+            p = self.config.parallel
+            parallel_state.init_model_parallel(
+                self.rank,
+                p.tensor_parallel_size,
+                self.pp_size,
+                dist_init_method,
+                "gloo",
+                timeout_s=p.step_timeout_s,
+                collective_timeout_s=p.resolved_collective_timeout_s,
+            )
 
     def start_phases(self, requested: float) -> dict[str, float]:
         return {}
@@ -53,7 +77,7 @@ class NoopWorker(ShmLoopMixin):
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return {"layers.0.attn": FullAttentionSpec(self.config.cache.block_size, 1, 8, torch.float32)}
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, layer_specs: dict[str, KVCacheSpec] | None = None) -> int:
         return self.config.cache.num_gpu_blocks or 4096
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -62,6 +86,8 @@ class NoopWorker(ShmLoopMixin):
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.steps += 1
         self._maybe_fault()
+        if (self.pp_size > 1 or self.stage_time_s) and not so.is_empty:
+            self._run_stage(so.step_id)
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.num_tokens.pop(rid, None)
         computed: dict[str, int] = {}
@@ -83,13 +109,25 @@ class NoopWorker(ShmLoopMixin):
                 self.num_tokens[rid] = self.num_tokens.get(rid, 0) + 1
             else:
                 sampled.append([])
-        if self.rank != 0:
+        if not self.answers:
             return None
         out = ModelRunnerOutput(req_ids, sampled, step_id=so.step_id)
         if not self.lag_outputs:
             return out
         held, self._held = self._held, (None if so.is_empty else out)
         return held
+
+    def _run_stage(self, step_id: int) -> None:
+        """Receive the step's activation from the previous stage, spend the stage's time, send it on."""
+        if self.pp_rank > 0:
+            parallel_state.recv_from_prev_stage([self._inbox])
+            got = int(self._inbox.item())
+            if got != step_id:
+                raise RuntimeError(f"stage {self.pp_rank} got step {got}'s activation for step {step_id}")
+        if self.stage_time_s:
+            time.sleep(self.stage_time_s)
+        if self.pp_rank < self.pp_size - 1:
+            parallel_state.send_to_next_stage([torch.tensor([float(step_id)])])  # a fresh tensor per send
 
     def ping(self) -> int:
         return self.rank
@@ -100,6 +138,8 @@ class NoopWorker(ShmLoopMixin):
 
     def shutdown(self) -> None:
         self.num_tokens.clear()
+        if self.pp_size > 1:
+            parallel_state.destroy_tensor_parallel()
 
     # ---- fault injection --------------------------------------------------------------------
     def inject_fault(self, kind: str, at_step: int) -> None:

@@ -36,10 +36,13 @@ class PlacementError(RuntimeError):
 
 
 def bundles_for(config: EngineConfig) -> list[dict[str, float]]:
-    """One bundle per tensor-parallel rank: a (share of a) GPU on cuda, one CPU on cpu."""
+    """One bundle per tensor-parallel rank: a (share of a) GPU on cuda, one CPU on cpu. With pipeline
+    stages one bundle per stage holding its TP ranks' resources: a bundle is never split over nodes,
+    so each stage's ranks share a node (ParallelConfig.num_bundles)."""
     p = config.parallel
-    one = {"GPU": p.gpus_per_worker} if p.device == "cuda" else {"CPU": 1.0}
-    return [dict(one) for _ in range(p.tensor_parallel_size)]
+    per_bundle = p.ranks_per_engine // p.num_bundles
+    one = {"GPU": p.gpus_per_worker * per_bundle} if p.device == "cuda" else {"CPU": 1.0 * per_bundle}
+    return [dict(one) for _ in range(p.num_bundles)]
 
 
 def total_request(config: EngineConfig) -> dict[str, float]:
@@ -329,7 +332,7 @@ def create_placement_group(config: EngineConfig, name: str) -> PlacementGroup:
     for res, amount in _sum(bundles).items():
         if totals.get(res, 0.0) + 1e-9 < amount:
             raise PlacementError(_message(config, name, bundles, "the cluster does not have that many"))
-    pg = placement_group(bundles, strategy=p.placement_strategy, name=name)
+    pg = placement_group(bundles, strategy=p.stage_placement_strategy, name=name)
     ready, _ = ray.wait([pg.ready()], timeout=p.placement_timeout_s)
     if not ready:
         remove_placement_group(pg)
@@ -354,8 +357,9 @@ def _message(config: EngineConfig, name: str, bundles: list[dict[str, float]], w
     info = describe_cluster()
     return (
         f"placement group {name!r}: asked for {len(bundles)} bundle(s) {bundles[0]} "
-        f"(parallel.tensor_parallel_size={p.tensor_parallel_size}, device={p.device}, "
-        f"gpus_per_worker={p.gpus_per_worker:g}, strategy={p.placement_strategy}) for each of "
+        f"(parallel.tensor_parallel_size={p.tensor_parallel_size}, pipeline_parallel_size="
+        f"{p.pipeline_parallel_size}, device={p.device}, gpus_per_worker={p.gpus_per_worker:g}, "
+        f"strategy={p.stage_placement_strategy}) for each of "
         f"{p.data_parallel_size} data-parallel engine(s): {why}. The cluster has "
         f"{info['cluster_resources']} in total, {info['available_resources']} free now, on "
         f"{sum(1 for n in info['nodes'] if n['alive'])} node(s)."

@@ -228,7 +228,7 @@ class StressDriver(Stream):
         if not ok:
             return
         replica = self.rng.choice(ok)
-        rank = self.rng.randrange(self.config.parallel.tensor_parallel_size)
+        rank = self.rng.randrange(self.config.parallel.ranks_per_engine)  # any stage's ranks
         try:
             ray.get(self.engines.drivers[replica].kill_worker.remote(rank), timeout=30)
         except Exception as e:  # noqa: BLE001 - the group is being rebuilt right now: try again soon
