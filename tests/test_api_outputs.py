@@ -6,8 +6,6 @@ defaults come from the model. One local Ray and one LLM for the module."""
 import os
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import ray
 import torch
@@ -155,9 +153,13 @@ def test_logprobs_equal_hf_log_softmax(llm) -> None:
         assert {t: r for t, r in ((t, v.rank) for t, v in pos.items())} == {
             int(t): r for r, t in enumerate(top.indices.tolist(), start=1)
         }
-        assert all(abs(pos[int(t)].logprob - v) < 1e-4 for t, v in zip(top.indices.tolist(), top.values.tolist()))
+        assert all(
+            abs(pos[int(t)].logprob - v) < 1e-4 for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        )
         assert pos[tok].decoded_token == llm.get_tokenizer().decode([tok], skip_special_tokens=False)
-    assert c.cumulative_logprob == pytest.approx(sum(pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids, strict=True))
+    )
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
     for j in range(1, len(p)):
         row, own = lsm[j - 1], out.prompt_logprobs[j][p[j]]

@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from actors.worker.noop import NoopWorker
 from benchmarks.e2e.bench_serve import format_row, free_port, run_rate, saturation
@@ -58,7 +59,7 @@ def client_model_dir(detokenize: bool) -> str:
     return str(dst)
 
 
-def offline(config, reqs, worker: str) -> float:
+def offline(config: Any, reqs: Any, worker: str) -> float:
     from cluster import LLM, SamplingParams
 
     llm = LLM(config=config, worker_cls=worker)

@@ -107,7 +107,7 @@ class SlotMappingLaunch:
         lengths = {sm.numel() for sm in slot_mappings}
         if len(lengths) != 1:
             raise ValueError(f"SlotMappingLaunch: slot-mapping buffers differ in length: {lengths}")
-        for bt, sm in zip(block_tables, slot_mappings):
+        for bt, sm in zip(block_tables, slot_mappings, strict=True):
             if bt.dtype != torch.int32 or sm.dtype != torch.int64:
                 raise ValueError("SlotMappingLaunch: block tables must be int32, slot mappings int64")
             if bt.stride(1) != 1 or not sm.is_contiguous():
