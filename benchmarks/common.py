@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +310,9 @@ def generate_greedy(llm: Any, prompts: list[list[int]], new_tokens: int, label: 
     return tokens, elapsed
 
 
-def hf_greedy_by_length(model: Any, prompts: list[list[int]], new_tokens: int, device: str, output_logits: bool) -> Any:
+def hf_greedy_by_length(
+    model: Any, prompts: list[list[int]], new_tokens: int, device: str, output_logits: bool
+) -> Iterator[tuple[int, Any, int]]:
     """HF's greedy oracle (tests/hf_models.hf_generate) over prompts of mixed lengths: one batch per run of
     equal-length prompts, so that no pad token or attention mask enters. Yields (index of the run's first
     prompt, generate's output, the prompt length)."""

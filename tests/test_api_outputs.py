@@ -6,6 +6,7 @@ defaults come from the model. One local Ray and one LLM for the module."""
 import os
 import time
 
+import hf_models as H
 import pytest
 import ray
 import torch
@@ -48,11 +49,7 @@ def llm(tmp_path_factory):
 
 def hf_greedy(model_dir: str, ids: list[int], n: int) -> list[int]:
     model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return out[0, len(ids) :].tolist()
+    return H.hf_greedy(model, ids, n).tokens
 
 
 def wait_idle(llm: LLM) -> dict:
