@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -282,7 +284,7 @@ def make_random_model(
     return str(path)
 
 
-def generate_greedy(llm, prompts: list[list[int]], new_tokens: int, label: str) -> tuple[list[list[int]], float]:
+def generate_greedy(llm: Any, prompts: list[list[int]], new_tokens: int, label: str) -> tuple[list[list[int]], float]:
     """Greedy tokens of every prompt (EOS ignored) and the seconds generate() took; shuts the LLM down.
     A failed request or a short output raises, naming `label` and the request."""
     import time
@@ -308,7 +310,9 @@ def generate_greedy(llm, prompts: list[list[int]], new_tokens: int, label: str) 
     return tokens, elapsed
 
 
-def hf_greedy_by_length(model, prompts: list[list[int]], new_tokens: int, device: str, output_logits: bool):
+def hf_greedy_by_length(
+    model: Any, prompts: list[list[int]], new_tokens: int, device: str, output_logits: bool
+) -> Iterator[tuple[int, Any, int]]:
     """HF's greedy oracle (tests/hf_models.hf_generate) over prompts of mixed lengths: one batch per run of
     equal-length prompts, so that no pad token or attention mask enters. Yields (index of the run's first
     prompt, generate's output, the prompt length)."""

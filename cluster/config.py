@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from actors.config.engine import (  # noqa: F401
+from actors.config.engine import (
     ATTENTION_BACKENDS,
     DEFAULT_WORKER_CLS,
     DEVICES,
@@ -33,7 +33,7 @@ from actors.config.engine import (  # noqa: F401
     config_from_dict,
     override_fields,
 )
-from actors.config.model_rules import resolved_max_model_len, validate_for_model  # noqa: F401
+from actors.config.model_rules import resolved_max_model_len, validate_for_model
 from cluster.config_yaml import MAX_BYTES, YamlLimitError, load_yaml
 
 

@@ -311,15 +311,15 @@ class MultiGroupBlockTable:
 
     def append_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
         self._check_groups("append_row", block_ids)
-        starts = [bt._check_append(ids, row_idx) for bt, ids in zip(self.block_tables, block_ids)]
-        for bt, ids, start in zip(self.block_tables, block_ids, starts):
+        starts = [bt._check_append(ids, row_idx) for bt, ids in zip(self.block_tables, block_ids, strict=True)]
+        for bt, ids, start in zip(self.block_tables, block_ids, starts, strict=True):
             bt._write_append(ids, row_idx, start)
 
     def add_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
         self._check_groups("add_row", block_ids)
-        for bt, ids in zip(self.block_tables, block_ids):
+        for bt, ids in zip(self.block_tables, block_ids, strict=True):
             bt._check_add(ids, row_idx)
-        for bt, ids in zip(self.block_tables, block_ids):
+        for bt, ids in zip(self.block_tables, block_ids, strict=True):
             bt._write_add(ids, row_idx)
 
     def clear_row(self, row_idx: int) -> None:

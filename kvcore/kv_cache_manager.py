@@ -36,7 +36,7 @@ class KVCacheBlocks:
         return sum(len(group) for group in self.blocks)
 
     def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
-        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks)))
+        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)))
 
 
 def empty_kv_cache_blocks(num_groups: int) -> KVCacheBlocks:

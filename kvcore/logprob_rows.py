@@ -48,9 +48,9 @@ class LogprobsBatch:
         last = self._last
         if last is None:
             ids = self.req_ids or []
-            last = self._last = dict(zip(ids, range(len(ids))))
+            last = self._last = dict(zip(ids, range(len(ids)), strict=True))
             if len(last) < len(ids):  # some request has several rows: their first comes from the end
-                self._first = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))
+                self._first = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1), strict=True))
         stop = last.get(req_id)
         if stop is None:
             return None

@@ -201,7 +201,10 @@ def save_hf_model(family: str, path: str, seed: int = 0) -> torch.nn.Module:
 def make_prompts(seed: int = 0) -> list[list[int]]:
     """Prompts of 5 to 120 tokens; four share one 48-token prefix."""
     rng = np.random.default_rng(seed)
-    tok = lambda n: rng.integers(3, VOCAB, size=n).tolist()  # noqa: E731 - skip pad/bos/eos ids
+
+    def tok(n: int) -> list[int]:
+        return rng.integers(3, VOCAB, size=n).tolist()  # from 3: skip the pad/bos/eos ids
+
     prefix = tok(48)
     return [
         tok(5),

@@ -70,5 +70,8 @@ def percentiles(xs: list[float]) -> str:
     if not xs:
         return "n/a"
     s = sorted(xs)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+
+    def pick(q: float) -> float:
+        return s[min(len(s) - 1, int(q * len(s)))]
+
     return f"p50={pick(0.5) * 1e3:.1f}ms p99={pick(0.99) * 1e3:.1f}ms (n={len(s)})"

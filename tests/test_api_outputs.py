@@ -6,8 +6,7 @@ defaults come from the model. One local Ray and one LLM for the module."""
 import os
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
+import hf_models as H
 import pytest
 import ray
 import torch
@@ -50,11 +49,7 @@ def llm(tmp_path_factory):
 
 def hf_greedy(model_dir: str, ids: list[int], n: int) -> list[int]:
     model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return out[0, len(ids) :].tolist()
+    return H.hf_greedy(model, ids, n).tokens
 
 
 def wait_idle(llm: LLM) -> dict:
@@ -157,9 +152,13 @@ def test_logprobs_equal_hf_log_softmax(llm) -> None:
         assert {t: r for t, r in ((t, v.rank) for t, v in pos.items())} == {
             int(t): r for r, t in enumerate(top.indices.tolist(), start=1)
         }
-        assert all(abs(pos[int(t)].logprob - v) < 1e-4 for t, v in zip(top.indices.tolist(), top.values.tolist()))
+        assert all(
+            abs(pos[int(t)].logprob - v) < 1e-4 for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        )
         assert pos[tok].decoded_token == llm.get_tokenizer().decode([tok], skip_special_tokens=False)
-    assert c.cumulative_logprob == pytest.approx(sum(pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids, strict=True))
+    )
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
     for j in range(1, len(p)):
         row, own = lsm[j - 1], out.prompt_logprobs[j][p[j]]

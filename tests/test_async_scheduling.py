@@ -7,11 +7,6 @@ is test_async_scheduling_sim.py):
 2. Through Ray (driver actor, compiled-graph transport with two steps in flight): greedy equals HF.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 import hf_models as H
 import pytest
 
@@ -83,7 +78,7 @@ SAMPLED = {
 def run_engine(config: EngineConfig, prompts, plan):
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
-        for i, (p, (sp, eos, _)) in enumerate(zip(prompts, plan)):
+        for i, (p, (sp, eos, _)) in enumerate(zip(prompts, plan, strict=True)):
             engine.add_request(Request(f"g{i}", p, sp, eos_token_id=eos))
         for rid, sp in SAMPLED.items():
             engine.add_request(Request(rid, prompts[3], sp, eos_token_id=None))
@@ -187,9 +182,9 @@ def test_ray_async_compiled_graph_matches_hf(reference):
         )
         try:
             # EOS comes from the model config here, so use the stop-token and length cases.
-            items = [(p, sp, want) for p, (sp, eos, want) in zip(prompts, plan) if eos is None]
+            items = [(p, sp, want) for p, (sp, eos, want) in zip(prompts, plan, strict=True) if eos is None]
             outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in items], [sp for _, sp, _ in items])
-            for o, (_, _, want) in zip(outs, items):
+            for o, (_, _, want) in zip(outs, items, strict=True):
                 assert o.error is None, o.error
                 assert list(o.outputs[0].token_ids) == want
         finally:

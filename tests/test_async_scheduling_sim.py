@@ -9,10 +9,6 @@
 The real engine and Ray with async scheduling: test_async_scheduling.py.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import random
 from collections import deque
 
@@ -55,7 +51,7 @@ class FakeWorker:
             self.computed[new.req_id] = new.num_computed_tokens
         c = so.scheduled_cached_reqs
         for rid, resumed, toks, computed in zip(
-            c.req_ids, c.resumed_from_preemption, c.resumed_token_ids, c.num_computed_tokens
+            c.req_ids, c.resumed_from_preemption, c.resumed_token_ids, c.num_computed_tokens, strict=True
         ):
             if resumed:
                 self.tokens[rid] = list(toks)

@@ -10,14 +10,12 @@ entries point far outside the pool, and output rows are pre-filled with NaN.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvcore.kernels.attention_tiles import choose_num_splits  # noqa: E402
-from kvcore.kernels.ops import longest_first, paged_attention, reshape_and_cache  # noqa: E402
-from kvcore.kernels.paged_attention import paged_attention_triton  # noqa: E402
+from kvcore.kernels.attention_tiles import choose_num_splits
+from kvcore.kernels.ops import longest_first, paged_attention, reshape_and_cache
+from kvcore.kernels.paged_attention import paged_attention_triton
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
 PAD_ROWS = 3  # rows of query/out beyond the batch's tokens, which must stay untouched
@@ -35,7 +33,7 @@ def make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, window=None, seed=0):
     table = torch.full((len(seq_lens) + 1, max(pages) + 2), 10**6, dtype=torch.int32)
     free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 = null block
     keys, values = [], []
-    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
         k = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
         v = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
         keys.append(k)
@@ -74,7 +72,7 @@ def dense_oracle(batch, scale, window):
     outs = []
     q_all = batch["query"].cpu().float()
     start = 0
-    for q_len, k, v in zip(batch["q_lens"], batch["keys"], batch["values"]):
+    for q_len, k, v in zip(batch["q_lens"], batch["keys"], batch["values"], strict=True):
         seq_len = k.shape[0]
         q = q_all[start : start + q_len].transpose(0, 1)  # [Hq, Lq, D]
         rep = q.shape[0] // k.shape[1]

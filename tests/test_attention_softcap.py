@@ -3,16 +3,12 @@ eager attention computes it, and the Triton kernel (under TRITON_INTERPRET=1) ag
 with windows, split-KV and both tile paths. The scale and cap are chosen so most scores saturate:
 a kernel that ignored the cap, or capped after the log2(e) factor, would be far off."""
 
-import os
+import pytest
+import torch
+from test_attention_kernels import SHAPES, assert_written_and_untouched, make_batch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from test_attention_kernels import SHAPES, assert_written_and_untouched, make_batch  # noqa: E402
-
-from kvcore.kernels.ops import paged_attention  # noqa: E402
-from kvcore.kernels.paged_attention import paged_attention_triton  # noqa: E402
+from kvcore.kernels.ops import paged_attention
+from kvcore.kernels.paged_attention import paged_attention_triton
 
 SCALE, CAP = 0.9, 2.5
 
@@ -21,7 +17,7 @@ def hf_eager_oracle(batch, scale, window, softcap):
     """scores * scale -> cap * tanh(. / cap) -> + mask -> softmax -> @ V, per sequence, on contiguous K/V."""
     outs, start = [], 0
     q_all = batch["query"].cpu().float()
-    for q_len, k, v in zip(batch["q_lens"], batch["keys"], batch["values"]):
+    for q_len, k, v in zip(batch["q_lens"], batch["keys"], batch["values"], strict=True):
         seq_len = k.shape[0]
         q = q_all[start : start + q_len].transpose(0, 1)
         rep = q.shape[0] // k.shape[1]

@@ -4,21 +4,17 @@ gate (KVRAY_DECODE_ORDER): which batches launch longest first."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvcore.kernels.attention_tiles import (  # noqa: E402
+from kvcore.kernels.attention_tiles import (
     DECODE_ORDER_ENV,
     DECODE_TILES_ENV,
     decode_tiles_override,
     longest_first_max_seqs,
     small_tiles,
 )
-from kvcore.kernels.ops import paged_attention  # noqa: E402
+from kvcore.kernels.ops import paged_attention
 
 
 def test_default_and_override(monkeypatch):

@@ -1,19 +1,15 @@
 """BlockTable / MultiGroupBlockTable: row operations, both commit modes, and the slot mapping from
 the Triton kernel (run by the interpreter on CPU tensors), checked against a plain Python model."""
 
-import os
+import random
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import numpy as np
+import pytest
+import torch
 
-import random  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kvcore.kernels.slot_mapping as sm  # noqa: E402
-from kvcore.block_table import BlockTable, MultiGroupBlockTable  # noqa: E402
-from kvcore.kernels.slot_mapping import TOKEN_TILE, slot_mapping_ref  # noqa: E402
+import kvcore.kernels.slot_mapping as sm
+from kvcore.block_table import BlockTable, MultiGroupBlockTable
+from kvcore.kernels.slot_mapping import TOKEN_TILE, slot_mapping_ref
 
 CPU = torch.device("cpu")
 # "delta_only": delta commits with the full-copy fallback off, so that tiny tables still take the

@@ -1,6 +1,8 @@
 """Config YAML as untrusted input: alias bombs, recursive anchors, deep nesting and huge numbers are
 refused with a short message; `1e3` is a number in a config file and in --set."""
 
+import itertools
+
 import pytest
 
 from cluster.cli import main as kvray_main
@@ -11,7 +13,7 @@ LEVELS = "abcdefghijklmnop"
 # 600 bytes that expand to 9**16 (1.9e15) strings under safe_load's alias sharing
 BOMB = (
     'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
-    + "".join(f"{x}: &{x} [{','.join([f'*{p}'] * 9)}]\n" for p, x in zip(LEVELS, LEVELS[1:]))
+    + "".join(f"{x}: &{x} [{','.join([f'*{p}'] * 9)}]\n" for p, x in itertools.pairwise(LEVELS))
     + "model:\n  model: *p\n"
 )
 # the same bomb on one line, for --set

@@ -11,10 +11,6 @@ with the Triton kernels under TRITON_INTERPRET=1, in a roomy pool and in a tight
 and preemption between padded steps).
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import hf_models as H
 import pytest
 
@@ -111,7 +107,7 @@ def run_padded(config: EngineConfig, prompts, max_tokens=MAX_TOKENS):
             return bucket, reason
 
         runner.plan.select = spy
-        for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True)):
             sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             engine.add_request(Request(f"g{i}", p, sp, eos_token_id=2))
         tokens: dict[str, list[int]] = {}
@@ -140,7 +136,7 @@ def test_padded_decode_matches_hf(reference, family, tight, backend):
     pick = [0, 2, 5] if backend == "triton" else list(range(len(prompts)))
     max_tokens = [MAX_TOKENS[i] for i in pick]
     got, padded_steps, stats = run_padded(make_config(path, backend, tight), [prompts[i] for i in pick], max_tokens)
-    for i, g, n in zip(pick, got, max_tokens):
+    for i, g, n in zip(pick, got, max_tokens, strict=True):
         assert g == expected[i][:n], f"{family} {backend} tight={tight}: prompt {i}: {g} vs HF {expected[i]}"
     if family == "qwen3_hybrid":
         assert stats["num_kv_cache_groups"] == 2, stats  # a full and a sliding-window group, both padded
@@ -219,7 +215,7 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
         assert runner.graphs is made[-1]
         assert runner.graphs.captured == sorted(runner.plan.buckets())
         assert runner.plan.decode_sizes == [1, 2, 4, 8, 16]
-        for i, (p, n) in enumerate(zip(prompts, MAX_TOKENS)):
+        for i, (p, n) in enumerate(zip(prompts, MAX_TOKENS, strict=True)):
             engine.add_request(Request(f"g{i}", p, SamplingParams(max_tokens=n, ignore_eos=True)))
         tokens: dict[str, list[int]] = {}
         while engine.has_unfinished():

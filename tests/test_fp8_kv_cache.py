@@ -3,16 +3,12 @@ fp8 conversion bit for bit, paged attention over an fp8 cache against the torch 
 reference against a dense oracle on the unquantized K/V. Runs under TRITON_INTERPRET=1 on the CPU.
 """
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvcore.kernels.fp8 import FORMATS, quantize_ref  # noqa: E402
-from kvcore.kernels.ops import reshape_and_cache  # noqa: E402
-from tests.test_attention_kernels import (  # noqa: E402
+from kvcore.kernels.fp8 import FORMATS, quantize_ref
+from kvcore.kernels.ops import reshape_and_cache
+from tests.test_attention_kernels import (
     DEVICE,
     SHAPES,
     assert_written_and_untouched,

@@ -5,27 +5,25 @@ product, and the linear layers' swap. End to end, vLLM's logprobs rule: tests/te
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from actors.layers.fp8_linear import (  # noqa: E402
+from actors.layers.fp8_linear import (
     fp8_linear,
     per_token_quant_fp8_ref,
     quantize_weight_fp8,
 )
-from actors.layers.kernels.fp8_gemm import (  # noqa: E402
+from actors.layers.kernels.fp8_gemm import (
     GemmConfig,
     default_config,
     w8a16_linear,
     w8a16_linear_ref,
 )
-from actors.layers.kernels.fp8_quant import per_token_quant_fp8_triton  # noqa: E402
-from actors.layers.kernels.fp8_scale import FMAX, MIN_SCALE  # noqa: E402
+from actors.layers.kernels.fp8_quant import per_token_quant_fp8_triton
+from actors.layers.kernels.fp8_scale import FMAX, MIN_SCALE
 
 E4M3 = torch.float8_e4m3fn
-# The quantizer tests run the compiled kernel on a GPU with TRITON_INTERPRET=0 (gpu_suite s14a).
+# The quantizer tests run the compiled kernel on a GPU with TRITON_INTERPRET=0 (python -m benchmarks fp8).
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
 
 
@@ -172,7 +170,7 @@ def test_linear_layers_swap_their_weight_and_keep_their_output():
     assert col.weight is None and col.weight_fp8.dtype == E4M3 and col.bias is not None
     assert odd.weight is not None  # untouched: the GPU's scaled GEMM needs multiples of 16
     after = (col(x), row(x), odd(x[:, :40]))
-    for b, a in zip(before[:2], after[:2]):
+    for b, a in zip(before[:2], after[:2], strict=True):
         assert not torch.equal(a, b) and (a - b).abs().max() < 0.1 * b.abs().max()
     assert torch.equal(before[2], after[2])
     assert not col.quantize_fp8()  # already fp8: nothing to do

@@ -1,16 +1,12 @@
 """The fused-MoE Triton kernel (under TRITON_INTERPRET=1) against HF's expert loop in torch, and
 the expert alignment it relies on."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from actors.layers.fused_moe import route_topk  # noqa: E402
-from actors.layers.kernels.fused_moe import align_by_expert, fused_moe_triton  # noqa: E402
-from actors.layers.kernels.moe_reference import fused_moe_ref  # noqa: E402
+from actors.layers.fused_moe import route_topk
+from actors.layers.kernels.fused_moe import align_by_expert, fused_moe_triton
+from actors.layers.kernels.moe_reference import fused_moe_ref
 
 
 def make(num_tokens, num_experts, top_k, hidden, inter, dtype, seed=0, skip_expert=None):

@@ -1,16 +1,12 @@
 """Gemma's (1 + w) RMSNorm in the Triton RMSNorm and q/k-norm + rotary kernels (TRITON_INTERPRET=1)
 against the torch references, and the references against the GemmaRMSNorm layer (HF's formula)."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from actors.layers.kernels import layer_ops  # noqa: E402
-from actors.layers.norm import GemmaRMSNorm  # noqa: E402
-from actors.layers.rotary import RopeParams, RotaryEmbedding  # noqa: E402
+from actors.layers.kernels import layer_ops
+from actors.layers.norm import GemmaRMSNorm
+from actors.layers.rotary import RopeParams, RotaryEmbedding
 
 
 def _gemma_layer(n, dtype, w):

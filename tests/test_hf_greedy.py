@@ -126,7 +126,7 @@ def check_greedy(
     for i, exp in enumerate(expected):
         got = tokens.get(f"g{i}", [])
         if got != exp:
-            first = next((k for k, (a, b) in enumerate(zip(got, exp)) if a != b), min(len(got), len(exp)))
+            first = next((k for k, (a, b) in enumerate(zip(got, exp, strict=False)) if a != b), min(len(got), len(exp)))
             pytest.fail(
                 f"{scenario}: prompt {i} ({len(prompts[i])} tokens) diverges from HF at new token "
                 f"{first}: got {got}, HF {exp}"

@@ -2,19 +2,15 @@
 concurrency they buy for a Gemma-3 shape at 8k context, and identical outputs with the hybrid
 manager on and off (every layer managed as full attention), as vLLM checks its own."""
 
-import os
+import hf_models as H
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import hf_models as H  # noqa: E402
-import torch  # noqa: E402
-
-from actors.driver.engine_core import EngineCore  # noqa: E402
-from actors.executor.local import LocalExecutor  # noqa: E402
-from actors.models.kv_memory import kv_cache_report  # noqa: E402
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
-from kvcore.request import Request, SamplingParams  # noqa: E402
-from kvcore.spec import FullAttentionSpec, SlidingWindowSpec, group_layers_by_spec  # noqa: E402
+from actors.driver.engine_core import EngineCore
+from actors.executor.local import LocalExecutor
+from actors.models.kv_memory import kv_cache_report
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvcore.request import Request, SamplingParams
+from kvcore.spec import FullAttentionSpec, SlidingWindowSpec, group_layers_by_spec
 
 GEMMA3_12B = dict(
     architectures=["Gemma3ForCausalLM"],

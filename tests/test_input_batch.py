@@ -1,9 +1,5 @@
 """InputBatch: rows follow their requests through add / remove / condense / swap."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import numpy as np
 import pytest
 import torch
@@ -82,7 +78,7 @@ def test_remove_condense_equals_batch_of_survivors():
             s.output_token_ids.append(4242)
             delta = tuple([900 + trial] for _ in BLOCK_SIZES)
             batch.block_table.append_row(delta, row)
-            for blocks, d in zip(s.block_ids, delta):
+            for blocks, d in zip(s.block_ids, delta, strict=True):
                 blocks.extend(d)
         removed = set(rng.choice(MAX_REQS, size=int(rng.integers(1, MAX_REQS)), replace=False).tolist())
         for i in removed:

@@ -2,10 +2,6 @@
 TRITON_INTERPRET=1: random batches of prefill chunks, decodes fed from the device and host tokens,
 unpadded and padded to a bucket (padding sequences empty, padding tokens id 0 at position 0)."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import numpy as np
 import pytest
 import torch

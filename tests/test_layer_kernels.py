@@ -63,7 +63,7 @@ def test_references_match_torch_layers() -> None:
     norm.weight.data.copy_(norm_weight(48, dtype))
     x, res = randn(5, 48, dtype=dtype), randn(5, 48, dtype=dtype)
     assert torch.equal(rms_norm_ref(x, norm.weight, 1e-6), norm(x))
-    for got, want in zip(rms_norm_ref(x, norm.weight, 1e-6, res), norm(x, res)):
+    for got, want in zip(rms_norm_ref(x, norm.weight, 1e-6, res), norm(x, res), strict=True):
         assert torch.equal(got, want)
 
     rot = RotaryEmbedding(d, 64, RopeParams(theta=10000.0))
@@ -76,9 +76,9 @@ def test_references_match_torch_layers() -> None:
         pos, q_norm(q.reshape(5, -1, d)).view(5, -1).contiguous(), k_norm(k.reshape(5, -1, d)).view(5, -1).contiguous()
     )
     got = qk_norm_rope_ref(q.view(5, 4, d), k.view(5, 2, d), pos, rot.cos_sin_cache, q_norm.weight, k_norm.weight, 1e-6)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     got = qk_norm_rope_ref(q.view(5, 4, d), k.view(5, 2, d), pos, rot.cos_sin_cache, None, None, 1e-6)
-    assert all(torch.equal(g, w) for g, w in zip(got, rot(pos, q, k)))
+    assert all(torch.equal(g, w) for g, w in zip(got, rot(pos, q, k), strict=True))
 
     gate_up = randn(5, 24, dtype=dtype)
     assert torch.equal(silu_and_mul_ref(gate_up), SiluAndMul()(gate_up))
@@ -116,7 +116,9 @@ def test_rms_norm_strided_and_3d_inputs() -> None:
     eps = 1e-5
     wide = randn(9, 80)
     x, res, w = wide[:, 8:72], randn(9, 64), norm_weight(64, torch.float32)  # row stride 80
-    for got, want in zip(layer_ops.rms_norm(x, w, eps, res, backend="triton"), rms_norm_ref(x, w, eps, res)):
+    for got, want in zip(
+        layer_ops.rms_norm(x, w, eps, res, backend="triton"), rms_norm_ref(x, w, eps, res), strict=True
+    ):
         torch.testing.assert_close(got, want, **FP32_TOL)
     x3 = randn(3, 5, 64)
     got = layer_ops.rms_norm(x3, w, eps, backend="triton")
@@ -157,7 +159,7 @@ def test_qk_norm_rope(dtype: torch.dtype, hq: int, hkv: int, d: int, qk_norm: bo
     qw, kw = (norm_weight(d, dtype), norm_weight(d, dtype)) if qk_norm else (None, None)
     got = layer_ops.qk_norm_rope(q, k, pos, rot.cos_sin_cache, qw, kw, eps, backend="triton")
     want = layer_ops.qk_norm_rope(q, k, pos, rot.cos_sin_cache, qw, kw, eps, backend="torch")
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous()
         if dtype == torch.float32:
             torch.testing.assert_close(g, w, **FP32_TOL)

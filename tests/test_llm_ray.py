@@ -4,10 +4,6 @@ HF transformers token for token on tiny random models: TP=1 and TP=2 (both trans
 sliding-window model, a pool so small that requests are preempted, and two data-parallel engines.
 One local Ray for the module (bounded CPUs), shut down at the end."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import hf_models as H
 import pytest
 import ray
@@ -53,7 +49,7 @@ def run(path, prompts, **kwargs):
 
 def assert_equal_to_hf(outs, prompts, expected):
     assert [o.prompt_token_ids for o in outs] == prompts  # input order kept
-    for i, (o, exp) in enumerate(zip(outs, expected)):
+    for i, (o, exp) in enumerate(zip(outs, expected, strict=True)):
         assert o.error is None, o.error
         assert o.outputs[0].finish_reason == "length"
         assert o.outputs[0].token_ids == exp, f"prompt {i}: {o.outputs[0].token_ids} != HF {exp}"

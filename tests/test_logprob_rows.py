@@ -91,7 +91,7 @@ def test_a_message_pickles_the_steps_batch_once() -> None:
         pickle.dumps(PollResult(outputs), protocol=5, buffer_callback=buffers.append), buffers=buffers
     ).outputs
     assert len(buffers) <= 4 and len({id(o.step_logprobs) for o in polled[:-1]}) == 1
-    for o, want in zip(polled[:-1], outputs):
+    for o, want in zip(polled[:-1], outputs[:-1], strict=True):
         got, ref = o.logprobs, want.logprobs
         assert got is not None and ref is not None and (got.token_ids == ref.token_ids).all()
 

@@ -231,7 +231,7 @@ class PagedDriver:
         for r, row in enumerate(rows):
             table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
         slots = []
-        for r, (sid, new) in enumerate(chunks):
+        for r in range(len(chunks)):
             for p in pos[starts[r] : starts[r + 1]]:
                 slots.append(rows[r][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
         slot_mapping = torch.tensor(slots + [-1] * NUM_PAD, dtype=torch.int64)
@@ -265,10 +265,10 @@ def run_schedule(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Te
 
 
 def _compare(ours: list[torch.Tensor], ref: list[torch.Tensor], seqs: list[list[int]]) -> None:
-    for s, (o, r, tokens) in enumerate(zip(ours, ref, seqs)):
+    for s, (o, r, tokens) in enumerate(zip(ours, ref, seqs, strict=True)):
         n = o.shape[0]
         assert PROMPTS[s] + NUM_DECODE <= n <= len(tokens), (s, n)
-        torch.testing.assert_close(o, r[:n], atol=ATOL, rtol=RTOL, msg=lambda m: f"sequence {s}: {m}")
+        torch.testing.assert_close(o, r[:n], atol=ATOL, rtol=RTOL, msg=lambda m, s=s: f"sequence {s}: {m}")
         # Greedy: from the end of the prompt on, our argmax is HF's next token.
         last = min(n, len(tokens) - 1)
         assert o[PROMPTS[s] - 1 : last].argmax(-1).tolist() == tokens[PROMPTS[s] : last + 1], (

@@ -199,9 +199,9 @@ def test_logprobs_shaped_as_vllm(tok) -> None:
     c = res.outputs[0]
     assert aborts == ["r"] and c.text == "ab" and len(c.token_ids) == 3 == len(c.logprobs)
     flat = [(sample[i // 2], i % 2) for i in range(3)]
-    for pos, (lists, row) in zip(c.logprobs, flat):
+    for pos, (lists, row) in zip(c.logprobs, flat, strict=True):
         want = {int(lists.token_ids[row, 0]): (float(lists.logprobs[row, 0]), int(lists.ranks[row]))}
-        for r, (t, lp) in enumerate(zip(lists.token_ids[row, 1:4], lists.logprobs[row, 1:4]), start=1):
+        for r, (t, lp) in enumerate(zip(lists.token_ids[row, 1:4], lists.logprobs[row, 1:4], strict=True), start=1):
             want.setdefault(int(t), (float(lp), r))
         assert {t: (v.logprob, v.rank) for t, v in pos.items()} == want
         assert all(v.decoded_token == tok.decode([t], skip_special_tokens=False) for t, v in pos.items())

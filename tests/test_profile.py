@@ -1,11 +1,8 @@
 """Worker.start_profile / stop_profile: a Chrome trace of the requested steps, started and stepped by the
 thread that runs execute_model, written to the requested directory."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import json
+import os
 
 import pytest
 

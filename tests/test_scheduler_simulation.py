@@ -46,7 +46,12 @@ class FakeWorker:
             self.computed[new.req_id] = new.num_computed_tokens
         c = out.scheduled_cached_reqs
         for rid, resumed, delta, token_ids, computed in zip(
-            c.req_ids, c.resumed_from_preemption, c.new_block_ids, c.resumed_token_ids, c.num_computed_tokens
+            c.req_ids,
+            c.resumed_from_preemption,
+            c.new_block_ids,
+            c.resumed_token_ids,
+            c.num_computed_tokens,
+            strict=True,
         ):
             if resumed:
                 assert rid not in self.rows, f"resumed {rid} still has a row"
@@ -56,7 +61,7 @@ class FakeWorker:
                 assert rid in self.rows, f"cached request {rid} has no row"
                 assert self.computed[rid] == computed, f"{rid}: worker computed {self.computed[rid]} != {computed}"
                 if delta is not None:
-                    for row, add in zip(self.rows[rid], delta):
+                    for row, add in zip(self.rows[rid], delta, strict=True):
                         row.extend(add)
             self.computed[rid] = computed
 
@@ -87,8 +92,8 @@ def assert_rows_match(worker_row: tuple[list[int], ...], manager_row: tuple[list
     assert len(worker_row) == len(manager_row)
     if 0 not in (b for m in manager_row for b in m):
         assert worker_row == manager_row
-    for w, m in zip(worker_row, manager_row):
-        assert len(w) == len(m) and all(a == b or b == 0 for a, b in zip(w, m)), (w, m)
+    for w, m in zip(worker_row, manager_row, strict=True):
+        assert len(w) == len(m) and all(a == b or b == 0 for a, b in zip(w, m, strict=True)), (w, m)
 
 
 def check_blocks(sched: Scheduler) -> None:
@@ -213,7 +218,7 @@ def test_fast_path_matches_asking_the_manager_every_step():
     # Skipping allocate_slots when no block changes must not change a single decision or block id.
     spec = FullAttentionSpec(4, 1, 8, torch.float32)
     traces: list[list] = [[], []]
-    for fast, trace in zip([True, False], traces):
+    for fast, trace in zip([True, False], traces, strict=True):
         run_simulation(
             seed=4,
             num_requests=300,
@@ -224,7 +229,7 @@ def test_fast_path_matches_asking_the_manager_every_step():
             trace=trace,
         )
     assert len(traces[0]) == len(traces[1])
-    for a, b in zip(*traces):
+    for a, b in zip(*traces, strict=True):
         assert a == b
 
 

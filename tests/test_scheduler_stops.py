@@ -3,6 +3,8 @@ finishes from outside, impossible and duplicate requests. Runs against the real 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from kvcore import Request, RequestStatus, SamplingParams
@@ -16,7 +18,10 @@ def test_eos_stops_unless_ignored():
     sched = make_scheduler()
     sched.add_request(make_request("eos", 5, max_tokens=10, ignore_eos=False, eos=7, start=0))
     sched.add_request(make_request("ign", 5, max_tokens=10, ignore_eos=True, eos=7, start=100))
-    fn = lambda rid, pos: 7 if pos == 7 else 3  # noqa: E731  (3rd output token is EOS)
+
+    def fn(rid: str, pos: int) -> int:
+        return 7 if pos == 7 else 3  # the 3rd output token is EOS
+
     outs = drain(sched, fn)
     assert tokens_of(outs["eos"]) == [3, 3, 7]
     assert outs["eos"][-1].finish_reason == "stop" and outs["eos"][-1].stop_reason is None
@@ -27,7 +32,10 @@ def test_stop_token_ids_and_max_tokens():
     sched = make_scheduler()
     sched.add_request(make_request("stop", 5, max_tokens=10, stop=(42,), start=0))
     sched.add_request(make_request("len", 5, max_tokens=4, start=100))
-    fn = lambda rid, pos: 42 if pos == 6 else 1  # noqa: E731
+
+    def fn(rid: str, pos: int) -> int:
+        return 42 if pos == 6 else 1
+
     outs = drain(sched, fn)
     assert tokens_of(outs["stop"]) == [1, 42]
     assert outs["stop"][-1].finish_reason == "stop" and outs["stop"][-1].stop_reason == 42
@@ -47,7 +55,7 @@ def test_min_tokens_holds_eos_and_stop_tokens_back():
     """No stop on EOS or a stop token before min_tokens outputs (the sampler masks them; the scheduler
     keeps the rule even if one is sampled); the min_tokens-th output may stop; length still caps."""
     sched = make_scheduler()
-    sp = lambda **kw: SamplingParams(max_tokens=10, **kw)  # noqa: E731
+    sp = functools.partial(SamplingParams, max_tokens=10)
     sched.add_request(Request("eos", list(range(5)), sp(min_tokens=3), eos_token_id=7))
     sched.add_request(Request("stop", list(range(5)), sp(min_tokens=4, stop_token_ids=[7]), eos_token_id=None))
     sched.add_request(Request("zero", list(range(5)), sp(min_tokens=0), eos_token_id=7))

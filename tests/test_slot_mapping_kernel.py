@@ -1,19 +1,15 @@
 """The Triton kernels (interpreted on CPU tensors) against their plain-torch references on random
 inputs, and the delta-committed device table against the CPU table after random operations."""
 
-import os
+import random
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kvcore.kernels.block_table_delta as delta_mod  # noqa: E402
-from kvcore.block_table import BlockTable, MultiGroupBlockTable  # noqa: E402
-from kvcore.kernels.block_table_delta import apply_block_table_delta, apply_block_table_delta_ref  # noqa: E402
-from kvcore.kernels.slot_mapping import TOKEN_TILE, SlotMappingLaunch, slot_mapping_ref, triton_runs_on  # noqa: E402
+import kvcore.kernels.block_table_delta as delta_mod
+from kvcore.block_table import BlockTable, MultiGroupBlockTable
+from kvcore.kernels.block_table_delta import apply_block_table_delta, apply_block_table_delta_ref
+from kvcore.kernels.slot_mapping import TOKEN_TILE, SlotMappingLaunch, slot_mapping_ref, triton_runs_on
 
 CPU = torch.device("cpu")
 
@@ -51,7 +47,7 @@ def test_slot_mapping_kernel_matches_reference(seed):
         before = [o.clone() for o in outs]
         launch(num_reqs, qsl, positions)
         n = min(positions.numel(), buffer_len)  # the step's entries (padding included) are written
-        for table, bs, out, old in zip(tables, block_sizes, outs, before):
+        for table, bs, out, old in zip(tables, block_sizes, outs, before, strict=True):
             ref = slot_mapping_ref(table, bs, qsl, positions, num_reqs, n)
             assert torch.equal(out[:n], ref)
             assert torch.equal(out[n:], old[n:])  # nothing past them
@@ -168,6 +164,6 @@ def test_multi_group_delta_commit_and_reference_backend_agree():
         bt.slot_mapping.gpu.fill_(7)
     mg.compute_slot_mapping(6, qsl, positions)
     n = positions.numel()
-    for bt, out in zip(mg.block_tables, triton_out):
+    for bt, out in zip(mg.block_tables, triton_out, strict=True):
         assert torch.equal(bt.slot_mapping.gpu[:n], out[:n])
         assert (bt.slot_mapping.gpu[n:] == 7).all()  # both paths write the step's entries only

@@ -75,11 +75,11 @@ def new_param(shape: tuple[int, ...], dtype: torch.dtype, loader: WeightLoader) 
     p = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     # The loader rides on the parameter, as in vLLM; torch.nn.Parameter declares no such attribute, so
     # it is set and read through these two functions only.
-    setattr(p, "weight_loader", loader)
+    setattr(p, "weight_loader", loader)  # noqa: B010 - mypy refuses an attribute Parameter does not declare
     return p
 
 
 def load_weight(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
     """Run the weight_loader new_param gave `param`."""
-    loader: WeightLoader = getattr(param, "weight_loader")
+    loader: WeightLoader = getattr(param, "weight_loader")  # noqa: B009 - as above, for reading
     loader(param, loaded, shard_id)

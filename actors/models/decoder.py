@@ -9,6 +9,7 @@ gate_up_proj, so checkpoint names map onto them mechanically.
 from __future__ import annotations
 
 import os
+from typing import Callable, cast
 
 import torch
 from safetensors import SafetensorError
@@ -228,9 +229,9 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head.logits(hidden, self.args.final_softcap)
 
     def empty_activations(self, num_tokens: int, device: torch.device) -> StageActivations:
-        make = getattr(self.model, "empty_activations")
-        acts: StageActivations = make(num_tokens, device)
-        return acts
+        # self.model is typed as an nn.Module attribute; its stage models all define empty_activations.
+        make = cast(Callable[[int, torch.device], StageActivations], self.model.empty_activations)
+        return make(num_tokens, device)
 
     def attention_layers(self) -> list[Attention]:
         # Each decoder layer holds one Attention (at layer.self_attn.attn), in layer order.

@@ -36,7 +36,7 @@ class CompileLog:
         self._pending[threading.get_ident()] = (getattr(fn, "name", "?"), sig, time.perf_counter())
         return False  # False: go on and compile
 
-    def after_compile(self, *, repr: str, fn: Any, **_: Any) -> None:  # noqa: A002
+    def after_compile(self, *, repr: str, fn: Any, **_: Any) -> None:  # noqa: A002 (Triton's keyword)
         now = time.perf_counter()
         name, sig, started = self._pending.pop(threading.get_ident(), (getattr(fn, "name", "?"), repr, now))
         with self._lock:

@@ -7,10 +7,12 @@ the one serving plain actor calls), so the trace shows the step's own CPU ops an
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -110,7 +112,7 @@ class StepTimer:
     # the tokens it waits for (its own, or the previous step's with lag) read back, return.
     HOST_MARKS = ("enter", "launched", "tokens", "exit")
 
-    def __init__(self, clock=time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._steps: list[tuple[int, int, int, torch.cuda.Event, torch.cuda.Event | None]] = []
         self._calls: list[dict[str, float]] = []
         self._clock = clock
@@ -126,7 +128,7 @@ class StepTimer:
         complete (-> return) and outside (return -> next entry: the transport and the driver)."""
         calls = [c for c in self._calls if all(k in c for k in self.HOST_MARKS)]
         out = []
-        for prev, c in zip(calls, calls[1:]):
+        for prev, c in itertools.pairwise(calls):
             out.append(
                 {
                     "prepare_ms": (c["launched"] - c["enter"]) * 1e3,

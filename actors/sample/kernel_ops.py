@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def philox_uniform(seed, pos, start, BLOCK_V: tl.constexpr):
+def philox_uniform(seed: tl.tensor, pos: tl.tensor, start: tl.tensor, BLOCK_V: tl.constexpr) -> tl.tensor:
     """Philox uniforms in [0, 1) for (seed [R], pos [R]) x vocabulary entries start .. start + BLOCK_V
     -> [R, BLOCK_V]; start a multiple of 4. Entry v is lane v & 3 of counter (v >> 2, pos): one Philox
     evaluation serves four entries (at 256 rows x 151,936 the draw was bound by Philox's integer work)."""
@@ -24,7 +24,7 @@ def philox_uniform(seed, pos, start, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def order_key(y):
+def order_key(y: tl.tensor) -> tl.tensor:
     """An int64 key with the float32 order: bits for positives, sign-magnitude flipped for negatives."""
     bits = y.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
@@ -32,33 +32,33 @@ def order_key(y):
 
 @triton.jit
 def tile_values(
-    logits_ptr,
-    stride_l,
-    rows,
-    rmask,
-    offs,
-    V,
-    t_eff,
-    slot,
-    pres,
-    freq,
-    rep,
-    counts_ptr,
-    pmask_ptr,
-    stride_c,
-    ban_ptr,
-    prev_ptr,
-    stride_b,
-    num_ban,
-    last,
-    lrow_ptr,
-    lslot,
-    stride_lr,
+    logits_ptr: tl.tensor,
+    stride_l: tl.tensor,
+    rows: tl.tensor,
+    rmask: tl.tensor,
+    offs: tl.tensor,
+    V: tl.tensor,
+    t_eff: tl.tensor,
+    slot: tl.tensor,
+    pres: tl.tensor,
+    freq: tl.tensor,
+    rep: tl.tensor,
+    counts_ptr: tl.tensor,
+    pmask_ptr: tl.tensor,
+    stride_c: tl.tensor,
+    ban_ptr: tl.tensor,
+    prev_ptr: tl.tensor,
+    stride_b: tl.tensor,
+    num_ban: tl.tensor,
+    last: tl.tensor,
+    lrow_ptr: tl.tensor,
+    lslot: tl.tensor,
+    stride_lr: tl.tensor,
     HAS_PENALTY: tl.constexpr,
     HAS_BAN: tl.constexpr,
     HAS_BAN_PREV: tl.constexpr,
     HAS_ROW: tl.constexpr,
-):
+) -> tl.tensor:
     """The processed, temperature-scaled logits of a [R, BLOCK_V] tile; -inf outside the vocabulary.
 
     In vLLM's order: the logit row (logit_bias added, -inf outside allowed_token_ids and at one-token bad
@@ -95,7 +95,7 @@ def tile_values(
 
 
 @triton.jit
-def argmax_update(s, start, best, best_i):
+def argmax_update(s: tl.tensor, start: tl.tensor, best: tl.tensor, best_i: tl.tensor) -> tl.tensor:
     """Fold a tile's row maxima into the running ones; the first index wins ties, as torch.argmax."""
     tile_best = tl.max(s, axis=1)
     tile_arg = tl.argmax(s, axis=1).to(tl.int64) + start
@@ -104,7 +104,18 @@ def argmax_update(s, start, best, best_i):
 
 
 @triton.jit
-def merge_shares(part_val_ptr, part_idx_ptr, count_ptr, rows, rmask, m, g_arg, best, best_i, SPLIT_PAD: tl.constexpr):
+def merge_shares(
+    part_val_ptr: tl.tensor,
+    part_idx_ptr: tl.tensor,
+    count_ptr: tl.tensor,
+    rows: tl.tensor,
+    rmask: tl.tensor,
+    m: tl.tensor,
+    g_arg: tl.tensor,
+    best: tl.tensor,
+    best_i: tl.tensor,
+    SPLIT_PAD: tl.constexpr,
+) -> tl.tensor:
     """A row split over programs (the vocabulary in shares): each program leaves its maxima and their
     indices in scratch and counts itself done; the last to finish (`last`) merges every share, the
     earliest winning ties (so the first index wins, as in one pass), and resets the count for the next
@@ -129,7 +140,7 @@ def merge_shares(part_val_ptr, part_idx_ptr, count_ptr, rows, rmask, m, g_arg, b
 
 
 @triton.jit
-def share_winner(val_ptr, idx_ptr, at, ok, shares):
+def share_winner(val_ptr: tl.tensor, idx_ptr: tl.tensor, at: tl.tensor, ok: tl.tensor, shares: tl.tensor) -> tl.tensor:
     # .cg: read the other programs' shares from L2, past this SM's L1
     vals = tl.load(val_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
     idx = tl.load(idx_ptr + at, mask=ok, other=0, cache_modifier=".cg")
@@ -138,7 +149,9 @@ def share_winner(val_ptr, idx_ptr, at, ok, shares):
 
 
 @triton.jit
-def _uniform_kernel(out_ptr, seed_ptr, pos_ptr, V, BLOCK_V: tl.constexpr):
+def _uniform_kernel(
+    out_ptr: tl.tensor, seed_ptr: tl.tensor, pos_ptr: tl.tensor, V: tl.tensor, BLOCK_V: tl.constexpr
+) -> None:
     """The uniforms the sampler draws for one row, for tests against the torch Philox."""
     row = tl.program_id(0)
     seed = tl.load(seed_ptr + row + tl.zeros((1,), tl.int32))

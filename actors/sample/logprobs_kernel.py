@@ -28,8 +28,18 @@ BLOCK = 4096
 
 @triton.jit(do_not_specialize=["K"])
 def _chunk_kernel(
-    logits_ptr, stride_row, tok_ptr, V, K, max_ptr, sum_ptr, cnt_ptr, cand_val_ptr, cand_idx_ptr, BLOCK: tl.constexpr
-):
+    logits_ptr: tl.tensor,
+    stride_row: tl.tensor,
+    tok_ptr: tl.tensor,
+    V: tl.tensor,
+    K: tl.tensor,
+    max_ptr: tl.tensor,
+    sum_ptr: tl.tensor,
+    cnt_ptr: tl.tensor,
+    cand_val_ptr: tl.tensor,
+    cand_idx_ptr: tl.tensor,
+    BLOCK: tl.constexpr,
+) -> None:
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     base = row * tl.num_programs(1) + chunk
@@ -54,7 +64,7 @@ def _chunk_kernel(
 
 
 @triton.jit
-def _max_lowest_id(v1, i1, v2, i2):
+def _max_lowest_id(v1: tl.tensor, i1: tl.tensor, v2: tl.tensor, i2: tl.tensor) -> tl.tensor:
     """(value, token id) pairs: the larger value, the lower id among equal values."""
     left = (v1 > v2) | ((v1 == v2) & (i1 < i2))
     return tl.where(left, v1, v2), tl.where(left, i1, i2)
@@ -62,22 +72,22 @@ def _max_lowest_id(v1, i1, v2, i2):
 
 @triton.jit(do_not_specialize=["K"])
 def _combine_kernel(
-    logits_ptr,
-    stride_row,
-    tok_ptr,
-    C,
-    K,
-    max_ptr,
-    sum_ptr,
-    cnt_ptr,
-    cand_val_ptr,
-    cand_idx_ptr,
-    ids_ptr,
-    lps_ptr,
-    ranks_ptr,
+    logits_ptr: tl.tensor,
+    stride_row: tl.tensor,
+    tok_ptr: tl.tensor,
+    C: tl.tensor,
+    K: tl.tensor,
+    max_ptr: tl.tensor,
+    sum_ptr: tl.tensor,
+    cnt_ptr: tl.tensor,
+    cand_val_ptr: tl.tensor,
+    cand_idx_ptr: tl.tensor,
+    ids_ptr: tl.tensor,
+    lps_ptr: tl.tensor,
+    ranks_ptr: tl.tensor,
     C_PAD: tl.constexpr,
     CK_PAD: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0)
     c = tl.arange(0, C_PAD)
     m = tl.load(max_ptr + row * C + c, mask=c < C, other=float("-inf"))

@@ -12,6 +12,7 @@ every position is computed once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -56,7 +57,10 @@ def prompt_plan(
 
 
 def compute_prompt_logprobs(
-    compute_logits, hidden: torch.Tensor, plan: PromptPlan, use_triton: bool | None = None
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    plan: PromptPlan,
+    use_triton: bool | None = None,
 ) -> LogprobsTensors:
     """The plan's rows in slices of PROMPT_SLICE, through compute_logprobs as the sampled rows go (the
     kernel on CUDA unless use_triton says otherwise; the runner passes its sampler's)."""

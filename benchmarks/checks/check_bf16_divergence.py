@@ -81,7 +81,7 @@ def run_hf(
 
 # ---- kvray -------------------------------------------------------------------------------------
 def run_kvray(
-    model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, args
+    model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, args: argparse.Namespace
 ) -> tuple[list[list[int]], float]:
     from cluster import LLM
 
@@ -126,8 +126,8 @@ HEADER = f"{'run vs reference':<24}{'identical':>10}{'median':>9}{'min':>6}{'p10
 def diverge(name: str, ref: list[list[int]], got: list[list[int]], margins: list[list[float]], n: int) -> Divergence:
     first = []
     at_div = []
-    for i, (a, b) in enumerate(zip(ref, got)):
-        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        pos = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         if pos is None:
             pos = n if len(a) == len(b) == n else min(len(a), len(b))
         first.append(pos)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:
         # The original shape keeps its metric names; the others carry theirs.
         pre = "" if args.shape == "qwen3-0.6b" else args.shape.replace("-", "_").replace(".", "p") + "_"
-        for r, tag in zip(rows, [pre + "hf_bf16", pre + "kvray_fp32", pre + "kvray_bf16"]):
+        for r, tag in zip(rows, [pre + "hf_bf16", pre + "kvray_fp32", pre + "kvray_bf16"], strict=True):
             record("bf16_divergence", f"{tag}_identical_frac", r.identical_frac, "fraction")
             record("bf16_divergence", f"{tag}_first_div_median", float(np.median(r.first_div)), "tokens")
             record("bf16_divergence", f"{tag}_first_div_p10", float(np.percentile(r.first_div, 10)), "tokens")

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from typing import Any
 
 from actors.driver.engine_core import EngineCore
 from actors.executor.local import LocalExecutor
@@ -47,7 +48,7 @@ def expected_len(rid: str) -> int:
     return NEW_TOKENS - (3 * c + i) % 17  # different lengths: the batch shrinks through non-buckets
 
 
-def run(path: str, prompts, mode: str, async_on: bool) -> tuple[dict[str, list[int]], Counter, dict]:
+def run(path: str, prompts: Any, mode: str, async_on: bool) -> tuple[dict[str, list[int]], Counter, dict]:
     config = EngineConfig(
         model=ModelConfig(model=path, dtype="float32", cudagraph_mode=mode),
         parallel=ParallelConfig(device="cuda"),
@@ -67,7 +68,7 @@ def run(path: str, prompts, mode: str, async_on: bool) -> tuple[dict[str, list[i
             assert runner.graphs.captured == sorted(runner.plan.buckets()), runner.graphs.captured
             real_replay = runner.graphs.replay
 
-            def counting_replay(bucket):
+            def counting_replay(bucket: Any) -> Any:
                 replays[(runner.input_batch.num_reqs, bucket)] += 1
                 return real_replay(bucket)
 

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import record
 
@@ -67,7 +68,7 @@ FIELDS = [
 ]
 
 
-def _value(rng: random.Random, depth: int = 0):
+def _value(rng: random.Random, depth: int = 0) -> Any:
     r = rng.random()
     if r < 0.4:
         return rng.choice(EDGE)
@@ -82,7 +83,7 @@ def _value(rng: random.Random, depth: int = 0):
     return {str(_value(rng, depth + 1)): _value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
 
 
-def _dump(obj, rng: random.Random) -> bytes:
+def _dump(obj: Any, rng: random.Random) -> bytes:
     text = json.dumps(obj, ensure_ascii=rng.random() < 0.5, allow_nan=True)
     return text.encode("utf-8", "surrogatepass")  # a raw lone surrogate becomes invalid UTF-8
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,7 @@ def child(kind: str, block_m: int, block_n: int) -> None:
     if log is not None:  # print each compile when it ends, so a hang shows which one was last
         after = log.after_compile
 
-        def loud(**kw):
+        def loud(**kw: Any) -> Any:
             after(**kw)
             e = log.events[-1]
             print(f"  compiled {e.kernel} in {e.took_s:.1f} s", flush=True)

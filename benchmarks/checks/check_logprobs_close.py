@@ -36,8 +36,10 @@ import itertools
 import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchmarks import common
 from benchmarks.checks.check_bf16_divergence import make_prompts
@@ -66,7 +68,7 @@ class SeqCheck:
     max_lp_diff: float = 0.0  # |kvray - HF| logprob of the shared token, over the matched positions
 
 
-def best_first(pairs) -> TopK:
+def best_first(pairs: Iterable[tuple[int, float]]) -> TopK:
     """(token, logprob) pairs best first, a tie to the lower id: the token argmax (greedy) picks leads
     (topk orders ties arbitrarily, and bf16 logits tie often)."""
     return dict(sorted(pairs, key=lambda p: (-p[1], p[0])))
@@ -104,7 +106,7 @@ def check_sequence(
     if len(kv_tokens) != len(hf_tokens):
         return SeqCheck(index, None, False, f"lengths differ: kvray {len(kv_tokens)}, HF {len(hf_tokens)} tokens")
     lp_diff = 0.0
-    for pos, (a, b) in enumerate(zip(kv_tokens, hf_tokens)):
+    for pos, (a, b) in enumerate(zip(kv_tokens, hf_tokens, strict=True)):
         kv_at = kv_top[pos] if pos < len(kv_top) else None
         hf_at = hf_top[pos] if pos < len(hf_top) else None
         if a == b:
@@ -165,7 +167,7 @@ def kvray_topk(position: dict, k: int) -> TopK:
 
 
 # ---- the two runs ------------------------------------------------------------------------------
-def run_hf(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str, device: str):
+def run_hf(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str, device: str) -> tuple[Any, Any]:
     """Greedy tokens and every step's top log_softmax (float32, HF_RANKS of them, at least k), one batch
     per equal-length group."""
     import torch
@@ -180,14 +182,16 @@ def run_hf(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str,
         logits = torch.stack(out.logits, dim=1).float()  # batch, step, vocab
         vals, idx = torch.log_softmax(logits, dim=-1).topk(max(k, HF_RANKS), dim=-1)
         tokens += out.sequences[:, prompt_len:].tolist()
-        for v_row, i_row in zip(vals.tolist(), idx.tolist()):
-            tops.append([best_first(zip(ii, vv)) for vv, ii in zip(v_row, i_row)])
+        for v_row, i_row in zip(vals.tolist(), idx.tolist(), strict=True):
+            tops.append([best_first(zip(ii, vv, strict=True)) for vv, ii in zip(v_row, i_row, strict=True)])
     del model, out, logits
     free_device_memory(device)
     return tokens, tops
 
 
-def run_kvray(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str, args):
+def run_kvray(
+    model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str, args: argparse.Namespace
+) -> tuple[Any, Any]:
     from cluster import LLM, SamplingParams
 
     extra = (
@@ -238,7 +242,7 @@ def free_device_memory(device: str) -> None:
 
 
 # ---- one shape ---------------------------------------------------------------------------------
-def prompt_lengths(fields: dict, args) -> tuple[int, int]:
+def prompt_lengths(fields: dict, args: argparse.Namespace) -> tuple[int, int]:
     """[lo, hi]: straddling the sliding window where the shape has one, else --min-len..--max-len."""
     window = fields.get("sliding_window")
     if window and not args.no_cross_window:
@@ -246,7 +250,7 @@ def prompt_lengths(fields: dict, args) -> tuple[int, int]:
     return args.min_len, args.max_len
 
 
-def prepare_shape(shape: str, args) -> tuple[str, list[list[int]]]:
+def prepare_shape(shape: str, args: argparse.Namespace) -> tuple[str, list[list[int]]]:
     """The shape's random checkpoint (written once per layer count and dtype) and its prompts."""
     layers = None if args.smoke else (args.num_layers or DEFAULT_LAYERS.get(shape))
     fields = tiny_shape(shape) if args.smoke else dict(SHAPES[shape])
@@ -264,7 +268,7 @@ def prepare_shape(shape: str, args) -> tuple[str, list[list[int]]]:
     return model_dir, prompts
 
 
-def check_shape(shape: str, args, baseline_mib: int | None) -> ShapeReport:
+def check_shape(shape: str, args: argparse.Namespace, baseline_mib: int | None) -> ShapeReport:
     t0 = time.perf_counter()
     model_dir, prompts = prepare_shape(shape, args)
     t1 = time.perf_counter()
@@ -287,7 +291,7 @@ def check_shape(shape: str, args, baseline_mib: int | None) -> ShapeReport:
     return report
 
 
-def variant(args) -> str:
+def variant(args: argparse.Namespace) -> str:
     """The metric suffix of kvray's numerics: _fp8w (fp8 weights), _fp8kv (an fp8 cache), both, or none."""
     w = f"_{args.quantization}w" if args.quantization else ""
     return w + ("" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}kv")
@@ -305,7 +309,7 @@ def record_report(r: ShapeReport, suffix: str) -> None:
 
 
 # ---- main --------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None):
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=DEFAULT_SHAPES)
     p.add_argument("--num-layers", type=int, default=None, help=f"every shape's layers (default {DEFAULT_LAYERS})")

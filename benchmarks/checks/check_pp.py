@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from benchmarks.checks.check_tp import TIE_GAP, compare, gpu_used_mib, logit_gaps, make_prompts, wait_gpu_released
 from benchmarks.common import SHAPES, generate_greedy, make_random_model, record
@@ -32,7 +33,9 @@ from benchmarks.common import SHAPES, generate_greedy, make_random_model, record
 DEFAULT_SHAPES = {"llama-3.1-8b": 4, "qwen3-0.6b": None}  # shape -> layers it is cut to (None: all)
 
 
-def run_engine(model_dir: str, pp: int, prompts: list[list[int]], args) -> tuple[list[list[int]], dict]:
+def run_engine(
+    model_dir: str, pp: int, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[list[list[int]], dict]:
     from cluster import LLM
 
     extra = (
@@ -60,7 +63,7 @@ def run_engine(model_dir: str, pp: int, prompts: list[list[int]], args) -> tuple
     return tokens, stats
 
 
-def generate_greedy_keep(llm, prompts, new_tokens, label):
+def generate_greedy_keep(llm: Any, prompts: list[list[int]], new_tokens: int, label: str) -> Any:
     """common.generate_greedy without its shutdown (the engine's stats are read after it)."""
     shutdown, llm.shutdown = llm.shutdown, lambda: None
     try:

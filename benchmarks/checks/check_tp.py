@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,7 @@ def gpu_used_mib() -> int | None:
             ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], text=True, timeout=20
         )
         return sum(int(x) for x in out.split())
-    except Exception:  # noqa: BLE001 - best effort
+    except (OSError, subprocess.SubprocessError, ValueError):  # no reading (missing tool, timeout, odd output)
         return None
 
 
@@ -77,7 +78,9 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
     return [rng.integers(0, min(vocab, 100_000), int(k)).tolist() for k in rng.integers(lo, hi + 1, n)]
 
 
-def run_engine(model_dir: str, tp: int, prompts: list[list[int]], args) -> tuple[list[list[int]], float]:
+def run_engine(
+    model_dir: str, tp: int, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[list[list[int]], float]:
     from cluster import LLM
 
     extra = (
@@ -120,8 +123,8 @@ class Comparison:
 
 def compare(tp: int, ref: list[list[int]], got: list[list[int]]) -> Comparison:
     c = Comparison(tp, total=len(ref))
-    for i, (a, b) in enumerate(zip(ref, got)):
-        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        pos = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         if pos is None and len(a) == len(b):
             c.identical += 1
             c.prefix_fracs.append(1.0)
@@ -133,7 +136,9 @@ def compare(tp: int, ref: list[list[int]], got: list[list[int]]) -> Comparison:
     return c
 
 
-def logit_gaps(model_dir: str, prompts, ref, mismatches, device: str, limit: int = 4) -> list[float | None]:
+def logit_gaps(
+    model_dir: str, prompts: Any, ref: Any, mismatches: Any, device: str, limit: int = 4
+) -> list[float | None]:
     """float32 logit(ref token) - logit(other token) at each of the first `limit` mismatches, from HF
     transformers on the prompt plus TP=1's tokens before the mismatch."""
     import torch
@@ -141,7 +146,7 @@ def logit_gaps(model_dir: str, prompts, ref, mismatches, device: str, limit: int
 
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    except Exception as e:  # noqa: BLE001 - a diagnosis only
+    except (OSError, ValueError, RuntimeError, ImportError) as e:  # unreadable weights, no memory: a diagnosis only
         print(f"  (no HF diagnosis: {type(e).__name__}: {e})")
         return [None] * len(mismatches[:limit])
     gaps: list[float | None] = []
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in results:
             if c.mismatches:
                 gaps = logit_gaps(model_dir, prompts, ref, c.mismatches, args.device)
-                for (req, pos, want, got), g in zip(c.mismatches, gaps):
+                for (req, pos, _want, _got), g in zip(c.mismatches, gaps, strict=False):
                     kind = (
                         "a near-tie (numerical)"
                         if g is not None and abs(g) < TIE_GAP

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 from benchmarks.common import SHAPES, add_byte_tokenizer, make_random_model, record
 
@@ -37,7 +38,7 @@ def variants(n: int, out_len: int) -> dict:
     }
 
 
-def run_variant(llm, prompts: list[list[int]], sp) -> tuple[float, int]:
+def run_variant(llm: Any, prompts: list[list[int]], sp: Any) -> tuple[float, int]:
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     elapsed = time.perf_counter() - t0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +61,7 @@ def random_prompts(n: int, length: int, smoke: bool) -> list[dict]:
     return [{"prompt_token_ids": rng.integers(3, vocab, length).tolist()} for _ in range(n)]
 
 
-def timed_decode(llm, prompts: list[dict], warm: int, output_len: int):
+def timed_decode(llm: Any, prompts: list[dict], warm: int, output_len: int) -> tuple[Any, ...]:
     """Warm up on the first `warm` prompts, then generate all of them with rank 0 of replica 0 timing
     its steps. Returns (outputs, seconds, timed steps, host phases); shuts the LLM down."""
     import ray
@@ -82,7 +83,7 @@ def timed_decode(llm, prompts: list[dict], warm: int, output_len: int):
     return outs, elapsed, steps, phases
 
 
-def run_config(model_dir: str, name: str, args) -> dict:
+def run_config(model_dir: str, name: str, args: argparse.Namespace) -> dict:
     from cluster import LLM
 
     graphs, async_on = CONFIGS[name]

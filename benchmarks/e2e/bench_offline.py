@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,7 +97,7 @@ def make_workload(kind: str, vocab: int) -> tuple[list[list[int]], list[dict]]:
     return prompts, [dict(temperature=0.0, ignore_eos=True, max_tokens=int(x)) for x in out_lens]
 
 
-def run_kvray(model_dir: str, prompts, params, overrides: dict, args) -> dict:
+def run_kvray(model_dir: str, prompts: Any, params: Any, overrides: dict, args: argparse.Namespace) -> dict:
     import ray
 
     from cluster import LLM, SamplingParams
@@ -207,12 +208,12 @@ def print_step_breakdown(steps: list[dict], kv_bytes: int = 0) -> None:
     print("\n".join(lines), flush=True)
 
 
-def run_job(model_dir: str, prompts, params, out_dir: Path) -> float:
+def run_job(model_dir: str, prompts: Any, params: Any, out_dir: Path) -> float:
     """`kvray run --config configs/gpu.yaml` on the same workload as JSON lines; its output tok/s."""
     out_dir.mkdir(parents=True, exist_ok=True)
     inp, outp, summary = out_dir / "in.jsonl", out_dir / "out.jsonl", out_dir / "summary.json"
     with open(inp, "w") as f:
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": p, **sp}) + "\n")
     outp.unlink(missing_ok=True)
     cmd = [

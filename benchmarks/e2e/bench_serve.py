@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import re
@@ -59,7 +60,7 @@ def sharegpt_like(n: int, vocab: int, seed: int, smoke: bool) -> list[tuple[list
     from benchmarks.e2e.bench_offline import make_workload
 
     prompts, params = make_workload("sharegpt", vocab)
-    return [(p, sp["max_tokens"]) for p, sp in zip(prompts[:n], params[:n])]
+    return [(p, sp["max_tokens"]) for p, sp in zip(prompts[:n], params[:n], strict=True)]
 
 
 async def one_request(http: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
@@ -94,7 +95,7 @@ async def one_request(http: Any, url: str, model: str, prompt: list[int], max_to
         return Outcome(False, error=f"{type(e).__name__}: {e}")
     if not stamps:
         return Outcome(False, error="no tokens")
-    return Outcome(True, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], n)
+    return Outcome(True, stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)], n)
 
 
 async def run_rate(url: str, model: str, reqs: list[tuple[list[int], int]], rate: float, seed: int) -> dict:
@@ -251,7 +252,9 @@ def free_port() -> int:
 
 
 def format_row(r: dict) -> str:
-    f = lambda v: "-" if v is None else f"{v:8.1f}"  # noqa: E731
+    def f(v: float | None) -> str:
+        return "-" if v is None else f"{v:8.1f}"
+
     rate = "inf" if r["rate"] == float("inf") else f"{r['rate']:.2f}"
     return (
         f"rate {rate:>7} req/s: {r['completed']:5d} ok {r['failed']:3d} failed  {r['request_s']:7.2f} req/s "

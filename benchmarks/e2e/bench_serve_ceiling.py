@@ -27,9 +27,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from actors.worker.noop import NoopWorker
 from benchmarks.e2e.bench_serve import format_row, free_port, run_rate, saturation
+from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 NOOP = "actors.worker.noop.NoopWorker"
 PACED = "benchmarks.e2e.bench_serve_ceiling.PacedNoopWorker"
@@ -39,7 +41,7 @@ STEP_ENV = "KVRAY_BENCH_NOOP_STEP_S"
 class PacedNoopWorker(NoopWorker):
     """The no-op worker, each step taking KVRAY_BENCH_NOOP_STEP_S seconds (a GPU step's time)."""
 
-    def execute_model(self, so):  # type: ignore[no-untyped-def]
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         time.sleep(float(os.environ.get(STEP_ENV, "0")))
         return super().execute_model(so)
 
@@ -58,7 +60,7 @@ def client_model_dir(detokenize: bool) -> str:
     return str(dst)
 
 
-def offline(config, reqs, worker: str) -> float:
+def offline(config: Any, reqs: Any, worker: str) -> float:
     from cluster import LLM, SamplingParams
 
     llm = LLM(config=config, worker_cls=worker)

@@ -20,7 +20,7 @@ from benchmarks.e2e.bench_decode_idle import idle_stats, random_prompts, timed_d
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2)]  # (tensor_parallel_size, data_parallel_size)
 
 
-def run_layout(model_dir: str, tp: int, dp: int, args) -> dict:
+def run_layout(model_dir: str, tp: int, dp: int, args: argparse.Namespace) -> dict:
     from cluster import LLM
 
     device = "cpu" if args.smoke else "cuda"

@@ -97,7 +97,9 @@ class Step:
         mro = self.mro
         assert mro is not None
         # The scheduler's own request ids: not the objects the batch unpickled (pickle's memo is by identity).
-        self.outputs = [EngineCoreOutput(rid, toks) for rid, toks in zip(self.req_ids, mro.sampled_token_ids)]
+        self.outputs = [
+            EngineCoreOutput(rid, toks) for rid, toks in zip(self.req_ids, mro.sampled_token_ids, strict=True)
+        ]
         attach_logprobs(self.outputs, mro)
 
     def driver_dumps(self) -> None:
@@ -138,14 +140,14 @@ def time_stages(chains: list[Step], steps: int, skip_device: bool) -> list[dict[
     once over the positions those steps appended (per step), as a user reads them after generate."""
     times: list[dict[str, list[float]]] = [{s: [] for s in STAGES} for _ in chains]
     for _ in range(steps):
-        for step, t in zip(chains, times):
+        for step, t in zip(chains, times, strict=True):
             for s in STAGES[:-1]:
                 if s == "device" and (skip_device or step.k is None):
                     continue
                 t0 = time.perf_counter()
                 getattr(step, s)()
                 t[s].append(time.perf_counter() - t0)
-    for step, t in zip(chains, times):
+    for step, t in zip(chains, times, strict=True):
         t0 = time.perf_counter()
         step.client_read()
         t["client_read"].append((time.perf_counter() - t0) / steps)

@@ -25,6 +25,8 @@ import pstats
 import random
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -65,13 +67,13 @@ class StubModel(torch.nn.Module):
 class Timer:
     """Wraps bound methods (as instance attributes, which execute_model finds first) to sum their time."""
 
-    def __init__(self, obj, names: list[str]) -> None:
+    def __init__(self, obj: Any, names: list[str]) -> None:
         self.us = dict.fromkeys(names, 0.0)
         for name in names:
             setattr(obj, name, self._wrap(name, getattr(obj, name)))
 
-    def _wrap(self, name, fn):
-        def timed(*args, **kwargs):
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
@@ -109,7 +111,7 @@ def build(max_model_len: int) -> tuple[Scheduler, ModelRunner]:
 
 
 @contextlib.contextmanager
-def device_work_stubbed():
+def device_work_stubbed() -> Iterator[None]:
     """Device work on a GPU, torch reference kernels here: not the host work this measures. Undone on
     exit (the CI smoke runs in the test process)."""
     patches = [

@@ -17,6 +17,8 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 from benchmarks.common import record
 from kvcore import Request, SamplingParams
@@ -71,8 +73,8 @@ class ManagerTimer:
         for name in self.NAMES:
             setattr(manager, name, self._wrap(getattr(manager, name)))
 
-    def _wrap(self, fn):
-        def timed(*args, **kwargs):
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)

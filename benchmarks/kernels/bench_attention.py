@@ -15,9 +15,12 @@ tokens in contiguous memory with a bottom-right causal mask. Timed with CUDA-gra
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -43,7 +46,7 @@ def make_paged(
     dtype: torch.dtype,
     device: str,
     seed: int = 0,
-):
+) -> tuple[torch.Tensor, ...]:
     """Random paged batch: each sequence's blocks are a random subset of the pool (block 0, the
     null block, never used)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -63,7 +66,7 @@ def make_paged(
     return (q, kv[0], kv[1], qsl.to(device), torch.tensor(seq_lens, dtype=torch.int32).to(device), table.to(device))
 
 
-def bench(fn, smoke: bool) -> float:
+def bench(fn: Callable[[], object], smoke: bool) -> float:
     """Median milliseconds of fn (CUDA-graph replay on the GPU; one wall-clock run on the CPU)."""
     if smoke:
         t = time.perf_counter()
@@ -76,13 +79,13 @@ def bench(fn, smoke: bool) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=200)
 
 
-def check(fn_out, ref_out, what: str, tol: float) -> None:
+def check(fn_out: torch.Tensor, ref_out: torch.Tensor, what: str, tol: float) -> None:
     err = (fn_out.float() - ref_out.float()).abs().max().item()
     if not err <= tol:
         raise SystemExit(f"{what}: max abs error {err} vs the torch reference exceeds {tol}")
 
 
-def run_decode(args, device: str, dtype: torch.dtype) -> None:
+def run_decode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
     hq, hkv, d, bs = (4, 2, 32, 16) if args.smoke else (32, 8, 128, 16)  # smoke: the interpreter runs it
     batches, contexts = ([3], [40]) if args.smoke else ([1, 32, 128, 256], [1024, 4096, 16384])
     for b in batches:
@@ -95,8 +98,7 @@ def run_decode(args, device: str, dtype: torch.dtype) -> None:
             out = torch.empty_like(q)
             scale = d**-0.5
 
-            def fn():
-                paged_attention(q, kc, vc, out, qsl, sl, bt, scale, None, 1, ctx, backend="triton")
+            fn = functools.partial(paged_attention, q, kc, vc, out, qsl, sl, bt, scale, None, 1, ctx, backend="triton")
 
             if b <= 32:
                 ref = torch.empty_like(q)
@@ -119,7 +121,7 @@ def run_decode(args, device: str, dtype: torch.dtype) -> None:
                 torch.cuda.empty_cache()
 
 
-def sdpa_contiguous(q, k, v):
+def sdpa_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D]: causal with the queries at the end (bottom right)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -129,14 +131,14 @@ def sdpa_contiguous(q, k, v):
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     backends = [SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
 
-    def fn():
+    def fn() -> Any:
         with sdpa_kernel(backends):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     return fn
 
 
-def run_prefill(args, device: str, dtype: torch.dtype) -> None:
+def run_prefill(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
     hq, hkv, d, bs = 32, 8, 128, 16
     nseq, new, cached = (2, 24, 20) if args.smoke else (4, 2048, 2048)
     if args.smoke:
@@ -146,7 +148,7 @@ def run_prefill(args, device: str, dtype: torch.dtype) -> None:
     out = torch.empty_like(q)
     scale = d**-0.5
 
-    def paged():
+    def paged() -> Any:
         paged_attention(q, kc, vc, out, qsl, sl, bt, scale, None, new, total, backend="triton")
 
     # The same tokens, gathered into contiguous [B, H, L, D] tensors for SDPA (in the query's dtype).
@@ -172,7 +174,7 @@ def run_prefill(args, device: str, dtype: torch.dtype) -> None:
         record(SCRIPT, f"attn_prefill_tflops{CACHE['suffix']}", flop / t_paged / 1e9, "TFLOP/s")
 
 
-def run_mixed(args, device: str, dtype: torch.dtype) -> None:
+def run_mixed(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
     """A continuous-batching step: one prefill chunk next to many decodes, against the same work
     as two separate calls (the kernel should not lose by mixing them)."""
     hq, hkv, d, bs = (4, 2, 32, 16) if args.smoke else (32, 8, 128, 16)
@@ -187,9 +189,8 @@ def run_mixed(args, device: str, dtype: torch.dtype) -> None:
         q, kc, vc, qsl, sl, bt = make_paged(q_lens, seq_lens, hq, hkv, d, bs, dtype, device, 2)
         out = torch.empty_like(q)
 
-        def fn(q=q, kc=kc, vc=vc, out=out, qsl=qsl, sl=sl, bt=bt, mq=max(q_lens), ms=max(seq_lens)):
-            paged_attention(q, kc, vc, out, qsl, sl, bt, scale, None, mq, ms, backend="triton")
-
+        mq, ms = max(q_lens), max(seq_lens)
+        fn = functools.partial(paged_attention, q, kc, vc, out, qsl, sl, bt, scale, None, mq, ms, backend="triton")
         calls[name] = bench(fn, args.smoke)
     print(
         f"mixed step (1x{new} prefill + {ndec} decodes at {ctx}): {calls['mixed'] * 1e3:.1f} us; "

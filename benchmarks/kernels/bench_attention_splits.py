@@ -17,6 +17,8 @@ import argparse
 import os
 import random
 import sys
+from collections.abc import Callable
+from typing import Any
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -60,7 +62,7 @@ TILES: dict[str, Tiles | None] = {
 }
 
 
-def time_ms(fn, smoke: bool, rep_ms: int) -> float:
+def time_ms(fn: Callable[[], object], smoke: bool, rep_ms: int) -> float:
     if smoke:
         return bench(fn, smoke)
     import triton.testing
@@ -70,13 +72,26 @@ def time_ms(fn, smoke: bool, rep_ms: int) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep_ms)
 
 
-def timed(q, kc, vc, out, qsl, sl, bt, max_ctx: int, splits: int, tiles: Tiles | None, args, order=None) -> float:
+def timed(
+    q: Any,
+    kc: Any,
+    vc: Any,
+    out: Any,
+    qsl: Any,
+    sl: Any,
+    bt: Any,
+    max_ctx: int,
+    splits: int,
+    tiles: Tiles | None,
+    args: argparse.Namespace,
+    order: Any = None,
+) -> float:
     orig = pa.small_tiles
     if tiles is not None:
         pa.small_tiles = lambda *a, **k: tiles  # the launch's small tiles, as the heuristic would return them
     try:
 
-        def fn():
+        def fn() -> Any:
             scale = q.shape[-1] ** -0.5
             pa.paged_attention_triton(
                 q, kc, vc, out, qsl, sl, bt, scale, None, 1, max_ctx, num_splits=splits, seq_order=order
@@ -87,7 +102,7 @@ def timed(q, kc, vc, out, qsl, sl, bt, max_ctx: int, splits: int, tiles: Tiles |
         pa.small_tiles = orig
 
 
-def sweep_one(args, shape: str, dist: str, b: int, device: str, dtype: torch.dtype) -> dict:
+def sweep_one(args: argparse.Namespace, shape: str, dist: str, b: int, device: str, dtype: torch.dtype) -> dict:
     hq, hkv = HEADS[shape]
     d, bs = (32, 16) if args.smoke else (128, 16)
     if args.smoke:
@@ -114,7 +129,10 @@ def sweep_one(args, shape: str, dist: str, b: int, device: str, dtype: torch.dty
                 row["us"][f"{tname}+lpt/s{s}"] = ms * 1e3
     best = min(row["us"], key=row["us"].get)
     cur = row["us"].get(f"default{'+lpt' if args.lpt else ''}/s{heur}")  # what the engine launches
-    gbps = lambda us: moved / (us * 1e-6) / 1e9  # noqa: E731
+
+    def gbps(us: float) -> float:
+        return moved / (us * 1e-6) / 1e9
+
     row.update(best=best, best_us=row["us"][best], heuristic_us=cur, moved_mb=moved / 1e6)
     print(
         f"{shape:13s} {dist:4s} B={b:4d} mean ctx {sum(sl_list) / b:6.0f}  heuristic s{heur}: "

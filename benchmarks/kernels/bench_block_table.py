@@ -20,10 +20,12 @@ Every figure is checked against the torch reference / the CPU table before it is
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -45,7 +47,7 @@ def sizes(smoke: bool) -> dict:
     return dict(reqs=256, model_len=200_000, tokens=8192, steps=200, cases=SLOT_CASES)
 
 
-def time_us(fn, device: torch.device) -> float:
+def time_us(fn: Callable[[], object], device: torch.device) -> float:
     """Median microseconds per call."""
     if device.type == "cuda":
         import triton.testing
@@ -68,7 +70,7 @@ def fill_rows(table: MultiGroupBlockTable, rng: np.random.Generator, num_reqs: i
             bt.add_row(rng.integers(1, 1 << 22, size=int(n)).tolist(), r)
 
 
-def make_batch(num_reqs: int, q: int, bt: BlockTable, device: torch.device):
+def make_batch(num_reqs: int, q: int, bt: BlockTable, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's last q positions of its current context (decode: q = 1)."""
     pos = []
     for r in range(num_reqs):
@@ -92,7 +94,7 @@ def bench_slot_mapping(device: torch.device, sz: dict) -> dict[str, float]:
                 n = pos.numel()  # the step's entries: what the launch writes
                 ref = slot_mapping_ref(bt.block_table.gpu, bt.block_size, qsl, pos, num_reqs, n)
                 assert torch.equal(bt.slot_mapping.gpu[:n], ref), (num_reqs, q, bt.block_size)
-            us = time_us(lambda: mg.compute_slot_mapping(num_reqs, qsl, pos), device)
+            us = time_us(functools.partial(mg.compute_slot_mapping, num_reqs, qsl, pos), device)
             name = f"{num_reqs}x{q}" + ("" if len(groups) == 1 else f"_{len(groups)}groups")
             results[name] = us
             print(f"slot mapping {name:>14}: {us:8.2f} us", flush=True)

@@ -15,6 +15,7 @@ bytes) with the small-M kernel, the compute-bound ones (M >= 2048) 1.5-1.9x with
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -47,6 +48,13 @@ def check_close(y: torch.Tensor, y_bf16: torch.Tensor, what: str) -> float:
     return err
 
 
+def scaled_mm_nt(
+    xq: torch.Tensor, wq: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """torch's own FP8 GEMM on the same operands (the weight transposed per call, as a linear layer would)."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=dtype)
+
+
 def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool, sweep: bool) -> None:
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -60,15 +68,12 @@ def run_shape(name: str, shape: dict, tokens: list[int], smoke: bool, sweep: boo
             err = check_close(fp8_linear(x, wq, ws, None, dtype), y_bf16, f"{name} {proj} M={m}")
             if m <= 64:  # the small-M kernel (under the interpreter with --smoke)
                 check_close(w8a16_linear(x, wq, ws, None, dtype), y_bf16, f"{name} {proj} M={m} small-M kernel")
-            t_bf16 = bench(lambda: torch.nn.functional.linear(x, w), smoke)
-            t_fp8 = bench(lambda: fp8_linear(x, wq, ws, None, dtype), smoke)
+            t_bf16 = bench(functools.partial(torch.nn.functional.linear, x, w), smoke)
+            t_fp8 = bench(functools.partial(fp8_linear, x, wq, ws, None, dtype), smoke)
             t_small = float("nan")
             if m <= 64:
-                t_small = bench(lambda: w8a16_linear(x, wq, ws, None, dtype), smoke)  # noqa: B023
-            t_mm = bench(
-                lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=dtype),
-                smoke,  # noqa: B023
-            )
+                t_small = bench(functools.partial(w8a16_linear, x, wq, ws, None, dtype), smoke)
+            t_mm = bench(functools.partial(scaled_mm_nt, xq, wq, xs, ws, dtype), smoke)
             flop = 2 * m * n * k
             print(
                 f"{name:13s} {proj:8s} M={m:5d}  bf16 {t_bf16:8.1f} us ({2 * n * k / t_bf16 / 1e6:5.2f} TB/s, "
@@ -95,12 +100,12 @@ SWEEP = [
 ]
 
 
-def sweep_small_m(name: str, proj: str, x, wq, ws, t_default: float) -> None:
+def sweep_small_m(name: str, proj: str, x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, t_default: float) -> None:
     """The small-M kernel's choices against its default (the engine's) on one (projection, M)."""
     import triton.testing
 
     def run(c: GemmConfig) -> float:
-        fn = lambda: w8a16_linear(x, wq, ws, None, x.dtype, c)  # noqa: E731
+        fn = functools.partial(w8a16_linear, x, wq, ws, None, x.dtype, c)
         fn()
         return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 

@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -54,7 +56,7 @@ TINY = {  # smoke-mode stand-ins of the two shapes
 BLOCK_SIZE = 16
 
 
-def bench(fn, smoke: bool) -> float:
+def bench(fn: Callable[[], object], smoke: bool) -> float:
     """Median microseconds of fn replayed from a CUDA graph (one wall-clock run on the CPU)."""
     if smoke:
         t = time.perf_counter()
@@ -67,9 +69,9 @@ def bench(fn, smoke: bool) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
 
 
-def exact_rate(a, b) -> float:
+def exact_rate(a: Any, b: Any) -> float:
     """Fraction of outputs bit-identical to the torch path's (a, b tensors or tuples of them)."""
-    pairs = list(zip(a, b)) if isinstance(a, tuple) else [(a, b)]
+    pairs = list(zip(a, b, strict=True)) if isinstance(a, tuple) else [(a, b)]
     same = sum(int((x == y).sum()) for x, y in pairs)
     return same / sum(x.numel() for x, _ in pairs)
 
@@ -114,7 +116,7 @@ def run_ops(
     gate_up = 2 * torch.randn(tokens, 2 * cfg["intermediate_size"], device=device, dtype=dtype)
     positions = torch.randint(0, 200 if smoke else 4096, (tokens,), device=device)
 
-    def qk_norm_rope():
+    def qk_norm_rope() -> Any:
         """DecoderAttention.forward up to attention: the torch path with its .contiguous() copies,
         or the fused kernel reading q/k in place (v stays a view)."""
         q, k, v = attn.qkv_proj.split(qkv)
@@ -185,7 +187,7 @@ def run_layer(
     hidden, residual = (torch.randn(batch, hidden_size, device=device, dtype=dtype) for _ in range(2))
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
 
-    def step():
+    def step() -> Any:
         with torch.no_grad(), set_forward_context(ctx):
             return layer(positions, hidden, residual)
 
@@ -194,7 +196,7 @@ def run_layer(
         set_backend(layer, backend)
         outs[backend] = step()
         times[backend] = bench(step, smoke)
-    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs["triton"], outs["torch"]))
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs["triton"], outs["torch"], strict=True))
     print(
         f"{shape:13s} decoder layer  B={batch} ctx={context}: torch {times['torch']:8.1f} us  "
         f"triton {times['triton']:8.1f} us  x{times['torch'] / times['triton']:5.2f}  "

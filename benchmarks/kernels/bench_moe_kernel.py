@@ -14,9 +14,15 @@ kernel's output is checked against the loop's on every shape.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported at run time only after --smoke has set TRITON_INTERPRET
+    import torch
 
 # name: (experts, top_k, hidden, intermediate)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
@@ -24,7 +30,9 @@ TOKENS = (1, 16, 64, 256, 1024, 4096)
 SMOKE = {"tiny-moe": (8, 2, 64, 32)}
 
 
-def make_inputs(num_tokens: int, shape: tuple[int, int, int, int], dtype, device, seed: int = 0):
+def make_inputs(
+    num_tokens: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
     import torch
 
     from actors.layers.fused_moe import route_topk
@@ -39,7 +47,7 @@ def make_inputs(num_tokens: int, shape: tuple[int, int, int, int], dtype, device
     return x, w13, w2, weights, ids
 
 
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
+def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     import torch
 
     for _ in range(warmup):
@@ -55,7 +63,7 @@ def time_ms(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def traffic(x, ids, shape) -> tuple[float, float]:
+def traffic(x: torch.Tensor, ids: torch.Tensor, shape: tuple[int, int, int, int]) -> tuple[float, float]:
     """(FLOPs, bytes): three projections per (token, expert) pair; the weights of every expert hit,
     read once, plus the activations in and out."""
     experts, top_k, hidden, inter = shape
@@ -97,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.smoke:
                 print(f"{name:<15}{n:>7}   fused == loop (max |diff| {float((out - ref).abs().max()):.2e})")
                 continue
-            loop_ms = time_ms(lambda: fused_moe_ref(x, w13, w2, weights, ids), args.iters)
-            fused_ms = time_ms(lambda: fused_moe_triton(x, w13, w2, weights, ids), args.iters)
+            loop_ms = time_ms(functools.partial(fused_moe_ref, x, w13, w2, weights, ids), args.iters)
+            fused_ms = time_ms(functools.partial(fused_moe_triton, x, w13, w2, weights, ids), args.iters)
             flops, bytes_ = traffic(x, ids, shape)
             tflops, gbs = flops / fused_ms / 1e9, bytes_ / fused_ms / 1e6
             print(

@@ -22,9 +22,11 @@ kernel must agree with torch (values; ties may name other ids).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
+from collections.abc import Callable
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -42,7 +44,7 @@ from benchmarks.common import record
 SCRIPT = "bench_sampler"
 
 
-def bench(fn, smoke: bool, graph: bool = False) -> float:
+def bench(fn: Callable[[], object], smoke: bool, graph: bool = False) -> float:
     if smoke:
         t = time.perf_counter()
         fn()
@@ -56,7 +58,19 @@ def bench(fn, smoke: bool, graph: bool = False) -> float:
     return 1e3 * triton.testing.do_bench(fn, rep=200, return_mode="median")
 
 
-def make_case(name: str, rows: int, vocab: int, dev: torch.device):
+def torch_reference_tokens(logits: torch.Tensor, md: SamplingMetadata, pen: dict) -> torch.Tensor:
+    """The plain-torch sampler's tokens for one case (argmax where the case is greedy)."""
+    if md.plain_argmax:
+        return logits.argmax(dim=-1)
+    return sample_reference(logits, md.temperature, md.top_k, md.top_p, md.seeds, md.positions, **pen)
+
+
+def sample_float32_copy(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata) -> object:
+    """The path before bf16 logits were read directly: a float32 copy first (timed with the sampler)."""
+    return sampler(logits.float(), md)
+
+
+def make_case(name: str, rows: int, vocab: int, dev: torch.device) -> tuple[SamplingMetadata, PenaltyState | None]:
     ones = torch.ones(rows, device=dev)
     zeros_i = torch.zeros(rows, dtype=torch.int32, device=dev)
     md = dict(
@@ -141,8 +155,8 @@ def bench_logprobs(rows: int, vocab: int, ks: list[int], dev: torch.device, smok
     for k in ks:
         now = compute_logprobs(logits, tokens, k, use_triton=True)
         check_logprobs(now, logprobs_reference(logits, tokens, k), f"k={k}")
-        torch_us = bench(lambda: logprobs_reference(logits, tokens, k), smoke)
-        now_us = bench(lambda: compute_logprobs(logits, tokens, k, use_triton=True), smoke)
+        torch_us = bench(functools.partial(logprobs_reference, logits, tokens, k), smoke)
+        now_us = bench(functools.partial(compute_logprobs, logits, tokens, k, use_triton=True), smoke)
         print(
             f"  k={k:<3d} torch {torch_us:9.1f} us  kernel {now_us:9.1f} us  torch/kernel {torch_us / now_us:5.1f}x",
             flush=True,
@@ -184,8 +198,8 @@ def bench_sampler_cases(rows: int, vocab: int, dev: torch.device, smoke: bool) -
         sampler = Sampler(state)
         if state is not None:
             state.record = lambda slots, tokens: None  # keep the counts fixed across timing repetitions
-        new_us = bench(lambda: sampler(logits, md), smoke)
-        graph_us = float("nan") if smoke else bench(lambda: sampler(logits, md), smoke, graph=True)
+        new_us = bench(functools.partial(sampler, logits, md), smoke)
+        graph_us = float("nan") if smoke else bench(functools.partial(sampler, logits, md), smoke, graph=True)
         pen = (
             {}
             if state is None
@@ -197,11 +211,7 @@ def bench_sampler_cases(rows: int, vocab: int, dev: torch.device, smoke: bool) -
             )
         )
 
-        def reference() -> torch.Tensor:
-            if md.plain_argmax:
-                return logits.argmax(dim=-1)
-            return sample_reference(logits, md.temperature, md.top_k, md.top_p, md.seeds, md.positions, **pen)
-
+        reference = functools.partial(torch_reference_tokens, logits, md, pen)
         torch_us = bench(reference, smoke)
         same = float((sampler(logits, md).token_ids == reference()).float().mean())
         print(
@@ -229,7 +239,7 @@ def bench_vocab_shares(row_counts: list[int], vocab: int, dev: torch.device, smo
             sk.vocab_shares = fn
             try:
                 tokens[label] = sampler(logits, md).token_ids.clone()
-                times[label] = bench(lambda: sampler(logits, md), smoke, graph=not smoke)
+                times[label] = bench(functools.partial(sampler, logits, md), smoke, graph=not smoke)
             finally:
                 sk.vocab_shares = default_shares
         same = bool(torch.equal(tokens["one_program_a_row"], tokens["shares"]))
@@ -256,8 +266,8 @@ def bench_logits_dtype(row_counts: list[int], vocab: int, dev: torch.device, smo
         md, _ = make_case("temperature", rows, vocab, dev)
         sampler = Sampler()
         same = bool(torch.equal(sampler(logits.float(), md).token_ids, sampler(logits, md).token_ids))
-        before = bench(lambda: sampler(logits.float(), md), smoke, graph=not smoke)
-        now = bench(lambda: sampler(logits, md), smoke, graph=not smoke)
+        before = bench(functools.partial(sample_float32_copy, sampler, logits, md), smoke, graph=not smoke)
+        now = bench(functools.partial(sampler, logits, md), smoke, graph=not smoke)
         print(
             f"temperature {rows:4d} x {vocab}: float32 copy + sampler {before:8.1f} us, sampler on bf16 "
             f"{now:8.1f} us ({before / now:.2f}x), tokens identical: {same}",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import gzip
+import itertools
 import json
 import re
 import sys
@@ -167,7 +168,7 @@ def find_steps(events: list[dict[str, Any]], marker: str, n_steps: int | None) -
     if len(anchors) >= 1 and gap_at:
         # One cut between consecutive forwards: at the largest host gap there (the wait for the next step).
         starts = [e["ts"] for e in top]
-        for a, b in zip(anchors, anchors[1:]):
+        for a, b in itertools.pairwise(anchors):
             lo_i, hi_i = bisect.bisect_right(starts, a) - 1, bisect.bisect_left(starts, b) - 1
             inside = [g for g in gap_at[max(lo_i, 0) : max(hi_i, 0)]]
             if inside:
@@ -203,7 +204,7 @@ def find_steps(events: list[dict[str, Any]], marker: str, n_steps: int | None) -
     return Steps(bounds, how + f", thread {main_tid}")
 
 
-def summarize(path: Path, args) -> dict[str, Any]:
+def summarize(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     events = load_events(path)
     print(f"\n=== {path}  ({len(events)} complete events)")
     gpu = [e for e in events if e.get("cat") in GPU_CATS]

@@ -108,11 +108,11 @@ class PositionLogprobs(Sequence[P]):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            for tids, vals, rank in zip(ids, lps, ranks):
+            for tids, vals, rank in zip(ids, lps, ranks, strict=True):
                 # The own token first (its own rank), then ranks 1..k; an own token inside the top k
                 # appears once, as in vLLM.
                 pos: Position = {}
-                for tid, lp, r in zip(tids, vals, (rank, *tail)):
+                for tid, lp, r in zip(tids, vals, (rank, *tail), strict=False):
                     if tid not in pos:
                         pos[tid] = Logprob(lp, r, None if decode is None else decode[tid])
                 out.append(pos)

@@ -26,7 +26,7 @@ def pool_accounting(engines: Any) -> list[dict[str, Any]]:
         for r, d in enumerate(engines.drivers):
             try:
                 books.append(ray.get(d.kv_pool_accounting.remote(), timeout=30))
-            except Exception as e:  # noqa: BLE001 - a dead driver: its pool cannot be vouched for
+            except ray.exceptions.RayError as e:  # a dead or stuck driver: its pool cannot be vouched for
                 books.append({"replica": r, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
         if all(b.get("idle") or "error" in b for b in books) or time.monotonic() > deadline:
             for b in books:

@@ -93,7 +93,7 @@ class StatsSampler(threading.Thread):
         while not self._stop_event.wait(STATS_PERIOD_S):
             try:
                 stats = ray.get([d.stats.remote() for d in self.drivers], timeout=10)
-            except Exception as e:  # noqa: BLE001 - a dead driver ends the series, not the run
+            except ray.exceptions.RayError as e:  # a dead or stuck driver ends the series, not the run
                 log.debug("stats: %s", e)
                 continue
             t = time.monotonic() - self.t0
@@ -231,7 +231,7 @@ class StressDriver(Stream):
         rank = self.rng.randrange(self.config.parallel.ranks_per_engine)  # any stage's ranks
         try:
             ray.get(self.engines.drivers[replica].kill_worker.remote(rank), timeout=30)
-        except Exception as e:  # noqa: BLE001 - the group is being rebuilt right now: try again soon
+        except ray.exceptions.RayError as e:  # the group is being rebuilt right now: try again soon
             log.info("kill of replica %d rank %d deferred: %s", replica, rank, str(e).splitlines()[0])
             return
         t = time.monotonic() - t0

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.kernels.token_rows import search_steps, token_rows
+
 TOKEN_TILE = 256
 HEADER = 4  # num_reqs, num_sample_rows, 2 spare words
 
@@ -114,17 +116,7 @@ def _prep_tokens_kernel(
     in_buf = offs < num_tokens_pad
     num_tokens = tl.load(qsl_ptr + num_seqs)
     is_tok = in_buf & (offs < num_tokens)
-    # The last row whose start is <= the token (upper bound over qsl[0..num_seqs]).
-    lo = tl.zeros([TILE], dtype=tl.int32)
-    hi = tl.zeros([TILE], dtype=tl.int32) + (num_seqs + 1)
-    for _ in range(search_steps):
-        active = is_tok & (lo < hi)
-        mid = (lo + hi) // 2
-        start = tl.load(qsl_ptr + mid, mask=active, other=0)
-        right = start <= offs
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & (~right), mid, hi)
-    row = tl.where(is_tok, lo - 1, 0)
+    row = tl.where(is_tok, token_rows(qsl_ptr, num_seqs, offs, is_tok, search_steps, TILE), 0)
     first = tl.load(qsl_ptr + row, mask=is_tok, other=0)
     j = offs - first
     pos = tl.load(stage_ptr + OFF_COMP + row, mask=is_tok, other=0) + j
@@ -179,7 +171,7 @@ def prepare_inputs(
             out.positions,
             num_seqs,
             num_tokens_pad,
-            max(1, (num_seqs + 1).bit_length()),
+            search_steps(num_seqs),
             OFF_COMP=layout.computed,
             OFF_FEED=layout.feed,
             OFF_TOK=layout.tokens,

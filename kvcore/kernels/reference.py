@@ -145,7 +145,7 @@ def _decode_batch(
     device = query.device
     starts = [_kv_start(L - 1, sliding_window, block_size) for L in seq_lens]
     first_page = torch.tensor([s // block_size for s in starts], device=device)
-    n_pages = max((L - s + block_size - 1) // block_size for L, s in zip(seq_lens, starts))
+    n_pages = max((L - s + block_size - 1) // block_size for L, s in zip(seq_lens, starts, strict=True))
     page_idx = first_page[:, None] + torch.arange(n_pages, device=device)[None, :]
     page_idx = page_idx.clamp(max=block_rows.shape[1] - 1)
     # Pages past a sequence's end are masked below, but must still name a real block: use block 0

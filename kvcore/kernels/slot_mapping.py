@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.kernels.token_rows import search_steps, token_rows
+
 # Tokens per program. Small enough that a decode batch of 256 tokens in an 8k buffer still spreads
 # over 32 programs per group; large enough that the per-program binary search is amortised.
 TOKEN_TILE = 256
@@ -48,18 +50,7 @@ def slot_mapping_kernel(
     num_tokens = tl.load(query_start_loc_ptr + num_reqs)
     is_token = in_buffer & (offs < num_tokens)
 
-    # Upper bound of each token in query_start_loc[0..num_reqs]: the first index whose start lies
-    # beyond the token. Requests with no tokens this step (equal starts) are skipped naturally.
-    lo = tl.zeros([TILE], dtype=tl.int32)
-    hi = tl.zeros([TILE], dtype=tl.int32) + (num_reqs + 1)
-    for _ in range(SEARCH_STEPS):
-        active = is_token & (lo < hi)
-        mid = (lo + hi) // 2
-        start = tl.load(query_start_loc_ptr + mid, mask=active, other=0)
-        right = start <= offs
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & (~right), mid, hi)
-    req = (lo - 1).to(tl.int64)
+    req = token_rows(query_start_loc_ptr, num_reqs, offs, is_token, SEARCH_STEPS, TILE).to(tl.int64)
 
     block_size = tl.load(block_sizes + group)
     stride = tl.load(block_table_strides + group)
@@ -71,11 +62,6 @@ def slot_mapping_kernel(
     slot = block_id.to(tl.int64) * block_size + pos % block_size
     slot = tl.where(is_token, slot, -1)
     tl.store(out + offs, slot, mask=in_buffer)
-
-
-def search_steps(max_num_reqs: int) -> int:
-    """Iterations that a binary search over max_num_reqs + 1 starts needs to converge."""
-    return max(1, (max_num_reqs + 1).bit_length())
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -107,7 +93,7 @@ class SlotMappingLaunch:
         lengths = {sm.numel() for sm in slot_mappings}
         if len(lengths) != 1:
             raise ValueError(f"SlotMappingLaunch: slot-mapping buffers differ in length: {lengths}")
-        for bt, sm in zip(block_tables, slot_mappings):
+        for bt, sm in zip(block_tables, slot_mappings, strict=True):
             if bt.dtype != torch.int32 or sm.dtype != torch.int64:
                 raise ValueError("SlotMappingLaunch: block tables must be int32, slot mappings int64")
             if bt.stride(1) != 1 or not sm.is_contiguous():
