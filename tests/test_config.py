@@ -161,6 +161,7 @@ def test_shipped_configs_load():
         "gpu.yaml",
         "gpu-tp2.yaml",
         "gpu-tp4-dp2.yaml",
+        "gpu-tp8-pp2.yaml",
         "stress-local.yaml",
     } <= names
     for f in files:

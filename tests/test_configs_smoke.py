@@ -28,10 +28,11 @@ RUN_HERE = {
     "gpu.yaml": ["parallel.device=cpu", "cache.cpu_kv_cache_gib=0.25"],
 }
 CLUSTER_ONLY = {"gpu-tp2.yaml", "gpu-tp4-dp2.yaml"}
+PIPELINE_ONLY = {"gpu-tp8-pp2.yaml"}  # TP=8 needs a model of 8k heads: placed here, not run on tiny-random
 
 
 def test_every_shipped_config_is_covered():
-    assert set(CONFIGS) == set(RUN_HERE) | CLUSTER_ONLY
+    assert set(CONFIGS) == set(RUN_HERE) | CLUSTER_ONLY | PIPELINE_ONLY
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +82,18 @@ def test_cluster_config_validates_and_places(name):
         nodes[:1] if config.parallel.data_parallel_size > 1 else [{**nodes[0], "resources": {"CPU": 32.0, "GPU": 1.0}}],
     )
     assert why is not None and "do not fit" in why
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINE_ONLY))
+def test_pipeline_config_puts_each_stage_on_its_own_node(name):
+    config = load_config(os.path.join(REPO, "configs", name))
+    p = config.parallel
+    assert p.pipeline_parallel_size == 2 and p.tensor_parallel_size == 8
+    node = {"CPU": 64.0, "GPU": 8.0, "memory": 2.0**39}
+    nodes = [{"node_id": f"n{i}", "alive": True, "resources": dict(node)} for i in range(2)]
+    engines_on, why = plan(config, nodes)
+    assert why is None and len(engines_on) == 1
+    stage_nodes = engines_on[0]  # one bundle per stage: its 8 TP ranks always share a node
+    assert len(stage_nodes) == p.pipeline_parallel_size and stage_nodes[0] != stage_nodes[1]
+    _, why = plan(config, nodes[:1])
+    assert why is not None and "stage" in why
