@@ -193,7 +193,7 @@ def recv_from_prev_stage(buffers: list[torch.Tensor]) -> None:
                 w.wait(_P2P_TIMEOUT)
     except Exception as e:  # noqa: BLE001 - as in all_reduce
         raise _failed("receive from the previous stage", e) from e
-    for b, h in zip(buffers, staged):
+    for b, h in zip(buffers, staged, strict=True):
         if h is not b:
             b.copy_(h)
 

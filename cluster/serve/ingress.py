@@ -89,7 +89,7 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[list[ChoiceDelta]]:
         queue.put_nowait(None)
 
     offsets = [sum(len(g.specs) for g in gens[:k]) for k in range(len(gens))]
-    tasks = [asyncio.ensure_future(pump(o, g)) for o, g in zip(offsets, gens)]
+    tasks = [asyncio.ensure_future(pump(o, g)) for o, g in zip(offsets, gens, strict=True)]
     try:
         ended = 0
         while ended < len(tasks):
