@@ -219,7 +219,7 @@ def test_disconnect_mid_stream_aborts_and_the_pool_is_whole(server, client):
         extra_body={"ignore_eos": True},
     )
     got = 0
-    for ch in stream:
+    for _ in stream:
         got += 1
         if got == 3:
             break
