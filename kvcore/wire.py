@@ -386,7 +386,7 @@ class _Codec:
         write += ["    return _dump((_PICKLED, _pickle(o), None))\n"]
         src.append("\n".join(write))
         code = "\n".join(src)
-        exec(compile(code, f"<kvray wire: {cls.__qualname__}>", "exec"), gen.env)  # noqa: S102 - our own source
+        exec(compile(code, f"<kvray wire: {cls.__qualname__}>", "exec"), gen.env)  # our own source
         self.source = code
         self.encode: Callable[[Any], tuple[Any, ...]] = gen.env["encode"]
         if len(names) > 1 and not any(_holds(n, ("msg",)) for n in nodes):

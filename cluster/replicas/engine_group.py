@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.driver.engine_driver import driver_actor_class
 from actors.messages import DOWN, PollResult, RequestSpec, error_output
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
-from cluster.replicas.failover import (  # noqa: F401 - DRIVER_CALL_GRACE_S re-exported
+from cluster.replicas.failover import (
     DOWN_STATE,
     DRIVER_CALL_GRACE_S,
     REBUILDING_STATE,

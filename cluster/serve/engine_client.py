@@ -264,7 +264,7 @@ class AsyncEngineClient:
                 continue
             except asyncio.CancelledError:
                 return
-            except Exception as e:  # noqa: BLE001 - never let the poll loop die silently
+            except Exception as e:  # never let the poll loop die silently
                 logger.exception("engine replica %d: get_outputs failed", r)
                 self._replica_down(r, f"engine replica {r}: get_outputs failed: {type(e).__name__}: {e}")
                 return

@@ -190,7 +190,7 @@ class OpenAIServer:
             return self._error(endpoint, e)
         except RecursionError:  # a body nested just below the parser's limit, too deep for a check after it
             return self._error(endpoint, bad_request("the request body is nested too deeply"))
-        except Exception as e:  # noqa: BLE001 - one request's bug must not look like a crash
+        except Exception as e:  # one request's bug must not look like a crash
             logger.exception("%s: unexpected error", endpoint)
             return self._error(endpoint, APIError(500, f"{type(e).__name__}: {e}"))
         if req.stream:
