@@ -333,7 +333,7 @@ class InputBatch:
                 to_add.append(state)
                 continue
             if new_ids is not None:
-                for blocks, delta in zip(state.block_ids, new_ids):
+                for blocks, delta in zip(state.block_ids, new_ids, strict=True):
                     blocks.extend(delta)
             row = self.req_id_to_index.get(req_id)
             if row is None:

@@ -160,7 +160,7 @@ def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
             work = dist.isend(t, dst=dst, group=_PP_GROUP, tag=tag)
             if work is not None:  # None only when this rank is not in the group, which it always is
                 _PENDING_SENDS.append(work)
-    except Exception as e:  # noqa: BLE001 - as in all_reduce
+    except Exception as e:  # as in all_reduce
         raise _failed("send to the next stage", e) from e
 
 
@@ -172,7 +172,7 @@ def wait_for_sends() -> None:
             _PENDING_SENDS[0].wait(_P2P_TIMEOUT)
             _PENDING_SENDS.pop(0)
         _SENDING.clear()
-    except Exception as e:  # noqa: BLE001 - as in all_reduce
+    except Exception as e:  # as in all_reduce
         _PENDING_SENDS.clear()
         _SENDING.clear()
         raise _failed("send to the next stage", e) from e
@@ -191,9 +191,9 @@ def recv_from_prev_stage(buffers: list[torch.Tensor]) -> None:
         for w in works:
             if w is not None:
                 w.wait(_P2P_TIMEOUT)
-    except Exception as e:  # noqa: BLE001 - as in all_reduce
+    except Exception as e:  # as in all_reduce
         raise _failed("receive from the previous stage", e) from e
-    for b, h in zip(buffers, staged):
+    for b, h in zip(buffers, staged, strict=True):
         if h is not b:
             b.copy_(h)
 
@@ -204,7 +204,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     _check_group()
     try:
         dist.all_reduce(x, group=_GROUP)
-    except Exception as e:  # noqa: BLE001 - gloo's timeout is a RuntimeError, a lost peer DistBackendError
+    except Exception as e:  # gloo's timeout is a RuntimeError, a lost peer DistBackendError
         raise _failed("all_reduce", e) from e
     return x
 
@@ -217,7 +217,7 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_WORLD)]
     try:
         dist.all_gather(parts, x.contiguous(), group=_GROUP)
-    except Exception as e:  # noqa: BLE001 - as in all_reduce
+    except Exception as e:  # as in all_reduce
         raise _failed("all_gather", e) from e
     return torch.cat(parts, dim=dim)
 
@@ -232,6 +232,6 @@ def all_reduce_min(value: int) -> int:
         t = t.cuda()
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_GROUP)
-    except Exception as e:  # noqa: BLE001 - as in all_reduce
+    except Exception as e:  # as in all_reduce
         raise _failed("all_reduce(min)", e) from e
     return int(t.item())

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `kvray info | head`: the reader went away
         _silence_stdout()
         return EXIT_CLOSED_OUTPUT
-    except Exception as e:  # noqa: BLE001 - the message is the interface: one clear line, then exit 1
+    except Exception as e:  # the message is the interface: one clear line, then exit 1
         if args.verbose:
             log.exception("failed")
         return _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")

@@ -236,7 +236,7 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(encoded)
         index_of: dict[str, int] = {}
         specs: list[RequestSpec] = []
-        for i, (enc, sp) in enumerate(zip(encoded, params)):
+        for i, (enc, sp) in enumerate(zip(encoded, params, strict=True)):
             rid = str(next(self._ids))
             if isinstance(enc, EncodeError):
                 results[i] = error_output(rid, enc.prompt, [], enc.message)

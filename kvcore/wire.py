@@ -132,9 +132,12 @@ class _Gen:
             names, nodes = _fields(node[1])
             _refuse_cycle(node[1], self.stack)
             self.stack.append(node[1])
-            parts = [self.walk(n, f"{v}.{a}", decode=False, marshal_form=marshal_form) for a, n in zip(names, nodes)]
+            parts = [
+                self.walk(n, f"{v}.{a}", decode=False, marshal_form=marshal_form)
+                for a, n in zip(names, nodes, strict=True)
+            ]
             self.stack.pop()
-            return "(" + "".join(f"{p or f'{v}.{a}'}, " for a, p in zip(names, parts)) + ")"
+            return "(" + "".join(f"{p or f'{v}.{a}'}, " for a, p in zip(names, parts, strict=True)) + ")"
         if kind == "opt":
             inner = self.walk(node[1], v, decode=decode, marshal_form=marshal_form)
             if inner is None or node[1][0] in ("any", "union"):
@@ -216,7 +219,7 @@ class _Gen:
         xs = [self.fresh() for _ in names]
         inner: list[str] = []
         parts = []
-        for n, x in zip(nodes, xs):
+        for n, x in zip(nodes, xs, strict=True):
             if n[0] == "msg":
                 _refuse_cycle(n[1], self.stack)
                 self.stack.append(n[1])
@@ -248,7 +251,7 @@ class _Gen:
         _refuse_cycle(cls, self.stack)
         self.stack.append(cls)
         parts = []
-        for a, n in zip(*_fields(cls)):
+        for a, n in zip(*_fields(cls), strict=True):
             if n[0] == "scalar" or (n[0] == "opt" and n[1][0] == "scalar"):
                 scalars.append(prefix + a)
             elif n[0] == "msg":
@@ -318,9 +321,12 @@ class _Codec:
         src = []
 
         def encoder(fn: str, marshal_form: bool) -> str:
-            parts = [gen.walk(n, f"o.{a}", decode=False, marshal_form=marshal_form) for a, n in zip(names, nodes)]
+            parts = [
+                gen.walk(n, f"o.{a}", decode=False, marshal_form=marshal_form)
+                for a, n in zip(names, nodes, strict=True)
+            ]
             args = "o, side" if marshal_form else "o"
-            body = "(" + "".join(f"{p or f'o.{a}'}, " for a, p in zip(names, parts)) + ")"
+            body = "(" + "".join(f"{p or f'o.{a}'}, " for a, p in zip(names, parts, strict=True)) + ")"
             src.append(f"def {fn}({args}):\n    return {body}\n")
             return body
 
@@ -380,7 +386,7 @@ class _Codec:
         write += ["    return _dump((_PICKLED, _pickle(o), None))\n"]
         src.append("\n".join(write))
         code = "\n".join(src)
-        exec(compile(code, f"<kvray wire: {cls.__qualname__}>", "exec"), gen.env)  # noqa: S102 - our own source
+        exec(compile(code, f"<kvray wire: {cls.__qualname__}>", "exec"), gen.env)  # our own source
         self.source = code
         self.encode: Callable[[Any], tuple[Any, ...]] = gen.env["encode"]
         if len(names) > 1 and not any(_holds(n, ("msg",)) for n in nodes):

@@ -472,7 +472,10 @@ def test_bad_word_bans_follow_the_output_tail():
     idx = torch.tensor([1, 3, 5, 7])
     md = SamplingInputs(4, torch.device("cpu"), False).build(batch, rows, positions, (ids, idx))
     assert md.ban_ids is not None and md.ban_prev is not None and md.logit_slots is None
-    bans = {j: sorted((int(b), int(p)) for b, p in zip(md.ban_ids[j], md.ban_prev[j]) if b >= 0) for j in range(4)}
+    bans = {
+        j: sorted((int(b), int(p)) for b, p in zip(md.ban_ids[j], md.ban_prev[j], strict=True) if b >= 0)
+        for j in range(4)
+    }
     # Row 0: [.., 7, 8] matches [7, 8] before 9 (its last token, 8, still checked on the device); and
     # [3, 4] waits for a last token 3. Row 1: one output token, too short for [7, 8, 9]. Row 2: no output
     # (the prompt's 7, 8 do not count). Row 3: the host knows 7 at position 1, the kernel checks 8.

@@ -156,7 +156,7 @@ def test_logprobs_completions_and_chat(client):
     assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
     # Greedy: the sampled token is the most likely one (top_logprobs is keyed by text, and two tokens may
     # decode alike, so the sampled one's entry may hold a lower twin's value).
-    assert all(v >= max(t.values()) - 1e-5 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(v >= max(t.values()) - 1e-5 for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
     chat = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Hi"}],
@@ -219,7 +219,7 @@ def test_disconnect_mid_stream_aborts_and_the_pool_is_whole(server, client):
         extra_body={"ignore_eos": True},
     )
     got = 0
-    for ch in stream:
+    for _ in stream:
         got += 1
         if got == 3:
             break

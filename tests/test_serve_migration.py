@@ -59,7 +59,7 @@ async def _collect(stream) -> dict:
             d["text"] += c.text or ""
             d["ids"] += getattr(c, "token_ids", None) or []
             if c.logprobs is not None and c.logprobs.tokens:
-                d["lp"] += list(zip(c.logprobs.tokens, c.logprobs.token_logprobs))
+                d["lp"] += list(zip(c.logprobs.tokens, c.logprobs.token_logprobs, strict=True))
             d["finish"] = c.finish_reason or d["finish"]
     return out
 
@@ -175,7 +175,7 @@ async def _run_all(url: str, reqs: list[dict], fault=None) -> list:
                     "text": cc.text,
                     "ids": list(cc.token_ids or []),
                     "finish": cc.finish_reason,
-                    "lp": list(zip(cc.logprobs.tokens, cc.logprobs.token_logprobs)) if cc.logprobs else [],
+                    "lp": list(zip(cc.logprobs.tokens, cc.logprobs.token_logprobs, strict=True)) if cc.logprobs else [],
                 }
                 for cc in r.choices
             }
@@ -187,7 +187,7 @@ async def _run_all(url: str, reqs: list[dict], fault=None) -> list:
                 d["text"] += cc.text or ""
                 d["ids"] += getattr(cc, "token_ids", None) or []
                 if cc.logprobs is not None and cc.logprobs.tokens:
-                    d["lp"] += list(zip(cc.logprobs.tokens, cc.logprobs.token_logprobs))
+                    d["lp"] += list(zip(cc.logprobs.tokens, cc.logprobs.token_logprobs, strict=True))
                 d["finish"] = cc.finish_reason or d["finish"]
                 progressed[i] = max(progressed[i], len(d["ids"]))
             if sum(p >= 3 for p in progressed) >= 10:
@@ -207,9 +207,11 @@ async def _run_all(url: str, reqs: list[dict], fault=None) -> list:
 def _same(got: list, ref: list) -> list:
     """The requests whose streams differ from the reference (tokens exact, logprob values within 1e-3)."""
     bad = []
-    for i, (g, r) in enumerate(zip(got, ref)):
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         strip = lambda o: {k: {**v, "lp": [t for t, _ in v["lp"]]} for k, v in o.items()}  # noqa: E731
-        if strip(g) != strip(r) or any(abs(a[1] - b[1]) > 1e-3 for k in g for a, b in zip(g[k]["lp"], r[k]["lp"])):
+        if strip(g) != strip(r) or any(
+            abs(a[1] - b[1]) > 1e-3 for k in g for a, b in zip(g[k]["lp"], r[k]["lp"], strict=True)
+        ):
             bad.append((i, g, r))
     return bad
 
@@ -236,7 +238,7 @@ def reference(server):
     reqs = _requests({})
     plain = asyncio.run(_run_all(server, [r for i, r in enumerate(reqs) if i % 6 == 3]))
     stops = {}
-    for i, out in zip([i for i in range(N_STREAMS) if i % 6 == 3], plain):
+    for i, out in zip([i for i in range(N_STREAMS) if i % 6 == 3], plain, strict=True):
         text = out[0]["text"]
         k = 2 * len(text) // 3
         stops[i] = [text[k : k + 2]] if len(text) > 6 else ["@@"]

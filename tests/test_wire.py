@@ -137,7 +137,7 @@ def test_the_positional_form_is_the_fields_in_order(cls: type) -> None:
     def check(msg: Any) -> None:
         t = wire.encode(msg)
         assert type(t) is tuple and len(t) == len(dataclasses.fields(cls))
-        for f, v in zip(dataclasses.fields(cls), t):
+        for f, v in zip(dataclasses.fields(cls), t, strict=True):
             value = getattr(msg, f.name)
             if not dataclasses.is_dataclass(value) and not isinstance(value, list):
                 assert v is value  # plain values travel as they are, no copy

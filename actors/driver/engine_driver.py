@@ -234,7 +234,7 @@ class EngineDriver:
                     t0 = time.monotonic()
                     outputs = engine.step()
                     self._publish(engine, outputs, time.monotonic() - t0)
-                except Exception as e:  # noqa: BLE001 - a worker failure or an engine bug: never silent
+                except Exception as e:  # a worker failure or an engine bug: never silent
                     # A dead worker (kvray stress kills them on purpose) is reported in one line; any
                     # other failure, or KVRAY_VERBOSE=1 (kvray -v), keeps its traceback.
                     logger.error(

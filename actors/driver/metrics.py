@@ -79,5 +79,5 @@ class EngineMetrics:
     def record_restart(self) -> None:
         try:
             self.worker_restarts.inc(1, tags=self._tags)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - metrics must never stop the engine (as above)
             logger.debug("metrics: %s", e)

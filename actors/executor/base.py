@@ -89,4 +89,7 @@ class Executor(abc.ABC):
 
     def open_step_path(self) -> None:
         """Called once the set-up calls are done: build whatever carries the steps now, so that the
-        first request does not wait for it."""
+        first request does not wait for it. A hook, not a duty: by default it does nothing, for an
+        executor whose step path exists from its start (the in-process and local-process ones); the Ray
+        executor overrides it to compile its graph."""
+        return None

@@ -196,7 +196,7 @@ class LocalExecutor(Executor):
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
-        for conn, proc in zip(self._conns, self._procs):
+        for conn, proc in zip(self._conns, self._procs, strict=True):
             if graceful and proc.is_alive():
                 try:
                     conn.send((_SHUTDOWN, (), {}))

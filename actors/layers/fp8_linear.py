@@ -8,7 +8,8 @@ time, two paths by the number of rows M:
 - M <= SMALL_M_MAX (decode steps, bound by the weight read): the activations stay as they are and a Triton
   kernel widens the weights to fp16 in registers (actors/layers/kernels/fp8_gemm.py): no quantizer launch,
   where torch's scaled GEMM ran at 0.55-0.81x bf16. It is off (SMALL_M_MAX = 0) until an H200 has timed it:
-  `KVRAY_FP8_SMALL_M=64` turns it on (gpu_suite s15b is that A/B).
+  `KVRAY_FP8_SMALL_M=64` turns it on (`python -m benchmarks.kernels.bench_fp8_linear` times the kernel
+  beside bf16 and the scaled GEMM).
 Half the weight bytes a step, at fp8's rounding: outputs follow vLLM's logprobs rule, not HF's greedy
 tokens, so it is never a default.
 

@@ -60,7 +60,7 @@ class ShmWorkerLoop:
             pass  # the driver closed the transport
         except RingTimeout as e:  # the driver stopped reading: it has given up on this group
             logger.warning("rank %d: shm loop ends: %s", self.spec.rank, e)
-        except Exception:  # noqa: BLE001 - the driver sees the silence as a failed step and asks why
+        except Exception:  # the driver sees the silence as a failed step and asks why
             logger.exception("rank %d: shm loop failed", self.spec.rank)
         finally:
             self._close()

@@ -404,7 +404,7 @@ class ModelRunner(RunnerGraphs):
             batch = self._batch()
             requests = self.requests
             rows_now = np.full(len(sampled), -1, dtype=np.int64)
-            for i, (row, token) in enumerate(zip(step.sample_rows.tolist(), sampled)):
+            for i, (row, token) in enumerate(zip(step.sample_rows.tolist(), sampled, strict=True)):
                 state = step.states[row]
                 out_tokens[row] = [token]
                 if state.req_id in requests and requests[state.req_id] is state:  # not gone, id not reused

@@ -88,5 +88,5 @@ class TokenReadback:
         step = SampledStep(
             step_id, req_ids, states, sample_rows, tokens, host, done, sample_positions=sample_positions, graph=graph
         )
-        step.index_of = dict(zip(map(req_ids.__getitem__, sample_rows.tolist()), range(len(sample_rows))))
+        step.index_of = dict(zip(map(req_ids.__getitem__, sample_rows.tolist()), range(len(sample_rows)), strict=True))
         return step

@@ -158,7 +158,7 @@ def detect_format(raw: bytes) -> str:
     try:
         rec = json.loads(raw)
         return "openai" if isinstance(rec, dict) and "custom_id" in rec else "kvray"
-    except Exception:  # noqa: BLE001 - an unparseable first line: look for the key itself
+    except (ValueError, RecursionError):  # an unparseable first line: look for the key itself
         return "openai" if b'"custom_id"' in raw else "kvray"
 
 

@@ -182,7 +182,7 @@ def load_done(path: str | None) -> tuple[KeySet, int]:
         for raw in f:
             try:
                 rec = json.loads(raw)
-            except Exception:  # noqa: BLE001 - a foreign line: not a record of ours
+            except (ValueError, RecursionError):  # not JSON (or too deeply nested): a foreign line
                 continue
             if not isinstance(rec, dict):
                 continue

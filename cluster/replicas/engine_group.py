@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.driver.engine_driver import driver_actor_class
 from actors.messages import DOWN, PollResult, RequestSpec, error_output
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
-from cluster.replicas.failover import (  # noqa: F401 - DRIVER_CALL_GRACE_S re-exported
+from cluster.replicas.failover import (
     DOWN_STATE,
     DRIVER_CALL_GRACE_S,
     REBUILDING_STATE,
@@ -88,10 +88,12 @@ class EngineGroup(ReplicaFailover):
             self.startup_s.update(
                 placement_s=round(t1 - t_connected, 2), drivers_start_s=round(time.perf_counter() - t1, 2)
             )
-        except Exception as e:
+        except RayTaskError as e:
             self.shutdown()
-            cause = unwrap(e)
-            raise cause from None
+            raise unwrap(e) from None  # the driver's own error (PlacementError, WorkerFailure, ...)
+        except Exception:
+            self.shutdown()
+            raise
 
     def _await_start(self, refs: list[Any]) -> list[dict[str, Any]]:
         """Every driver's start, bounded: its workers' set-up calls are each bounded by

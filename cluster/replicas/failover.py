@@ -185,7 +185,7 @@ class ReplicaFailover:
             self.fatal = (
                 f"no engine replica could take {len(self.pending)} request(s) within "
                 f"parallel.placement_timeout_s={limit:g}s: "
-                + "; ".join(f"replica {r} {s}: {w}" for r, (s, w) in enumerate(zip(self.state, self.why)))
+                + "; ".join(f"replica {r} {s}: {w}" for r, (s, w) in enumerate(zip(self.state, self.why, strict=True)))
             )
 
     def _get(self, ref: Any, replica: int) -> Any:

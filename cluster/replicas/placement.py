@@ -371,5 +371,8 @@ def remove(pg: PlacementGroup | None) -> None:
         return
     try:
         remove_placement_group(pg)
-    except Exception as e:  # already removed, or Ray is going down: nothing left to release
+    # A best-effort release on the way out (shutdown, or a failed start about to raise its own error):
+    # already removed, or Ray going down, leaves nothing to release, and no failure here may mask the
+    # caller's; it is logged, not raised.
+    except Exception as e:  # noqa: BLE001
         logger.debug("remove_placement_group: %s", e)

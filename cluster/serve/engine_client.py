@@ -187,7 +187,7 @@ class AsyncEngineClient:
                 for spec in specs:
                     self._release(spec.request_id)
             raise
-        return r, {s.request_id: e for s, e in zip(specs, errs) if e is not None}
+        return r, {s.request_id: e for s, e in zip(specs, errs, strict=True) if e is not None}
 
     async def _send_batch(self, r: int, specs: list[RequestSpec]) -> list[str | None]:
         """One add_requests call for every request gathered for replica r; refused ones are released
@@ -206,9 +206,9 @@ class AsyncEngineClient:
                 # These requests are the replica's like the rest: they move on (or end) with them.
                 self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
                 return [None] * len(specs)
-            for k, err in zip(mine, sent):
+            for k, err in zip(mine, sent, strict=True):
                 errs[k] = err
-        for spec, err in zip(specs, errs):
+        for spec, err in zip(specs, errs, strict=True):
             if err is not None:
                 self._release(spec.request_id)
         return errs
@@ -264,7 +264,7 @@ class AsyncEngineClient:
                 continue
             except asyncio.CancelledError:
                 return
-            except Exception as e:  # noqa: BLE001 - never let the poll loop die silently
+            except Exception as e:  # never let the poll loop die silently
                 logger.exception("engine replica %d: get_outputs failed", r)
                 self._replica_down(r, f"engine replica {r}: get_outputs failed: {type(e).__name__}: {e}")
                 return
@@ -357,7 +357,7 @@ class AsyncEngineClient:
             errs = await self.batchers[t].add(specs)
         except Exception as e:  # noqa: BLE001 - the engine client closed under it
             errs = [f"{type(e).__name__}: {e}"] * len(specs)
-        for spec, err in zip(specs, errs):
+        for spec, err in zip(specs, errs, strict=True):
             if err is not None:  # _send_batch released it: its stream still needs its end
                 q = self.queues.get(spec.request_id)
                 if q is not None:

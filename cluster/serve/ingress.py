@@ -89,7 +89,7 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[list[ChoiceDelta]]:
         queue.put_nowait(None)
 
     offsets = [sum(len(g.specs) for g in gens[:k]) for k in range(len(gens))]
-    tasks = [asyncio.ensure_future(pump(o, g)) for o, g in zip(offsets, gens)]
+    tasks = [asyncio.ensure_future(pump(o, g)) for o, g in zip(offsets, gens, strict=True)]
     try:
         ended = 0
         while ended < len(tasks):
@@ -190,7 +190,7 @@ class OpenAIServer:
             return self._error(endpoint, e)
         except RecursionError:  # a body nested just below the parser's limit, too deep for a check after it
             return self._error(endpoint, bad_request("the request body is nested too deeply"))
-        except Exception as e:  # noqa: BLE001 - one request's bug must not look like a crash
+        except Exception as e:  # one request's bug must not look like a crash
             logger.exception("%s: unexpected error", endpoint)
             return self._error(endpoint, APIError(500, f"{type(e).__name__}: {e}"))
         if req.stream:

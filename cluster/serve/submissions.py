@@ -91,7 +91,7 @@ class SubmitBatcher:
                 if not e.future.done():
                     e.future.set_result(errs[k : k + n])
                 k += n
-        except BaseException as exc:  # noqa: BLE001 - shutdown cancels it: every waiter must wake
+        except BaseException as exc:  # shutdown cancels it: every waiter must wake
             for e in batch:
                 if not e.future.done():
                     e.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError("engine client closed"))

@@ -31,7 +31,7 @@ Design
   tiles need no multiply. With bf16 queries the tiles widen to fp16 and the dots run in fp16 (q and P
   rounded to fp16, which holds them at least as precisely as bf16 at these magnitudes): Hopper converts
   e4m3 to fp16 in one instruction per pair, while widening to bf16 made decode attention over fp8
-  ~1.2x *slower* than over bf16 on the H200 (s14y: nano's 129-256-row steps 7.54 against 6.38 ms).
+  ~1.2x *slower* than over bf16 on the H200 (measured there: nano's 129-256-row steps 7.54 against 6.38 ms).
 - Host ints max_query_len / max_seq_len only size the grid and pick heuristics: no device sync.
 """
 
@@ -56,7 +56,7 @@ from kvcore.kernels.fp8 import is_fp8
 from kvcore.kernels.paged_attention_kernels import paged_attention_kernel, split_reduce_kernel
 
 _LOG2E = 1.4426950408889634
-# KVRAY_FP8_DOT=bf16 widens fp8 tiles to bf16 for bf16 queries instead of fp16 (the A/B switch of s14z).
+# KVRAY_FP8_DOT=bf16 widens fp8 tiles to bf16 for bf16 queries instead of fp16 (the A/B switch behind that choice).
 FP8_DOT_ENV = "KVRAY_FP8_DOT"
 
 

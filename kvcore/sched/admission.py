@@ -40,7 +40,7 @@ class RequestFit:
     def max_blocks_needed(self, num_tokens: int) -> int:
         """Blocks one request can hold at once with `num_tokens` tokens, over all groups (one pool)."""
         total = 0
-        for bs, window in zip(self.block_sizes, self.windows):
+        for bs, window in zip(self.block_sizes, self.windows, strict=True):
             need = cdiv(num_tokens, bs)
             if window is not None:
                 # Live blocks cover the window behind the computed tokens plus one chunk.

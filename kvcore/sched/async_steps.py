@@ -85,7 +85,7 @@ class AsyncScheduler(Scheduler):
     ) -> list[Request | None]:
         # A token is taken only by the same live request object the step expected it from (a finished
         # request's id may be reused by a new one before the old step's output arrives).
-        expected: dict[str, Request | None] = {} if rows is None else dict(zip(keys, rows))
+        expected: dict[str, Request | None] = {} if rows is None else dict(zip(keys, rows, strict=True))
         rules = self._stop_rules
         out: list[Request | None] = []
         for rid in model_runner_output.req_ids:

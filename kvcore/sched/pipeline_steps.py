@@ -74,7 +74,9 @@ class PipelineScheduler(Scheduler):
         tokens: dict[str, list[int]] = {}
         cached = out.scheduled_cached_reqs
         scheduled = out.num_scheduled_tokens
-        for rid, c, resumed in zip(cached.req_ids, cached.num_computed_tokens, cached.resumed_from_preemption):
+        for rid, c, resumed in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.resumed_from_preemption, strict=True
+        ):
             if resumed:
                 continue
             request = self.requests[rid]

@@ -310,7 +310,7 @@ class Scheduler(RequestBook):
         new_bare = object.__new__
         stopped: set[str] = set()
         from_waiting = False  # a request preempted while its token was in flight stops from the queue
-        for request, token_ids in zip(rows, model_runner_output.sampled_token_ids):
+        for request, token_ids in zip(rows, model_runner_output.sampled_token_ids, strict=True):
             if request is None or not token_ids:
                 continue  # not expected to sample (or a partial prefill chunk, which samples nothing)
             rule = request.stop_rule

@@ -1,7 +1,7 @@
 """Triton GEMM over fp8 weights for a few rows: y = x (wq * sw)^T + b, the decode steps of model.quantization="fp8".
 
 At M <= 64 a linear layer's time is its weight read, and torch's row-wise scaled GEMM ran at 0.55-0.81x
-the bf16 GEMM there on the H200 (RESULTS.md, s14y), so fp8 weights lost on the tail steps they should win.
+the bf16 GEMM there on the H200 (benchmarks/RESULTS.md), so fp8 weights lost on the tail steps they should win.
 This kernel reads each e4m3 weight byte once, widens it to fp16 in registers (Hopper converts a pair in one
 instruction) and multiplies it by the activations in fp16 with fp32 accumulation; the weight's per-channel
 scale multiplies the accumulator. The activations are not quantized: no quantizer launch, and no rounding
