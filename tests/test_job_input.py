@@ -213,7 +213,7 @@ def test_stop_strings_and_n_go_through_the_clients_output_processor(tmp_path, to
 @pytest.mark.parametrize(
     "line,rid,message",
     [
-        ('{"id": "f-unknown", "prompt": "x", "best_of": 2}', "f-unknown", "unknown field(s) ['best_of']"),
+        ('{"id": "f-unknown", "prompt": "x", "best_of": 2}', "f-unknown", "best_of=2"),  # refused by name, as vLLM V1
         ('{"id": "neg", "prompt_token_ids": [-1]}', "neg", "prompt_token_ids"),
         ('{"id": "typo", "prompt": "x", "max_token": 3}', "typo", "unknown field(s) ['max_token']"),
         ('{"id": "both", "prompt": "x", "prompt_token_ids": [1]}', "both", "needs exactly one of"),

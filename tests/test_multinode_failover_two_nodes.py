@@ -47,10 +47,9 @@ def test_two_nodes_one_replica_each_a_lost_node_moves_its_requests_within_the_pl
             finished: list[str] = []
 
             def collect() -> None:
-                for item in g.poll(timeout_s=0.5):
-                    o = item.output
+                for o in g.poll(timeout_s=0.5):
                     tokens[o.request_id].extend(o.new_token_ids)
-                    if item.finished:
+                    if o.finished:
                         assert o.error is None, o.error
                         finished.append(o.request_id)
                 assert g.fatal is None, g.fatal

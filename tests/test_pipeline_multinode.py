@@ -63,10 +63,9 @@ def run(group, tag, action=None):
         if action is not None and sum(map(len, tokens.values())) >= 4:
             action, act = None, action
             act()
-        for item in group.poll(timeout_s=0.5):
-            o = item.output
+        for o in group.poll(timeout_s=0.5):
             tokens[o.request_id].extend(o.new_token_ids)
-            if item.finished:
+            if o.finished:
                 assert o.error is None, o.error
                 finished.append(o.request_id)
         assert group.fatal is None, group.fatal

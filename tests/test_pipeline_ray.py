@@ -84,10 +84,9 @@ def test_a_killed_rank_of_any_stage_rebuilds_the_engine_and_loses_nothing(rank):
             if not killed and sum(map(len, tokens.values())) > 0:
                 ray.get(group.drivers[0].kill_worker.remote(rank))
                 killed = True
-            for item in group.poll(timeout_s=0.5):
-                o = item.output
+            for o in group.poll(timeout_s=0.5):
                 tokens[o.request_id].extend(o.new_token_ids)
-                if item.finished:
+                if o.finished:
                     assert o.error is None, o.error
                     finished.append(o.request_id)
             assert group.fatal is None, group.fatal
