@@ -308,8 +308,8 @@ def _warn_oversubscribed(config: EngineConfig) -> None:
 
 def _run_engines(config: EngineConfig, args: Any, shards: list, out: Any, total: int | None) -> int:
     from cluster.client.sampling_defaults import default_sampling_params
-    from cluster.job.batch_job import Job, format_summary, summarize, synthetic_items
     from cluster.job.input import InputReader, Item
+    from cluster.job.runner import Job, format_summary, summarize, synthetic_items
     from cluster.llm import client_model_dir, load_client_model
     from cluster.replicas.engine_group import EngineFailure, EngineGroup
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.worker.gpu_worker import Worker
+from actors.worker.actor import Worker
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 POISONABLE = "tests.fault_workers.PoisonableWorker"

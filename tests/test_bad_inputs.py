@@ -19,7 +19,7 @@ from actors.models.loader import resolve_model_dir
 from cluster import LLM, SamplingParams
 from cluster.cli import main as kvray_main
 from cluster.config import ConfigError, EngineConfig, load_config
-from cluster.job.batch_job import Job, read_items
+from cluster.job.runner import Job, read_items
 from cluster.replicas.placement import PlacementError, start_local_ray
 from kvcore.request import RequestValidationError
 

@@ -12,8 +12,8 @@ import pytest
 
 from cluster.config import load_config
 from cluster.info import plan
-from cluster.job.batch_job import Job
 from cluster.job.input import InputReader, resolve_shards
+from cluster.job.runner import Job
 from cluster.llm import check_client_model, load_client_model
 from cluster.replicas.engine_group import EngineGroup
 from cluster.replicas.placement import start_local_ray

@@ -124,7 +124,7 @@ def test_generate_answers_every_prompt_once_and_serves_the_good_one(llm, cases):
 @ENGINE
 @given(st.lists(input_lines, min_size=1, max_size=12))
 def test_a_job_answers_every_line_once(llm, tmp_path_factory, lines):
-    from cluster.job.batch_job import Job, read_items
+    from cluster.job.runner import Job, read_items
 
     tmp = tmp_path_factory.mktemp("fuzz")
     good = json.dumps({"id": "good-last-7f3a9c", "prompt_token_ids": [5, 6], "max_tokens": 3, "ignore_eos": True})

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from cluster.config import EngineConfig
-from cluster.job.batch_job import Job
 from cluster.job.input import InputReader, Shard, detect_format, resolve_shards
+from cluster.job.runner import Job
 from cluster.llm import load_client_model
 from kvcore.request import SamplingParams
 from tests.job_helpers import FakeEngines, expected_tokens

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from cluster.config import EngineConfig
-from cluster.job.batch_job import Job
 from cluster.job.input import InputReader, JobError, Limits, Shard, count_lines, resolve_shards
 from cluster.job.keys import KeySet
+from cluster.job.runner import Job
 from cluster.llm import load_client_model
 from cluster.replicas.engine_group import EngineFailure
 from kvcore.request import SamplingParams

@@ -11,9 +11,9 @@ import pytest
 
 from cluster.cli import main as kvray_main
 from cluster.config import EngineConfig
-from cluster.job.batch_job import Job
 from cluster.job.input import InputReader, JobError, resolve_shards
 from cluster.job.output import OutputFile, check_not_an_input
+from cluster.job.runner import Job
 from cluster.llm import load_client_model
 from kvcore.request import SamplingParams
 from tests.job_helpers import FakeEngines, expected_tokens
@@ -101,7 +101,7 @@ import json, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.RLIM_INFINITY))
 from cluster.config import EngineConfig
-from cluster.job.batch_job import Job
+from cluster.job.runner import Job
 from cluster.job.input import JobError, read_items
 from cluster.llm import load_client_model
 from kvcore.request import SamplingParams

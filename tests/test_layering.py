@@ -230,7 +230,7 @@ def test_the_client_side_never_loads_torch():
     # The LLM API, the job and the CLI only talk to driver actors; torch (seconds to import) stays there.
     assert (
         loaded_tensor_libs(
-            "cluster.cli, cluster.llm, cluster.job.batch_job, cluster.replicas.engine_group, cluster.client.stream, "
+            "cluster.cli, cluster.llm, cluster.job.runner, cluster.replicas.engine_group, cluster.client.stream, "
             "cluster.stress.run, "
             "cluster.stress.reference, cluster.info"
         )
@@ -243,7 +243,7 @@ def test_the_driver_process_never_loads_torch():
     # cost seconds of every engine start and rebuild.
     assert (
         loaded_tensor_libs(
-            "actors.driver.engine_driver, actors.driver.engine_core, actors.executor.ray_workers, "
+            "actors.driver.actor, actors.driver.engine_core, actors.executor.ray_workers, "
             "actors.transport.shm, actors.executor.node_probe"
         )
         == "[]"

@@ -14,7 +14,7 @@ import ray
 from fault_workers import POISONABLE
 
 from cluster import LLM, SamplingParams
-from cluster.job.batch_job import Job, read_items
+from cluster.job.runner import Job, read_items
 from cluster.replicas.placement import start_local_ray
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

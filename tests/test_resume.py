@@ -18,7 +18,7 @@ import time
 import pytest
 import ray
 
-from cluster.job.batch_job import load_done
+from cluster.job.runner import load_done
 from cluster.replicas.engine_group import DRIVER_NAME_PREFIX
 from cluster.replicas.placement import local_address, start_local_ray
 

@@ -36,7 +36,7 @@ TRANSPORTS = ("compiled_graph", "actor_calls", "shm")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; "auto" = the model's dtype
 QUANTIZATIONS = (None, "fp8")  # vLLM's online fp8 of a bf16 checkpoint (actors/layers/fp8_linear.py)
 # The worker actor class an engine starts unless told otherwise (tests pass actors.worker.noop.NoopWorker).
-DEFAULT_WORKER_CLS = "actors.worker.gpu_worker.Worker"
+DEFAULT_WORKER_CLS = "actors.worker.actor.Worker"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Ray reschedules the bundles of a lost node by itself once some node has the resources; until then the
 group is RESCHEDULING. A rebuild must not start workers into it before that (their tasks would queue
 for as long as no node comes), so the driver waits here, with a timeout, and hands its requests to the
-other replicas when the wait runs out (actors/driver/engine_driver.py).
+other replicas when the wait runs out (actors/driver/actor.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from actors.driver.placement_wait import wait_for_placement
 from actors.driver.poison import EngineSteps, PoisonIsolation
 from actors.errors import StepError, WorkerFailure
 
-logger = logging.getLogger("actors.driver.engine_driver")  # the driver's log: recovery is its story
+logger = logging.getLogger("actors.driver.actor")  # the driver's log: recovery is its story
 
 
 @dataclass(frozen=True)

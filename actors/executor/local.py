@@ -19,7 +19,7 @@ from typing import Any
 from actors.config.engine import EngineConfig
 from actors.errors import WorkerFailure
 from actors.executor.base import Executor
-from actors.worker.gpu_worker import Worker
+from actors.worker.actor import Worker
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 
 _SHUTDOWN = "__shutdown__"

@@ -3,7 +3,7 @@ phases relative to the moment the executor asked Ray for the actor.
 
 The phases are what the engine stats call `worker_*_s`: the process's spawn (Ray starting a Python
 worker, or handing over an idle one), the worker's Python and Ray boot up to the import of
-actors.worker.gpu_worker, that import (torch, triton, the model code), the construction, the device and the
+actors.worker.actor, that import (torch, triton, the model code), the construction, the device and the
 process group, and the ModelRunner. Wall clock (time.time) because the marks come from two processes.
 """
 
@@ -27,7 +27,7 @@ def process_start_epoch() -> float | None:
     return time.time() - (uptime_s - start_s)
 
 
-# Taken when this module is first imported: actors.worker.gpu_worker imports it before torch.
+# Taken when this module is first imported: actors.worker.actor imports it before torch.
 IMPORT_STARTED = time.time()
 PROCESS_STARTED = process_start_epoch()
 

@@ -16,8 +16,8 @@ import tempfile
 import time
 
 from cluster.config import EngineConfig
-from cluster.job.batch_job import Job
 from cluster.job.input import InputReader, resolve_shards
+from cluster.job.runner import Job
 from kvcore.request import SamplingParams
 from tests.job_helpers import FakeEngines
 

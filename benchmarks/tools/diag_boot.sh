@@ -29,7 +29,7 @@ for round in 1 2; do
   imp default_worker "import ray._private.workers.default_worker"
   imp torch "import torch"
   imp triton "import triton"
-  imp actors.worker.gpu_worker "import actors.worker.gpu_worker"
+  imp actors.worker.actor "import actors.worker.actor"
 done
 python3 -X importtime -c "import ray" 2>&1 | sort -t'|' -k2 -n | tail -8
-python3 -X importtime -c "import actors.worker.gpu_worker" 2>&1 | sort -t'|' -k2 -n | tail -12
+python3 -X importtime -c "import actors.worker.actor" 2>&1 | sort -t'|' -k2 -n | tail -12

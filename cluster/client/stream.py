@@ -1,4 +1,4 @@
-"""The client's one streaming loop over an EngineGroup: the batch job (cluster/job/batch_job.py), LLM.generate
+"""The client's one streaming loop over an EngineGroup: the batch job (cluster/job/runner.py), LLM.generate
 (cluster/llm.py), the stress test and its reference run (cluster/stress/run.py) each say what to submit and
 what to make of an output; `Stream.loop` submits what is due, polls, hands every output over and sends
 the aborts asked for, until nothing is left to submit or in flight. A fix to streaming is made here once.

@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.driver.engine_driver import driver_actor_class
+from actors.driver.actor import driver_actor_class
 from actors.messages import DOWN, PollResult, RequestSpec, error_output
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.replicas.failover import (

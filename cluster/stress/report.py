@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from cluster.job.batch_job import percentile
+from cluster.job.runner import percentile
 from cluster.stress.workload import StressRequest
 
 log = logging.getLogger("kvray.stress")
