@@ -3,7 +3,7 @@
 On the GPU every step is padded to a bucket: uniform decode steps by row count, mixed steps (prefill
 chunks with decodes) by token count. Padding sequences hold no tokens and padding tokens belong to no
 sequence (id 0, position 0, slot -1), and the attention metadata carries the bucket's host ints only
-(max_query_len 1 or the token count, max_seq_len = max_model_len). The runner's `pad_to_buckets`
+(max_query_len 1 or the token count, max_seq_len = max_model_len). The graph runner's `pad_to_buckets`
 switch builds exactly those inputs without a graph, so here greedy outputs of the padded path must
 equal HF transformers token for token: padding writes no KV and disturbs no real row, on one KV-cache
 group and on a hybrid model (full + sliding-window groups), with the torch reference attention and
@@ -95,7 +95,7 @@ def run_padded(config: EngineConfig, prompts, max_tokens=MAX_TOKENS):
     padded_steps: list[tuple[int, Bucket]] = []
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
-        runner = executor.worker.model_runner
+        runner = executor.worker.model_runner.graph_runner
         assert runner.graphs is None  # never captured on the CPU
         runner.pad_to_buckets = True
         real_select = runner.plan.select
@@ -199,7 +199,7 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
 
     current_runner = [None]
     monkeypatch.setattr(rg, "StepGraphs", fake_graphs)
-    monkeypatch.setattr(mr.ModelRunner, "_graphs_unavailable", lambda self: None)
+    monkeypatch.setattr(rg.GraphRunner, "graphs_unavailable", lambda self: None)
     real_init = mr.ModelRunner.initialize_kv_cache
 
     def init_kv(self, cfg):
@@ -211,7 +211,7 @@ def test_replay_path_on_captured_buffers_matches_hf(reference, monkeypatch, asyn
     config = config.replace(async_scheduling=async_on)
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
-        runner = executor.worker.model_runner
+        runner = executor.worker.model_runner.graph_runner
         assert runner.graphs is made[-1]
         assert runner.graphs.captured == sorted(runner.plan.buckets())
         assert runner.plan.decode_sizes == [1, 2, 4, 8, 16]

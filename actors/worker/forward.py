@@ -1,6 +1,6 @@
-"""The model runner's forward pass and its CUDA graphs (a base of ModelRunner, actors/worker/model_runner.py):
-one graph per bucket captured at start-up when every rank can, the step replayed from its bucket's graph
-or run eagerly on the same static buffers, and why a step ran eagerly.
+"""The model runner's forward pass and its CUDA graphs (GraphRunner, held by ModelRunner,
+actors/worker/model_runner.py): one graph per bucket captured at start-up when every rank can, the step
+replayed from its bucket's graph or run eagerly on the same static buffers, and why a step ran eagerly.
 """
 
 from __future__ import annotations
@@ -27,30 +27,66 @@ if TYPE_CHECKING:  # the model zoo is imported only where a model is loaded
 logger = logging.getLogger(__name__)
 
 
-class RunnerGraphs:
-    """The graph half of ModelRunner, which sets these in its __init__."""
+class GraphRunner:
+    """One rank's step forward: its bucket plan, its captured graphs and the count of eager steps.
+    Built with the runner; `bind` hands it the loaded model and the batch of the bound KV cache."""
 
-    config: EngineConfig
-    device: torch.device
-    rank: int
-    backend: str
-    max_model_len: int
-    layer_to_group: dict[str, int]
-    plan: BucketPlan
-    graphs: StepGraphs | None
-    graph_stats: GraphStats
-    pad_to_buckets: bool
-    stager: InputStager
-    lpt_max_seqs: int = 0  # see attention_tiles.longest_first_max_seqs; set with the KV cache
-    stage_inputs: StageActivations | None  # a later pipeline stage's receive buffers
+    def __init__(
+        self, config: EngineConfig, device: torch.device, rank: int, backend: str, stager: InputStager
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.rank = rank
+        self.backend = backend
+        self.stager = stager
+        mode = "none" if config.model.enforce_eager else config.model.cudagraph_mode
+        self.plan = BucketPlan(
+            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens,
+            mode,
+            config.model.cudagraph_max_tokens,
+        )
+        self.graphs: StepGraphs | None = None
+        self.graph_stats = GraphStats()
+        # Tests set this on the CPU to run the padded bucket inputs eagerly (what a replay computes).
+        self.pad_to_buckets = False
+        # Set by bind(): what the step runs on.
+        self.model: DecoderForCausalLM | None = None
+        self.batch: InputBatch | None = None
+        self.max_model_len = 0
+        self.layer_to_group: dict[str, int] = {}
+        self.lpt_max_seqs = 0  # see attention_tiles.longest_first_max_seqs; set with the KV cache
+        self.stage_inputs: StageActivations | None = None  # a later pipeline stage's receive buffers
+
+    def bind(
+        self,
+        model: DecoderForCausalLM,
+        batch: InputBatch,
+        max_model_len: int,
+        layer_to_group: dict[str, int],
+        lpt_max_seqs: int,
+        stage_inputs: StageActivations | None,
+    ) -> None:
+        """What the step runs on: the model, the persistent batch of the bound KV cache and its layout."""
+        self.model = model
+        self.batch = batch
+        self.max_model_len = max_model_len
+        self.layer_to_group = layer_to_group
+        self.lpt_max_seqs = lpt_max_seqs
+        self.stage_inputs = stage_inputs
 
     def _model(self) -> DecoderForCausalLM:
-        raise NotImplementedError
+        if self.model is None:
+            raise RuntimeError("GraphRunner: bind() must run first")
+        return self.model
 
     def _batch(self) -> InputBatch:
-        raise NotImplementedError
+        if self.batch is None:
+            raise RuntimeError("GraphRunner: bind() must run first")
+        return self.batch
 
-    def _graphs_unavailable(self) -> str | None:
+    def graphs_unavailable(self) -> str | None:
+        """Why this rank captures no graphs (None: it can). Public: a CPU test stubs it to drive capture."""
         if self.device.type != "cuda":
             return "not on a GPU"
         if self.plan.mode == "none":
@@ -62,12 +98,12 @@ class RunnerGraphs:
         return None
 
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
+    def capture(self) -> None:
         """Capture one graph per bucket. Every rank must agree: a rank that failed mid-capture makes
         every rank eager (a TP group where one rank replays and another does not still matches
         collective for collective, but eager everywhere is the safe side)."""
-        self._drop_graphs()
-        reason = self._graphs_unavailable()
+        self.drop()
+        reason = self.graphs_unavailable()
         if reason is not None:
             logger.info("rank %d: CUDA graphs off: %s", self.rank, reason)
             return
@@ -90,7 +126,7 @@ class RunnerGraphs:
             time.perf_counter() - t0,
         )
 
-    def _drop_graphs(self) -> None:
+    def drop(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()
         self.graphs = None
@@ -134,7 +170,7 @@ class RunnerGraphs:
                 return self._model()(out.input_ids[:num_tokens], positions, self.stage_inputs.narrow(num_tokens))
             return self._model()(out.input_ids[:num_tokens], positions)
 
-    def _run_forward(self, staged: StagedStep) -> tuple[torch.Tensor | StageActivations, bool]:
+    def run(self, staged: StagedStep) -> tuple[torch.Tensor | StageActivations, bool]:
         """Replay the step's bucket graph, or run it eagerly (padded to the bucket in the tests'
         pad_to_buckets mode); the hidden states and whether a graph ran."""
         bucket, reason = self.plan.select(staged.num_reqs, staged.num_tokens, staged.max_query_len)
@@ -146,6 +182,6 @@ class RunnerGraphs:
         elif bucket is not None and self.pad_to_buckets:
             return self._bucket_forward(bucket), False
         if self.graphs is None:
-            reason = self._graphs_unavailable() or reason or "graph capture failed"
+            reason = self.graphs_unavailable() or reason or "graph capture failed"
         self.graph_stats.count_eager(reason)
         return self._forward(staged.num_reqs, staged.num_tokens, staged.max_query_len, staged.max_seq_len), False

@@ -30,8 +30,7 @@ from actors.sample.penalties import PenaltyState
 from actors.sample.sampler import Sampler, request_seed
 from actors.sample.step_logprobs import LogprobsCollector, compute_prompt_logprobs, launch_copies, prompt_plan
 from actors.worker import kv_cache_sizing
-from actors.worker.cuda_graphs import BucketPlan, GraphStats, StepGraphs
-from actors.worker.forward import RunnerGraphs
+from actors.worker.forward import GraphRunner
 from actors.worker.input_prep import InputStager, StagedStep
 from actors.worker.token_readback import SampledStep, TokenReadback
 from actors.worker.warmup import warm_logits, warm_sampler
@@ -53,7 +52,7 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
-class ModelRunner(RunnerGraphs):
+class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, rank: int) -> None:
         self.config = config
         self.device = device
@@ -75,20 +74,15 @@ class ModelRunner(RunnerGraphs):
         self.input_batch: InputBatch | None = None
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.layer_to_group: dict[str, int] = {}
         # Marks the end of a step's sampling-parameter copies: the next step waits on it before editing
         # their pinned sources again.
         self._copies_done: torch.cuda.Event | None = None
-        mode = "none" if config.model.enforce_eager else config.model.cudagraph_mode
-        self.plan = BucketPlan(self.max_num_reqs, self.max_num_tokens, mode, config.model.cudagraph_max_tokens)
-        self.graphs: StepGraphs | None = None
-        self.graph_stats = GraphStats()
-        # Tests set this on the CPU to run the padded bucket inputs eagerly (what a replay computes).
-        self.pad_to_buckets = False
         self.step_timer: StepTimer | None = None  # set by the GPU idle benchmark (Worker.start_step_timing)
         self.lag_outputs = config.use_async_scheduling
         self.readback = TokenReadback(self.max_num_reqs, device, self.pin_memory)
         self.stager = InputStager(self.max_num_reqs, self.max_num_tokens, device, self.pin_memory)
+        # The step's forward: its CUDA graphs (captured with the KV cache) or the same step run eagerly.
+        self.graph_runner = GraphRunner(config, device, rank, self.backend, self.stager)
         self._in_flight: SampledStep | None = None  # lag mode: launched, output not yet returned
         self._last: SampledStep | None = None  # the last launched step: the next one's feed source
         self.sampling_inputs = SamplingInputs(self.max_num_reqs, device, self.pin_memory)
@@ -165,15 +159,14 @@ class ModelRunner(RunnerGraphs):
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate and bind the KV cache, (re)build the persistent batch, capture the graphs and warm
         the sampler. Re-entrant: old state goes."""
-        self._drop_graphs()  # they read the old cache and buffers
+        self.graph_runner.drop()  # they read the old cache and buffers
         self.kv_caches = []
         # One block-id space for every stage; this rank holds the memory of its own stage's layers.
         own = kv_cache_sizing.own_kv_cache_config(kv_cache_config, set(self.get_kv_cache_specs()))
         self.kv_caches = kv_cache_sizing.allocate_kv_cache(self._model(), own, self.device)
         kv_heads = max(g.kv_cache_spec.num_kv_heads for g in kv_cache_config.kv_cache_groups)
-        self.lpt_max_seqs = longest_first_max_seqs(kv_heads, num_sms(self.device))
+        lpt_max_seqs = longest_first_max_seqs(kv_heads, num_sms(self.device))
         self.kv_cache_config = kv_cache_config
-        self.layer_to_group = kv_cache_config.layer_to_group()
         self.requests.clear()
         self._in_flight = self._last = None
         self.input_batch = InputBatch(
@@ -184,7 +177,15 @@ class ModelRunner(RunnerGraphs):
             self.pin_memory,
             kv_cache_config.block_sizes,
         )
-        self.capture_graphs()
+        self.graph_runner.bind(
+            self._model(),
+            self.input_batch,
+            self.max_model_len,
+            kv_cache_config.layer_to_group(),
+            lpt_max_seqs,
+            self.stage_inputs,
+        )
+        self.graph_runner.capture()
         if not self.is_last_stage:
             return  # only the last stage computes logits and samples
         model = self._model()
@@ -358,7 +359,7 @@ class ModelRunner(RunnerGraphs):
             parallel_state.recv_from_prev_stage(self.stage_inputs.narrow(staged.num_tokens).tensors())
         if not self.is_last_stage:
             parallel_state.wait_for_sends()  # the last step's activations left: their buffers are free again
-        result, graph = self._run_forward(staged)
+        result, graph = self.graph_runner.run(staged)
         if isinstance(result, StageActivations):
             parallel_state.send_to_next_stage(result.narrow(staged.num_tokens).tensors())
             if self.step_timer is not None:

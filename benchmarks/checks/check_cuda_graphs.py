@@ -60,7 +60,8 @@ def run(path: str, prompts: Any, mode: str, async_on: bool) -> tuple[dict[str, l
     replays: Counter = Counter()
     with LocalExecutor(config) as executor:
         engine = EngineCore(config, executor)
-        runner = executor.worker.model_runner
+        model_runner = executor.worker.model_runner
+        runner = model_runner.graph_runner
         if mode == "none":
             assert runner.graphs is None
         else:
@@ -69,7 +70,7 @@ def run(path: str, prompts: Any, mode: str, async_on: bool) -> tuple[dict[str, l
             real_replay = runner.graphs.replay
 
             def counting_replay(bucket: Any) -> Any:
-                replays[(runner.input_batch.num_reqs, bucket)] += 1
+                replays[(model_runner.input_batch.num_reqs, bucket)] += 1
                 return real_replay(bucket)
 
             runner.graphs.replay = counting_replay

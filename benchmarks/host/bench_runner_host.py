@@ -94,14 +94,15 @@ def build(max_model_len: int) -> tuple[Scheduler, ModelRunner]:
         scheduler=SchedulerConfig(max_num_seqs=NUM_REQS, max_num_batched_tokens=8192),
     )
     runner = ModelRunner(cfg, torch.device("cpu"), rank=0)
-    runner.model = StubModel(runner.max_num_tokens)
+    model = StubModel(runner.max_num_tokens)
+    runner.model = model
     runner.max_model_len = max_model_len
-    runner.layer_to_group = {f"model.layers.{i}.self_attn.attn": 0 for i in range(NUM_LAYERS)}
-    runner.input_batch = InputBatch(
-        NUM_REQS, max_model_len, runner.max_num_tokens, runner.device, runner.pin_memory, [BLOCK_SIZE]
-    )
-    runner.input_batch.block_table.commit_mode = "delta"
-    runner.pad_to_buckets = True  # the bucket selection a GPU with graphs makes
+    batch = InputBatch(NUM_REQS, max_model_len, runner.max_num_tokens, runner.device, runner.pin_memory, [BLOCK_SIZE])
+    batch.block_table.commit_mode = "delta"
+    runner.input_batch = batch
+    layer_to_group = {f"model.layers.{i}.self_attn.attn": 0 for i in range(NUM_LAYERS)}
+    runner.graph_runner.bind(model, batch, max_model_len, layer_to_group, 0, None)  # as initialize_kv_cache does
+    runner.graph_runner.pad_to_buckets = True  # the bucket selection a GPU with graphs makes
 
     spec = FullAttentionSpec(BLOCK_SIZE, 8, 128, torch.bfloat16)
     blocks = NUM_REQS * (max_model_len // BLOCK_SIZE + 2) + 1
