@@ -11,7 +11,8 @@ from test_multinode_failures import N, node_of, run, specs
 from waits import wait_until
 
 from cluster.config import EngineConfig
-from cluster.replicas.engine_group import UP, EngineGroup
+from cluster.replicas.engine_group import EngineGroup
+from cluster.replicas.failover import UP
 
 pytestmark = pytest.mark.timeout(420)
 

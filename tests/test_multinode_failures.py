@@ -19,7 +19,8 @@ from waits import wait_until
 
 from actors.messages import RequestSpec
 from cluster.config import EngineConfig
-from cluster.replicas.engine_group import UP, EngineGroup
+from cluster.replicas.engine_group import EngineGroup
+from cluster.replicas.failover import UP
 from kvcore.request import SamplingParams
 
 pytestmark = pytest.mark.timeout(420)
