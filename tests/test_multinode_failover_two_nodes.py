@@ -11,7 +11,8 @@ from test_multinode_failures import N, node_of, run, specs
 from waits import wait_until
 
 from cluster.config import EngineConfig
-from cluster.replicas.engine_group import UP, EngineGroup
+from cluster.replicas.engine_group import EngineGroup
+from cluster.replicas.failover import UP
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -55,12 +56,12 @@ def test_two_nodes_one_replica_each_a_lost_node_moves_its_requests_within_the_pl
                 assert g.fatal is None, g.fatal
 
             wait_until(lambda: sum(map(len, tokens.values())) >= 4, 120, step=collect, what="the first tokens")
-            assert any(owner == lost_replica for owner in g.owner.values())  # it holds requests when it goes
+            assert any(owner == lost_replica for owner in g.failover.owner.values())  # it holds requests when it goes
             two.remove(lost)
             # Node death is seen within a few seconds (FAST_HEALTH_CHECKS); a stranded request would wait
             # for the step timeout and beyond (240 s and more were seen).
             wait_until(
-                lambda: g.moved_away[lost_replica] > 0,
+                lambda: g.failover.moved_away[lost_replica] > 0,
                 placement_timeout_s + step_timeout_s / 2,
                 step=collect,
                 what=f"replica {lost_replica}'s requests moving to the other replica",

@@ -19,7 +19,8 @@ from waits import wait_until
 
 from actors.messages import RequestSpec
 from cluster.config import EngineConfig
-from cluster.replicas.engine_group import UP, EngineGroup
+from cluster.replicas.engine_group import EngineGroup
+from cluster.replicas.failover import UP
 from kvcore.request import SamplingParams
 
 pytestmark = pytest.mark.timeout(420)
@@ -88,7 +89,7 @@ def run(group, tag, action=None):
         # The state of every replica in the message: a hang here must say where it is.
         assert time.monotonic() < deadline, (
             f"round {tag!r}: {len(finished)} of {N} finished; states {group.state}, "
-            f"pending {group.pending}, owners {group.owner}, {group.stats()}"
+            f"pending {group.failover.pending}, owners {group.failover.owner}, {group.stats()}"
         )
         step()
     assert sorted(finished) == sorted(tokens)  # each exactly once
@@ -118,7 +119,7 @@ def test_a_lost_node_rebuilds_the_replica_on_the_spare_node(cluster, group, refe
 def test_with_no_spare_node_the_requests_move_to_the_other_replica(cluster, group, reference):
     lost = node_of(cluster, group, 1)
     assert run(group, "failover", action=lambda: cluster.remove(lost)) == reference
-    assert group.state[1] == "rebuilding" and group.moved_away[1] > 0, (group.state, group.moved_away)
+    assert group.state[1] == "rebuilding" and group.failover.moved_away[1] > 0, (group.state, group.failover.moved_away)
 
 
 def test_a_node_that_joins_later_is_used_again(cluster, group, reference):
@@ -137,7 +138,7 @@ def test_a_node_that_joins_later_is_used_again(cluster, group, reference):
 
 def test_a_killed_driver_is_replaced_and_its_requests_move(cluster, group, reference):
     assert run(group, "driver", action=lambda: ray.kill(group.drivers[0], no_restart=True)) == reference
-    assert group.driver_restarts[0] == 1
+    assert group.failover.driver_restarts[0] == 1
     wait_until(
         lambda: group.state[0] == UP,
         120,

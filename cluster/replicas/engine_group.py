@@ -17,14 +17,12 @@ from ray.exceptions import RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.driver.actor import driver_actor_class
-from actors.messages import DOWN, PollResult, RequestSpec, error_output
+from actors.messages import PollResult, RequestSpec
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.replicas.failover import (
-    DOWN_STATE,
     DRIVER_CALL_GRACE_S,
-    REBUILDING_STATE,
     STARTING,
-    UP,
+    FailoverLimits,
     ReplicaFailover,
     ReplicaLost,
 )
@@ -56,7 +54,9 @@ def unwrap(e: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else e
 
 
-class EngineGroup(ReplicaFailover):
+class EngineGroup:
+    """Owns the replicas' driver actors and placement groups; its `failover` keeps the request books."""
+
     def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> None:
         t0 = time.perf_counter()
         self.started_ray = connect(config)
@@ -69,13 +69,15 @@ class EngineGroup(ReplicaFailover):
         # Named, so an operator (or a failure test) can find a job's drivers: `ray list actors`,
         # ray.util.list_named_actors(); the suffix keeps concurrent jobs in one namespace apart.
         self.tag = uuid.uuid4().hex[:8]
-        self.outstanding = [0] * n
-        self.owner: dict[str, int] = {}
         self._polls: dict[Any, int] = {}
-        self.fatal: str | None = None
         self.infos: list[dict[str, Any]] = []
         self.drivers: list[Any] = []
-        self._init_failover(n)
+        limits = FailoverLimits(
+            max_driver_restarts=config.parallel.max_driver_restarts,
+            placement_timeout_s=config.parallel.placement_timeout_s,
+            driver_call_timeout_s=config.parallel.step_timeout_s + DRIVER_CALL_GRACE_S,
+        )
+        self.failover = ReplicaFailover(n, limits, drivers=self)
         # This process owns each replica's placement group, not its driver: a driver killed from outside
         # must not take its reservation with it, nor leave it behind.
         self.pgs: list[Any] = []
@@ -83,7 +85,7 @@ class EngineGroup(ReplicaFailover):
             for i in range(n):
                 self.pgs.append(create_placement_group(config, name=f"kvray-{config.ray.namespace}-{self.tag}-r{i}"))
             t1 = time.perf_counter()
-            self.drivers = [self._new_driver(i) for i in range(n)]
+            self.drivers = [self._new_driver(i, 0) for i in range(n)]
             self.infos = self._await_start([d.start.remote() for d in self.drivers])
             self.startup_s.update(
                 placement_s=round(t1 - t_connected, 2), drivers_start_s=round(time.perf_counter() - t1, 2)
@@ -109,8 +111,7 @@ class EngineGroup(ReplicaFailover):
             )
         return ray.get(refs)
 
-    def _new_driver(self, replica: int) -> Any:
-        gen = self.driver_restarts[replica]
+    def _new_driver(self, replica: int, gen: int) -> Any:
         return (
             driver_actor_class()
             .options(
@@ -121,104 +122,90 @@ class EngineGroup(ReplicaFailover):
             .remote(self.config, self.pgs[replica], replica, self.worker_cls)
         )
 
+    # ---- DriverControl: what failover may do to the driver actors ------------------------------
+    def driver(self, replica: int) -> Any:
+        return self.drivers[replica]
+
+    def retire_driver(self, replica: int) -> None:
+        self._polls = {ref: i for ref, i in self._polls.items() if i != replica}
+        try:
+            ray.kill(self.drivers[replica], no_restart=True)  # a hung one must not come back to life
+        except Exception as e:  # noqa: BLE001 - already dead
+            logger.debug("ray.kill(driver): %s", e)
+
+    def start_driver(self, replica: int, generation: int) -> Any:
+        self.drivers[replica] = self._new_driver(replica, generation)
+        return self.drivers[replica].start.remote()
+
+    def driver_started(self, replica: int, info: dict[str, Any]) -> None:
+        self.infos[replica] = info
+
     @property
     def info(self) -> dict[str, Any]:
         return self.infos[0]
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the group is down for good; None while a replica is up or may come back."""
+        return self.failover.fatal
+
+    @property
+    def state(self) -> list[str]:
+        """Each replica's state (see cluster/replicas/failover.py)."""
+        return self.failover.state
+
+    @property
+    def outstanding(self) -> list[int]:
+        """Each replica's unfinished requests."""
+        return self.failover.outstanding
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, specs: list[RequestSpec]) -> dict[str, str]:
         """Send requests to the least-loaded replicas; returns {request_id: error} for refused ones.
         While no replica is up they wait (see cluster/replicas/failover.py); once the group is down for good,
         each is refused with the reason."""
-        errors: dict[str, str] = {}
-        rids = []
-        now = time.monotonic()
-        for spec in specs:
-            if self.fatal is not None:
-                errors[spec.request_id] = f"every engine replica {DOWN}: {self.fatal}"
-            elif spec.request_id in self.live:
-                errors[spec.request_id] = (
-                    f"request {spec.request_id!r}: request_id is already in use by an unfinished request"
-                )
-            else:
-                self.live.add(spec, now)
-                rids.append(spec.request_id)
-        errors.update(self._dispatch(rids))
-        self._check_fatal()
-        return errors
+        return self.failover.submit(specs)
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        by_replica: dict[int, list[str]] = {}
-        for rid in request_ids:
-            if rid in self.owner:
-                by_replica.setdefault(self.owner[rid], []).append(rid)
-            if rid in self.pending:
-                self.pending.remove(rid)
-            # Out of the books now: were its replica lost before the abort lands, it must not move.
-            self.live.retire(rid, time.monotonic())
+        by_replica = self.failover.abort(request_ids)
         for r, ids in by_replica.items():
             self.drivers[r].abort.remote(ids)
 
     def poll(self, timeout_s: float = 1.0) -> list[EngineCoreOutput]:
         """Outputs that arrived within timeout_s, streaming and finished ones alike (a request's last one,
         `finished`, carries its timing on the driver)."""
-        self._check_starting()
-        self._dispatch_pending()
-        items = [error_output(rid, err) for rid, err in self._refused_late.items()]
-        self._refused_late.clear()
-        for r, s in enumerate(self.state):
-            if s in (UP, REBUILDING_STATE) and r not in self._polls.values():
+        self.failover.check_starting()
+        self.failover.dispatch_pending()
+        items = self.failover.take_refused()
+        for r in self.failover.polled_replicas():
+            if r not in self._polls.values():
                 self._polls[self.drivers[r].get_outputs.remote(timeout_s)] = r
-        wait_on = list(self._polls) + list(self._starting)
+        wait_on = list(self._polls) + self.failover.starting_refs()
         ready = ray.wait(wait_on, num_returns=1, timeout=timeout_s + 5.0)[0] if wait_on else []
         for ref in ready:
             if ref in self._polls:
                 items += self._take(self._polls.pop(ref), ref)
-        self._check_starting()
-        self._dispatch_pending()
-        self._check_fatal()
+        self.failover.check_starting()
+        self.failover.dispatch_pending()
+        self.failover.check_fatal()
         return items
 
     def _take(self, r: int, ref: Any) -> list[EngineCoreOutput]:
         try:
-            res: PollResult = self._get(ref, r)
+            res: PollResult = self.failover.call(ref, r)
         except ReplicaLost as e:
-            self.pending += self._lose(r, str(e))
+            self.failover.replica_lost(r, str(e))
             return []
-        items: list[EngineCoreOutput] = []
-        # Outputs of requests moved away from r since are stale; unknown ids (aborted) pass through.
-        kept = self.live.drop_replayed(
-            [o for o in res.outputs if self.owner.get(o.request_id) == r or o.request_id not in self.live],
-            lambda ids: self.drivers[r].abort.remote(ids),
-        )
-        for o in kept:
-            if res.fatal is not None and o.finish_reason == "error" and o.error == res.fatal:
-                continue  # in-flight casualties of the replica's failure: they move, below
-            self.live.record(o, time.monotonic())
-            if o.finished:
-                self._unown(o.request_id)
-            items.append(o)
-        if res.returned:
-            self.pending += self._orphans(r, res.returned)
-        if res.fatal is not None:
-            self._set_state(r, DOWN_STATE, res.fatal)
-            self.pending += self._orphans(r)
-        elif not res.available:
-            self._set_state(r, REBUILDING_STATE, self.why[r] or "waiting for resources to rebuild on")
-        elif self.state[r] == REBUILDING_STATE:
-            self._set_state(r, UP, None)
-        return items
+        return self.failover.accept(r, res)
 
     def stats(self) -> list[dict[str, Any]]:
         out = []
         for r, d in enumerate(self.drivers):
             try:
-                s = self._get(d.stats.remote(), r) if self.state[r] != STARTING else {"replica": r}
+                s = self.failover.call(d.stats.remote(), r) if self.state[r] != STARTING else {"replica": r}
             except ReplicaLost as e:
                 s = {"replica": r, "fatal": str(e)}
-            s.update(
-                driver_restarts=self.driver_restarts[r], requests_moved_away=self.moved_away[r], state=self.state[r]
-            )
+            s.update(self.failover.replica_stats(r))
             out.append(s)
         return out
 
