@@ -366,7 +366,7 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise RequestValidationError(
-                f"SamplingParams: unknown field(s) {unknown}; known fields are {sorted(known)}"
+                f"SamplingParams: unknown field(s) {short_repr(unknown)}; known fields are {', '.join(sorted(known))}"
             )
         return cls(**d)
 
