@@ -193,7 +193,7 @@ def test_a_request_whose_batch_waits_when_its_replica_fails_moves_with_the_rest(
         pending = asyncio.ensure_future(client.submit([RequestSpec("b", [4, 5], SEEDED)], Inbox()))
         await asyncio.sleep(0)
         client.books[1 - r].available = True
-        client._replica_down(r, f"the driver actor of engine replica {r} died")
+        client.replica_down(r, f"the driver actor of engine replica {r} died")
         got_r, refused = await pending
         assert not refused  # moved on, not refused
         assert [s.request_id for s in group.drivers[r].added] == ["a"]  # b's batch found r down

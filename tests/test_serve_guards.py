@@ -225,7 +225,7 @@ def test_the_tokenizer_lets_other_threads_run_while_it_encodes():
     finally:
         sys.setswitchinterval(interval)
     assert ran_while_encoding
-    assert tok.encode("Hi \u00e9") == tok._tok.encode("Hi \u00e9").ids  # the same ids as tokenizers' encode
+    assert tok.encode("Hi \u00e9") == tok.backend.encode("Hi \u00e9").ids  # the same ids as tokenizers' encode
 
 
 def test_text_prompts_without_a_tokenizer_are_refused():

@@ -52,6 +52,11 @@ class Tokenizer:
         out.model_dir = model_dir  # where the client finds the chat template and special tokens
         return out
 
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` underneath (its own API: offsets, batch encodes)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # No BOS/EOS insertion beyond what tokenizer.json's post-processor defines; none at all without
         # add_special_tokens (a rendered chat template already holds them).

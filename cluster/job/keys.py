@@ -36,6 +36,11 @@ class KeySet:
         i = int(np.searchsorted(self._sorted, h))
         return i < len(self._sorted) and int(self._sorted[i]) == h
 
+    @property
+    def nbytes(self) -> int:
+        """The memory the digests take (8 bytes each)."""
+        return int(self._sorted.nbytes)
+
     def __len__(self) -> int:
         self._merge()
         return len(self._sorted)

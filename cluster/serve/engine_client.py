@@ -204,7 +204,7 @@ class AsyncEngineClient:
                 sent = await self.group.drivers[r].add_requests.remote([specs[k] for k in mine]) if mine else []
             except RayActorError as e:
                 # These requests are the replica's like the rest: they move on (or end) with them.
-                self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
+                self.replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
                 return [None] * len(specs)
             for k, err in zip(mine, sent, strict=True):
                 errs[k] = err
@@ -253,7 +253,7 @@ class AsyncEngineClient:
             try:
                 res: PollResult = await driver.get_outputs.remote(POLL_TIMEOUT_S)
             except RayActorError as e:
-                self._replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
+                self.replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
                 return
             except TaskCancelledError:
                 # Not ours to end (only shutdown cancels this task, and not through Ray): the driver is
@@ -266,7 +266,7 @@ class AsyncEngineClient:
                 return
             except Exception as e:  # never let the poll loop die silently
                 logger.exception("engine replica %d: get_outputs failed", r)
-                self._replica_down(r, f"engine replica {r}: get_outputs failed: {type(e).__name__}: {e}")
+                self.replica_down(r, f"engine replica {r}: get_outputs failed: {type(e).__name__}: {e}")
                 return
             owner = self.owner
             for o in res.outputs:
@@ -281,7 +281,7 @@ class AsyncEngineClient:
                 why = f"engine replica {r} handed its requests back (its placement could not be rebuilt in time)"
                 self._move_away(r, [rid for rid in res.returned if owner.get(rid) == r], why)
             if res.fatal is not None:
-                self._replica_down(r, res.fatal)
+                self.replica_down(r, res.fatal)
 
     def _deliver(self, r: int, o: EngineCoreOutput) -> None:
         rid = o.request_id
@@ -297,7 +297,7 @@ class AsyncEngineClient:
         if q is not None:
             q.put_nowait(o)
 
-    def _replica_down(self, r: int, why: str) -> None:
+    def replica_down(self, r: int, why: str) -> None:
         books = self.books[r]
         if books.down is not None:
             return
