@@ -108,7 +108,8 @@ def destroy_tensor_parallel() -> None:
 def _failed(op: str, e: BaseException) -> CollectiveError:
     global _BROKEN
     first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-    _BROKEN = f"{op} failed on stage {_PP_RANK} tensor-parallel rank {_RANK}: {first}"
+    where = f"stage {_PP_RANK} tensor-parallel rank {_RANK}" if _PP_SIZE > 1 else f"tensor-parallel rank {_RANK}"
+    _BROKEN = f"{op} failed on {where}: {first}"
     return CollectiveError(_BROKEN)
 
 

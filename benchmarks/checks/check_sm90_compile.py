@@ -58,7 +58,8 @@ def spec_of(fn: Any, args: tuple, kwargs: dict) -> dict:
     import inspect
 
     params = list(inspect.signature(fn).parameters.values())
-    values = dict(zip((p.name for p in params), args, strict=True))
+    # Positional arguments fill the leading parameters; the rest come by keyword (constexprs), so args is shorter.
+    values = dict(zip((p.name for p in params), args, strict=False))
     values.update({k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
     signature, constexprs = {}, {}
     for p in params:
