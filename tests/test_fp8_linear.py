@@ -13,14 +13,14 @@ from actors.layers.fp8_linear import (
     per_token_quant_fp8_ref,
     quantize_weight_fp8,
 )
-from actors.layers.kernels.fp8_gemm import (
+from actors.layers.kernels.fp8_quant import per_token_quant_fp8_triton
+from actors.layers.kernels.fp8_scale import FMAX, MIN_SCALE
+from actors.layers.kernels.small_m_gemm import (
     GemmConfig,
     default_config,
     w8a16_linear,
     w8a16_linear_ref,
 )
-from actors.layers.kernels.fp8_quant import per_token_quant_fp8_triton
-from actors.layers.kernels.fp8_scale import FMAX, MIN_SCALE
 
 E4M3 = torch.float8_e4m3fn
 # The quantizer tests run the compiled kernel on a GPU with TRITON_INTERPRET=0 (python -m benchmarks fp8).

@@ -6,7 +6,7 @@ time, two paths by the number of rows M:
   token the same way, and one scaled GEMM (torch._scaled_mm: cuBLASLt / CUTLASS on Hopper, a reference on
   the CPU) multiplies them and applies both scales: y = (xq * sx) (wq * sw)^T, on Hopper's fp8 tensor cores;
 - M <= SMALL_M_MAX (decode steps, bound by the weight read): the activations stay as they are and a Triton
-  kernel widens the weights to fp16 in registers (actors/layers/kernels/fp8_gemm.py): no quantizer launch,
+  kernel widens the weights to fp16 in registers (actors.layers.kernels.small_m_gemm.py): no quantizer launch,
   where torch's scaled GEMM ran at 0.55-0.81x bf16. It is off (SMALL_M_MAX = 0) until an H200 has timed it:
   `KVRAY_FP8_SMALL_M=64` turns it on (`python -m benchmarks.kernels.bench_fp8_linear` times the kernel
   beside bf16 and the scaled GEMM).
@@ -23,8 +23,8 @@ import os
 
 import torch
 
-from actors.layers.kernels.fp8_gemm import w8a16_linear, w8a16_linear_ref
 from actors.layers.kernels.fp8_scale import E4M3, FMAX, MIN_SCALE
+from actors.layers.kernels.small_m_gemm import w8a16_linear, w8a16_linear_ref
 
 SMALL_M_MAX = int(os.environ.get("KVRAY_FP8_SMALL_M", "0"))
 

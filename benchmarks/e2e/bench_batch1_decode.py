@@ -16,6 +16,10 @@ device_copy_gbs; vLLM's figures carry a vllm_ prefix, in the vs_vllm series.
 
   python -m benchmarks.e2e.bench_batch1_decode --shape llama-3.1-8b
   python -m benchmarks.e2e.bench_batch1_decode --smoke        # CPU, tiny-random, nothing recorded
+  python -m benchmarks.e2e.bench_batch1_decode --profile /tmp/trace-b1   # + a torch-profiler trace of 5 steps
+
+--profile DIR (kvray only): after the timing, a trace of a few decode steps of one more request, for
+benchmarks/tools/summarize_trace.py (where the batch-1 step's time goes, kernel by kernel).
 """
 
 from __future__ import annotations
@@ -81,6 +85,16 @@ def ms_per_token(generate: Callable[[int], None], new_tokens: int, reps: int) ->
     return statistics.median(per_token)
 
 
+def trace_steps(llm: Any, generate: Callable[[int], None], trace_dir: str, steps: int = 5) -> None:
+    """A torch-profiler trace of `steps` decode steps of one more request (after its prefill and 10 steps)."""
+    import ray
+
+    driver = llm.engines.drivers[0]
+    ray.get(driver.start_profile.remote(trace_dir, steps, 10))
+    generate(10 + steps + 8)
+    print("profile traces:", ray.get(driver.stop_profile.remote()), flush=True)
+
+
 def kvray_generate(model_dir: str, prompt: list[int], smoke: bool) -> tuple[Any, Callable[[int], None]]:
     """An LLM on the model (defaults; the CPU and float32 in smoke) and its batch-1 greedy generate."""
     from cluster import LLM, SamplingParams
@@ -124,9 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=256, help="N: the tokens timed after the first")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny-random, 4 tokens, nothing recorded")
+    ap.add_argument("--profile", metavar="DIR", help="kvray: a torch-profiler trace of 5 decode steps after the timing")
     args = ap.parse_args(argv)
     if args.smoke and args.engine != "kvray":
         ap.error("--smoke runs kvray on the CPU; --engine vllm needs vLLM's GPU environment")
+    if args.profile and args.engine != "kvray":
+        ap.error("--profile traces kvray's worker; vLLM has its own profiler")
     tag = TAGS[args.shape]
     device = "cpu" if args.smoke else "cuda"
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 24 if args.smoke else 1 << 30)
@@ -143,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         ms = ms_per_token(generate, new_tokens, reps)
+        if args.profile:
+            trace_steps(llm, generate, args.profile)
     finally:
         if args.engine == "kvray":
             llm.shutdown()

@@ -25,7 +25,7 @@ if "--smoke" in sys.argv:
 import torch
 
 from actors.layers.fp8_linear import fp8_linear, per_token_quant_fp8, quantize_weight_fp8
-from actors.layers.kernels.fp8_gemm import GemmConfig, w8a16_linear
+from actors.layers.kernels.small_m_gemm import GemmConfig, w8a16_linear
 from benchmarks.common import SHAPES, record
 from benchmarks.kernels.bench_layer_kernels import bench
 

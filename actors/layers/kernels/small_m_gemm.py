@@ -1,19 +1,26 @@
-"""Triton GEMM over fp8 weights for a few rows: y = x (wq * sw)^T + b, the decode steps of model.quantization="fp8".
+"""Triton GEMM for a few rows, bound by its weight read: y = x W^T (+ b), for the decode steps' linear layers.
 
-At M <= 64 a linear layer's time is its weight read, and torch's row-wise scaled GEMM ran at 0.55-0.81x
-the bf16 GEMM there on the H200 (benchmarks/RESULTS.md), so fp8 weights lost on the tail steps they should win.
-This kernel reads each e4m3 weight byte once, widens it to fp16 in registers (Hopper converts a pair in one
-instruction) and multiplies it by the activations in fp16 with fp32 accumulation; the weight's per-channel
-scale multiplies the accumulator. The activations are not quantized: no quantizer launch, and no rounding
-beyond bf16 -> fp16 (saturated at fp16's range, which bf16 activations of these layers stay far inside).
+At M <= 64 a linear layer's time is its weight read. Two weight forms share one kernel:
+- **bf16 / fp16 weights** (the default models): cuBLAS's kernels for one row read Llama-3.1-8B's q/k/v and
+  o weights at 0.68-0.80 of the copy bandwidth on the H100 (the o projection split over K with a second
+  reduce launch), where the big gate/up matrix reaches 0.95. This kernel streams the weight tiles with
+  more loads in flight; actors/layers/linear.py sends it the shapes where it measured faster
+  (`BF16_RULES` below, from `python -m benchmarks.kernels.bench_small_m_gemm`).
+- **e4m3 weights** (model.quantization="fp8"), per-channel scales: each weight byte is read once and
+  widened to fp16 in registers (Hopper converts a pair in one instruction), multiplied by the unquantized
+  activations (saturated to fp16's range, which bf16 activations of these layers stay far inside) with
+  fp32 accumulation; the scale multiplies the accumulator. No quantizer launch: torch's row-wise scaled
+  GEMM ran at 0.55-0.81x the bf16 GEMM at these sizes on the H200 (benchmarks/RESULTS.md).
 
-Swapped (y^T = W x^T): 64 weight rows fill the MMA's long side and the batch's rows the short one. A step's
-few rows give too few tiles of N to fill 132 SMs (Llama's o and down: 64), so K is split: each split writes
-fp32 partials and one small kernel sums them and applies the scale and the bias.
+Swapped (y^T = W x^T): BLOCK_N weight rows fill the MMA's long side and the batch's rows the short one
+(padded to 16). A step's few rows give too few tiles of N to fill the SMs (Llama's o and down: 64 at
+BLOCK_N 64), so K is split: each split writes fp32 partials and one small kernel sums them and applies
+the scale and the bias.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -37,13 +44,16 @@ class GemmConfig:
 
 
 @triton.jit
-def _w8a16_kernel(
+def _small_m_kernel(
     x_ptr: tl.tensor, w_ptr: tl.tensor, ws_ptr: tl.tensor, b_ptr: tl.tensor, y_ptr: tl.tensor, part_ptr: tl.tensor,
     M: tl.tensor, N: tl.tensor, K: tl.tensor,
     stride_x: tl.tensor, stride_w: tl.tensor, stride_y: tl.tensor, k_per_split: tl.tensor,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ) -> None:  # fmt: skip
+    """SCALED: e4m3 weights widened to fp16, the activations as fp16, per-channel scales (ws_ptr);
+    else weights and activations in their own 16-bit dtype. UPCAST_DOT: the operands widened to fp32 first
+    (Triton's CPU interpreter computes a bf16 tl.dot wrongly: numpy has no bf16)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -65,8 +75,13 @@ def _w8a16_kernel(
             k_ok = (k + offs_k) < k_end
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        xh = tl.clamp(x.to(tl.float32), -_FP16_MAX, _FP16_MAX).to(tl.float16)
-        acc = tl.dot(w.to(tl.float16), xh, acc)
+        if SCALED:
+            xh = tl.clamp(x.to(tl.float32), -_FP16_MAX, _FP16_MAX).to(tl.float16)
+            acc = tl.dot(w.to(tl.float16), xh, acc)
+        elif UPCAST_DOT:
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
+        else:
+            acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out_mask = n_ok[:, None] & m_ok[None, :]
@@ -74,7 +89,8 @@ def _w8a16_kernel(
         p = part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
         tl.store(p, acc, mask=out_mask)
     else:
-        acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        if SCALED:
+            acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         y = y_ptr + offs_m[None, :].to(tl.int64) * stride_y + offs_n[:, None]
@@ -85,7 +101,7 @@ def _w8a16_kernel(
 def _split_reduce(
     part_ptr: tl.tensor, ws_ptr: tl.tensor, b_ptr: tl.tensor, y_ptr: tl.tensor,
     M: tl.tensor, N: tl.tensor, stride_y: tl.tensor,
-    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
 ) -> None:  # fmt: skip
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -93,7 +109,8 @@ def _split_reduce(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + offs, mask=ok, other=0.0)
-    acc = acc * tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    if SCALED:
+        acc = acc * tl.load(ws_ptr + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row.to(tl.int64) * stride_y + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -116,6 +133,49 @@ def block_m_for(m: int) -> int:
     return max(16, min(64, triton.next_power_of_2(m)))
 
 
+def small_m_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    w_scale: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] (unit column stride), w [N, K] contiguous -> [M, N] in out_dtype. w is e4m3 with w_scale
+    [1, N] fp32 (one per output channel), or in x's 16-bit dtype with w_scale None."""
+    m, k = x.shape
+    n = w.shape[0]
+    scaled = w_scale is not None
+    if not scaled and w.dtype != x.dtype:
+        raise TypeError(f"small_m_linear: weight {w.dtype} and activations {x.dtype} differ (unscaled weights)")
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = config or default_config(m, n, k, num_sms(x.device))
+    block_m = block_m_for(m)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    ws = w_scale if w_scale is not None else y  # never read unless scaled
+    b = bias if bias is not None else ws
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), splits)
+    _small_m_kernel[grid](
+        x, w, ws, b, y, part,
+        m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0, SCALED=scaled,
+        UPCAST_DOT=not scaled and x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1",
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k,
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    if splits > 1:
+        block = 1024
+        _split_reduce[(m, triton.cdiv(n, block))](
+            part, ws, b, y, m, n, y.stride(0),
+            SPLITS=splits, HAS_BIAS=bias is not None, SCALED=scaled, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return y
+
+
 def w8a16_linear(
     x: torch.Tensor,
     wq: torch.Tensor,
@@ -125,31 +185,7 @@ def w8a16_linear(
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] (unit column stride), wq [N, K] e4m3 contiguous, w_scale [1, N] fp32 -> [M, N] in out_dtype."""
-    m, k = x.shape
-    n = wq.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if m == 0:
-        return y
-    cfg = config or default_config(m, n, k, num_sms(x.device))
-    block_m = block_m_for(m)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    splits = triton.cdiv(k, k_per_split)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
-    b = bias if bias is not None else w_scale
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), splits)
-    _w8a16_kernel[grid](
-        x, wq, w_scale, b, y, part,
-        m, n, k, x.stride(0), wq.stride(0), y.stride(0), k_per_split,
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k,
-        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
-    )  # fmt: skip
-    if splits > 1:
-        block = 1024
-        _split_reduce[(m, triton.cdiv(n, block))](
-            part, w_scale, b, y, m, n, y.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
-        )
-    return y
+    return small_m_linear(x, wq, bias, out_dtype, w_scale, config)
 
 
 def w8a16_linear_ref(
@@ -161,3 +197,11 @@ def w8a16_linear_ref(
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+def small_m_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The torch reference of the unscaled form: fp32 products of the 16-bit operands, rounded once."""
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,110 @@
+"""The small-M GEMM over 16-bit weights (actors/layers/kernels/small_m_gemm.py) against its torch reference
+under TRITON_INTERPRET=1, and the per-device table that decides where the engine uses it
+(actors/layers/kernels/small_m_tuned.py). The fp8 form of the same kernel: tests/test_fp8_linear.py."""
+
+import json
+
+import pytest
+import torch
+
+from actors.layers.kernels import small_m_tuned
+from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref
+
+
+def operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m,n,k,config",
+    [
+        (1, 96, 256, GemmConfig(block_n=32, block_k=128)),  # K even in tiles, no split
+        (3, 70, 200, GemmConfig(block_n=32, block_k=64)),  # ragged N and K: the masks
+        (5, 64, 512, GemmConfig(block_n=32, block_k=64, split_k=4)),  # split K: fp32 partials, then the reduce
+        (17, 40, 96, GemmConfig(block_n=32, block_k=32, split_k=2)),  # two row tiles (BLOCK_M 32)
+    ],
+)
+def test_the_kernel_matches_its_reference(m, n, k, config, dtype):
+    x, w = operands(m, n, k, dtype)
+    bias = torch.randn(n).to(dtype)
+    for b in (None, bias):
+        y = small_m_linear(x, w, b, dtype, config=config)
+        ref = small_m_linear_ref(x, w, b)
+        assert y.shape == (m, n) and y.dtype == dtype
+        # fp32 accumulation in another order, one rounding to 16 bits: at most one unit of the last place
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=1e-3)
+
+
+def test_a_strided_row_view_and_no_rows():
+    x, w = operands(4, 48, 128, torch.bfloat16)
+    wide = torch.cat([x, x], dim=1)[:, :128]  # rows strided, columns unit-stride (a slice of a fused output)
+    torch.testing.assert_close(
+        small_m_linear(wide, w, None, torch.bfloat16, config=GemmConfig(block_n=32, block_k=64)).float(),
+        small_m_linear_ref(x, w, None).float(),
+        rtol=2**-7,
+        atol=1e-3,
+    )
+    assert small_m_linear(x[:0], w, None, torch.bfloat16).shape == (0, 48)
+
+
+def test_unscaled_weights_must_match_the_activations_dtype():
+    x, w = operands(1, 32, 64, torch.bfloat16)
+    with pytest.raises(TypeError, match="weight torch.float16 and activations torch.bfloat16"):
+        small_m_linear(x, w.half(), None, torch.bfloat16)
+
+
+class FakeCudaWeight:
+    """What tuned_config reads of a weight: device, dtype, shape (the lookup itself runs on no GPU)."""
+
+    def __init__(self, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.is_cuda, self.dtype, self.shape = True, dtype, (n, k)
+        self.device = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A device table in a temporary folder, for a device named "Test GPU 80GB"."""
+    monkeypatch.setattr(small_m_tuned, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(small_m_tuned, "_device_name", lambda index: "Test GPU 80GB")
+    small_m_tuned._table.cache_clear()
+    path = small_m_tuned.table_path("Test GPU 80GB", torch.bfloat16)
+    assert path.name == "Test_GPU_80GB-bfloat16.json"
+    shapes = {"4096x4096": {"1": [64, 256, 1, 4, 4], "8": [128, 128, 2, 3, 8]}}
+    path.write_text(json.dumps({"device": "Test GPU 80GB", "dtype": "bfloat16", "shapes": shapes}))
+    yield
+    small_m_tuned._table.cache_clear()
+
+
+def test_a_step_takes_the_smallest_tuned_row_count_at_or_above_it(table):
+    w = FakeCudaWeight(4096, 4096)
+    assert small_m_tuned.tuned_config(1, w) == GemmConfig(64, 256, 1, 4, 4)
+    assert small_m_tuned.tuned_config(2, w) == GemmConfig(128, 128, 2, 3, 8)
+    assert small_m_tuned.tuned_config(8, w) == GemmConfig(128, 128, 2, 3, 8)
+    assert small_m_tuned.tuned_config(9, w) is None  # past the table: cuBLAS
+    assert small_m_tuned.tuned_config(0, w) is None
+
+
+def test_untuned_shapes_dtypes_devices_and_the_switch_keep_torch(table, monkeypatch):
+    assert small_m_tuned.tuned_config(1, FakeCudaWeight(4096, 1024)) is None  # shape not measured
+    assert small_m_tuned.tuned_config(1, FakeCudaWeight(4096, 4096, torch.float32)) is None  # fp32: HF's oracle
+    assert small_m_tuned.tuned_config(1, FakeCudaWeight(4096, 4096, torch.float16)) is None  # no fp16 table
+    assert small_m_tuned.tuned_config(1, torch.empty(4096, 4096, dtype=torch.bfloat16)) is None  # CPU
+    monkeypatch.setattr(small_m_tuned, "_device_name", lambda index: "Another GPU")
+    assert small_m_tuned.tuned_config(1, FakeCudaWeight(4096, 4096)) is None  # no table for that device
+    monkeypatch.setattr(small_m_tuned, "ENABLED", False)
+    monkeypatch.setattr(small_m_tuned, "_device_name", lambda index: "Test GPU 80GB")
+    assert small_m_tuned.tuned_config(1, FakeCudaWeight(4096, 4096)) is None  # KVRAY_SMALL_M_GEMM=0
+
+
+def test_the_shipped_tables_load_and_name_their_device():
+    paths = sorted(small_m_tuned.CONFIG_DIR.glob("*.json"))
+    assert paths, "no measured table ships with the package"
+    for path in paths:
+        raw = json.loads(path.read_text())
+        assert small_m_tuned.table_path(raw["device"], torch.bfloat16) == path
+        table = small_m_tuned._table(raw["device"], torch.bfloat16)
+        assert table and all(ms == sorted(ms) and len(ms) == len(cs) for ms, cs in table.values())
