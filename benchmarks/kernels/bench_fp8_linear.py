@@ -41,6 +41,15 @@ def projections(shape: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
+def bench_shape(name: str, smoke: bool) -> dict:
+    """The shape's config; with --smoke a tiny one with the same projections (the interpreter is slow)."""
+    shape = SHAPES[name]
+    if smoke:
+        shape = dict(shape, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+        shape["head_dim"] = 16
+    return shape
+
+
 def check_close(y: torch.Tensor, y_bf16: torch.Tensor, what: str) -> float:
     err = ((y.float() - y_bf16.float()).norm() / y_bf16.float().norm()).item()
     if not err < 0.08:  # fp8's rounding: a few percent; more is a bug
@@ -128,11 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_fp8_linear needs a CUDA GPU (use --smoke on the CPU)")
     torch.manual_seed(0)
     for name in args.shapes:
-        shape = SHAPES[name]
-        if args.smoke:
-            shape = dict(shape, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
-            shape["head_dim"] = 16
-        run_shape(name, shape, [3, 20, 80] if args.smoke else args.tokens, args.smoke, args.sweep)
+        run_shape(
+            name, bench_shape(name, args.smoke), [3, 20, 80] if args.smoke else args.tokens, args.smoke, args.sweep
+        )
 
 
 if __name__ == "__main__":

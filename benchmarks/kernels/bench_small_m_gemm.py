@@ -38,7 +38,7 @@ import torch
 from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref
 from actors.layers.kernels.small_m_tuned import table_path
 from benchmarks.common import SHAPES, record
-from benchmarks.kernels.bench_fp8_linear import projections
+from benchmarks.kernels.bench_fp8_linear import bench_shape, projections
 
 SCRIPT = "bench_small_m_gemm"
 ROWS = [1, 2, 4, 8, 16]
@@ -131,11 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16
     table: dict[str, dict] = {}
     for name in args.shapes:
-        shape = SHAPES[name]
-        if args.smoke:
-            shape = dict(shape, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
-            shape["head_dim"] = 16
-        for proj, (n, k) in projections(shape).items():
+        for proj, (n, k) in projections(bench_shape(name, args.smoke)).items():
             wins = tune_shape(name, proj, n, k, [1, 3] if args.smoke else args.rows, dtype, args.smoke)
             if wins:
                 table.setdefault(f"{n}x{k}", {}).update(wins)
