@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from actors.layers.kernels import small_m_tuned
-from actors.layers.kernels.silu_mul import silu_and_mul_triton
 from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref
 
 
@@ -50,30 +49,6 @@ def test_a_strided_row_view_and_no_rows():
         atol=1e-3,
     )
     assert small_m_linear(x[:0], w, None, torch.bfloat16).shape == (0, 48)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,k,config", [(1, 256, GemmConfig(32, 128)), (6, 200, GemmConfig(32, 64, split_k=2))])
-def test_the_gated_form_is_silu_and_mul_then_the_gemm_bit_for_bit(m, k, config, dtype):
-    """The MLP's down projection over [gate | up]: the same operand, rounded as the SiLU-and-mul kernel
-    rounds it, so the same product as the two launches."""
-    g = torch.Generator().manual_seed(4)
-    gate_up = (torch.randn(m, 2 * k, generator=g) * 3).to(dtype)
-    w = (torch.randn(48, k, generator=g) / k**0.5).to(dtype)
-    fused = small_m_linear(gate_up, w, None, dtype, config=config, gated=True)
-    two_launches = small_m_linear(silu_and_mul_triton(gate_up), w, None, dtype, config=config)
-    assert torch.equal(fused, two_launches)
-    torch.testing.assert_close(
-        fused.float(), small_m_linear_ref(gate_up, w, None, gated=True).float(), rtol=2**-6, atol=1e-2
-    )
-
-
-def test_the_operand_widths_are_checked():
-    x, w = operands(2, 32, 64, torch.bfloat16)
-    with pytest.raises(ValueError, match="x has 64 columns; the weight's K is 64 \\(gated=True\\)"):
-        small_m_linear(x, w, None, torch.bfloat16, gated=True)
-    with pytest.raises(ValueError, match="the gated form takes 16-bit weights"):
-        small_m_linear(torch.cat([x, x], 1), w, None, torch.bfloat16, w_scale=torch.ones(1, 32), gated=True)
 
 
 def test_unscaled_weights_must_match_the_activations_dtype():

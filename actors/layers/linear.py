@@ -9,7 +9,6 @@ only this rank's shard, checking the full shape first so a wrong checkpoint fail
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -195,22 +194,7 @@ class RowParallelLinear(_LinearBase):
         copy_into(param, narrow(loaded, 1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._finish(self._matmul(x, None))
-
-    def forward_silu_gated(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """forward(act(gate_up)) where act is SiLU-and-mul over [gate | up]: a decode step's few rows on the
-        small-M kernel take silu(gate) * up inside it (one launch fewer, the same rounding)."""
-        w = self.weight
-        if w is not None and gate_up.is_cuda:
-            x2 = gate_up.reshape(-1, gate_up.shape[-1])
-            config = tuned_config(x2.shape[0], w)
-            if config is not None and x2.stride(-1) == 1 and w.stride(-1) == 1:
-                y = small_m_linear(x2, w, None, gate_up.dtype, config=config, gated=True)
-                return self._finish(y.reshape(*gate_up.shape[:-1], w.shape[0]))
-        return self.forward(act(gate_up))
-
-    def _finish(self, y: torch.Tensor) -> torch.Tensor:
-        """The partial sums completed across ranks, then the (replicated) bias once."""
+        y = self._matmul(x, None)
         if self.reduce_results:
             y = ps.all_reduce(y)
         if self.bias is not None:

@@ -110,7 +110,7 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul(backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu_gated(self.gate_up_proj(x), self.act_fn)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

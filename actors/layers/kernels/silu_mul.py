@@ -20,18 +20,6 @@ BLOCK = 1024
 
 
 @triton.jit
-def silu_mul_rounded(gate: tl.tensor, up: tl.tensor, DTYPE: tl.constexpr, PRECISE_EXP: tl.constexpr) -> tl.tensor:
-    """silu(gate) * up from fp32 operands, rounded where torch rounds (silu, then the product), as fp32.
-    Also the prologue of the small-M GEMM's gated form (actors/layers/kernels/small_m_gemm.py)."""
-    if PRECISE_EXP:
-        e = libdevice.exp(-gate)
-    else:  # the interpreter has no libdevice; numpy's exp is accurate anyway
-        e = tl.exp(-gate)
-    act = round_to(tl.div_rn(gate, 1.0 + e), DTYPE)
-    return round_to(act * up, DTYPE)
-
-
-@triton.jit
 def _silu_and_mul_kernel(
     x_ptr: tl.tensor,
     out_ptr: tl.tensor,
@@ -46,8 +34,13 @@ def _silu_and_mul_kernel(
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    out = silu_mul_rounded(gate, up, out_ptr.dtype.element_ty, PRECISE_EXP)
-    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    if PRECISE_EXP:
+        e = libdevice.exp(-gate)
+    else:  # the interpreter has no libdevice; numpy's exp is accurate anyway
+        e = tl.exp(-gate)
+    dtype = out_ptr.dtype.element_ty
+    act = round_to(tl.div_rn(gate, 1.0 + e), dtype)
+    tl.store(out_ptr + row * stride_out + cols, round_to(act * up, dtype), mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:

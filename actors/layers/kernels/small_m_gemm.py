@@ -12,10 +12,6 @@ At M <= 64 a linear layer's time is its weight read. Two weight forms share one 
   fp32 accumulation; the scale multiplies the accumulator. No quantizer launch: torch's row-wise scaled
   GEMM ran at 0.55-0.81x the bf16 GEMM at these sizes on the H200 (benchmarks/RESULTS.md).
 
-Gated form (GATED): x is a gate/up projection's output [M, 2K] and the kernel multiplies silu(gate) * up,
-computed tile by tile as it loads them with the SiLU-and-mul kernel's rounding (silu_mul.py), so a small
-decode step's MLP skips that launch: y = down(silu(gate) * up) in one kernel.
-
 Swapped (y^T = W x^T): BLOCK_N weight rows fill the MMA's long side and the batch's rows the short one
 (padded to 16). A step's few rows give too few tiles of N to fill the SMs (Llama's o and down: 64 at
 BLOCK_N 64), so K is split: each split writes fp32 partials and one small kernel sums them and applies
@@ -24,6 +20,7 @@ the scale and the bias.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -31,8 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from actors.layers.kernels.rounding import interpreting
-from actors.layers.kernels.silu_mul import silu_mul_rounded
 from kvcore.kernels.attention_tiles import num_sms
 
 FP16_MAX = 65504.0
@@ -54,13 +49,11 @@ def _small_m_kernel(
     M: tl.tensor, N: tl.tensor, K: tl.tensor,
     stride_x: tl.tensor, stride_w: tl.tensor, stride_y: tl.tensor, k_per_split: tl.tensor,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, GATED: tl.constexpr, PRECISE_EXP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ) -> None:  # fmt: skip
     """SCALED: e4m3 weights widened to fp16, the activations as fp16, per-channel scales (ws_ptr);
     else weights and activations in their own 16-bit dtype. UPCAST_DOT: the operands widened to fp32 first
-    (Triton's CPU interpreter computes a bf16 tl.dot wrongly: numpy has no bf16). GATED: x rows hold
-    [gate | up] (2K wide) and the operand is silu(gate) * up."""
+    (Triton's CPU interpreter computes a bf16 tl.dot wrongly: numpy has no bf16)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -78,17 +71,10 @@ def _small_m_kernel(
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-            if GATED:
-                up = tl.load(x_ptrs + K, mask=m_ok[None, :], other=0.0)
         else:
             k_ok = (k + offs_k) < k_end
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            if GATED:
-                up = tl.load(x_ptrs + K, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        if GATED:
-            x = silu_mul_rounded(x.to(tl.float32), up.to(tl.float32), x_ptr.dtype.element_ty, PRECISE_EXP)
-            x = x.to(x_ptr.dtype.element_ty)
         if SCALED:
             xh = tl.clamp(x.to(tl.float32), -_FP16_MAX, _FP16_MAX).to(tl.float16)
             acc = tl.dot(w.to(tl.float16), xh, acc)
@@ -154,18 +140,12 @@ def small_m_linear(
     out_dtype: torch.dtype,
     w_scale: torch.Tensor | None = None,
     config: GemmConfig | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (unit column stride), w [N, K] contiguous -> [M, N] in out_dtype. w is e4m3 with w_scale
-    [1, N] fp32 (one per output channel), or in x's 16-bit dtype with w_scale None. gated: x is
-    [M, 2K] = [gate | up] and the product is silu(gate) * up times W^T (16-bit weights only)."""
-    m, k = x.shape[0], w.shape[1]
+    [1, N] fp32 (one per output channel), or in x's 16-bit dtype with w_scale None."""
+    m, k = x.shape
     n = w.shape[0]
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"small_m_linear: x has {x.shape[1]} columns; the weight's K is {k} (gated={gated})")
     scaled = w_scale is not None
-    if gated and scaled:
-        raise ValueError("small_m_linear: the gated form takes 16-bit weights, not e4m3")
     if not scaled and w.dtype != x.dtype:
         raise TypeError(f"small_m_linear: weight {w.dtype} and activations {x.dtype} differ (unscaled weights)")
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
@@ -183,8 +163,7 @@ def small_m_linear(
         x, w, ws, b, y, part,
         m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0, SCALED=scaled,
-        UPCAST_DOT=not scaled and x.dtype == torch.bfloat16 and interpreting(),
-        GATED=gated, PRECISE_EXP=not interpreting(),
+        UPCAST_DOT=not scaled and x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1",
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
@@ -220,14 +199,8 @@ def w8a16_linear_ref(
     return y.to(out_dtype)
 
 
-def small_m_linear_ref(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
-) -> torch.Tensor:
-    """The torch reference of the unscaled form: fp32 products of the 16-bit operands, rounded once.
-    gated: x = [gate | up] and the operand is silu(gate) * up in x's dtype (torch's layer, HF's rounding)."""
-    if gated:
-        d = x.shape[-1] // 2
-        x = torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+def small_m_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The torch reference of the unscaled form: fp32 products of the 16-bit operands, rounded once."""
     y = x.float() @ w.float().t()
     if bias is not None:
         y = y + bias.float()
