@@ -26,7 +26,11 @@ NOISE = (
     "Started a local Ray instance",
     "Teardown complete",
     "Traceback",
+    "start-up objects frozen",  # a worker actor's INFO line (-v only)
 )
+
+# A worker actor's INFO line as Ray streams it to the console: "(Worker pid=...) ... worker rank 0: ...".
+WORKER_INFO = re.compile(r"\(Worker pid=\d+\).*actors\.worker\.actor: worker rank 0: \d+ start-up objects frozen")
 
 
 @pytest.fixture
@@ -201,6 +205,7 @@ def test_records_on_redirected_stdout_summary_on_stderr_verbose_and_one_tok_per_
     summary = json.loads(r.stderr.strip().splitlines()[-1])
     assert summary["output"] == "<stdout>" and summary["completed"] == 3
     assert "actors.driver.engine_core: EngineCore:" in r.stderr  # kvray's own INFO line, from the driver actor
+    assert WORKER_INFO.search(r.stderr), r.stderr[-3000:]  # and from a worker actor
     bar = re.findall(r"kvray run: .*?(\d+) tok/s", r.stderr)
     assert bar and abs(int(bar[-1]) - summary["output_tok_per_s"]) <= 1, (bar[-1:], summary["output_tok_per_s"])
 

@@ -6,6 +6,7 @@ by its own process group, never by `ray stop`)."""
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -260,3 +261,32 @@ def test_the_cluster_refuses_a_wrong_token(cluster):
         [f"{BIN}/ray", "job", "list", "--address", address], env=env, capture_output=True, text=True, timeout=120
     )
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+# A worker actor's INFO line as Ray streams it to the console, and one of the driver actor's.
+WORKER_INFO = re.compile(
+    r"\(Worker pid=\d+(, ip=[^)]*)?\).*actors\.worker\.actor: worker rank 0: \d+ start-up objects frozen"
+)
+DRIVER_INFO = "actors.driver.engine_core: EngineCore:"
+
+
+def test_verbose_shows_the_workers_log_lines_on_a_cluster_started_before(cluster, tmp_path):
+    """The head was started without KVRAY_VERBOSE, so -v must reach its actors through their runtime env."""
+    env, _, _ = cluster
+    assert "KVRAY_VERBOSE" not in env
+    joined = {**env, "RAY_ADDRESS": "auto"}  # this head: its record is in the private RAY_TMPDIR
+
+    def run(*flags):
+        out = tmp_path / f"out{len(flags)}.jsonl"
+        cmd = ["kvray", *flags, "run", "--config", "configs/local.yaml", "--no-progress", "--num-requests", "2"]
+        r = subprocess.run(
+            [*cmd, "--output", str(out)], env=joined, cwd=REPO, capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "private local Ray" not in r.stderr  # it joined the head
+        return r.stderr
+
+    verbose = run("-v")
+    assert WORKER_INFO.search(verbose) and DRIVER_INFO in verbose, verbose[-3000:]
+    quiet = run()
+    assert not WORKER_INFO.search(quiet) and DRIVER_INFO not in quiet, quiet[-3000:]
