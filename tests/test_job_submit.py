@@ -290,3 +290,98 @@ def test_verbose_shows_the_workers_log_lines_on_a_cluster_started_before(cluster
     assert WORKER_INFO.search(verbose) and DRIVER_INFO in verbose, verbose[-3000:]
     quiet = run()
     assert not WORKER_INFO.search(quiet) and DRIVER_INFO not in quiet, quiet[-3000:]
+
+
+def readme_recipe() -> list[str]:
+    """The README's `ray job submit` recipe: the lines of the code block after its marker."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    block = text.split("<!-- recipe-job-submit -->", 1)[1].split("```", 2)[1]
+    return [line.split("  #")[0].strip() for line in block.strip().splitlines()]
+
+
+def test_the_readmes_token_auth_recipe_runs_as_written(tmp_path):
+    """Each line of the recipe in a private HOME (its ~/.ray/auth_token) and Ray temp dir, with free ports
+    added to `ray start --head` and put in place of 8265, and the output under tmp_path; then a submission
+    without the token is refused. The head is stopped by its pids (never `ray stop`)."""
+    lines = readme_recipe()
+    assert [x.split()[0] for x in lines] == ["export", "ray", "ray", "RAY_ADDRESS=http://127.0.0.1:8265"], lines
+    home, out, log = tmp_path / "home", tmp_path / "out.jsonl", tmp_path / "submit.log"
+    home.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="kvrr-", dir="/tmp")
+    ports = {name: free_port() for name in HEAD_PORTS}
+    flags = " ".join(f"--{k}={v}" for k, v in ports.items())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.pop("TRITON_INTERPRET", None)
+    env.update(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0", PATH=kvray_path(tmp_path, env))
+    script = "\n".join(
+        [
+            "set -e",
+            lines[0],
+            lines[1],
+            lines[2].replace("ray start --head", f"ray start --head {flags}"),
+            # Until the head's job agent is up it answers "No available agent": the README says to submit again.
+            "for i in $(seq 60); do",
+            "  if "
+            + lines[3].replace(":8265", f":{ports['dashboard-port']}").replace("/tmp/kvray-job.out.jsonl", str(out))
+            + f" > {log} 2>&1; then exit 0; fi",
+            f"  grep -q 'No available agent' {log} || {{ cat {log}; exit 1; }}",
+            "  sleep 2",
+            "done",
+            "exit 1",
+        ]
+    )
+    try:
+        r = subprocess.run(["bash", "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
+        log = r.stdout[-3000:] + r.stderr[-3000:]
+        assert r.returncode == 0, log
+        assert (home / ".ray" / "auth_token").exists()  # made by the recipe's second line
+        recs = [json.loads(x) for x in out.read_text().splitlines()]
+        assert sorted(x["id"] for x in recs) == ["greedy-ids", "hello", "sampled"] and all(
+            x["error"] is None for x in recs
+        ), recs
+        # Without the token (another HOME, no RAY_AUTH_MODE): refused.
+        stranger = {**env, "HOME": str(tmp_path), "RAY_ADDRESS": f"http://127.0.0.1:{ports['dashboard-port']}"}
+        r = subprocess.run(["ray", "job", "list"], env=stranger, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "Missing authentication token" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    finally:
+        stop_daemonized_head(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def kvray_path(tmp, env) -> str:
+    """PATH with this Python's bin first, and a `kvray` shim where it is not installed there."""
+    path = [BIN]
+    if shutil.which("kvray", path=BIN) is None:
+        shim = tmp / "bin"
+        shim.mkdir()
+        (shim / "kvray").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cluster.cli "$@"\n')
+        (shim / "kvray").chmod(stat.S_IRWXU)
+        path.insert(0, str(shim))
+    return os.pathsep.join(path + [env.get("PATH", "")])
+
+
+def stop_daemonized_head(ray_tmp):
+    """`ray start` without --block leaves no process of ours to signal: SIGKILL the processes that name the
+    head's private temp dir and their children (Ray's agents and idle workers rename themselves), by pid."""
+    deadline = time.monotonic() + 30
+    while (pids := processes_using(ray_tmp)) and time.monotonic() < deadline:
+        for pid in pids + children_of(pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(1)
+
+
+def children_of(pids):
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid in pids:
+                kids.append(int(entry))
+    return kids
