@@ -108,6 +108,19 @@ def test_verbose_brings_the_detail_back_and_dev_stdin_works(env, tmp_path):
     assert any(b in r.stderr for b in banners), r.stderr[-3000:]
 
 
+def test_ctrl_c_in_the_first_moments_is_one_line_and_130(monkeypatch, capsys):
+    """Ctrl-C while kvray sets up its console (the first ~0.5 s, still importing): it printed a raw
+    KeyboardInterrupt traceback (1 in 20 Ctrl-C during start-up, benchmarks/checks/check_ctrl_c_startup.py)."""
+    from cluster import console
+
+    def interrupted(verbose):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(console, "configure", interrupted)
+    assert kvray_main(["run", "--num-requests", "1"]) == EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "kvray: interrupted\n"
+
+
 def test_ctrl_c_ends_with_where_the_output_is_and_how_to_resume(env, tmp_path):
     out = tmp_path / "o.jsonl"
     p = subprocess.Popen(
