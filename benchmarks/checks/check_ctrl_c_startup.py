@@ -68,7 +68,7 @@ def stop_leftovers(ray_tmp: str, group: int) -> int:
     return left
 
 
-def one_try(delay: float, wait_s: float, num_requests: int) -> tuple[int | None, float, str, int]:
+def one_try(delay: float, wait_s: float, num_requests: int, group: bool = True) -> tuple[int | None, float, str, int]:
     """-> (exit code or None for a hang, seconds from SIGINT to exit, stderr, leftover processes)."""
     ray_tmp = tempfile.mkdtemp(prefix="kvcc-", dir="/tmp")
     out_dir = tempfile.mkdtemp(prefix="kvcc-out-")
@@ -91,7 +91,10 @@ def one_try(delay: float, wait_s: float, num_requests: int) -> tuple[int | None,
         p.wait(timeout=delay)
         sent = time.monotonic()  # finished before the interrupt
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGINT)
+        if group:
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            os.kill(p.pid, signal.SIGINT)  # `kill -INT PID`: kvray alone, not the Ray processes it started
         sent = time.monotonic()
     try:
         _, err = p.communicate(timeout=wait_s)
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delays", type=float, nargs="+", default=list(DEFAULT_DELAYS))
     ap.add_argument("--wait-s", type=float, default=60.0, help="a try still running this long after SIGINT hangs")
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--to", choices=["group", "process"], default="group", help="where SIGINT goes (default group)")
     ap.add_argument("--keep", default=None, help="folder for the stderr of every try that crashed or hung")
     args = ap.parse_args(argv)
     keep = Path(args.keep) if args.keep else None
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = tracebacks = 0
     for i in range(args.tries):
         delay = args.delays[i % len(args.delays)]
-        rc, took, err, left = one_try(delay, args.wait_s, args.num_requests)
+        rc, took, err, left = one_try(delay, args.wait_s, args.num_requests, args.to == "group")
         name = "hang" if rc is None else str(rc)
         codes[name] += 1
         took_by_code[name].append(took)
