@@ -169,6 +169,7 @@ def _main(argv: list[str] | None) -> int:
     console.configure(args.verbose)
     try:
         config = load_config(args.config, args.overrides)
+        _import_ray_whole()
         check_model(config)
         if not _embedded(config):
             connect_interruptibly(config)
@@ -188,6 +189,16 @@ def _main(argv: list[str] | None) -> int:
         if args.verbose:
             log.exception("failed")
         return _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
+
+
+def _import_ray_whole() -> None:
+    """Every command talks to Ray. Interrupted in the middle of `import ray`, a half-imported ray's exit
+    handler (registered by then) failed at exit with a traceback after the one line: Ctrl-C is held until
+    the import is done (it takes ~1 s), then ends the command as anywhere else."""
+    from actors.interrupts_held import interrupts_held
+
+    with interrupts_held():
+        import ray  # noqa: F401
 
 
 def _fail(code: int, message: str) -> int:

@@ -258,3 +258,35 @@ def test_a_relative_output_under_ray_job_submit_is_named_in_full(monkeypatch, tm
     assert ran == [str(tmp_path / "out.jsonl")]
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "--output 'out.jsonl' is relative" in said and str(tmp_path / "out.jsonl") in said
+
+
+MID_RAY_IMPORT = """
+import atexit, os, signal, sys
+
+register = atexit.register
+
+def register_then_ctrl_c(f, *args, **kwargs):
+    register(f, *args, **kwargs)
+    if getattr(f, "__module__", "") == "ray._private.worker" and f.__name__ == "shutdown":
+        os.kill(os.getpid(), signal.SIGINT)  # raised in ray/_private/worker.py, its exit handler registered
+    return f
+
+atexit.register = register_then_ctrl_c
+from cluster.cli import main
+sys.exit(main(["run", "--num-requests", "1", "--output", sys.argv[1]]))
+"""
+
+
+def test_ctrl_c_in_the_middle_of_importing_ray_is_one_line_and_130(env, tmp_path):
+    """It left a half-imported ray whose exit handler printed a traceback after the line (1 in 40 Ctrl-C
+    during start-up, benchmarks/checks/check_ctrl_c_startup.py). The child interrupts itself mid-import."""
+    r = subprocess.run(
+        [sys.executable, "-c", MID_RAY_IMPORT, str(tmp_path / "o.jsonl")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert r.returncode == EXIT_INTERRUPTED and r.stderr == "kvray: interrupted\n", (r.returncode, r.stderr[-3000:])
