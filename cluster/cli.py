@@ -19,9 +19,10 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from cluster.config import ConfigError, EngineConfig, load_config
+if TYPE_CHECKING:  # imported where used: a Ctrl-C while importing must reach main()'s handler (see main)
+    from cluster.config import EngineConfig
 
 log = logging.getLogger("kvray")
 
@@ -149,13 +150,26 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before _main's own handler is in place (importing the job's modules, parsing the
+        # arguments, setting up the console: the first ~0.5 s of a start): the same one line, no traceback.
+        # This module imports only the standard library at the top, so what is left before this handler
+        # is the interpreter's own start-up (Python prints a traceback there; nothing of kvray has run).
+        return _fail(EXIT_INTERRUPTED, "interrupted")
+
+
+def _main(argv: list[str] | None) -> int:
     from cluster import console
+    from cluster.config import ConfigError, load_config
     from cluster.job.input import JobError
 
     args = build_parser().parse_args(argv)
     console.configure(args.verbose)
     try:
         config = load_config(args.config, args.overrides)
+        _import_ray_whole()
         check_model(config)
         if not _embedded(config):
             connect_interruptibly(config)
@@ -175,6 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             log.exception("failed")
         return _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
+
+
+def _import_ray_whole() -> None:
+    """Every command talks to Ray. Interrupted in the middle of `import ray`, a half-imported ray's exit
+    handler (registered by then) failed at exit with a traceback after the one line: Ctrl-C is held until
+    the import is done (it takes ~1 s), then ends the command as anywhere else."""
+    from actors.interrupts_held import interrupts_held
+
+    with interrupts_held():
+        import ray  # noqa: F401
 
 
 def _fail(code: int, message: str) -> int:
@@ -221,6 +245,7 @@ def check_model(config: EngineConfig) -> None:
     """The model must exist here before Ray starts, when Ray runs here too (cluster.llm.check_model_here);
     config.json's rules are checked wherever it is readable."""
     from actors.models.architectures import UnsupportedArchitectureError
+    from cluster.config import ConfigError
     from cluster.llm import check_client_model, check_model_here, load_client_model
 
     check_model_here(config)
@@ -370,6 +395,8 @@ def _start_profile(engines: Any, args: Any) -> str | None:
     import ray
 
     if args.profile_steps < 1 or args.profile_skip < 0:
+        from cluster.config import ConfigError
+
         raise ConfigError(
             f"--profile-steps={args.profile_steps} must be >= 1 and --profile-skip={args.profile_skip} >= 0"
         )

@@ -80,7 +80,7 @@ BAD = {
     ),
     "url": (line("b2", "/v1/embeddings", input="x"), "b2", "url='/v1/embeddings': must be one of"),
     "unknown_body_field": (line("b3", prompt="x", frobnicate=1), "b3", "body.frobnicate is not a field"),
-    "streaming": (line("b4", prompt="x", stream=True), "b4", "body.stream is not supported"),
+    "streaming": (line("b4", prompt="x", stream=True), "b4", "body.stream=True is not supported"),
     "n": (line("b5", prompt="x", n=0), "b5", "n=0"),
     "bad_sampling": (line("b6", prompt="x", top_p=0), "b6", "top_p=0: must be in (0, 1]"),
     "no_custom_id": (
@@ -195,3 +195,70 @@ def test_chat_lines_use_the_models_chat_template_as_llm_chat_does(tmp_path):
     ids = tok.encode(rendered, add_special_tokens=False)
     assert rec["response"]["body"]["usage"]["prompt_tokens"] == len(ids)
     assert rec["response"]["body"]["choices"][0]["message"]["content"] == tok.decode(expected_tokens(ids, 2))
+
+
+def test_logit_bias_reaches_sampling_params_with_token_id_keys(tmp_path):
+    inp = tmp_path / "batch.jsonl"
+    msgs = [{"role": "user", "content": "hi"}]
+    inp.write_text(
+        "\n".join(
+            [
+                line("lb", prompt=[1], logit_bias={"5": 2.5, "17": -100}),
+                line("lbchat", "/v1/chat/completions", messages=msgs, logit_bias={"0": 100}),
+                line("b1", prompt=[1], best_of=1),
+                line("off", prompt=[1], echo=False, suffix=None),
+                line("offchat", "/v1/chat/completions", messages=msgs, tools=[], response_format={"type": "text"}),
+            ]
+        )
+        + "\n"
+    )
+    tok = load_client_model(EngineConfig())[0]
+    items = {i.id: i for i in InputReader(resolve_shards(str(inp)), SP, tok, render_chat=render)}
+    assert all(i.error is None for i in items.values()), {k: i.error for k, i in items.items()}
+    assert items["lb"].sampling.logit_bias == {5: 2.5, 17: -100.0}
+    assert items["lbchat"].sampling.logit_bias == {0: 100.0}
+    assert items["off"].sampling.logit_bias is None
+    stats, recs, _, _ = run(tmp_path, inp)
+    assert stats.completed == 5 and stats.errors == 0, recs
+
+
+BAD_FIELDS = {
+    "key_not_a_number": ({"abc": 1}, "body.logit_bias: key 'abc' must be a token id"),
+    "key_negative": ({"-1": 1}, "body.logit_bias: key '-1' must be a token id"),
+    "key_spaces": ({" 5": 1}, "body.logit_bias: key ' 5' must be a token id"),
+    "key_past_int32": ({"2147483648": 1}, "must be a token id"),
+    "value_range": ({"5": 101}, "body.logit_bias['5']=101: must be a number in [-100, 100]"),
+    "value_type": ({"5": "1"}, "body.logit_bias['5']='1': must be a number in [-100, 100]"),
+    "value_bool": ({"5": True}, "body.logit_bias['5']=True: must be a number in [-100, 100]"),
+    "not_a_dict": ([5], "body.logit_bias=[5]: must be an object"),
+    "too_many": ({str(i): 1 for i in range(1025)}, "at most 1024"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FIELDS))
+def test_a_bad_logit_bias_fails_its_line_naming_the_field_and_keeps_the_custom_id(tmp_path, name):
+    value, message = BAD_FIELDS[name]
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text(line("bad", prompt=[1], logit_bias=value) + "\n" + line("ok", prompt=[1]) + "\n")
+    stats, recs, _, _ = run(tmp_path, inp)
+    assert stats.completed == 1 and stats.errors == 1
+    rec = recs["bad"]
+    assert rec["custom_id"] == "bad" and rec["response"]["status_code"] == 400
+    assert message in rec["error"]["message"], rec["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"best_of": 2}, "best_of=2: is not supported (vLLM V1"),
+        ({"echo": True}, "body.echo=True is not supported by kvray run"),
+        ({"tools": [{"type": "function"}]}, "body.tools=[{'type': 'function'}] is not supported by kvray run"),
+        ({"stream": True}, "body.stream=True is not supported by kvray run"),
+    ],
+)
+def test_fields_kvray_cannot_honour_are_still_refused_by_name(tmp_path, body, message):
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text(line("bad", prompt=[1], **body) + "\n")
+    items = list(InputReader(resolve_shards(str(inp)), SP, render_chat=render))
+    assert items[0].id == "bad" or items[0].batch["custom_id"] == "bad"
+    assert message in items[0].error, items[0].error

@@ -26,7 +26,11 @@ NOISE = (
     "Started a local Ray instance",
     "Teardown complete",
     "Traceback",
+    "start-up objects frozen",  # a worker actor's INFO line (-v only)
 )
+
+# A worker actor's INFO line as Ray streams it to the console: "(Worker pid=...) ... worker rank 0: ...".
+WORKER_INFO = re.compile(r"\(Worker pid=\d+\).*actors\.worker\.actor: worker rank 0: \d+ start-up objects frozen")
 
 
 @pytest.fixture
@@ -102,6 +106,19 @@ def test_verbose_brings_the_detail_back_and_dev_stdin_works(env, tmp_path):
     # Ray's start-up banners are back (which ones Ray prints depends on its auth settings and state).
     banners = ("Token authentication is enabled", "Started a local Ray instance")
     assert any(b in r.stderr for b in banners), r.stderr[-3000:]
+
+
+def test_ctrl_c_in_the_first_moments_is_one_line_and_130(monkeypatch, capsys):
+    """Ctrl-C while kvray sets up its console (the first ~0.5 s, still importing): it printed a raw
+    KeyboardInterrupt traceback (1 in 20 Ctrl-C during start-up, benchmarks/checks/check_ctrl_c_startup.py)."""
+    from cluster import console
+
+    def interrupted(verbose):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(console, "configure", interrupted)
+    assert kvray_main(["run", "--num-requests", "1"]) == EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "kvray: interrupted\n"
 
 
 def test_ctrl_c_ends_with_where_the_output_is_and_how_to_resume(env, tmp_path):
@@ -201,6 +218,7 @@ def test_records_on_redirected_stdout_summary_on_stderr_verbose_and_one_tok_per_
     summary = json.loads(r.stderr.strip().splitlines()[-1])
     assert summary["output"] == "<stdout>" and summary["completed"] == 3
     assert "actors.driver.engine_core: EngineCore:" in r.stderr  # kvray's own INFO line, from the driver actor
+    assert WORKER_INFO.search(r.stderr), r.stderr[-3000:]  # and from a worker actor
     bar = re.findall(r"kvray run: .*?(\d+) tok/s", r.stderr)
     assert bar and abs(int(bar[-1]) - summary["output_tok_per_s"]) <= 1, (bar[-1:], summary["output_tok_per_s"])
 
@@ -240,3 +258,35 @@ def test_a_relative_output_under_ray_job_submit_is_named_in_full(monkeypatch, tm
     assert ran == [str(tmp_path / "out.jsonl")]
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "--output 'out.jsonl' is relative" in said and str(tmp_path / "out.jsonl") in said
+
+
+MID_RAY_IMPORT = """
+import atexit, os, signal, sys
+
+register = atexit.register
+
+def register_then_ctrl_c(f, *args, **kwargs):
+    register(f, *args, **kwargs)
+    if getattr(f, "__module__", "") == "ray._private.worker" and f.__name__ == "shutdown":
+        os.kill(os.getpid(), signal.SIGINT)  # raised in ray/_private/worker.py, its exit handler registered
+    return f
+
+atexit.register = register_then_ctrl_c
+from cluster.cli import main
+sys.exit(main(["run", "--num-requests", "1", "--output", sys.argv[1]]))
+"""
+
+
+def test_ctrl_c_in_the_middle_of_importing_ray_is_one_line_and_130(env, tmp_path):
+    """It left a half-imported ray whose exit handler printed a traceback after the line (1 in 40 Ctrl-C
+    during start-up, benchmarks/checks/check_ctrl_c_startup.py). The child interrupts itself mid-import."""
+    r = subprocess.run(
+        [sys.executable, "-c", MID_RAY_IMPORT, str(tmp_path / "o.jsonl")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert r.returncode == EXIT_INTERRUPTED and r.stderr == "kvray: interrupted\n", (r.returncode, r.stderr[-3000:])

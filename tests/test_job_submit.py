@@ -6,6 +6,7 @@ by its own process group, never by `ray stop`)."""
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -260,3 +261,133 @@ def test_the_cluster_refuses_a_wrong_token(cluster):
         [f"{BIN}/ray", "job", "list", "--address", address], env=env, capture_output=True, text=True, timeout=120
     )
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+# A worker actor's INFO line as Ray streams it to the console, and one of the driver actor's.
+WORKER_INFO = re.compile(
+    r"\(Worker pid=\d+(, ip=[^)]*)?\).*actors\.worker\.actor: worker rank 0: \d+ start-up objects frozen"
+)
+DRIVER_INFO = "actors.driver.engine_core: EngineCore:"
+
+
+def test_verbose_shows_the_workers_log_lines_on_a_cluster_started_before(cluster, tmp_path):
+    """The head was started without KVRAY_VERBOSE, so -v must reach its actors through their runtime env."""
+    env, _, _ = cluster
+    assert "KVRAY_VERBOSE" not in env
+    joined = {**env, "RAY_ADDRESS": "auto"}  # this head: its record is in the private RAY_TMPDIR
+
+    def run(*flags):
+        out = tmp_path / f"out{len(flags)}.jsonl"
+        cmd = ["kvray", *flags, "run", "--config", "configs/local.yaml", "--no-progress", "--num-requests", "2"]
+        r = subprocess.run(
+            [*cmd, "--output", str(out)], env=joined, cwd=REPO, capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "private local Ray" not in r.stderr  # it joined the head
+        return r.stderr
+
+    verbose = run("-v")
+    assert WORKER_INFO.search(verbose) and DRIVER_INFO in verbose, verbose[-3000:]
+    quiet = run()
+    assert not WORKER_INFO.search(quiet) and DRIVER_INFO not in quiet, quiet[-3000:]
+
+
+def readme_recipe() -> list[str]:
+    """The README's `ray job submit` recipe: the lines of the code block after its marker."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    block = text.split("<!-- recipe-job-submit -->", 1)[1].split("```", 2)[1]
+    return [line.split("  #")[0].strip() for line in block.strip().splitlines()]
+
+
+def test_the_readmes_token_auth_recipe_runs_as_written(tmp_path):
+    """Each line of the recipe in a private HOME (its ~/.ray/auth_token) and Ray temp dir, with free ports
+    added to `ray start --head` and put in place of 8265, and the output under tmp_path; then a submission
+    without the token is refused. The head is stopped by its pids (never `ray stop`)."""
+    lines = readme_recipe()
+    assert [x.split()[0] for x in lines] == ["export", "ray", "ray", "RAY_ADDRESS=http://127.0.0.1:8265"], lines
+    home, out, log = tmp_path / "home", tmp_path / "out.jsonl", tmp_path / "submit.log"
+    home.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="kvrr-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.pop("TRITON_INTERPRET", None)
+    env.update(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0", PATH=kvray_path(tmp_path, env))
+
+    def sh(*script: str, timeout: int = 300) -> subprocess.CompletedProcess:
+        # The recipe's first line (export RAY_AUTH_MODE=token) holds for the lines after it.
+        cmd = "\n".join(["set -e", lines[0], *script])
+        return subprocess.run(["bash", "-c", cmd], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+    try:
+        r = sh(lines[1])
+        assert r.returncode == 0 and (home / ".ray" / "auth_token").exists(), r.stderr[-2000:]
+        # A head that times out starting on a loaded machine (or loses a port found free) is stopped and
+        # started again on new ports, as start_head() does.
+        for _ in range(3):
+            ports = {name: free_port() for name in HEAD_PORTS}
+            flags = " ".join(f"--{k}={v}" for k, v in ports.items())
+            r = sh(lines[2].replace("ray start --head", f"ray start --head {flags}"))
+            if r.returncode == 0:
+                break
+            stop_daemonized_head(ray_tmp)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        submit = lines[3].replace(":8265", f":{ports['dashboard-port']}").replace("/tmp/kvray-job.out.jsonl", str(out))
+        # Until the head's job agent is up it answers "No available agent": the README says to submit again.
+        r = sh(
+            "for i in $(seq 60); do",
+            f"  if {submit} > {log} 2>&1; then exit 0; fi",
+            f"  grep -q 'No available agent' {log} || {{ cat {log}; exit 1; }}",
+            "  sleep 2",
+            "done",
+            "exit 1",
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        recs = [json.loads(x) for x in out.read_text().splitlines()]
+        assert sorted(x["id"] for x in recs) == ["greedy-ids", "hello", "sampled"] and all(
+            x["error"] is None for x in recs
+        ), recs
+        # Without the token (another HOME, no RAY_AUTH_MODE): refused.
+        stranger = {**env, "HOME": str(tmp_path), "RAY_ADDRESS": f"http://127.0.0.1:{ports['dashboard-port']}"}
+        r = subprocess.run(["ray", "job", "list"], env=stranger, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "Missing authentication token" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    finally:
+        stop_daemonized_head(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def kvray_path(tmp, env) -> str:
+    """PATH with this Python's bin first, and a `kvray` shim where it is not installed there."""
+    path = [BIN]
+    if shutil.which("kvray", path=BIN) is None:
+        shim = tmp / "bin"
+        shim.mkdir()
+        (shim / "kvray").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cluster.cli "$@"\n')
+        (shim / "kvray").chmod(stat.S_IRWXU)
+        path.insert(0, str(shim))
+    return os.pathsep.join(path + [env.get("PATH", "")])
+
+
+def stop_daemonized_head(ray_tmp):
+    """`ray start` without --block leaves no process of ours to signal: SIGKILL the processes that name the
+    head's private temp dir and their children (Ray's agents and idle workers rename themselves), by pid."""
+    deadline = time.monotonic() + 30
+    while (pids := processes_using(ray_tmp)) and time.monotonic() < deadline:
+        for pid in pids + children_of(pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(1)
+
+
+def children_of(pids):
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid in pids:
+                kids.append(int(entry))
+    return kids

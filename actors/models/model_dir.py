@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from actors.interrupts_held import interrupts_held
+
 TINY_RANDOM = "tiny-random"
 
 
@@ -17,7 +19,10 @@ def resolve_model_dir(name: str) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"model={name!r}: must be a local HF model directory or {TINY_RANDOM!r}")
     if name == TINY_RANDOM:
-        from actors.models.tiny_random import ensure_tiny_random  # torch: only for the built-in model
+        # torch: only for the built-in model. A Ctrl-C raised inside torch's import aborts the process
+        # (actors/interrupts_held.py): it is held until the import is done.
+        with interrupts_held():
+            from actors.models.tiny_random import ensure_tiny_random
 
         return ensure_tiny_random()
     path = os.path.abspath(os.path.expanduser(name))

@@ -23,6 +23,7 @@ from actors.gc_heap import freeze_startup_heap
 from actors.profiling import compile_log, start_timeline
 from actors.profiling.step_profiler import StepProfiler
 from actors.transport.shm_reader import ShmLoopMixin
+from actors.verbose_logging import show_kvray_info_logs
 from actors.worker.model_runner import ModelRunner
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.spec import KVCacheConfig, KVCacheSpec
@@ -59,6 +60,7 @@ class Worker(ShmLoopMixin):
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"Worker: rank={rank} must be in [0, world_size={world_size})")
+        show_kvray_info_logs()  # kvray -v: this rank's INFO lines (model load, KV cache, graphs) reach the console
         self.config = config
         self.rank = rank
         self.world_size = world_size

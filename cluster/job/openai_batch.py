@@ -8,18 +8,20 @@ Output line: {"id": "batch_req_...", "custom_id": "...",
 
 A line that fails (a bad body, an engine error) gets status_code 400 (500 for an engine error),
 an OpenAI error body, and the same `error`. A line without a usable custom_id gets `custom_id: null`.
-Body fields map to SamplingParams by vLLM's names; `model` is recorded, not checked (one engine
-serves the whole file); fields kvray cannot honour are refused by name.
+Body fields map to SamplingParams by vLLM's names (logit_bias as OpenAI sends it: token-id strings ->
+bias); `model` is recorded, not checked (one engine serves the whole file); fields kvray cannot honour
+are refused by name, except with their "off" value, which `kvray serve` accepts too.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Callable
 
 from cluster.job.line_check import check_text
-from kvcore.request import SamplingParams
+from kvcore.request import INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, SamplingParams, short_repr
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 _RENAMED = {"max_completion_tokens": "max_tokens"}
@@ -28,8 +30,6 @@ _REFUSED = {
     "stream",
     "echo",
     "suffix",
-    "best_of",
-    "logit_bias",
     "tools",
     "tool_choice",
     "functions",
@@ -40,6 +40,16 @@ _REFUSED = {
     "prediction",
     "parallel_tool_calls",
 }
+# Accepted with these values only, as kvray serve accepts them (cluster/serve/protocol.py): they ask for nothing.
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "stream": (False, None),
+    "echo": (False, None),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # OpenAI's logit_bias keys: token ids as decimal strings
 
 
 class BatchLineError(ValueError):
@@ -108,17 +118,17 @@ def _sampling(where: str, body: dict[str, Any], url: str) -> dict[str, Any]:
     for k, v in body.items():
         if k in prompt_keys or k in _IGNORED:
             continue
-        if k in _REFUSED and not (k == "stream" and v is False):
-            raise BatchLineError(f"{where}: body.{k} is not supported by kvray run")
-        if k == "stream":
-            continue
+        if k in _REFUSED:
+            if k in _OFF_VALUES and _is_off(k, v):
+                continue
+            shown = f"={short_repr(v)}" if k in _OFF_VALUES else ""
+            raise BatchLineError(f"{where}: body.{k}{shown} is not supported by kvray run")
         if url == "/v1/chat/completions" and k in ("logprobs", "top_logprobs"):
-            if "logprobs" in fields and body.get("logprobs"):
+            if body.get("logprobs"):
                 sp["logprobs"] = body.get("top_logprobs") or 0
             continue
-        if k == "n" and "n" not in fields:
-            if v != 1 or isinstance(v, bool):
-                raise BatchLineError(f"{where}: body.n={v!r}: this engine answers one completion a line (n=1)")
+        if k == "logit_bias":
+            sp["logit_bias"] = _logit_bias(where, v)
             continue
         name = _RENAMED.get(k, k)
         if name not in fields:
@@ -127,6 +137,36 @@ def _sampling(where: str, body: dict[str, Any], url: str) -> dict[str, Any]:
             v = [v]
         sp[name] = v
     return sp
+
+
+def _is_off(name: str, value: Any) -> bool:
+    # `in` compares with ==, and True == 1: a bool must match a bool.
+    return any(type(value) is type(off) and value == off for off in _OFF_VALUES[name])
+
+
+def _logit_bias(where: str, value: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"50256": -100}) -> SamplingParams' {50256: -100.0}, each key and value checked."""
+    if value is None:
+        return None
+    rule = (
+        f"must be an object of at most {MAX_LOGIT_BIAS_TOKENS} entries, token id (a decimal string, "
+        f"0..{INT32_MAX}) -> bias (a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}])"
+    )
+    if not isinstance(value, dict):
+        raise BatchLineError(f"{where}: body.logit_bias={short_repr(value)}: {rule}")
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise BatchLineError(f"{where}: body.logit_bias has {len(value)} entries: {rule}")
+    out: dict[int, float] = {}
+    for k, v in value.items():
+        if not _TOKEN_ID.fullmatch(k) or int(k) > INT32_MAX:
+            raise BatchLineError(f"{where}: body.logit_bias: key {short_repr(k)} must be a token id; {rule}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise BatchLineError(
+                f"{where}: body.logit_bias[{short_repr(k)}]={short_repr(v)}: must be a number in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+            )
+        out[int(k)] = float(v)
+    return out
 
 
 def make_chat_renderer(tokenizer: Any) -> Callable[[list[Any]], str] | None:

@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.driver.actor import driver_actor_class
 from actors.messages import PollResult, RequestSpec
+from actors.verbose_logging import verbose_runtime_env
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.replicas.failover import (
     DRIVER_CALL_GRACE_S,
@@ -118,6 +119,7 @@ class EngineGroup:
                 namespace=self.config.ray.namespace,
                 scheduling_strategy=driver_placement(),
                 name=f"{DRIVER_NAME_PREFIX}{self.tag}-r{replica}" + (f"-{gen}" if gen else ""),
+                runtime_env=verbose_runtime_env(),  # -v reaches a cluster's processes too (its workers inherit it)
             )
             .remote(self.config, self.pgs[replica], replica, self.worker_cls)
         )
