@@ -189,8 +189,30 @@ def table(report: dict[str, Any]) -> str:
             + (f", decoder layers per stage {layers}" if layers else "")
             + " (bundles e<engine>s<stage>)"
         )
+    lines.extend(stage_kv_lines(report.get("kv_cache", {})))
     lines.append(f"verdict: {p['verdict']}")
     return "\n".join(lines)
+
+
+def stage_kv_lines(kv: dict[str, Any]) -> list[str]:
+    """With pipeline stages: the KV cache each stage holds (the layout the engine uses) and which stages
+    bound the engine's block count; nothing without stages."""
+    layout = kv.get(kv.get("engine_layout", "hybrid"), {})
+    stages = layout.get("stages")
+    if not stages:
+        return []
+    lines = ["KV cache per stage (one block-id space; the engine holds the fewest blocks of any stage):"]
+    for st in stages:
+        start, end = st["layers"]
+        layers = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
+        blocks = "" if st["num_blocks"] is None else f", {st['num_blocks']} blocks"
+        lines.append(
+            f"  s{st['stage']}: {layers}, groups {', '.join(st['groups']) or '-'}, "
+            f"{st['bytes_per_block']} B/block{blocks}"
+        )
+    bound = layout["block_count_bound_by"]
+    lines.append(f"  block count bound by {' '.join(f's{i}' for i in bound['stages'])}: {bound['why']}")
+    return lines
 
 
 def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], str | None]:
@@ -245,7 +267,8 @@ def info_report(config: EngineConfig, embedded: bool) -> tuple[dict[str, Any], s
 
 def kv_cache_info(config: EngineConfig) -> dict[str, Any]:
     """One rank's KV layout and max concurrency at max_model_len (hybrid groups vs all full attention),
-    from config.json alone; the pool size is known here only when fixed or on the CPU."""
+    from config.json alone; the pool size is known here only when fixed or on the CPU. With pipeline
+    stages, each stage's layers, KV groups and bytes per block, and the stages that bound the block count."""
     from actors.models.kv_memory import kv_cache_report
     from actors.models.loader import read_hf_config, resolve_dtype, resolve_model_dir
     from kvcore.kernels.fp8 import kv_cache_torch_dtype
@@ -255,7 +278,8 @@ def kv_cache_info(config: EngineConfig) -> dict[str, Any]:
         c = config.cache
         budget = int(c.cpu_kv_cache_gib * 2**30) if config.parallel.device == "cpu" else None
         dtype = resolve_dtype(config.model.dtype, hf_config)
-        return kv_cache_report(
+        partition = stage_layers(config)[0] if config.parallel.pipeline_parallel_size > 1 else None
+        report = kv_cache_report(
             hf_config,
             dtype,
             c.block_size,
@@ -265,6 +289,9 @@ def kv_cache_info(config: EngineConfig) -> dict[str, Any]:
             c.num_gpu_blocks,
             None if c.num_gpu_blocks else budget,
             kv_cache_torch_dtype(c.kv_cache_dtype, dtype),
+            partition,
         )
+        report["engine_layout"] = "all_full_attention" if c.disable_hybrid_kv_cache_manager else "hybrid"
+        return report
     except (OSError, ValueError) as e:
         return {"error": str(e)}

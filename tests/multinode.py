@@ -1,5 +1,6 @@
 """A real multi-node Ray cluster on this machine for tests: `ray.cluster_utils.Cluster`, one raylet per
-node, each a separate Ray node with its own resources and labels, all on 127.0.0.1.
+node, each a separate Ray node with its own resources and labels, all on 127.0.0.1; and the node-loss
+tests' requests and their run through an EngineGroup (every request exactly once, its tokens in order).
 
 Every node (and the GCS) listens on the loopback address only: the nodes are started inside the switch
 that keeps kvray's embedded Ray local (cluster/replicas/placement.py). The cluster records itself in a private
@@ -13,12 +14,15 @@ import contextlib
 import os
 import shutil
 import tempfile
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 import ray
 from ray.cluster_utils import Cluster
 
+from actors.messages import RequestSpec
 from cluster.replicas.placement import LOOPBACK, loopback_node_ip
+from kvcore.request import SamplingParams
 
 # A killed node is noticed within a few seconds (Ray's default is 15 s): the failure tests wait for it.
 # Not faster: on a loaded CI machine a live raylet can miss a check or two, and would be taken for dead.
@@ -116,3 +120,52 @@ def bundle_nodes(pg: Any) -> list[str]:
     """The Ray node id of each bundle of a placement group, in bundle order."""
     table = ray.util.placement_group_table(pg)["bundles_to_node_id"]
     return [table[i] for i in sorted(table)]
+
+
+def node_of(cluster: LocalCluster, group: Any, replica: int) -> str:
+    """The name of the node under a replica's first bundle."""
+    return cluster.node_name(bundle_nodes(group.pgs[replica])[0])
+
+
+# ---- the node-loss tests' requests: greedy and seeded, each ending exactly once with 16 tokens
+N = 6
+
+
+def specs(tag: str) -> list[RequestSpec]:
+    out = []
+    for i in range(N):
+        sp = (
+            SamplingParams(max_tokens=16, ignore_eos=True)
+            if i % 2 == 0
+            else SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
+        )
+        out.append(RequestSpec(f"{tag}-{i}", [(7 * i + j) % 250 + 1 for j in range(6 + i)], sp))
+    return out
+
+
+def run(group: Any, tag: str, action: Callable[[], Any] | None = None, deadline_s: float = 400) -> list[list[int]]:
+    """Submit specs(tag) to an EngineGroup and poll until every request finished: each request's tokens, in
+    submission order. `action` runs once, after the first tokens of the run; every request must end exactly
+    once, without an error, within deadline_s."""
+    batch = specs(tag)
+    assert group.submit(batch) == {}
+    tokens: dict[str, list[int]] = {s.request_id: [] for s in batch}
+    finished: list[str] = []
+    deadline = time.monotonic() + deadline_s
+    while len(finished) < N:
+        # The state of every replica in the message: a hang here must say where it is.
+        assert time.monotonic() < deadline, (
+            f"round {tag!r}: {len(finished)} of {N} finished; states {group.state}, "
+            f"pending {group.failover.pending}, owners {group.failover.owner}, {group.stats()}"
+        )
+        if action is not None and sum(map(len, tokens.values())) >= 4:
+            action, act = None, action
+            act()
+        for o in group.poll(timeout_s=0.5):
+            tokens[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                assert o.error is None, o.error
+                finished.append(o.request_id)
+        assert group.fatal is None, group.fatal
+    assert sorted(finished) == sorted(tokens)  # each exactly once
+    return [tokens[s.request_id] for s in batch]

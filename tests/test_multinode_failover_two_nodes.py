@@ -6,8 +6,7 @@ three-node one for the whole module.
 """
 
 import pytest
-from multinode import local_cluster
-from test_multinode_failures import N, node_of, run, specs
+from multinode import N, local_cluster, node_of, run, specs
 from waits import wait_until
 
 from cluster.config import EngineConfig

@@ -10,34 +10,16 @@ greedy and seeded requests and must give the reference tokens, every request exa
 4. replica 0's driver actor is killed mid-run: a new driver takes its place, its requests move.
 """
 
-import time
-
 import pytest
 import ray
-from multinode import bundle_nodes, local_cluster
+from multinode import local_cluster, node_of, run
 from waits import wait_until
 
-from actors.messages import RequestSpec
 from cluster.config import EngineConfig
 from cluster.replicas.engine_group import EngineGroup
 from cluster.replicas.failover import UP
-from kvcore.request import SamplingParams
 
 pytestmark = pytest.mark.timeout(420)
-
-N = 6
-
-
-def specs(tag):
-    out = []
-    for i in range(N):
-        sp = (
-            SamplingParams(max_tokens=16, ignore_eos=True)
-            if i % 2 == 0
-            else SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
-        )
-        out.append(RequestSpec(f"{tag}-{i}", [(7 * i + j) % 250 + 1 for j in range(6 + i)], sp))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -65,46 +47,11 @@ def group(cluster):
     g.shutdown()
 
 
-def run(group, tag, action=None):
-    """Every request's tokens, by index; `action` runs once, after the first tokens of the run."""
-    batch = specs(tag)
-    assert group.submit(batch) == {}
-    tokens = {s.request_id: [] for s in batch}
-    finished = []
-
-    def step():
-        nonlocal action
-        if action is not None and sum(map(len, tokens.values())) >= 4:
-            action, act = None, action
-            act()
-        for o in group.poll(timeout_s=0.5):
-            tokens[o.request_id].extend(o.new_token_ids)
-            if o.finished:
-                assert o.error is None, o.error
-                finished.append(o.request_id)
-        assert group.fatal is None, group.fatal
-
-    deadline = time.monotonic() + 300
-    while len(finished) < N:
-        # The state of every replica in the message: a hang here must say where it is.
-        assert time.monotonic() < deadline, (
-            f"round {tag!r}: {len(finished)} of {N} finished; states {group.state}, "
-            f"pending {group.failover.pending}, owners {group.failover.owner}, {group.stats()}"
-        )
-        step()
-    assert sorted(finished) == sorted(tokens)  # each exactly once
-    return [tokens[s.request_id] for s in batch]
-
-
 @pytest.fixture(scope="module")
 def reference(group):
     ref = run(group, "ref")
     assert all(len(t) == 16 for t in ref)
     return ref
-
-
-def node_of(cluster, group, replica):
-    return cluster.node_name(bundle_nodes(group.pgs[replica])[0])
 
 
 def test_a_lost_node_rebuilds_the_replica_on_the_spare_node(cluster, group, reference):

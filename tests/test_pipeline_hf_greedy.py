@@ -6,7 +6,8 @@ small token budget, where chunked prefill, prefix-cache hits and preemption must
 engine's batch queue keeping PP steps in flight. The cases cover an even split, an uneven one (three
 stages, the override), TP=2 x PP=2, a hybrid family (sliding-window and full KV-cache groups split over
 stages), Gemma (no residual between stages), a tied LM head on a stage without the embedding, and MoE.
-The two sampling requests must give the same tokens as at PP=1: generators live with the request.
+The two sampling requests must give the same tokens as at PP=1: generators live with the request. Async
+scheduling runs on Ray (each stage an actor) on a dense and a sliding-window family.
 """
 
 import os
@@ -74,3 +75,58 @@ def test_pipeline_greedy_matches_hf(family, pp, tp, partition, hf_reference):  #
         assert stats["prefix_cache_hits"] > 0, f"{scenario}: no prefix hit: {stats}"
         assert stats["num_preemptions"] > 0, f"{scenario}: no preemption: {stats}"
         assert {r: tokens[r] for r in SAMPLED} == sampled, f"{scenario}: sampled tokens differ from roomy"
+
+
+# ---------------------------------------------------------------- async scheduling, through Ray
+
+ASYNC_CASES = [("llama", 2), ("qwen3_hybrid", 2)]  # a dense family and a sliding-window one, 2 stages each
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    from cluster.replicas.placement import start_local_ray
+
+    start_local_ray(num_cpus=3, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize(("family", "pp"), ASYNC_CASES, ids=[f"{c[0]}-pp{c[1]}" for c in ASYNC_CASES])
+def test_pipeline_async_scheduling_matches_hf_on_ray(family, pp, hf_reference, local_ray):  # noqa: F811
+    """Async scheduling with the batch queue: each stage a Ray actor (gloo between them), the workers answering
+    every step with the previous one's output, the driver keeping the queue full. HF's greedy tokens, roomy
+    and tight (chunked prefill, prefix hits, preemption), and the sampled requests as without async."""
+    from actors.executor.ray_workers import RayExecutor
+    from cluster.replicas.placement import create_placement_group, remove
+
+    model_dir, expected = hf_reference(family)
+    prompts = H.make_prompts()
+    base = pp_config(model_dir, pp, 1, None)
+    config = base.replace(async_scheduling=True)
+    assert config.use_async_scheduling and config.parallel.pipeline_parallel_size == pp
+    pg = create_placement_group(config, name=f"pp-async-{family}")
+    executor = None
+    try:
+        executor = RayExecutor(config, pg)
+        roomy = EngineCore(config, executor)
+        assert roomy.async_scheduling and roomy.pipeline_depth == pp + 1
+        scenario = f"{family} pp={pp} async roomy"
+        tokens = run(roomy, prompts)
+        check_greedy(scenario, tokens, expected, prompts)
+        assert roomy.stats()["prefix_cache_hits"] > 0, f"{scenario}: no prefix hit"
+        sampled = {r: tokens[r] for r in SAMPLED}
+        tight = EngineCore(tight_config(config, family).replace(async_scheduling=True), executor)
+        scenario = f"{family} pp={pp} async tight"
+        tokens = run(tight, prompts)
+        check_greedy(scenario, tokens, expected, prompts)
+        stats = tight.stats()
+        assert stats["num_partial_prefills"] > 0, f"{scenario}: no chunked prefill: {stats}"
+        assert stats["prefix_cache_hits"] > 0, f"{scenario}: no prefix hit: {stats}"
+        assert stats["num_preemptions"] > 0, f"{scenario}: no preemption: {stats}"
+        assert {r: tokens[r] for r in SAMPLED} == sampled, f"{scenario}: sampled tokens differ from roomy"
+    finally:
+        if executor is not None:
+            executor.shutdown()
+        remove(pg)

@@ -4,31 +4,13 @@ on two nodes (STRICT_SPREAD over the stage bundles), and gives the single-node g
 when the node under a stage goes away mid-run, the stage's bundle moves to the spare node, the whole
 engine's group is rebuilt there, and every request finishes exactly once with the reference tokens."""
 
-import time
-
 import pytest
-from multinode import bundle_nodes, local_cluster
+from multinode import bundle_nodes, local_cluster, run
 
-from actors.messages import RequestSpec
 from cluster.config import EngineConfig
 from cluster.replicas.engine_group import EngineGroup
-from kvcore.request import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
-
-N = 6
-
-
-def specs(tag):
-    out = []
-    for i in range(N):
-        sp = (
-            SamplingParams(max_tokens=16, ignore_eos=True)
-            if i % 2 == 0
-            else SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
-        )
-        out.append(RequestSpec(f"{tag}-{i}", [(7 * i + j) % 250 + 1 for j in range(6 + i)], sp))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -49,28 +31,6 @@ def engine_config(**kw):
         transport="actor_calls",
         **kw,
     )
-
-
-def run(group, tag, action=None):
-    """Every request's tokens, in order; `action` runs once, after the first tokens of the run."""
-    batch = specs(tag)
-    assert group.submit(batch) == {}
-    tokens = {s.request_id: [] for s in batch}
-    finished = []
-    deadline = time.monotonic() + 400
-    while len(finished) < N:
-        assert time.monotonic() < deadline, f"{tag}: {len(finished)} of {N} finished; {group.state} {group.stats()}"
-        if action is not None and sum(map(len, tokens.values())) >= 4:
-            action, act = None, action
-            act()
-        for o in group.poll(timeout_s=0.5):
-            tokens[o.request_id].extend(o.new_token_ids)
-            if o.finished:
-                assert o.error is None, o.error
-                finished.append(o.request_id)
-        assert group.fatal is None, group.fatal
-    assert sorted(finished) == sorted(tokens)  # each exactly once
-    return [tokens[s.request_id] for s in batch]
 
 
 @pytest.fixture(scope="module")

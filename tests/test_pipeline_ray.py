@@ -1,8 +1,8 @@
 """Pipeline parallelism on Ray (a local Ray started here): the tiny-random model split over two stages gives
-PP=1's greedy tokens through each step transport and with two data-parallel replicas, and the batch queue
-keeps several steps in flight; a killed rank of either stage of a TP=2 x PP=2 engine is survived within
-max_worker_restarts, the whole engine's group rebuilt, every request answered exactly once with all its
-tokens."""
+PP=1's greedy tokens through each step transport (and with async scheduling) and with two data-parallel
+replicas, and the batch queue keeps several steps in flight; a killed rank of either stage of a TP=2 x PP=2
+engine is survived within max_worker_restarts, the whole engine's group rebuilt, every request answered
+exactly once with all its tokens."""
 
 import os
 
@@ -47,9 +47,14 @@ def reference():
     return generate()[0]
 
 
-@pytest.mark.parametrize("transport", ["shm", "compiled_graph", "actor_calls"])
-def test_two_stages_give_the_one_stage_tokens(reference, transport):
-    tokens, stats = generate(pipeline_parallel_size=2, transport=transport)
+@pytest.mark.parametrize(
+    ("transport", "async_on"),
+    [("shm", False), ("compiled_graph", False), ("actor_calls", False), ("compiled_graph", True)],
+    ids=["shm", "compiled_graph", "actor_calls", "compiled_graph-async"],
+)
+def test_two_stages_give_the_one_stage_tokens(reference, transport, async_on):
+    # Async: the workers answer each step with the previous one's output, the driver's queue stays full.
+    tokens, stats = generate(pipeline_parallel_size=2, transport=transport, async_scheduling=async_on)
     assert tokens == reference
     # The queue kept the stages busy: the requests ran in more, smaller steps than one batch would take.
     assert stats["num_steps"] > 8, stats

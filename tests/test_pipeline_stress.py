@@ -1,19 +1,24 @@
 """`kvray stress` with two pipeline stages per replica (configs/stress-local.yaml, PP=2): worker kills pick any
 rank of either stage, and every end check passes (nothing lost, duplicated or mismatched, no leaked
-blocks) with the engine's group rebuilt after each kill."""
+blocks) with the engine's group rebuilt after each kill; also with async scheduling, where a kill loses the
+output the workers held for the lagging step."""
 
 import json
 
+import pytest
 from test_stress import kvray
 
 
-def test_stress_with_two_stages_survives_worker_kills(tmp_path):
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
+def test_stress_with_two_stages_survives_worker_kills(tmp_path, async_on):
     r = kvray(
         "stress",
         "--config",
         "configs/stress-local.yaml",
         "--set",
         "parallel.pipeline_parallel_size=2",
+        "--set",
+        f"scheduler.async_scheduling={'true' if async_on else 'false'}",
         "--requests",
         "60",
         "--kill-workers",

@@ -1,7 +1,8 @@
 """Pipeline parallelism's pieces that need no worker: the config fields and their rules, the layer split,
-the stage bundles and the `kvray info` plan, the batch-queue scheduler (no request in two in-flight
-steps, the first stage's tokens, the same tokens as the synchronous scheduler under preemption), the
-step's wire form, and the KV-cache layout each stage holds."""
+the stage bundles and the `kvray info` plan (with each stage's KV cache), the batch-queue scheduler (no
+request in two in-flight steps, the first stage's tokens, the same tokens as the synchronous scheduler
+under preemption), the engine's queue with async scheduling, the step's wire form, and the KV-cache
+layout each stage holds."""
 
 from __future__ import annotations
 
@@ -12,14 +13,27 @@ import torch
 
 from actors.config.engine import ConfigError, EngineConfig
 from actors.config.model_rules import pipeline_layer_partition, stage_layer_range
+from actors.driver.engine_core import EngineCore
+from actors.executor.base import Executor
+from actors.models.decoder import attention_layer_name
+from actors.models.kv_memory import kv_cache_report, layer_specs_from_hf_config
 from actors.transport.codec import decode_step, encode_step
 from actors.worker.kv_cache_sizing import own_groups, own_kv_cache_config
+from actors.worker.noop import FAKE_TOKEN, NoopWorker
 from cluster.info import plan
 from cluster.replicas.placement import bundles_for
 from kvcore.messages import ModelRunnerOutput, SchedulerOutput
 from kvcore.sched.pipeline_steps import PipelineScheduler
-from kvcore.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, make_kv_cache_config
+from kvcore.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    bytes_per_block,
+    make_kv_cache_config,
+)
 from tests.scheduler_helpers import drain, make_request, make_scheduler
+from tests.test_hybrid_kv_memory import GEMMA3_12B
 
 # ---------------------------------------------------------------- config
 
@@ -27,12 +41,13 @@ from tests.scheduler_helpers import drain, make_request, make_scheduler
 def test_pipeline_fields_and_their_rules():
     c = EngineConfig().replace(pipeline_parallel_size=2, tensor_parallel_size=2, pp_layer_partition=[3, 1])
     assert c.parallel.pp_layer_partition == (3, 1) and c.parallel.ranks_per_engine == 4
-    assert not c.use_async_scheduling  # the batch queue overlaps instead
+    assert not c.use_async_scheduling  # null: on for CUDA only
+    assert c.replace(async_scheduling=True).use_async_scheduling  # with the batch queue (EngineCore)
+    assert c.replace(device="cuda").use_async_scheduling
     for bad, rule in (
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size=0: must be in"),
         (dict(pipeline_parallel_size=2, pp_layer_partition=[2]), "one layer count per stage"),
         (dict(pipeline_parallel_size=2, pp_layer_partition=[2, 0]), "each an integer >= 1"),
-        (dict(pipeline_parallel_size=2, async_scheduling=True), "async_scheduling=true: not with"),
     ):
         with pytest.raises(ConfigError, match=rule):
             EngineConfig().replace(**bad)
@@ -172,6 +187,70 @@ def test_the_queue_gives_the_synchronous_tokens_under_preemption(depth):
     assert pipe.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
 
 
+class LaggingStages(Executor):
+    """The engine's stages in process: one no-op worker plays the last stage, answering each step with the
+    previous one's output as async scheduling's workers do, and the executor checks what the driver sends:
+    no request in two steps whose outputs the driver has not applied (queued, or held by the workers)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.worker = NoopWorker(config.replace(pipeline_parallel_size=1), 0, 1, None)  # no stage to wait for
+        assert self.worker.lag_outputs
+        self.unapplied: dict[int, set[str]] = {}  # step id -> its requests, output not yet with the driver
+        self.queued = 0  # steps submitted and not yet collected
+        self.most_queued = 0
+
+    def collective_rpc(self, method, *args, **kwargs):
+        return [getattr(self.worker, method)(*args, **kwargs)]
+
+    def execute_model(self, so):
+        raise AssertionError("a pipelined engine submits its steps")
+
+    def submit_step(self, so):
+        busy = set().union(*self.unapplied.values()) if self.unapplied else set()
+        assert not busy & set(so.num_scheduled_tokens), f"step {so.step_id} reschedules in-flight requests"
+        if so.num_scheduled_tokens:
+            self.unapplied[so.step_id] = set(so.num_scheduled_tokens)
+        self.queued += 1
+        self.most_queued = max(self.most_queued, self.queued)
+        return self.worker.execute_model(so)  # the last stage answers with the step before it
+
+    def collect_step(self, handle):
+        self.queued -= 1
+        if handle is not None:
+            self.unapplied.pop(handle.step_id)
+        return handle
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_async_scheduling_keeps_the_queue_full_and_each_request_in_one_step(pp):
+    config = EngineConfig().replace(
+        pipeline_parallel_size=pp, async_scheduling=True, device="cpu", num_gpu_blocks=256, max_num_seqs=16
+    )
+    executor = LaggingStages(config)
+    engine = EngineCore(config, executor)
+    assert engine.async_scheduling and engine.pipeline_depth == pp + 1
+    for i in range(12):
+        engine.add_request(make_request(f"r{i}", 5 + i, max_tokens=6 + i % 3))
+    tokens: dict[str, list[int]] = {}
+    finished: list[str] = []
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                finished.append(o.request_id)
+    assert not engine.has_unfinished() and not executor.unapplied
+    assert sorted(finished) == sorted(f"r{i}" for i in range(12))  # each exactly once
+    assert tokens == {f"r{i}": [FAKE_TOKEN] * (6 + i % 3) for i in range(12)}
+    # The driver never waited on an output it did not need: the workers had pp + 1 steps queued.
+    assert executor.most_queued == pp + 1
+
+
 # ---------------------------------------------------------------- wire form and KV layout
 
 
@@ -203,7 +282,7 @@ def test_each_stage_holds_its_layers_of_the_engine_groups():
 
 
 def test_kvray_info_shows_each_stage_layers_and_refuses_a_split_the_model_cannot_take():
-    from cluster.info import stage_layers, table
+    from cluster.info import kv_cache_info, stage_layers, table
 
     layers, why = stage_layers(EngineConfig().replace(pipeline_parallel_size=2))
     assert why is None and len(layers) == 2 and min(layers) >= 1
@@ -227,6 +306,43 @@ def test_kvray_info_shows_each_stage_layers_and_refuses_a_split_the_model_cannot
             "verdict": "fits",
         },
     }
+    report["kv_cache"] = kv_cache_info(c)
     text = table(report)
     assert "e0s0" in text and "e0s1" in text, text
     assert "2 stage(s) of 2 tensor-parallel rank(s) on one node each, decoder layers per stage [2, 2]" in text
+    # Each stage's KV cache: tiny-random's full and sliding layers alternate, one of each per stage.
+    assert "KV cache per stage" in text, text
+    assert "  s0: layers 0-1, groups g0: 1 x full, g1: 1 x sliding 32, " in text, text
+    assert "  s1: layers 2-3, groups g0: 1 x full, g1: 1 x sliding 32, " in text, text
+    assert "block count bound by s0 s1: the most bytes per block" in text, text
+    assert "KV cache per stage" not in table(
+        {**report, "kv_cache": kv_cache_info(EngineConfig().replace(device="cpu"))}
+    )
+
+
+@pytest.mark.parametrize(("partition", "bound"), [((44, 4), 0), ((4, 44), 1)])
+def test_kv_cache_per_stage_and_the_stage_that_bounds_the_block_count(partition, bound):
+    """Gemma-3 12B's layout over two uneven stages: each stage holds its layers of the engine's groups, a block
+    costs it a page per layer of its largest cut group (as the workers size it), and the stage with the most
+    bytes per block holds the fewest blocks: the engine's count."""
+    budget = 8 << 30
+    report = kv_cache_report(
+        GEMMA3_12B, torch.bfloat16, 16, 1, 8192, 2048, budget_bytes=budget, partition=list(partition)
+    )
+    hybrid = report["hybrid"]
+    specs = layer_specs_from_hf_config(GEMMA3_12B, torch.bfloat16, 16, 1)
+    page = next(iter(specs.values())).page_size_bytes
+    start = 0
+    for st, count in zip(hybrid["stages"], partition, strict=True):
+        assert st["layers"] == [start, start + count]
+        own = {n: specs[n] for n in (attention_layer_name(i) for i in range(start, start + count))}
+        assert st["bytes_per_block"] == bytes_per_block(own_groups(specs, own))  # what the stage's workers size
+        assert st["num_blocks"] == budget // st["bytes_per_block"]
+        start += count
+    small = hybrid["stages"][1 - bound]
+    assert small["groups"] == (["g4: 3 x sliding 1024", "g5: 1 x full"] if bound == 0 else ["g0: 4 x sliding 1024"])
+    assert small["bytes_per_block"] == (3 if bound == 0 else 4) * page
+    assert hybrid["stages"][bound]["bytes_per_block"] == 8 * page  # a whole group of 8 layers
+    assert hybrid["block_count_bound_by"]["stages"] == [bound]
+    assert hybrid["num_blocks"] == hybrid["stages"][bound]["num_blocks"]  # the engine's: the fewest
+    assert report["all_full_attention"]["stages"][bound]["bytes_per_block"] == max(partition) * page

@@ -374,12 +374,6 @@ class EngineConfig:
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"config: {name}={getattr(self, name)!r}: must be a {cls.__name__}")
-        if self.parallel.pipeline_parallel_size > 1 and self.scheduler.async_scheduling:
-            raise ConfigError(
-                f"config: scheduler.async_scheduling=true: not with parallel.pipeline_parallel_size="
-                f"{self.parallel.pipeline_parallel_size} (the batch queue overlaps the stages' steps "
-                "instead); leave it null or false"
-            )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "EngineConfig":
@@ -403,10 +397,9 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
-        """scheduler.async_scheduling, where null means on for CUDA (the fastest measured setting). Off
-        with pipeline parallelism: there the batch queue keeps the stages busy instead (EngineCore)."""
-        if self.parallel.pipeline_parallel_size > 1:
-            return False
+        """scheduler.async_scheduling, where null means on for CUDA (the fastest measured setting), with
+        pipeline stages too: the batch queue then also keeps the last stage from waiting on its token
+        read-back before it takes the next step (actors/driver/engine_core.py)."""
         on = self.scheduler.async_scheduling
         return on if on is not None else self.parallel.resolved_device() == "cuda"
 

@@ -14,7 +14,13 @@ With pipeline parallelism up to `pipeline_parallel_size` + 1 steps are in flight
 queue, one deeper: actors/executor/base.pipeline_depth): a step is submitted without waiting while the
 queue has room and something could be scheduled, else the oldest step's output is collected and
 applied. The PipelineScheduler never puts one request in two in-flight steps and gives each step its
-share of the requests (kvcore/sched/pipeline_steps.py).
+share of the requests (kvcore/sched/pipeline_steps.py). Async scheduling composes with the queue: the
+workers again answer each step with the previous one's output, so the last stage launches step N+1
+before it waits for step N's tokens to reach the host; the driver keeps the queue as full as without
+it and takes each output one answer later (the step that answered is then "lagging": run, its output
+held by the workers). Its requests stay busy until that output arrives, so the scheduler splits the
+running requests into one more share than the queue holds steps, and the stages never wait for a
+share to come free. An empty step fetches the last held output when nothing else goes out.
 """
 
 from __future__ import annotations
@@ -90,7 +96,9 @@ class EngineCore:
         scheduler_cls: type[Scheduler] = (
             PipelineScheduler if self.pipeline_depth > 1 else AsyncScheduler if self.async_scheduling else Scheduler
         )
-        extra: dict[str, Any] = {"depth": self.pipeline_depth} if scheduler_cls is PipelineScheduler else {}
+        # With async scheduling one more step's requests are busy: the lagging one's (see the module doc).
+        shares = self.pipeline_depth + int(self.async_scheduling)
+        extra: dict[str, Any] = {"depth": shares} if scheduler_cls is PipelineScheduler else {}
         self.scheduler = scheduler_cls(
             self.kv_cache_manager,
             **extra,
@@ -105,6 +113,9 @@ class EngineCore:
         self._outstanding: SchedulerOutput | None = None  # async: run by the workers, output not yet back
         # Pipeline parallelism: the steps submitted and not yet collected, oldest first (with their handles).
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()
+        # Pipeline parallelism with async scheduling: the step the workers ran last, whose output they hold
+        # until they answer the next one.
+        self._lagging: SchedulerOutput | None = None
 
     def reset_requests(self) -> None:
         """Forget every request, here and on the workers, keeping the workers, their weights and their
@@ -116,7 +127,7 @@ class EngineCore:
                 self.executor.collect_step(handle)
             except Exception as e:  # noqa: BLE001 - their requests are re-queued with the rest
                 logger.info("a pipelined step in flight failed too: %s", e)
-        self._new_scheduler()
+        self._new_scheduler()  # also forgets the lagging step: the workers drop what they hold
         self.executor.collective_rpc("reset_requests")
 
     def running_request_ids(self) -> list[str]:
@@ -145,10 +156,10 @@ class EngineCore:
     @property
     def step_in_flight(self) -> bool:
         """Async scheduling: a step is running at the workers and its output is not back yet."""
-        return self._outstanding is not None or bool(self._batches)
+        return self._outstanding is not None or bool(self._batches) or self._lagging is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._outstanding is not None or bool(self._batches)
+        return self.scheduler.has_unfinished_requests() or self.step_in_flight
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -190,9 +201,11 @@ class EngineCore:
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Submit a step while the queue has room and something runs; else apply the oldest step's output."""
         outputs: list[EngineCoreOutput] = []
-        if len(self._batches) < self.pipeline_depth and self.scheduler.has_unfinished_requests():
+        # Async: with nothing else in flight, the lagging step's output comes back only with an answer.
+        fetch = self._lagging is not None and not self._batches
+        if len(self._batches) < self.pipeline_depth and (self.scheduler.has_unfinished_requests() or fetch):
             so = self.scheduler.schedule()
-            if self._needs_run(so):
+            if self._needs_run(so) or fetch:
                 self._batches.append((so, self.executor.submit_step(so)))
                 if not so.is_empty and len(self._batches) < self.pipeline_depth:
                     return outputs  # room for one more: schedule again before waiting for any
@@ -202,11 +215,27 @@ class EngineCore:
             return outputs
         so, handle = self._batches.popleft()
         out = self.executor.collect_step(handle)
-        if out is None:
-            raise RuntimeError(f"workers answered pipelined step {so.step_id} with no output")
-        if out.step_id != so.step_id:
-            raise RuntimeError(f"workers answered step {so.step_id} with the output of step {out.step_id}")
-        return outputs + self.scheduler.update_from_output(so, self._count(so, out))
+        if not self.async_scheduling:
+            if out is None:
+                raise RuntimeError(f"workers answered pipelined step {so.step_id} with no output")
+            if out.step_id != so.step_id:
+                raise RuntimeError(f"workers answered step {so.step_id} with the output of step {out.step_id}")
+            return outputs + self.scheduler.update_from_output(so, self._count(so, out))
+        # The answer carries the lagging step's output; `so` lags now (an empty step launched nothing).
+        prev, self._lagging = self._lagging, (None if so.is_empty else so)
+        if prev is not None:
+            if out is None or out.step_id != prev.step_id:
+                got = None if out is None else out.step_id
+                raise RuntimeError(
+                    f"workers answered step {so.step_id} with the output of step {got}; expected the lagging "
+                    f"step {prev.step_id}"
+                )
+            outputs += self.scheduler.update_from_output(prev, self._count(prev, out))
+        elif out is not None:
+            raise RuntimeError(f"workers answered step {so.step_id} with step {out.step_id}'s output; none was held")
+        if so.is_empty:
+            outputs += self.scheduler.update_from_output(so, _empty(so))
+        return outputs
 
     @staticmethod
     def _needs_run(so: SchedulerOutput) -> bool:
@@ -240,6 +269,7 @@ class EngineCore:
     def shutdown(self) -> None:
         self._outstanding = None  # its output is lost with the workers; the driver re-queues requests
         self._batches.clear()
+        self._lagging = None
         self.executor.shutdown()
 
 

@@ -10,6 +10,7 @@ import torch
 
 from actors.config.engine import ConfigError, EngineConfig
 from actors.forward_context import ForwardContext, set_forward_context
+from actors.models.kv_memory import cut_groups
 from actors.models.stage import StageActivations
 from kvcore.kernels.fp8 import is_fp8, kv_cache_torch_dtype
 from kvcore.spec import (
@@ -129,17 +130,13 @@ def own_groups(all_specs: dict[str, KVCacheSpec], own: dict[str, KVCacheSpec]) -
     """The engine's KV-cache groups (of every pipeline stage's layers), each cut to this rank's layers:
     what one block id costs this rank is a page for each of its layers in its largest cut group."""
     groups = group_layers_by_spec(all_specs)
-    return [g for g in _cut_groups(groups, set(own)) if g.layer_names]
+    return [g for g in cut_groups(groups, set(own)) if g.layer_names]
 
 
 def own_kv_cache_config(config: KVCacheConfig, own_layers: set[str]) -> KVCacheConfig:
     """The engine's KV-cache config with every group cut to this rank's layers: the same groups, ids
     and block count (one block-id space for every stage), the memory of this rank's layers only."""
-    return KVCacheConfig(num_blocks=config.num_blocks, kv_cache_groups=_cut_groups(config.kv_cache_groups, own_layers))
-
-
-def _cut_groups(groups: list[KVCacheGroupSpec], own_layers: set[str]) -> list[KVCacheGroupSpec]:
-    return [KVCacheGroupSpec([n for n in g.layer_names if n in own_layers], g.kv_cache_spec) for g in groups]
+    return KVCacheConfig(num_blocks=config.num_blocks, kv_cache_groups=cut_groups(config.kv_cache_groups, own_layers))
 
 
 def allocate_kv_cache(

@@ -13,6 +13,7 @@ reach up to PP times that. Reported (benchmarks/results/pp_pipeline.jsonl):
 
   python -m benchmarks.host.bench_pipeline [--pp 2 4] [--model-ms 80] [--steps 100] [--num-reqs 32] [--executor ray]
   python -m benchmarks.host.bench_pipeline --smoke    # PP=2, 10 steps, nothing written
+  python -m benchmarks.host.bench_pipeline --async-scheduling   # the same with async scheduling on
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from cluster.replicas.placement import create_placement_group, remove, start_loc
 from kvcore.request import Request, SamplingParams
 
 
-def steps_per_s(pp: int, steps: int, num_reqs: int, transport: str, executor_kind: str) -> float:
+def steps_per_s(
+    pp: int, steps: int, num_reqs: int, transport: str, executor_kind: str, async_scheduling: bool = False
+) -> float:
     """Completed steps per second over `steps` steps, after a warm-up."""
     config = EngineConfig().replace(
         pipeline_parallel_size=pp,
@@ -44,6 +47,7 @@ def steps_per_s(pp: int, steps: int, num_reqs: int, transport: str, executor_kin
         max_model_len=4096,
         max_num_batched_tokens=4096,
         step_timeout_s=60,
+        async_scheduling=async_scheduling,
     )
     pg = create_placement_group(config, name=f"bench-pp{pp}-{transport}") if executor_kind == "ray" else None
     engine = None
@@ -81,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-reqs", type=int, default=32)
     ap.add_argument("--transport", default="shm", choices=["shm", "compiled_graph", "actor_calls"])
     ap.add_argument("--executor", default="ray", choices=["ray", "local"])
+    ap.add_argument(
+        "--async-scheduling", action="store_true", help="workers answer each step with the previous one's output"
+    )
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="PP=2, 10 steps, nothing written")
     args = ap.parse_args(argv)
@@ -92,11 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     if started:
         start_local_ray(num_cpus=max(args.pp) + 2, include_dashboard=False)
     try:
-        base = steps_per_s(1, args.steps, args.num_reqs, args.transport, args.executor)
+        base = steps_per_s(1, args.steps, args.num_reqs, args.transport, args.executor, args.async_scheduling)
         print(f"pp=1: {base:.2f} steps/s (one stage of {args.model_ms:g} ms)", flush=True)
         results = []
         for pp in args.pp:
-            sps = steps_per_s(pp, args.steps, args.num_reqs, args.transport, args.executor)
+            sps = steps_per_s(pp, args.steps, args.num_reqs, args.transport, args.executor, args.async_scheduling)
             eff = sps / (pp * base)
             print(
                 f"pp={pp}: {sps:.2f} steps/s ({pp} stages of {args.model_ms / pp:g} ms) = {sps / base:.2f}x "

@@ -6,8 +6,9 @@ stage 1 for the driver's next one. The engine (actors/driver/engine_core.py) the
 steps in flight, vLLM's batch queue: while the last stage runs batch k, the first runs batch k+1. A
 request's next step needs the token its previous step samples, so a request in an in-flight batch is
 not scheduled again until that batch's output is applied (vLLM's rule too), and each batch takes at
-most its share (1/PP) of the live requests, so the running requests split into PP groups that take turns
-(one batch of all of them would leave the next batches empty).
+most its share (1/depth) of the live requests, so the running requests split into `depth` groups that take
+turns (one batch of all of them would leave the next batches empty). With async scheduling the engine asks
+for one share more than it keeps steps in flight: a step's output then arrives one answer later.
 
 Everything else is the synchronous Scheduler's: while `schedule()` runs, the busy requests are set
 aside from the running list, with those past the batch's share (so they are neither scheduled nor
