@@ -40,4 +40,5 @@ def test_ctrl_c_during_ray_init_is_raised_after_it_with_ray_stopped():
     env.pop("RAY_ADDRESS", None)
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
-    assert "RAISED IN placement.py RAY UP False" in r.stdout, (r.stdout, r.stderr[-3000:])
+    # Raised where the hold ends (actors/interrupts_held.py hands it to Python's handler), not inside Ray.
+    assert "RAISED IN interrupts_held.py RAY UP False" in r.stdout, (r.stdout, r.stderr[-3000:])

@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +21,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from actors.interrupts_held import interrupts_held
 from cluster.config import EngineConfig
 from cluster.replicas.bytecode import warn_if_no_bytecode
 
@@ -203,27 +202,17 @@ def start_local_ray(
 @contextlib.contextmanager
 def interrupts_held_until_ray_is_up() -> Iterator[None]:
     """Ctrl-C (SIGINT) during ray.init is held until ray.init returns, then raised as KeyboardInterrupt
-    (with Ray shut down again). Raised in the middle of it, the interrupt left a half-built core worker
+    with Ray shut down again. Raised in the middle of it, the interrupt left a half-built core worker
     that crashed the process on its way out (SIGSEGV, exit 139: seen once in nine Ctrl-C during start-up,
     reproduced by interrupting ray.init). `kvray` itself ends at once while it connects to an address
-    (cluster/cli.py). Only the main thread can set a handler; elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if previous in (signal.SIG_IGN, None):  # ignored (a background job), or a handler Python cannot see
-        yield
-        return
-    held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    (cluster/cli.py)."""
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
+        with interrupts_held():
+            yield
+    except KeyboardInterrupt:
         if ray.is_initialized():
             ray.shutdown()
-        raise KeyboardInterrupt
+        raise
 
 
 LOOPBACK = "127.0.0.1"
