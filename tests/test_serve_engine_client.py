@@ -40,7 +40,7 @@ class FakeDriver:
         self.added.extend(specs)
         return [None] * len(specs)
 
-    async def _get(self, timeout_s: float) -> PollResult:
+    async def _get(self, timeout_s: float, client_id: str = "") -> PollResult:
         item = await self.polls.get()
         if isinstance(item, BaseException):
             raise item

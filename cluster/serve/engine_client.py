@@ -25,6 +25,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,8 @@ class AsyncEngineClient:
         self.owner: dict[str, int] = {}
         self.prompt_len: dict[str, int] = {}
         self.flights = FlightBook()
+        # This ingress replica's outbox in every driver: several ingress replicas share the drivers.
+        self.client_id = f"ingress-{uuid.uuid4().hex[:12]}"
         self._tasks: list[asyncio.Task[None]] = []
         self._moves: set[asyncio.Task[None]] = set()  # strong references: the loop keeps weak ones
         self._closed = False
@@ -172,6 +175,7 @@ class AsyncEngineClient:
             )
         books = self.books[r]
         for spec in specs:
+            spec.client_id = self.client_id
             self.queues[spec.request_id] = queue
             self.owner[spec.request_id] = r
             self.prompt_len[spec.request_id] = len(spec.prompt_token_ids)
@@ -251,7 +255,7 @@ class AsyncEngineClient:
         driver = self.group.drivers[r]
         while not self._closed and self.books[r].down is None:
             try:
-                res: PollResult = await driver.get_outputs.remote(POLL_TIMEOUT_S)
+                res: PollResult = await driver.get_outputs.remote(POLL_TIMEOUT_S, self.client_id)
             except RayActorError as e:
                 self.replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
                 return
