@@ -60,7 +60,7 @@ class FakeGroup:
 def _client(n: int) -> tuple[AsyncEngineClient, FakeGroup]:
     config = load_config("configs/local.yaml", {"parallel.data_parallel_size": n, "serve.prefix_affinity": False})
     group = FakeGroup(config, n)
-    return AsyncEngineClient(config, group=group), group  # type: ignore[arg-type]
+    return AsyncEngineClient(config, group.info, group.drivers), group
 
 
 def out(rid: str, toks: list[int], finished: bool = False) -> EngineCoreOutput:

@@ -183,6 +183,16 @@ class EngineDriver:
         """This client's outputs since its last call; waits up to timeout_s for the first one."""
         return self._mailbox.poll(timeout_s, client_id)
 
+    def hand_back(self, why: str) -> None:
+        """Give every live request back to its client (which moves it to another replica, token-exact) and
+        refuse new ones: the replica is being removed and its running streams ran past their drain bound."""
+        self._mailbox.hand_back(why)
+
+    def num_undelivered(self) -> int:
+        """Outputs and notices that still wait for their clients' polls (a replica being removed waits
+        for none before it goes)."""
+        return self._mailbox.num_undelivered
+
     def stats(self) -> dict[str, Any]:
         base = dict(self.engine.stats()) if self.engine is not None else {}
         base.update(
@@ -193,6 +203,7 @@ class EngineDriver:
             num_output_tokens=self._mailbox.num_output_tokens,
             num_live_requests=len(self._mailbox),
             num_replayed=self._mailbox.num_replayed,
+            num_clients=len(self._mailbox.clients),
         )
         return base
 
