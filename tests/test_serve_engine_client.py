@@ -94,6 +94,8 @@ def test_requests_handed_back_move_on_with_what_was_delivered():
         # The continuation: same id and prompt, the delivered tokens as outputs, no second prompt logprobs.
         (moved,) = other.added
         assert (moved.request_id, moved.prompt_token_ids, moved.output_token_ids) == ("a", [1, 2, 3], [7, 8, 9])
+        # Sent and moved under this ingress's client id: its outputs reach this ingress's outbox there.
+        assert d.added[0].client_id == moved.client_id == client.client_id != ""
         assert moved.sampling_params.prompt_logprobs is None and moved.sampling_params.seed == 3
         assert moved.sampling_params.max_tokens == 10  # counted from the first output, which it has
         assert client.owner["a"] == 1 - r and client.num_migrations == 1

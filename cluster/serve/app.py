@@ -77,6 +77,7 @@ def engine_deployment_options(config: EngineConfig) -> dict[str, Any]:
         "name": "EngineReplica",
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": 8,  # Serve's own calls only (the ingresses reach the drivers directly)
+        "logging_config": {"enable_access_log": False},
         "graceful_shutdown_timeout_s": drain_s + 2 * p.step_timeout_s + DELIVERY_GRACE_S,
         # Its own start (workers, model load) is bounded inside (EngineGroup's bound).
         "health_check_timeout_s": 3 * max(600.0, p.step_timeout_s),
@@ -94,6 +95,7 @@ def fleet_deployment_options() -> dict[str, Any]:
         "num_replicas": 1,
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": FLEET_MAX_ONGOING,
+        "logging_config": {"enable_access_log": False},  # a long poll per ingress every few seconds
     }
 
 

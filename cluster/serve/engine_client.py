@@ -346,7 +346,11 @@ class AsyncEngineClient:
             if res.cache_events:
                 self.router.apply(r, res.cache_events)
             if res.returned:
-                why = f"engine replica {r} handed its requests back (its placement could not be rebuilt in time)"
+                why = f"engine replica {r} handed its requests back " + (
+                    "(it is being removed)"
+                    if self.books[r].draining
+                    else "(its placement could not be rebuilt in time)"
+                )
                 self._move_away(r, [rid for rid in res.returned if owner.get(rid) == r], why)
             if res.fatal is not None:
                 self.replica_down(r, res.fatal)

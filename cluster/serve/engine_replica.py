@@ -35,6 +35,7 @@ from cluster.serve.loopback import bind_internal_grpc_to_loopback
 
 logger = logging.getLogger(__name__)
 
+FLEET_CALL_BOUND_S = 10.0  # the fleet may be stopping beside it (the app going away)
 DELIVERY_BOUND_S = 30.0  # how long a leaving replica waits for the ingresses to poll what it still holds
 DEFAULT_DRAIN_TIMEOUT_S = 60.0  # without serve.autoscaling (the app going away)
 
@@ -72,7 +73,7 @@ class EngineReplica:
         except Exception as e:  # noqa: BLE001 - the driver may be gone already; it goes anyway
             logger.warning("engine replica %d: drain: %s: %s", self.replica, type(e).__name__, e)
         try:
-            await self.fleet.leave.remote(self.replica)
+            await asyncio.wait_for(self.fleet.leave.remote(self.replica), FLEET_CALL_BOUND_S)
         except Exception as e:  # noqa: BLE001 - the fleet may be going away with the app
             logger.debug("fleet.leave: %s", e)
         await asyncio.to_thread(stop_driver, self.config, started.driver)
@@ -82,7 +83,10 @@ class EngineReplica:
     async def _drain(self, started: StartedReplica) -> None:
         a = self.config.serve.autoscaling
         drain_s = a.drain_timeout_s if a is not None else DEFAULT_DRAIN_TIMEOUT_S
-        await self.fleet.set_state.remote(self.replica, DRAINING)
+        try:
+            await asyncio.wait_for(self.fleet.set_state.remote(self.replica, DRAINING), FLEET_CALL_BOUND_S)
+        except asyncio.TimeoutError:
+            logger.warning("engine replica %d: the fleet did not answer; draining without it", self.replica)
         driver = started.driver
         deadline = time.monotonic() + drain_s
         live = await self._live(driver)
