@@ -111,3 +111,13 @@ def test_the_default_client_works_alone_as_before():
 def test_the_client_id_travels_on_the_wire():
     spec = _spec("a", "ingress-7")
     assert decode(RequestSpec, encode(spec)).client_id == "ingress-7"
+
+
+def test_a_client_that_goes_away_leaves_its_requests_to_abort_and_nothing_piling_up():
+    box = Mailbox()
+    _submit(box, _spec("a", "gone"), _spec("b", "stays"))
+    assert box.forget_client("gone") == ["a"]
+    assert box.clients == ["stays"]
+    box.publish([EngineCoreOutput("a", [1]), EngineCoreOutput("b", [2])], 0.0)
+    assert box.num_undelivered == 1  # a's output has no reader: dropped
+    assert [o.request_id for o in box.poll(0.0, "stays").outputs] == ["b"]

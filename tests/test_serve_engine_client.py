@@ -35,6 +35,8 @@ class FakeDriver:
         self.add_requests = _Method(self._add)
         self.get_outputs = _Method(self._get)
         self.abort = _Method(self.aborted.extend)
+        self.released: list[str] = []
+        self.release_client = _Method(self.released.append)
 
     async def _add(self, specs: list[RequestSpec]) -> list[str | None]:
         self.added.extend(specs)
@@ -106,6 +108,7 @@ def test_requests_handed_back_move_on_with_what_was_delivered():
         assert [o.new_token_ids for o in got] == [[7], [8, 9], [4]] and got[-1].finished and not got[-1].error
         assert "a" not in client.owner and len(client.flights) == 0
         client.shutdown()
+        assert other.released == [client.client_id]  # it leaves the drivers: nothing piles up for it
 
     asyncio.run(run())
 

@@ -183,6 +183,11 @@ class EngineDriver:
         """This client's outputs since its last call; waits up to timeout_s for the first one."""
         return self._mailbox.poll(timeout_s, client_id)
 
+    def release_client(self, client_id: str) -> None:
+        """A client went away for good (an ingress replica stopped): its unfinished requests are aborted
+        and its outbox goes, so that nothing piles up for a reader that will never come."""
+        self._mailbox.abort(self._mailbox.forget_client(client_id))
+
     def hand_back(self, why: str) -> None:
         """Give every live request back to its client (which moves it to another replica, token-exact) and
         refuse new ones: the replica is being removed and its running streams ran past their drain bound."""

@@ -113,6 +113,13 @@ class Mailbox:
         with self._cv:
             return sum(len(b.outputs) + len(b.returned) for b in self._clients.values())
 
+    def forget_client(self, client_id: str) -> list[str]:
+        """The client went away (an ingress replica stopped): its outbox goes, and what it still waits for
+        is dropped from now on. -> its unfinished requests, for the caller to abort."""
+        with self._cv:
+            self._clients.pop(client_id, None)
+            return [rid for rid, c in self._client_of.items() if c == client_id]
+
     @property
     def clients(self) -> list[str]:
         with self._cv:

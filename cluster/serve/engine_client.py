@@ -454,8 +454,12 @@ class AsyncEngineClient:
         return any(b.down is None for b in self.books)
 
     def shutdown(self) -> None:
-        """Stop this client's tasks. The engine replicas are the fleet's: they stay."""
+        """Stop this client's tasks and leave every driver (its requests there are aborted, its outbox
+        goes). The engine replicas are the fleet's: they stay."""
         self._closed = True
+        for r, d in enumerate(self.drivers):
+            if d is not None and self.books[r].down is None:
+                d.release_client.remote(self.client_id)
         tasks = [*self._polls.values(), *self._moves] + ([self._watch] if self._watch is not None else [])
         for t in tasks:
             t.cancel()
