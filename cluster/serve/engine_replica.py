@@ -43,7 +43,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 60.0  # without serve.autoscaling (the app going away)
 class EngineReplica:
     """The engine replicas' deployment class (cluster/serve/app.py wraps it with serve.deployment)."""
 
-    async def __init__(
+    # Ray Serve awaits an async constructor (its start waits on the driver's); mypy wants __init__ sync.
+    async def __init__(  # type: ignore[misc]
         self, config: EngineConfig, fleet: Any, worker_cls: str = DEFAULT_WORKER_CLS, loopback_only: bool = False
     ) -> None:
         if loopback_only:
