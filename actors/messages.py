@@ -53,6 +53,8 @@ class PollResult:
     available: bool = True
     # The prefix cache's changes since the last poll, in order (a KV-aware router's index of the replica).
     cache_events: list[CacheEvents] = field(default_factory=list)
+    # The driver's unfinished requests, every client's (an ingress sees the load the others put there).
+    num_live: int = 0
 
 
 def error_output(rid: str, message: str) -> EngineCoreOutput:

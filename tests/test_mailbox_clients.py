@@ -35,6 +35,7 @@ def test_outputs_and_timings_go_only_to_the_submitting_client():
     assert [(o.request_id, o.new_token_ids) for o in one.outputs] == [("a", [7]), ("a", [9])]
     assert [(o.request_id, o.new_token_ids) for o in two.outputs] == [("b", [8])]
     assert one.outputs[-1].timing is not None  # the finished one carries its timing, to its own client
+    assert one.num_live == two.num_live == 1  # b still runs: every client sees the driver's whole load
     assert box.poll(0.0, "ingress-1").outputs == [] and box.num_undelivered == 0
 
 

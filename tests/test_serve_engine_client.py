@@ -12,7 +12,7 @@ from ray.exceptions import RayActorError, TaskCancelledError
 
 from actors.messages import PollResult, RequestSpec, error_output
 from cluster.config import load_config
-from cluster.serve.engine_client import AsyncEngineClient, Inbox
+from cluster.serve.engine_client import AsyncEngineClient, Inbox, Overloaded
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams
 
@@ -254,6 +254,28 @@ def test_a_request_moved_off_a_draining_replica_before_its_batch_left_is_not_sen
         await _settle()
         assert r == 0 and not refused
         assert group.drivers[0].added == [] and [s.request_id for s in group.drivers[1].added] == ["w"]
+        client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_the_other_ingresses_load_on_a_replica_counts_against_its_bound():
+    """Several ingress replicas share a driver: its poll says how many requests it holds in all, and
+    the bound (max_num_seqs + max_queued_requests) counts the others' too."""
+
+    async def run():
+        client, group = _client(2)
+        cap = client.capacity
+        a = Inbox()
+        r = await _start(client, "a", a)
+        # Replica r is full with other ingresses' requests (its own "a" among those it counts).
+        group.drivers[r].polls.put_nowait(PollResult([], num_live=cap))
+        group.drivers[1 - r].polls.put_nowait(PollResult([], num_live=cap - 1))
+        await _settle()
+        assert client.books[r].load == cap and client.books[1 - r].load == cap - 1
+        assert await _start(client, "b", Inbox()) == 1 - r  # the one place left
+        with pytest.raises(Overloaded):
+            await client.submit([RequestSpec("c", [1, 2, 3], SEEDED)], Inbox())
         client.shutdown()
 
     asyncio.run(run())

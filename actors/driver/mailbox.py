@@ -105,7 +105,7 @@ class Mailbox:
             for o in out:
                 if o.finished and o.request_id in self._timings:
                     o.timing = self._timings.pop(o.request_id)
-            return PollResult(out, self._fatal, returned, self._unavailable is None, events)
+            return PollResult(out, self._fatal, returned, self._unavailable is None, events, len(self._live))
 
     @property
     def num_undelivered(self) -> int:

@@ -8,7 +8,8 @@ that left is gone. This client is one of each driver's clients: its own outbox t
 which only its poll task reads. One poll task per replica awaits `get_outputs` (the driver answers as
 soon as a step produced something, so tokens stream step by step) and hands each output to the queue of
 the request that owns it. Submission picks a replica with the router, within each replica's bound
-(scheduler.max_num_seqs + serve.max_queued_requests outstanding engine requests of this ingress); when
+(scheduler.max_num_seqs + serve.max_queued_requests engine requests: this ingress's outstanding ones plus
+the other ingresses', as the driver's last poll counted them); when
 none has room it raises Overloaded (503). An output that finishes a request frees its slot, so the count
 is what the engine still holds, aborts included (their echo is the finished output).
 
@@ -103,7 +104,8 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 @dataclass
 class ReplicaBooks:
-    outstanding: int = 0
+    outstanding: int = 0  # this ingress's engine requests there
+    others: int = 0  # the other ingress replicas' there, as of the last poll
     down: str | None = None
     available: bool = True  # False while it waits for resources to rebuild on (it refuses requests)
     draining: bool = False  # being removed: it takes no new request (AsyncEngineClient.drain)
@@ -112,6 +114,10 @@ class ReplicaBooks:
     cached_tokens: int = 0
     finished: int = 0
     owned: set[str] = field(default_factory=set)
+
+    @property
+    def load(self) -> int:
+        return self.outstanding + self.others
 
     @property
     def takes_requests(self) -> bool:
@@ -229,8 +235,8 @@ class AsyncEngineClient:
                 raise Unavailable("no engine replica has joined yet")
             raise Unavailable("every engine replica is down: " + "; ".join(str(b.down) for b in self.books))
         need = len(specs)
-        eligible = [b.takes_requests and b.outstanding + need <= self.capacity for b in self.books]
-        r = self.router.choose(specs[0].prompt_token_ids, [b.outstanding for b in self.books], eligible)
+        eligible = [b.takes_requests and b.load + need <= self.capacity for b in self.books]
+        r = self.router.choose(specs[0].prompt_token_ids, [b.load for b in self.books], eligible)
         if r is None:
             raise Overloaded(
                 f"every engine replica holds its limit of {self.capacity} requests "
@@ -343,6 +349,8 @@ class AsyncEngineClient:
                 if owner.get(o.request_id) == r:  # else it moved away already
                     self._deliver(r, o)
             self.books[r].available = res.available
+            # The driver's live requests are every ingress's: the others' share bounds and steers ours.
+            self.books[r].others = max(0, res.num_live - self.books[r].outstanding)
             if res.cache_events:
                 self.router.apply(r, res.cache_events)
             if res.returned:
@@ -391,7 +399,7 @@ class AsyncEngineClient:
             if not targets:
                 self._deliver(r, error_output(rid, why))
                 continue
-            t = min(targets, key=lambda k: (self.books[k].outstanding, k))
+            t = min(targets, key=lambda k: (self.books[k].load, k))
             spec = self.flights.continuation(rid)
             self._unown(rid)
             self._own(rid, t)
