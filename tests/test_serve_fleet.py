@@ -3,10 +3,12 @@ parallel.data_parallel_size=2; local Ray, 127.0.0.1 only, CPU replicas of tiny-r
 replicas live in their own deployment and register with the fleet, every ingress finds them there and
 polls each driver through its own outbox. Concurrent `openai` streams through Serve's proxy (spread over
 both ingresses) all complete with exactly the tokens of a run one at a time; /metrics shows the
-replicas up."""
+replicas up; a replica whose driver died is replaced by Ray Serve (its health check) and the new one
+serves."""
 
 import asyncio
 import re
+import time
 
 import openai
 import pytest
@@ -95,4 +97,40 @@ def test_metrics_show_the_engine_replicas_up(server):
     text = requests.get(server + "/metrics", timeout=60).text
     assert re.search(r'^kvray_serve_replicas\{state="up"\} 2\.0$', text, re.M), text
     assert re.search(r'^kvray_serve_replicas\{state="draining"\} 0\.0$', text, re.M), text
+    assert requests.get(server + "/health", timeout=30).status_code == 200
+
+
+def test_a_replica_whose_driver_died_is_replaced_and_the_new_one_serves(server):
+    """Ray Serve's health check fails for the replica whose driver died; Serve starts another, which
+    joins the fleet under a new id, and the ingresses send it requests."""
+
+    def replica_of(d) -> int | None:
+        try:
+            return ray.get(d.stats.remote(), timeout=30)["replica"]
+        except ray.exceptions.RayActorError:  # the killed one, still listed a moment
+            return None
+
+    old = {replica_of(d) for d in drivers()}
+    ray.kill(drivers()[0], no_restart=True)
+    deadline = time.monotonic() + 300
+    fresh: list = []
+    while time.monotonic() < deadline:
+        ds = drivers()
+        fresh = [d for d in ds if replica_of(d) not in old | {None}]
+        if fresh and len(ds) == 2:
+            break
+        time.sleep(1.0)
+    assert fresh and len(drivers()) == 2, drivers()
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(_stream(c, _request(i)) for i in range(8)))
+        finally:
+            await c.close()
+
+    deadline = time.monotonic() + 120
+    while ray.get(fresh[0].stats.remote(), timeout=30)["num_output_tokens"] == 0 and time.monotonic() < deadline:
+        assert all(s["finish"] == "length" for s in asyncio.run(run()))
+    assert ray.get(fresh[0].stats.remote(), timeout=30)["num_output_tokens"] > 0
     assert requests.get(server + "/health", timeout=30).status_code == 200

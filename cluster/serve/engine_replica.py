@@ -17,6 +17,10 @@ When Ray Serve stops it (a scale-down, or the app going away), it drains before 
      driver (workers with it) and placement group go.
 With no other replica to take them (the app is going away), step 3 ends those streams with an error
 event instead, as a replica down does.
+
+A replica whose driver died, or is down for good (its worker-restart budget spent), fails Ray Serve's
+health check: Serve replaces it, and the new one joins the fleet under a new id. The ingresses have moved
+its streams on already (cluster/serve/engine_client.py); this restores the capacity.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import asyncio
 import logging
 import time
 from typing import Any
+
+from ray.exceptions import RayActorError
 
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
 from cluster.replicas.engine_group import StartedReplica, start_replica, stop_driver
@@ -37,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 FLEET_CALL_BOUND_S = 10.0  # the fleet may be stopping beside it (the app going away)
 DELIVERY_BOUND_S = 30.0  # how long a leaving replica waits for the ingresses to poll what it still holds
+HEALTH_CALL_BOUND_S = 10.0  # a driver busier than this is busy, not dead
 DEFAULT_DRAIN_TIMEOUT_S = 60.0  # without serve.autoscaling (the app going away)
 
 
@@ -64,6 +71,23 @@ class EngineReplica:
             return {OUTSTANDING_METRIC: 0.0}
         stats = await self.started.driver.stats.remote()
         return {OUTSTANDING_METRIC: float(stats.get("num_live_requests", 0))}
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: raises when the driver is dead or down for good (Serve replaces the
+        replica). A driver too busy to answer in time is healthy."""
+        started = self.started
+        if started is None:
+            return
+        try:
+            stats = await asyncio.wait_for(started.driver.stats.remote(), HEALTH_CALL_BOUND_S)
+        except asyncio.TimeoutError:
+            return
+        except RayActorError as e:
+            raise RuntimeError(
+                f"engine replica {self.replica}: its driver actor died: {str(e).splitlines()[0]}"
+            ) from None
+        if stats.get("fatal"):
+            raise RuntimeError(f"engine replica {self.replica} is down: {stats['fatal']}")
 
     async def __del__(self) -> None:
         started, self.started = self.started, None
