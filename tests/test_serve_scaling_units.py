@@ -104,3 +104,41 @@ def test_the_router_grows_with_a_replica_and_routes_to_it():
     router = KVAwareRouter(1, 4, 16, imbalance_threshold=8)
     assert router.add_replica() == 1
     assert router.choose([1, 2, 3, 4, 5], [3, 0], [True, True]) == 1  # the new one is the least loaded
+
+
+def test_the_fleet_hands_out_ids_tracks_states_and_wakes_a_long_poll():
+    import asyncio
+
+    from cluster.serve.fleet import EngineFleet
+
+    async def run():
+        fleet = EngineFleet()
+        (r0, tag), (r1, _) = await fleet.reserve(), await fleet.reserve()
+        assert (r0, r1) == (0, 1) and tag == fleet.tag
+        waiting = asyncio.ensure_future(fleet.view(after_version=0, timeout_s=30))
+        await asyncio.sleep(0)
+        await fleet.register(FleetMember(r1, "driver-1"))
+        view = await asyncio.wait_for(waiting, 10)  # woken by the change, not the timeout
+        assert [m.replica for m in view.members] == [1] and view.tag == fleet.tag
+        await fleet.set_state(1, DRAINING)
+        assert (await fleet.view()).members[0].state == DRAINING
+        await fleet.leave(1)
+        assert (await fleet.view()).members == []
+        # A fleet that restarted learns the replicas again from their registrations: ids stay unique.
+        again = EngineFleet()
+        await again.register(FleetMember(5, "driver-5"))
+        assert (await again.reserve())[0] == 6
+
+    asyncio.run(run())
+
+
+def test_a_restarted_fleet_empty_for_a_moment_takes_no_replica_down():
+    config = load_config("configs/local.yaml", {"serve.prefix_affinity": False})
+    client = AsyncEngineClient(config, {"num_blocks": 16, "max_model_len": 256})
+    d0 = _Driver()
+    client.sync(FleetView(7, [FleetMember(0, d0)], 1, tag="old"))
+    client.sync(FleetView(0, [], 0, tag="new"))  # restarted: nobody registered again yet
+    assert client.books[0].down is None and client.fleet_version == 0
+    client.sync(FleetView(1, [FleetMember(0, d0)], 1, tag="new"))  # it registered again
+    client.sync(FleetView(2, [], 1, tag="new"))  # and now it really left
+    assert client.books[0].down is not None

@@ -153,6 +153,8 @@ class AsyncEngineClient:
         self._watch: asyncio.Task[None] | None = None
         self._polling = False
         self.fleet_version = -1
+        self.fleet_tag = ""
+        self._seen_under: dict[int, str] = {}  # replica -> the fleet tag it was last a member under
         self._moves: set[asyncio.Task[None]] = set()  # strong references: the loop keeps weak ones
         self._closed = False
         self.batchers: list[SubmitBatcher] = []
@@ -178,16 +180,20 @@ class AsyncEngineClient:
 
     def sync(self, view: FleetView) -> None:
         """Follow the fleet's live set: new replicas join, draining ones drain, those gone are down."""
+        if view.tag != self.fleet_tag:  # a restarted fleet counts its versions afresh
+            self.fleet_tag, self.fleet_version = view.tag, -1
         self.fleet_version = max(self.fleet_version, view.version)
         present = set()
         for m in view.members:
             present.add(m.replica)
+            self._seen_under[m.replica] = view.tag
             self.add_replica(m.replica, m.driver)
             if m.state == DRAINING and not self.books[m.replica].draining:
                 moved = self.drain(m.replica)
                 logger.info("engine replica %d drains: %d waiting request(s) moved", m.replica, moved)
         for r, books in enumerate(self.books):
-            if r not in present and books.down is None:
+            # Absent from the fleet it was seen in: it left. (A restarted fleet learns them again.)
+            if r not in present and books.down is None and self._seen_under.get(r) == view.tag:
                 self.replica_down(r, f"engine replica {r} left the fleet")
 
     async def _watch_fleet(self) -> None:

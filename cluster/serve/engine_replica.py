@@ -62,7 +62,8 @@ class EngineReplica:
         self.started: StartedReplica | None = await asyncio.to_thread(
             start_replica, self.config, self.replica, tag, worker_cls
         )
-        await fleet.register.remote(FleetMember(self.replica, self.started.driver, self.started.info))
+        self.member = FleetMember(self.replica, self.started.driver, self.started.info)
+        await fleet.register.remote(self.member)
         logger.info("engine replica %d is up", self.replica)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -88,6 +89,20 @@ class EngineReplica:
             ) from None
         if stats.get("fatal"):
             raise RuntimeError(f"engine replica {self.replica} is down: {stats['fatal']}")
+        await self._stay_registered()
+
+    async def _stay_registered(self) -> None:
+        """The fleet restarted (its live set is empty then): register again."""
+        try:
+            view = await asyncio.wait_for(self.fleet.view.remote(), FLEET_CALL_BOUND_S)
+        except Exception as e:  # noqa: BLE001 - the fleet restarting: the next check tries again
+            logger.debug("fleet.view: %s", e)
+            return
+        if self.started is not None and all(m.replica != self.replica for m in view.members):
+            logger.warning(
+                "engine replica %d: not in the fleet's live set (it restarted); registering again", self.replica
+            )
+            await self.fleet.register.remote(self.member)
 
     async def __del__(self) -> None:
         started, self.started = self.started, None

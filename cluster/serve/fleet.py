@@ -8,6 +8,13 @@ depends on it for a request's path (an ingress talks to the drivers directly, th
 
 States: UP (takes requests), DRAINING (being removed: takes none; its waiting requests move, its running
 streams finish or move after serve.autoscaling.drain_timeout_s). A replica that left is absent.
+
+Should Serve restart the fleet's replica, its live set starts empty under a new tag: each engine replica
+registers again at its next health check (cluster/serve/engine_replica.py), and an ingress takes a
+replica's absence for its leaving only from the tag it last saw the replica under (a replica that really
+went meanwhile shows as its driver's death on the poll path). Ids stay unique: a registration moves the
+next id past its own (a replica that reserves an id in the moment before the others registered again
+could take a used one; the window is one health-check period after a fleet restart).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class FleetView:
     members: list[FleetMember]
     # Ids handed out so far: an id below it that is not a member never started, or left.
     num_reserved: int = 0
+    tag: str = ""  # the fleet's incarnation
 
 
 class EngineFleet:
@@ -60,6 +68,7 @@ class EngineFleet:
 
     async def register(self, member: FleetMember) -> None:
         self._members[member.replica] = member
+        self._next_id = max(self._next_id, member.replica + 1)
         self._bump()
 
     async def set_state(self, replica: int, state: str) -> None:
@@ -82,7 +91,7 @@ class EngineFleet:
             except asyncio.TimeoutError:
                 pass
         members = [self._members[r] for r in sorted(self._members)]
-        return FleetView(self._version, members, self._next_id)
+        return FleetView(self._version, members, self._next_id, self.tag)
 
     def _bump(self) -> None:
         self._version += 1
