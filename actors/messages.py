@@ -15,6 +15,11 @@ from kvcore.wire import message
 DOWN = "is down"
 REBUILDING = "is rebuilding"
 
+# The client id of a driver's only client when there is one (`kvray run`, LLM): several ingress replicas of
+# `kvray serve` share a driver, each under its own id, each with its own outbox in the driver's mailbox.
+DEFAULT_CLIENT = ""
+MAX_CLIENT_ID_LEN = 128
+
 
 @message
 @dataclass
@@ -28,13 +33,15 @@ class RequestSpec:
     # engine goes on after them as outputs, not as prompt, so output positions (the seeded sampler's
     # counter), penalties' counts, min_tokens and max_tokens continue where they were.
     output_token_ids: list[int] = field(default_factory=list)
+    # Who submitted it: its outputs, timing and a "returned" notice go to this client's outbox only.
+    client_id: str = DEFAULT_CLIENT
 
 
 @message
 @dataclass
 class PollResult:
-    """A driver's outputs since the client's last poll (a request's last one carries its timing), and the
-    replica's state. Sent every step: its outputs travel as plain tuples (kvcore/wire.py), so Ray's
+    """A driver's outputs for one client since that client's last poll (a request's last one carries its
+    timing), and the replica's state. Sent every step: its outputs travel as plain tuples (kvcore/wire.py), so Ray's
     cloudpickle calls its Python-level reducer_override once for the message, not once per output."""
 
     outputs: list[EngineCoreOutput]
@@ -46,6 +53,8 @@ class PollResult:
     available: bool = True
     # The prefix cache's changes since the last poll, in order (a KV-aware router's index of the replica).
     cache_events: list[CacheEvents] = field(default_factory=list)
+    # The driver's unfinished requests, every client's (an ingress sees the load the others put there).
+    num_live: int = 0
 
 
 def error_output(rid: str, message: str) -> EngineCoreOutput:

@@ -12,7 +12,7 @@ from ray.exceptions import RayActorError, TaskCancelledError
 
 from actors.messages import PollResult, RequestSpec, error_output
 from cluster.config import load_config
-from cluster.serve.engine_client import AsyncEngineClient, Inbox
+from cluster.serve.engine_client import AsyncEngineClient, Inbox, Overloaded
 from kvcore.messages import EngineCoreOutput
 from kvcore.request import SamplingParams
 
@@ -35,12 +35,14 @@ class FakeDriver:
         self.add_requests = _Method(self._add)
         self.get_outputs = _Method(self._get)
         self.abort = _Method(self.aborted.extend)
+        self.released: list[str] = []
+        self.release_client = _Method(self.released.append)
 
     async def _add(self, specs: list[RequestSpec]) -> list[str | None]:
         self.added.extend(specs)
         return [None] * len(specs)
 
-    async def _get(self, timeout_s: float) -> PollResult:
+    async def _get(self, timeout_s: float, client_id: str = "") -> PollResult:
         item = await self.polls.get()
         if isinstance(item, BaseException):
             raise item
@@ -60,7 +62,7 @@ class FakeGroup:
 def _client(n: int) -> tuple[AsyncEngineClient, FakeGroup]:
     config = load_config("configs/local.yaml", {"parallel.data_parallel_size": n, "serve.prefix_affinity": False})
     group = FakeGroup(config, n)
-    return AsyncEngineClient(config, group=group), group  # type: ignore[arg-type]
+    return AsyncEngineClient(config, group.info, group.drivers), group
 
 
 def out(rid: str, toks: list[int], finished: bool = False) -> EngineCoreOutput:
@@ -94,6 +96,8 @@ def test_requests_handed_back_move_on_with_what_was_delivered():
         # The continuation: same id and prompt, the delivered tokens as outputs, no second prompt logprobs.
         (moved,) = other.added
         assert (moved.request_id, moved.prompt_token_ids, moved.output_token_ids) == ("a", [1, 2, 3], [7, 8, 9])
+        # Sent and moved under this ingress's client id: its outputs reach this ingress's outbox there.
+        assert d.added[0].client_id == moved.client_id == client.client_id != ""
         assert moved.sampling_params.prompt_logprobs is None and moved.sampling_params.seed == 3
         assert moved.sampling_params.max_tokens == 10  # counted from the first output, which it has
         assert client.owner["a"] == 1 - r and client.num_migrations == 1
@@ -104,6 +108,7 @@ def test_requests_handed_back_move_on_with_what_was_delivered():
         assert [o.new_token_ids for o in got] == [[7], [8, 9], [4]] and got[-1].finished and not got[-1].error
         assert "a" not in client.owner and len(client.flights) == 0
         client.shutdown()
+        assert other.released == [client.client_id]  # it leaves the drivers: nothing piles up for it
 
     asyncio.run(run())
 
@@ -249,6 +254,28 @@ def test_a_request_moved_off_a_draining_replica_before_its_batch_left_is_not_sen
         await _settle()
         assert r == 0 and not refused
         assert group.drivers[0].added == [] and [s.request_id for s in group.drivers[1].added] == ["w"]
+        client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_the_other_ingresses_load_on_a_replica_counts_against_its_bound():
+    """Several ingress replicas share a driver: its poll says how many requests it holds in all, and
+    the bound (max_num_seqs + max_queued_requests) counts the others' too."""
+
+    async def run():
+        client, group = _client(2)
+        cap = client.capacity
+        a = Inbox()
+        r = await _start(client, "a", a)
+        # Replica r is full with other ingresses' requests (its own "a" among those it counts).
+        group.drivers[r].polls.put_nowait(PollResult([], num_live=cap))
+        group.drivers[1 - r].polls.put_nowait(PollResult([], num_live=cap - 1))
+        await _settle()
+        assert client.books[r].load == cap and client.books[1 - r].load == cap - 1
+        assert await _start(client, "b", Inbox()) == 1 - r  # the one place left
+        with pytest.raises(Overloaded):
+            await client.submit([RequestSpec("c", [1, 2, 3], SEEDED)], Inbox())
         client.shutdown()
 
     asyncio.run(run())

@@ -14,8 +14,7 @@ from multinode import local_cluster
 from ray import serve
 
 from cluster.config import load_config
-from cluster.serve.app import APP_NAME, deployment_options
-from cluster.serve.ingress import OpenAIServer
+from cluster.serve.app import APP_NAME, build
 from tests.serve_helpers import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -46,10 +45,9 @@ def served():
         # One proxy, on the head: the nodes share 127.0.0.1, so a proxy per node would share the port.
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         try:
-            # The ingress on the head (the drivers follow it there): a lost worker node takes only workers.
-            options = deployment_options(config)
-            options["ray_actor_options"] = {**options["ray_actor_options"], "resources": {"head": 0.01}}
-            app = serve.deployment(**options)(OpenAIServer).bind(config)
+            # The app's Serve replicas on the head (the drivers follow the engine replicas there): a lost
+            # worker node takes only workers.
+            app = build(config, actor_resources={"head": 0.01})
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
             yield f"http://127.0.0.1:{port}", c
         finally:

@@ -293,6 +293,40 @@ class RayConfig(Section):
 
 
 @dataclass(frozen=True)
+class AutoscalingConfig(Section):
+    """serve.autoscaling: Ray Serve autoscales the engine replicas (cluster/serve/engine_replica.py) on the
+    engine requests each holds (waiting + running, all ingress replicas' together); a replica that goes
+    stops taking requests, its waiting ones move, its running streams finish (or move, token-exact, after
+    drain_timeout_s), then its driver and placement group go. parallel.data_parallel_size is the number
+    it starts with (clamped to [min_replicas, max_replicas])."""
+
+    SECTION = "serve.autoscaling"
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 16.0  # engine requests per replica the policy aims at
+    # Ray Serve's own knobs (AutoscalingConfig), with its defaults.
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    metrics_interval_s: float = 10.0
+    look_back_period_s: float = 30.0
+    # How long a replica being removed lets its running streams finish before they move elsewhere.
+    drain_timeout_s: float = 60.0
+
+    def _rules(self) -> None:
+        self._check(1 <= self.min_replicas <= 1024, "min_replicas", "must be in [1, 1024]")
+        self._check(self.min_replicas <= self.max_replicas <= 1024, "max_replicas", "must be in [min_replicas, 1024]")
+        self._check(0 < self.target_ongoing_requests <= 1e6, "target_ongoing_requests", "must be in (0, 1e6]")
+        for name in ("upscale_delay_s", "downscale_delay_s", "drain_timeout_s"):
+            self._check(0 <= getattr(self, name) <= 86400, name, "must be in [0, 86400] seconds")
+        self._check(0 < self.metrics_interval_s <= 3600, "metrics_interval_s", "must be in (0, 3600] seconds")
+        self._check(
+            self.metrics_interval_s <= self.look_back_period_s <= 86400,
+            "look_back_period_s",
+            "must be in [metrics_interval_s, 86400] seconds",
+        )
+
+
+@dataclass(frozen=True)
 class ServeConfig(Section):
     """`kvray serve` (cluster/serve/): what the OpenAI server admits and how it routes across replicas."""
 
@@ -323,8 +357,27 @@ class ServeConfig(Section):
     api_key: str | None = field(default=None, repr=False)
     # The largest request body accepted (413 past it); a declared Content-Length is checked before reading.
     max_request_body_bytes: int = 8 << 20
+    # Ingress replicas (the HTTP side) that share the engine replicas, each with its own outbox per driver.
+    ingress_replicas: int = 1
+    # null: parallel.data_parallel_size engine replicas, fixed. A mapping (AutoscalingConfig's fields):
+    # Ray Serve scales them between min_replicas and max_replicas.
+    autoscaling: AutoscalingConfig | None = None
 
     def _rules(self) -> None:
+        self._check(1 <= self.ingress_replicas <= 1024, "ingress_replicas", "must be in [1, 1024]")
+        if isinstance(self.autoscaling, Mapping):
+            unknown = sorted(str(k) for k in self.autoscaling if k not in AutoscalingConfig.__dataclass_fields__)
+            self._check(
+                not unknown,
+                "autoscaling",
+                f"unknown field(s) {unknown}; known: {', '.join(AutoscalingConfig.__dataclass_fields__)}",
+            )
+            object.__setattr__(self, "autoscaling", AutoscalingConfig(**self.autoscaling))
+        self._check(
+            self.autoscaling is None or isinstance(self.autoscaling, AutoscalingConfig),
+            "autoscaling",
+            "must be a mapping of min_replicas, max_replicas, target_ongoing_requests, ..., or null",
+        )
         self._check(0 <= self.max_queued_requests <= MAX_TOKENS, "max_queued_requests", f"must be in [0, {MAX_TOKENS}]")
         self._check(
             self.api_key is None or (self.api_key.isprintable() and self.api_key.strip() == self.api_key != ""),

@@ -34,7 +34,7 @@ from actors.driver.poison import EngineSteps, PoisonIsolation
 from actors.driver.recovery import EngineHooks, Recovery
 from actors.errors import WorkerFailure
 from actors.gc_heap import freeze_startup_heap
-from actors.messages import DOWN, REBUILDING, PollResult, RequestSpec
+from actors.messages import DEFAULT_CLIENT, DOWN, MAX_CLIENT_ID_LEN, REBUILDING, PollResult, RequestSpec
 from actors.verbose_logging import show_kvray_info_logs
 from kvcore.kv_cache.block_pool import BlockPool
 from kvcore.messages import EngineCoreOutput
@@ -155,6 +155,8 @@ class EngineDriver:
         err = check_request_id(rid)
         if err is not None:
             return err
+        if not isinstance(spec.client_id, str) or len(spec.client_id) > MAX_CLIENT_ID_LEN:
+            return f"request {rid!r}: client_id must be a string of at most {MAX_CLIENT_ID_LEN} characters"
         if rid in self._mailbox:
             return f"request {rid!r}: request_id is already in use by an unfinished request"
         if not isinstance(spec.sampling_params, SamplingParams):
@@ -177,9 +179,24 @@ class EngineDriver:
     def abort(self, request_ids: Iterable[str]) -> None:
         self._mailbox.abort(request_ids)
 
-    def get_outputs(self, timeout_s: float = 1.0) -> PollResult:
-        """Outputs since the last call; waits up to timeout_s for the first one."""
-        return self._mailbox.poll(timeout_s)
+    def get_outputs(self, timeout_s: float = 1.0, client_id: str = DEFAULT_CLIENT) -> PollResult:
+        """This client's outputs since its last call; waits up to timeout_s for the first one."""
+        return self._mailbox.poll(timeout_s, client_id)
+
+    def release_client(self, client_id: str) -> None:
+        """A client went away for good (an ingress replica stopped): its unfinished requests are aborted
+        and its outbox goes, so that nothing piles up for a reader that will never come."""
+        self._mailbox.abort(self._mailbox.forget_client(client_id))
+
+    def hand_back(self, why: str) -> None:
+        """Give every live request back to its client (which moves it to another replica, token-exact) and
+        refuse new ones: the replica is being removed and its running streams ran past their drain bound."""
+        self._mailbox.hand_back(why)
+
+    def num_undelivered(self) -> int:
+        """Outputs and notices that still wait for their clients' polls (a replica being removed waits
+        for none before it goes)."""
+        return self._mailbox.num_undelivered
 
     def stats(self) -> dict[str, Any]:
         base = dict(self.engine.stats()) if self.engine is not None else {}
@@ -191,6 +208,7 @@ class EngineDriver:
             num_output_tokens=self._mailbox.num_output_tokens,
             num_live_requests=len(self._mailbox),
             num_replayed=self._mailbox.num_replayed,
+            num_clients=len(self._mailbox.clients),
         )
         return base
 

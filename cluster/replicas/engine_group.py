@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import ray
@@ -53,6 +54,76 @@ def unwrap(e: BaseException) -> BaseException:
     """The original exception behind a Ray task error (PlacementError, WorkerFailure, ...)."""
     cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
     return cause if isinstance(cause, BaseException) else e
+
+
+def new_driver(config: EngineConfig, pg: Any, replica: int, name: str, worker_cls: str) -> Any:
+    """A driver actor for one replica, in the placement group `pg` the caller owns."""
+    return (
+        driver_actor_class()
+        .options(
+            namespace=config.ray.namespace,
+            scheduling_strategy=driver_placement(),
+            name=name,
+            runtime_env=verbose_runtime_env(),  # -v reaches a cluster's processes too (its workers inherit it)
+        )
+        .remote(config, pg, replica, worker_cls)
+    )
+
+
+def await_start(config: EngineConfig, refs: list[Any]) -> list[dict[str, Any]]:
+    """Every driver's start, bounded: its workers' set-up calls are each bounded by
+    max(600 s, parallel.step_timeout_s) (probe, process group, model load), so a start that takes
+    longer than three of those will never end."""
+    timeout_s = 3 * max(600.0, config.parallel.step_timeout_s) + DRIVER_CALL_GRACE_S
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [i for i, ref in enumerate(refs) if ref in pending]
+        raise EngineFailure(
+            f"engine replica(s) {late} did not start within {timeout_s:g}s (starting the "
+            "workers in the placement group, joining the TP group, loading the model)"
+        )
+    return ray.get(refs)
+
+
+@dataclass
+class StartedReplica:
+    """One engine replica started on its own (a Serve engine replica, cluster/serve/engine_replica.py):
+    its driver actor, the placement group its caller owns, and what the driver's start() returned."""
+
+    replica: int
+    driver: Any
+    pg: Any
+    info: dict[str, Any]
+
+
+def start_replica(config: EngineConfig, replica: int, tag: str, worker_cls: str = DEFAULT_WORKER_CLS) -> StartedReplica:
+    """Reserve one replica's placement group, start its driver (workers, model) and wait for it, as
+    EngineGroup does for each of its replicas. `config` has its device resolved. Blocking."""
+    pg = create_placement_group(config, name=f"kvray-{config.ray.namespace}-{tag}-r{replica}")
+    driver = None
+    try:
+        driver = new_driver(config, pg, replica, f"{DRIVER_NAME_PREFIX}{tag}-r{replica}", worker_cls)
+        info = await_start(config, [driver.start.remote()])[0]
+    except BaseException as e:
+        if driver is not None:
+            stop_driver(config, driver)
+        remove(pg)
+        if isinstance(e, RayTaskError):
+            raise unwrap(e) from None
+        raise
+    return StartedReplica(replica, driver, pg, info)
+
+
+def stop_driver(config: EngineConfig, driver: Any) -> None:
+    """Stop one driver (its workers with it) and kill its actor; its placement group stays the caller's."""
+    try:
+        ray.wait([driver.shutdown.remote()], timeout=config.parallel.step_timeout_s + 30)
+    except Exception as e:  # noqa: BLE001 - already gone
+        logger.debug("driver shutdown: %s", e)
+    try:
+        ray.kill(driver, no_restart=True)
+    except Exception as e:  # noqa: BLE001 - already gone
+        logger.debug("ray.kill(driver): %s", e)
 
 
 class EngineGroup:
@@ -99,30 +170,11 @@ class EngineGroup:
             raise
 
     def _await_start(self, refs: list[Any]) -> list[dict[str, Any]]:
-        """Every driver's start, bounded: its workers' set-up calls are each bounded by
-        max(600 s, parallel.step_timeout_s) (probe, process group, model load), so a start that takes
-        longer than three of those will never end."""
-        timeout_s = 3 * max(600.0, self.config.parallel.step_timeout_s) + DRIVER_CALL_GRACE_S
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if pending:
-            late = [i for i, ref in enumerate(refs) if ref in pending]
-            raise EngineFailure(
-                f"engine replica(s) {late} did not start within {timeout_s:g}s (starting the "
-                "workers in the placement group, joining the TP group, loading the model)"
-            )
-        return ray.get(refs)
+        return await_start(self.config, refs)
 
     def _new_driver(self, replica: int, gen: int) -> Any:
-        return (
-            driver_actor_class()
-            .options(
-                namespace=self.config.ray.namespace,
-                scheduling_strategy=driver_placement(),
-                name=f"{DRIVER_NAME_PREFIX}{self.tag}-r{replica}" + (f"-{gen}" if gen else ""),
-                runtime_env=verbose_runtime_env(),  # -v reaches a cluster's processes too (its workers inherit it)
-            )
-            .remote(self.config, self.pgs[replica], replica, self.worker_cls)
-        )
+        name = f"{DRIVER_NAME_PREFIX}{self.tag}-r{replica}" + (f"-{gen}" if gen else "")
+        return new_driver(self.config, self.pgs[replica], replica, name, self.worker_cls)
 
     # ---- DriverControl: what failover may do to the driver actors ------------------------------
     def driver(self, replica: int) -> Any:

@@ -4,6 +4,11 @@
   serve run cluster.serve.app:build_app config=configs/local.yaml [set=serve.max_queued_requests=8,...]
   ray job submit --working-dir . -- kvray serve --config configs/gpu.yaml
 
+The application is three Serve deployments: the engine replicas (EngineReplica: a driver and its placement
+group each; parallel.data_parallel_size of them, or Ray Serve autoscaling between serve.autoscaling's
+bounds), the fleet (EngineFleet, one replica: which engine replicas are up or draining), and the ingress
+(OpenAIServer: serve.ingress_replicas replicas behind Serve's proxy, each routing over every engine replica).
+
 `kvray serve` without an address starts the same embedded, loopback-only local Ray as `kvray run`
 (cluster/replicas/placement.py), and keeps the ingress replica's internal gRPC server on loopback too
 (cluster/serve/loopback.py); with RAY_ADDRESS (as under `ray job submit`) it joins that cluster. The API
@@ -33,7 +38,18 @@ REPLICA_ONE_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 PROXY_ONE_LOOP = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
+ENGINE_HEALTH_CHECK_PERIOD_S = 5.0
+FLEET_MAX_ONGOING = 10_000  # the ingresses' long polls and the engine replicas' registrations
+DELIVERY_GRACE_S = 60  # a leaving engine replica: its last outputs' delivery, then its driver's shutdown
+
+
+def max_engine_replicas(config: EngineConfig) -> int:
+    a = config.serve.autoscaling
+    return a.max_replicas if a is not None else config.parallel.data_parallel_size
+
+
 def deployment_options(config: EngineConfig) -> dict[str, Any]:
+    """The ingress deployment's options."""
     s, p = config.serve, config.parallel
     per_replica = config.scheduler.max_num_seqs + s.max_queued_requests
     actor: dict[str, Any] = {"num_cpus": 0}
@@ -43,23 +59,72 @@ def deployment_options(config: EngineConfig) -> dict[str, Any]:
     # Retry-After) and never a silent queue in Serve's proxy.
     return {
         "name": "OpenAIServer",
-        "num_replicas": 1,
+        "num_replicas": s.ingress_replicas,
         "ray_actor_options": actor,
-        "max_ongoing_requests": p.data_parallel_size * per_replica + INGRESS_HEADROOM,
+        "max_ongoing_requests": max_engine_replicas(config) * per_replica + INGRESS_HEADROOM,
         "graceful_shutdown_timeout_s": p.step_timeout_s + 30,
     }
 
 
-def build(config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, loopback_only: bool = False) -> Any:
-    """The application: one ingress deployment over the config's engine replicas. loopback_only: this
-    process started the (loopback-only) Ray, so the ingress keeps its internal gRPC server on loopback."""
+def engine_deployment_options(config: EngineConfig) -> dict[str, Any]:
+    """The engine replicas' deployment: a fixed number, or Ray Serve's autoscaling (cluster/serve/autoscaling.py).
+    Its stop waits for the replica's drain (cluster/serve/engine_replica.py)."""
+    from cluster.serve.autoscaling import serve_autoscaling_config
+    from cluster.serve.engine_replica import DEFAULT_DRAIN_TIMEOUT_S
+
+    a, p = config.serve.autoscaling, config.parallel
+    drain_s = a.drain_timeout_s if a is not None else DEFAULT_DRAIN_TIMEOUT_S
+    options: dict[str, Any] = {
+        "name": "EngineReplica",
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": 8,  # Serve's own calls only (the ingresses reach the drivers directly)
+        "logging_config": {"enable_access_log": False},
+        "graceful_shutdown_timeout_s": drain_s + 2 * p.step_timeout_s + DELIVERY_GRACE_S,
+        # A dead or failed driver is seen within a few periods (3 failed checks in a row: Serve replaces it).
+        "health_check_period_s": ENGINE_HEALTH_CHECK_PERIOD_S,
+    }
+    if a is None:
+        options["num_replicas"] = p.data_parallel_size
+    else:
+        options["autoscaling_config"] = serve_autoscaling_config(a, p.data_parallel_size)
+    return options
+
+
+def fleet_deployment_options() -> dict[str, Any]:
+    return {
+        "name": "EngineFleet",
+        "num_replicas": 1,
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": FLEET_MAX_ONGOING,
+        "logging_config": {"enable_access_log": False},  # a long poll per ingress every few seconds
+    }
+
+
+def build(
+    config: EngineConfig,
+    worker_cls: str = DEFAULT_WORKER_CLS,
+    loopback_only: bool = False,
+    actor_resources: dict[str, float] | None = None,
+) -> Any:
+    """The application: the engine replicas, the fleet, the ingress. loopback_only: this process started
+    the (loopback-only) Ray, so each replica keeps its internal gRPC server on loopback. actor_resources:
+    custom resources every Serve replica of the app asks for (a test pins them to the head node)."""
     from ray import serve
 
+    from cluster.serve.engine_replica import EngineReplica
+    from cluster.serve.fleet import EngineFleet
     from cluster.serve.http_guard import resolve_api_key
     from cluster.serve.ingress import OpenAIServer
 
-    deployment = serve.deployment(**deployment_options(config))(OpenAIServer)
-    return deployment.bind(config, worker_cls, resolve_api_key(config.serve.api_key), loopback_only)
+    def deploy(cls: Any, options: dict[str, Any]) -> Any:
+        if actor_resources:
+            options["ray_actor_options"] = {**options["ray_actor_options"], "resources": dict(actor_resources)}
+        return serve.deployment(**options)(cls)
+
+    fleet = deploy(EngineFleet, fleet_deployment_options()).bind(loopback_only)
+    engines = deploy(EngineReplica, engine_deployment_options(config)).bind(config, fleet, worker_cls, loopback_only)
+    ingress = deploy(OpenAIServer, deployment_options(config))
+    return ingress.bind(config, fleet, resolve_api_key(config.serve.api_key), loopback_only, engines)
 
 
 def build_app(args: dict[str, str]) -> Any:

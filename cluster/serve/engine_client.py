@@ -1,22 +1,27 @@
-"""The server's asyncio side of the engine replicas: EngineGroup's driver actors, driven without blocking.
+"""The server's asyncio side of the engine replicas: their driver actors, driven without blocking.
 
-EngineGroup (cluster/replicas/engine_group.py) starts and stops the replicas, as for `kvray run`; this class talks
-to its drivers from the ingress's event loop. One poll task per replica awaits `get_outputs` (the
-driver answers as soon as a step produced something, so tokens stream step by step) and hands each
-output to the queue of the request that owns it. Submission picks a replica with the router, within
-each replica's bound (scheduler.max_num_seqs + serve.max_queued_requests outstanding engine requests);
-when none has room it raises Overloaded (503). An output that finishes a request frees its slot, so
-the count is what the engine still holds, aborts included (their echo is the finished output).
+The engine replicas are shared by every ingress replica and live beyond any of them
+(cluster/serve/engine_replica.py); the fleet (cluster/serve/fleet.py) publishes which are up and which
+drain, and a watch task keeps this client in step with it: a replica that joins gets a poll task and takes
+requests, one that drains takes none and its requests that have no token yet move now (`drain`), one
+that left is gone. This client is one of each driver's clients: its own outbox there (`client_id`),
+which only its poll task reads. One poll task per replica awaits `get_outputs` (the driver answers as
+soon as a step produced something, so tokens stream step by step) and hands each output to the queue of
+the request that owns it. Submission picks a replica with the router, within each replica's bound
+(scheduler.max_num_seqs + serve.max_queued_requests engine requests: this ingress's outstanding ones plus
+the other ingresses', as the driver's last poll counted them); when
+none has room it raises Overloaded (503). An output that finishes a request frees its slot, so the count
+is what the engine still holds, aborts included (their echo is the finished output).
 
 The poll tasks and the submission calls belong to the ingress, not to the request that happened to
 start them: they run detached from its context, so a client that leaves (Ray then cancels the actor
 calls its request task made) cannot cancel another replica's poll or another request's submission.
 
 A replica that cannot go on (its driver died, it reports itself down past its worker-restart budget,
-or it hands its requests back while it waits for resources) loses its requests to the other replicas:
-each moves, its stream unbroken (cluster/serve/migration.py). Only when no replica is left does a
-request end with an error output. A replica down takes no new requests; one rebuilding takes none
-until it reports itself available again.
+or it hands its requests back while it waits for resources or as it is removed) loses its requests to
+the other replicas: each moves, its stream unbroken (cluster/serve/migration.py). Only when no replica
+is left does a request end with an error output. A replica down takes no new requests; one rebuilding
+takes none until it reports itself available again.
 """
 
 from __future__ import annotations
@@ -25,14 +30,15 @@ import asyncio
 import contextvars
 import functools
 import logging
+import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ray.exceptions import RayActorError, TaskCancelledError
 
 from actors.messages import PollResult, RequestSpec, error_output
-from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
-from cluster.replicas.engine_group import EngineGroup
+from cluster.config import EngineConfig
+from cluster.serve.fleet import DRAINING, FleetView
 from cluster.serve.migration import FlightBook
 from cluster.serve.router import KVAwareRouter
 from cluster.serve.submissions import SubmitBatcher
@@ -41,6 +47,8 @@ from kvcore.messages import EngineCoreOutput
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 1.0
+FLEET_WATCH_S = 5.0  # one long poll of the fleet's live set
+NEVER_STARTED = "never joined the fleet (it failed to start, or left before this ingress saw it)"
 
 
 class Overloaded(RuntimeError):
@@ -96,7 +104,8 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 @dataclass
 class ReplicaBooks:
-    outstanding: int = 0
+    outstanding: int = 0  # this ingress's engine requests there
+    others: int = 0  # the other ingress replicas' there, as of the last poll
     down: str | None = None
     available: bool = True  # False while it waits for resources to rebuild on (it refuses requests)
     draining: bool = False  # being removed: it takes no new request (AsyncEngineClient.drain)
@@ -107,23 +116,28 @@ class ReplicaBooks:
     owned: set[str] = field(default_factory=set)
 
     @property
+    def load(self) -> int:
+        return self.outstanding + self.others
+
+    @property
     def takes_requests(self) -> bool:
         return self.down is None and self.available and not self.draining
 
 
 class AsyncEngineClient:
     def __init__(
-        self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, group: EngineGroup | None = None
+        self, config: EngineConfig, info: dict[str, Any], drivers: Sequence[Any] = (), fleet: Any = None
     ) -> None:
-        # `group`: replicas started elsewhere (tests drive the client over stand-in drivers).
-        self.group = group if group is not None else EngineGroup(config, worker_cls=worker_cls)
-        self.config = self.group.config
-        n = len(self.group.drivers)
+        """`info`: what a driver's start() returned (the model's limits); `drivers`: replicas 0.. known now
+        (tests drive the client over stand-in drivers); `fleet`: the fleet's handle, watched for changes."""
+        self.config = config
+        self.info = info
+        self.fleet = fleet
         self.capacity = config.scheduler.max_num_seqs + config.serve.max_queued_requests
-        self.books = [ReplicaBooks() for _ in range(n)]
-        info = self.group.info
+        self.drivers: list[Any] = []  # by the fleet's replica id; None: an id this client never saw up
+        self.books: list[ReplicaBooks] = []
         self.router = KVAwareRouter(
-            n,
+            0,
             config.cache.block_size,
             int(info.get("num_blocks") or 1),
             config.serve.imbalance_threshold,
@@ -133,21 +147,84 @@ class AsyncEngineClient:
         self.owner: dict[str, int] = {}
         self.prompt_len: dict[str, int] = {}
         self.flights = FlightBook()
-        self._tasks: list[asyncio.Task[None]] = []
+        # This ingress replica's outbox in every driver: several ingress replicas share the drivers.
+        self.client_id = f"ingress-{uuid.uuid4().hex[:12]}"
+        self._polls: dict[int, asyncio.Task[None]] = {}
+        self._watch: asyncio.Task[None] | None = None
+        self._polling = False
+        self.fleet_version = -1
+        self.fleet_tag = ""
+        self._seen_under: dict[int, str] = {}  # replica -> the fleet tag it was last a member under
         self._moves: set[asyncio.Task[None]] = set()  # strong references: the loop keeps weak ones
         self._closed = False
-        gather = config.serve.batch_submissions
-        self.batchers = [SubmitBatcher(functools.partial(self._send_batch, r), gather) for r in range(n)]
+        self.batchers: list[SubmitBatcher] = []
+        for r, d in enumerate(drivers):
+            self.add_replica(r, d)
 
-    @property
-    def info(self) -> dict[str, Any]:
-        return self.group.info
+    # ---- the live set -----------------------------------------------------------------------
+    def add_replica(self, r: int, driver: Any) -> None:
+        """Replica r joined: it takes requests (and gets a poll task once polling started)."""
+        while len(self.books) <= r:
+            k = self.router.add_replica()
+            self.drivers.append(None)
+            self.books.append(ReplicaBooks(down=f"engine replica {k} {NEVER_STARTED}"))
+            self.batchers.append(
+                SubmitBatcher(functools.partial(self._send_batch, k), self.config.serve.batch_submissions)
+            )
+        if self.drivers[r] is not None:
+            return
+        self.drivers[r] = driver
+        self.books[r] = ReplicaBooks()
+        if self._polling and not self._closed:
+            self._polls[r] = _detached(self._poll(r))
+
+    def sync(self, view: FleetView) -> None:
+        """Follow the fleet's live set: new replicas join, draining ones drain, those gone are down."""
+        if view.tag != self.fleet_tag:  # a restarted fleet counts its versions afresh
+            self.fleet_tag, self.fleet_version = view.tag, -1
+        self.fleet_version = max(self.fleet_version, view.version)
+        present = set()
+        for m in view.members:
+            present.add(m.replica)
+            self._seen_under[m.replica] = view.tag
+            self.add_replica(m.replica, m.driver)
+            if m.state == DRAINING and not self.books[m.replica].draining:
+                moved = self.drain(m.replica)
+                logger.info("engine replica %d drains: %d waiting request(s) moved", m.replica, moved)
+        for r, books in enumerate(self.books):
+            # Absent from the fleet it was seen in: it left. (A restarted fleet learns them again.)
+            if r not in present and books.down is None and self._seen_under.get(r) == view.tag:
+                self.replica_down(r, f"engine replica {r} left the fleet")
+
+    async def _watch_fleet(self) -> None:
+        while not self._closed:
+            try:
+                view: FleetView = await self.fleet.view.remote(self.fleet_version, FLEET_WATCH_S)
+            except asyncio.CancelledError:
+                return
+            except Exception as e:  # noqa: BLE001 - the fleet restarting, or the app going away
+                logger.warning("the engine fleet's view failed (%s: %s); retrying", type(e).__name__, e)
+                await asyncio.sleep(1.0)
+                continue
+            self.sync(view)
 
     def start_polling(self) -> None:
-        """Start the poll tasks (idempotent). They must live on the loop the handlers run on, so the first
-        request starts them, but in a context of their own: nothing of that request's reaches them."""
-        if not self._tasks and not self._closed:
-            self._tasks = [_detached(self._poll(r)) for r in range(len(self.books))]
+        """Start the poll tasks and the fleet watch (idempotent). They must live on the loop the handlers
+        run on, so the first request starts them, but in a context of their own: nothing of that
+        request's reaches them."""
+        if self._polling or self._closed:
+            return
+        self._polling = True
+        for r, d in enumerate(self.drivers):
+            if d is not None and self.books[r].down is None:
+                self._polls[r] = _detached(self._poll(r))
+        if self.fleet is not None:
+            self._watch = _detached(self._watch_fleet())
+
+    @property
+    def num_live(self) -> int:
+        """Replicas up (draining ones included)."""
+        return sum(1 for b in self.books if b.down is None)
 
     @property
     def num_migrations(self) -> int:
@@ -160,10 +237,12 @@ class AsyncEngineClient:
         Unavailable."""
         self.start_polling()
         if all(b.down for b in self.books):
+            if not self.books:
+                raise Unavailable("no engine replica has joined yet")
             raise Unavailable("every engine replica is down: " + "; ".join(str(b.down) for b in self.books))
         need = len(specs)
-        eligible = [b.takes_requests and b.outstanding + need <= self.capacity for b in self.books]
-        r = self.router.choose(specs[0].prompt_token_ids, [b.outstanding for b in self.books], eligible)
+        eligible = [b.takes_requests and b.load + need <= self.capacity for b in self.books]
+        r = self.router.choose(specs[0].prompt_token_ids, [b.load for b in self.books], eligible)
         if r is None:
             raise Overloaded(
                 f"every engine replica holds its limit of {self.capacity} requests "
@@ -172,6 +251,7 @@ class AsyncEngineClient:
             )
         books = self.books[r]
         for spec in specs:
+            spec.client_id = self.client_id
             self.queues[spec.request_id] = queue
             self.owner[spec.request_id] = r
             self.prompt_len[spec.request_id] = len(spec.prompt_token_ids)
@@ -201,7 +281,7 @@ class AsyncEngineClient:
             mine = [k for k, s in enumerate(specs) if self.owner.get(s.request_id) == r]
             errs = [None] * len(specs)
             try:
-                sent = await self.group.drivers[r].add_requests.remote([specs[k] for k in mine]) if mine else []
+                sent = await self.drivers[r].add_requests.remote([specs[k] for k in mine]) if mine else []
             except RayActorError as e:
                 # These requests are the replica's like the rest: they move on (or end) with them.
                 self.replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
@@ -222,7 +302,7 @@ class AsyncEngineClient:
             if r is not None and self.books[r].down is None:
                 by_replica.setdefault(r, []).append(rid)
         for r, ids in by_replica.items():
-            self.group.drivers[r].abort.remote(ids)
+            self.drivers[r].abort.remote(ids)
 
     def close(self, request_ids: list[str]) -> None:
         """The caller stopped reading these requests: outputs still to come are dropped."""
@@ -248,10 +328,10 @@ class AsyncEngineClient:
 
     # ---- outputs ----------------------------------------------------------------------------
     async def _poll(self, r: int) -> None:
-        driver = self.group.drivers[r]
+        driver = self.drivers[r]
         while not self._closed and self.books[r].down is None:
             try:
-                res: PollResult = await driver.get_outputs.remote(POLL_TIMEOUT_S)
+                res: PollResult = await driver.get_outputs.remote(POLL_TIMEOUT_S, self.client_id)
             except RayActorError as e:
                 self.replica_down(r, f"the driver actor of engine replica {r} died: {str(e).splitlines()[0]}")
                 return
@@ -275,10 +355,16 @@ class AsyncEngineClient:
                 if owner.get(o.request_id) == r:  # else it moved away already
                     self._deliver(r, o)
             self.books[r].available = res.available
+            # The driver's live requests are every ingress's: the others' share bounds and steers ours.
+            self.books[r].others = max(0, res.num_live - self.books[r].outstanding)
             if res.cache_events:
                 self.router.apply(r, res.cache_events)
             if res.returned:
-                why = f"engine replica {r} handed its requests back (its placement could not be rebuilt in time)"
+                why = f"engine replica {r} handed its requests back " + (
+                    "(it is being removed)"
+                    if self.books[r].draining
+                    else "(its placement could not be rebuilt in time)"
+                )
                 self._move_away(r, [rid for rid in res.returned if owner.get(rid) == r], why)
             if res.fatal is not None:
                 self.replica_down(r, res.fatal)
@@ -319,7 +405,7 @@ class AsyncEngineClient:
             if not targets:
                 self._deliver(r, error_output(rid, why))
                 continue
-            t = min(targets, key=lambda k: (self.books[k].outstanding, k))
+            t = min(targets, key=lambda k: (self.books[k].load, k))
             spec = self.flights.continuation(rid)
             self._unown(rid)
             self._own(rid, t)
@@ -345,7 +431,7 @@ class AsyncEngineClient:
         live = [rid for rid in rids if not self.flights.settled(rid)]
         self._move_away(r, rids, f"engine replica {r} is draining")
         if live and books.down is None:
-            self.group.drivers[r].abort.remote(live)
+            self.drivers[r].abort.remote(live)
         return len(live)
 
     def drained(self, r: int) -> bool:
@@ -366,7 +452,9 @@ class AsyncEngineClient:
     # ---- introspection and teardown ---------------------------------------------------------
     async def engine_stats(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for r, d in enumerate(self.group.drivers):
+        for r, d in enumerate(self.drivers):
+            if d is None:
+                continue  # never up here
             if self.books[r].down is not None:
                 out.append({"replica": r, "fatal": self.books[r].down})
                 continue
@@ -380,10 +468,15 @@ class AsyncEngineClient:
         return any(b.down is None for b in self.books)
 
     def shutdown(self) -> None:
+        """Stop this client's tasks and leave every driver (its requests there are aborted, its outbox
+        goes). The engine replicas are the fleet's: they stay."""
         self._closed = True
-        for t in [*self._tasks, *self._moves]:
+        for r, d in enumerate(self.drivers):
+            if d is not None and self.books[r].down is None:
+                d.release_client.remote(self.client_id)
+        tasks = [*self._polls.values(), *self._moves] + ([self._watch] if self._watch is not None else [])
+        for t in tasks:
             t.cancel()
-        self.group.shutdown()
 
 
 def _detached(coro: Any) -> asyncio.Task[None]:

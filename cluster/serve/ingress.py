@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP ingress: a Ray Serve deployment with FastAPI routes.
 
-One ingress replica holds the engine replicas (EngineGroup's driver actors, one per data-parallel
-replica; placement from the config, as for `kvray run`) and the client path of LLM.generate / chat
-(tokenizer, chat template, default sampling settings, output processing). Routes:
+serve.ingress_replicas of them share the engine replicas (cluster/serve/engine_replica.py, found through the
+fleet, cluster/serve/fleet.py); each holds the client path of LLM.generate / chat (tokenizer, chat
+template, default sampling settings, output processing) and its own engine client (its own outbox in
+every driver, its own KV index for routing). Routes:
   POST /v1/completions, POST /v1/chat/completions   (stream or not)
   GET  /v1/models, /health, /metrics
 Errors are OpenAI-shaped JSON; a bad request fails alone and the server goes on. Before its body is
@@ -27,10 +28,11 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.client.sampling_defaults import default_sampling_params
-from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
+from cluster.config import EngineConfig
 from cluster.llm import check_client_model, client_model_dir, load_client_model
 from cluster.serve.engine_client import AsyncEngineClient, Overloaded, Unavailable
 from cluster.serve.errors import APIError, bad_request, clip, error_body, overloaded
+from cluster.serve.fleet import FleetView
 from cluster.serve.generation import ChoiceDelta, Generation
 from cluster.serve.http_guard import check_api_key, check_media_type, decode_json, read_body
 from cluster.serve.loopback import bind_internal_grpc_to_loopback
@@ -60,6 +62,21 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("%s %s: unexpected error", request.method, request.url.path)
     return JSONResponse(error_body(500, f"{type(exc).__name__}: {exc}"), status_code=500)
+
+
+FIRST_REPLICA_BOUND_S = 3 * 600.0 + 60.0  # an engine replica's start is bounded like EngineGroup's
+
+
+async def _first_view(fleet: Any, bound_s: float) -> FleetView:
+    """The fleet's live set once an engine replica is up in it (they start beside this ingress)."""
+    deadline = time.monotonic() + bound_s
+    view: FleetView = await fleet.view.remote()
+    while not view.members:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"no engine replica joined the fleet within {bound_s:g}s")
+        view = await fleet.view.remote(view.version, min(left, 5.0))
+    return view
 
 
 def _with_max_tokens(params: Any, max_tokens: int) -> Any:
@@ -111,13 +128,17 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[list[ChoiceDelta]]:
 class OpenAIServer:
     """The ingress deployment's class (cluster/serve/app.py wraps it with serve.deployment)."""
 
-    def __init__(
+    # Ray Serve awaits an async constructor (it waits for the first engine replica); mypy wants it sync.
+    async def __init__(  # type: ignore[misc]
         self,
         config: EngineConfig,
-        worker_cls: str = DEFAULT_WORKER_CLS,
+        fleet: Any,
         api_key: str | None = None,
         loopback_only: bool = False,
+        engines: Any = None,
     ) -> None:
+        """`fleet`: the fleet's handle; `engines`: the engine replicas' deployment handle, held only so
+        that the application graph deploys them (nothing reaches them through Serve)."""
         if loopback_only:
             bind_internal_grpc_to_loopback()  # before Serve starts this replica's gRPC server
         self.api_key = api_key
@@ -126,8 +147,11 @@ class OpenAIServer:
         self.defaults = default_sampling_params(self.model_dir)
         if hf_config is not None:
             check_client_model(config, hf_config)
-        self.client = AsyncEngineClient(config, worker_cls)
-        self.config = self.client.config
+        self.engines = engines
+        view = await _first_view(fleet, max(FIRST_REPLICA_BOUND_S, 3 * config.parallel.step_timeout_s + 60.0))
+        self.client = AsyncEngineClient(config, view.members[0].info, fleet=fleet)
+        self.client.sync(view)
+        self.config = config
         self.model_name = config.serve.served_model_name or config.model.model
         self.max_model_len = int(self.client.info["max_model_len"])
         vocab = self.client.info.get("vocab_size")
@@ -263,7 +287,9 @@ class OpenAIServer:
                 param="n",
             )
         total = req.num_prompts * n
-        everything = self.replica_capacity * self.config.parallel.data_parallel_size
+        a = self.config.serve.autoscaling
+        most = a.max_replicas if a is not None else self.config.parallel.data_parallel_size
+        everything = self.replica_capacity * most
         if total > everything:
             raise bad_request(
                 f"body.prompt: {req.num_prompts} prompts x n={n} = {total} engine requests, more than every "
@@ -329,7 +355,7 @@ class OpenAIServer:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
     def __del__(self) -> None:
-        # Serve calls this on a graceful shutdown: the engine replicas go with the ingress.
+        # Serve calls this on a graceful shutdown: this ingress's tasks end; the engine replicas stay.
         client = getattr(self, "client", None)
         if client is not None:
             try:

@@ -28,6 +28,11 @@ class KVIndex:
         self.limit = 2 * max(1, max_blocks_per_replica)
         self.held: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
 
+    def add_replica(self) -> int:
+        """A replica joined (a scale-up): -> its index, with nothing cached."""
+        self.held.append(OrderedDict())
+        return len(self.held) - 1
+
     def apply(self, replica: int, events: Iterable[CacheEvents]) -> None:
         """One replica's cache events, in the order it took them."""
         held = self.held[replica]

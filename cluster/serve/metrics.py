@@ -47,6 +47,21 @@ class ServerMetrics:
             registry=r,
         )
         self.replica_up = Gauge("kvray_serve_replica_up", "1 while the replica serves", ["replica"], registry=r)
+        self.replicas = Gauge(
+            "kvray_serve_replicas",
+            "engine replicas this ingress knows, by state: up (takes requests), draining (being removed), down",
+            ["state"],
+            registry=r,
+        )
+        self.replica_draining = Gauge(
+            "kvray_serve_replica_draining", "1 while the replica is being removed", ["replica"], registry=r
+        )
+        self.finished = Gauge(
+            "kvray_serve_replica_finished_requests",
+            "engine requests that finished on the replica",
+            ["replica"],
+            registry=r,
+        )
         self.migrations = Gauge(
             "kvray_serve_migrations",
             "in-flight engine requests this replica could not go on with, moved to another replica",
@@ -70,15 +85,22 @@ class ServerMetrics:
     def render(self, books: list[Any], engine_stats: list[dict[str, Any]]) -> bytes:
         prompt = sum(b.prompt_tokens for b in books)
         self.cached_share_all.set(sum(b.cached_tokens for b in books) / prompt if prompt else 0.0)
+        counts = {"up": 0, "draining": 0, "down": 0}
         for r, b in enumerate(books):
             label = str(r)
+            state = "down" if b.down else "draining" if b.draining else "up"
+            counts[state] += 1
             self.outstanding.labels(label).set(b.outstanding)
             self.replica_up.labels(label).set(0 if b.down else 1)
+            self.replica_draining.labels(label).set(1 if state == "draining" else 0)
+            self.finished.labels(label).set(b.finished)
             self.migrations.labels(label).set(b.migrated_away)
             self.cached_share.labels(label).set(b.cached_tokens / b.prompt_tokens if b.prompt_tokens else 0.0)
-        for r, s in enumerate(engine_stats):
+        for state, n in counts.items():
+            self.replicas.labels(state).set(n)
+        for s in engine_stats:
             for k, g in self.engine.items():
                 v = s.get(k)
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    g.labels(str(r)).set(float(v))
+                    g.labels(str(s["replica"])).set(float(v))
         return generate_latest(self.registry)

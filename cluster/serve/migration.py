@@ -79,4 +79,6 @@ class FlightBook:
         sp = spec.sampling_params
         if sp.prompt_logprobs is not None:
             sp = replace(sp, prompt_logprobs=None)
-        return RequestSpec(spec.request_id, spec.prompt_token_ids, sp, [*spec.output_token_ids, *f.delivered])
+        delivered = [*spec.output_token_ids, *f.delivered]
+        # The same client: its outputs must reach this ingress's outbox on the new replica.
+        return RequestSpec(spec.request_id, spec.prompt_token_ids, sp, delivered, client_id=spec.client_id)

@@ -65,6 +65,10 @@ class KVAwareRouter:
         """A replica's cache events (from its poll)."""
         self.index.apply(replica, events)
 
+    def add_replica(self) -> int:
+        """A replica joined: -> its index."""
+        return self.index.add_replica()
+
     def forget(self, replica: int) -> None:
         """A replica restarted or went down: its cache is empty."""
         self.index.forget(replica)

@@ -1,0 +1,136 @@
+"""`kvray serve` with two ingress replicas sharing two engine replicas (serve.ingress_replicas=2 over
+parallel.data_parallel_size=2; local Ray, 127.0.0.1 only, CPU replicas of tiny-random): the engine
+replicas live in their own deployment and register with the fleet, every ingress finds them there and
+polls each driver through its own outbox. Concurrent `openai` streams through Serve's proxy (spread over
+both ingresses) all complete with exactly the tokens of a run one at a time; /metrics shows the
+replicas up; a replica whose driver died is replaced by Ray Serve (its health check) and the new one
+serves."""
+
+import asyncio
+import re
+import time
+
+import openai
+import pytest
+import ray
+import requests
+
+from cluster.config import load_config
+from cluster.replicas.placement import connect
+from cluster.serve.app import start_server, stop_server
+from tests.serve_helpers import SERVE_OVERRIDES, drivers, free_port
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "tiny-random"
+N_STREAMS = 24
+
+OVERRIDES = {
+    **SERVE_OVERRIDES,
+    "serve.ingress_replicas": 2,
+    "scheduler.max_num_seqs": 16,
+    "serve.max_queued_requests": 16,
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = load_config("configs/local.yaml", OVERRIDES)
+    port = free_port()
+    started = connect(config)
+    try:
+        start_server(config, "127.0.0.1", port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(started)
+
+
+def _request(i: int) -> dict:
+    body = {
+        "model": MODEL,
+        "prompt": f"stream {i}: " + "abc " * (i % 5 + 1),
+        "max_tokens": 16 + i % 7,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
+    if i % 2:
+        body.update(temperature=0.9, top_p=0.9, seed=100 + i)
+    else:
+        body.update(temperature=0)
+    return body
+
+
+async def _stream(c: openai.AsyncOpenAI, body: dict) -> dict:
+    out = {"text": "", "ids": [], "finish": None}
+    async for ch in await c.completions.create(stream=True, **body):
+        for choice in ch.choices:
+            out["text"] += choice.text or ""
+            out["ids"] += getattr(choice, "token_ids", None) or []
+            out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+async def _whole(c: openai.AsyncOpenAI, body: dict) -> dict:
+    r = await c.completions.create(**body)
+    return {"text": r.choices[0].text, "ids": r.choices[0].token_ids, "finish": r.choices[0].finish_reason}
+
+
+def test_two_ingress_replicas_stream_over_shared_engine_replicas_token_exact(server):
+    async def run():
+        c = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
+        try:
+            streamed = await asyncio.gather(*(_stream(c, _request(i)) for i in range(N_STREAMS)))
+            reference = [await _whole(c, _request(i)) for i in range(N_STREAMS)]  # one at a time
+            return streamed, reference
+        finally:
+            await c.close()
+
+    streamed, reference = asyncio.run(run())
+    assert streamed == reference
+    assert all(s["finish"] == "length" and s["ids"] for s in streamed)
+    stats = [ray.get(d.stats.remote(), timeout=30) for d in drivers()]
+    assert len(stats) == 2 and all(s["fatal"] is None for s in stats), stats
+    # Both ingress replicas took requests and polled both drivers, each through its own outbox.
+    assert all(s["num_clients"] == 2 for s in stats), stats
+    assert all(s["num_output_tokens"] > 0 for s in stats), stats
+
+
+def test_metrics_show_the_engine_replicas_up(server):
+    text = requests.get(server + "/metrics", timeout=60).text
+    assert re.search(r'^kvray_serve_replicas\{state="up"\} 2\.0$', text, re.M), text
+    assert re.search(r'^kvray_serve_replicas\{state="draining"\} 0\.0$', text, re.M), text
+    assert requests.get(server + "/health", timeout=30).status_code == 200
+
+
+def test_a_replica_whose_driver_died_is_replaced_and_the_new_one_serves(server):
+    """Ray Serve's health check fails for the replica whose driver died; Serve starts another, which
+    joins the fleet under a new id, and the ingresses send it requests."""
+
+    def replica_of(d) -> int | None:
+        try:
+            return ray.get(d.stats.remote(), timeout=30)["replica"]
+        except ray.exceptions.RayActorError:  # the killed one, still listed a moment
+            return None
+
+    old = {replica_of(d) for d in drivers()}
+    ray.kill(drivers()[0], no_restart=True)
+    deadline = time.monotonic() + 300
+    fresh: list = []
+    while time.monotonic() < deadline:
+        ds = drivers()
+        fresh = [d for d in ds if replica_of(d) not in old | {None}]
+        if fresh and len(ds) == 2:
+            break
+        time.sleep(1.0)
+    assert fresh and len(drivers()) == 2, drivers()
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(_stream(c, _request(i)) for i in range(8)))
+        finally:
+            await c.close()
+
+    deadline = time.monotonic() + 120
+    while ray.get(fresh[0].stats.remote(), timeout=30)["num_output_tokens"] == 0 and time.monotonic() < deadline:
+        assert all(s["finish"] == "length" for s in asyncio.run(run()))
+    assert ray.get(fresh[0].stats.remote(), timeout=30)["num_output_tokens"] > 0
+    assert requests.get(server + "/health", timeout=30).status_code == 200
