@@ -33,6 +33,7 @@ import copyreg
 import dataclasses
 import marshal
 import pickle
+import threading
 import types
 import typing
 from operator import attrgetter
@@ -412,6 +413,10 @@ class _Codec:
 _CODECS: dict[type, _Codec] = {}
 _FIELDS_OF: dict[type, tuple[list[str], list[Node]]] = {}
 _BUILDING: set[type] = set()  # the classes whose codec is being generated (a cycle among them is refused)
+# Codecs are built on first use, and a driver actor serves several clients' calls on as many threads: two
+# threads building one class's codec at once would each see the other's class "being generated" and call it
+# a cycle. One re-entrant lock: a codec builds its nested classes' codecs on the same thread.
+_BUILD_LOCK = threading.RLock()
 
 
 def _fields(cls: type) -> tuple[list[str], list[Node]]:
@@ -439,7 +444,11 @@ def _refuse_cycle(cls: type, stack: Any) -> None:
 
 def _codec(cls: type) -> _Codec:
     codec = _CODECS.get(cls)
-    return codec if codec is not None else _Codec(cls)
+    if codec is not None:
+        return codec
+    with _BUILD_LOCK:
+        codec = _CODECS.get(cls)  # another thread may have built it while this one waited
+        return codec if codec is not None else _Codec(cls)
 
 
 # ---- the API ------------------------------------------------------------------------------------------

@@ -253,3 +253,50 @@ def test_a_local_only_field_without_a_default_is_refused_by_name() -> None:
     msg.a, msg.cache = 1, {}
     with pytest.raises(TypeError, match="CacheWithoutDefault.cache is LOCAL_ONLY: it needs a default"):
         wire.encode(msg)
+
+
+@dataclass
+class _RacedInner:
+    x: int = 0
+
+
+@dataclass
+class _Raced:
+    inner: _RacedInner = field(default_factory=_RacedInner)
+    items: list[_RacedInner] = field(default_factory=list)
+
+
+def test_two_threads_building_one_codec_neither_calls_it_a_cycle(monkeypatch):
+    """A driver serves several clients on as many threads: the first two polls encode the reply type at
+    once. The second thread waited for the first's codec; it used to see the class "being generated"
+    and refuse it as a message that holds itself."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    build = wire._Codec._build
+
+    def slow_build(self: Any, cls: type) -> None:
+        if cls is _Raced:
+            entered.set()
+            release.wait(1.0)  # the other thread arrives while this one is in the middle of it
+        build(self, cls)
+
+    monkeypatch.setattr(wire._Codec, "_build", slow_build)
+    msg = _Raced(_RacedInner(3), [_RacedInner(4)])
+    errors: list[BaseException] = []
+
+    def encode() -> None:
+        try:
+            assert wire.decode(_Raced, wire.encode(msg)) == msg
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+
+    first = threading.Thread(target=encode)
+    first.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=encode)
+    second.start()
+    second.join(30)
+    release.set()
+    first.join(30)
+    assert not errors, errors
