@@ -134,10 +134,10 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config("configs/local.yaml", {"model.max_model_len": 256, "ray.include_dashboard": False})
         vocab, max_tokens = 256, 24
     else:
-        from benchmarks.common import SHAPES, make_random_model
+        from benchmarks.common import make_random_model, vocab_size
 
         config = load_config(args.config, {"model.model": make_random_model(args.shape, args.model_dir)})
-        vocab, max_tokens = SHAPES[args.shape]["vocab_size"], 512
+        vocab, max_tokens = vocab_size(args.shape), 512
     from cluster.config import apply_overrides
 
     config = apply_overrides(config, overrides)
