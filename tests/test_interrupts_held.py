@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from actors.interrupts_held import interrupts_held
+from tests.terminal_signals import sigint_as_in_a_terminal
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +38,14 @@ except KeyboardInterrupt:
 
 def test_ctrl_c_during_torchs_import_is_raised_after_it():
     env = dict(os.environ, PYTHONPATH=REPO)
-    r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=sigint_as_in_a_terminal,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == "INTERRUPTED, torch imported: True", r.stdout + r.stderr[-3000:]
 

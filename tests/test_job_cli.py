@@ -18,6 +18,7 @@ import ray
 from cluster.cli import EXIT_CLOSED_OUTPUT, EXIT_INTERRUPTED, EXIT_USAGE
 from cluster.cli import main as kvray_main
 from cluster.replicas.placement import start_local_ray
+from tests.terminal_signals import sigint_as_in_a_terminal
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISE = (
@@ -142,9 +143,7 @@ def test_ctrl_c_ends_with_where_the_output_is_and_how_to_resume(env, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # A pytest started in the background inherits SIGINT ignored, and so would the child
-        # (Python keeps an ignored SIGINT ignored): the Ctrl-C of a terminal must reach it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=sigint_as_in_a_terminal,
     )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and p.poll() is None and (not out.exists() or not out.read_text()):
@@ -287,6 +286,6 @@ def test_ctrl_c_in_the_middle_of_importing_ray_is_one_line_and_130(env, tmp_path
         capture_output=True,
         text=True,
         timeout=300,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=sigint_as_in_a_terminal,
     )
     assert r.returncode == EXIT_INTERRUPTED and r.stderr == "kvray: interrupted\n", (r.returncode, r.stderr[-3000:])

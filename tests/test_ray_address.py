@@ -14,9 +14,11 @@ import sys
 
 import pytest
 import ray
+import ray._private.services as services
 
 from cluster.cli import EXIT_FAILED, EXIT_INTERRUPTED
 from cluster.cli import main as kvray_main
+from tests.terminal_signals import sigint_as_in_a_terminal
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = {
@@ -58,6 +60,9 @@ def test_a_stale_auto_names_the_address_it_resolved_to(capsys, monkeypatch, mode
     (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     monkeypatch.setenv("RAY_ADDRESS", "auto")
+    # and no Ray process left running: with exactly one other cluster on the host (another test run's),
+    # Ray's "auto" takes that cluster over the file.
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])
     code = kvray_main(["info", "--set", f"model.model={model}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_FAILED and len(err) == 1, err
@@ -87,6 +92,7 @@ def test_ctrl_c_while_connecting_exits_130_in_one_line(model):
         stdout=subprocess.DEVNULL,
         text=True,
         env=env,
+        preexec_fn=sigint_as_in_a_terminal,
     )
     held: list[socket.socket] = []
     try:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import tempfile
 
+from tests.terminal_signals import sigint_as_in_a_terminal
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = """
@@ -38,7 +40,14 @@ except KeyboardInterrupt as e:
 def test_ctrl_c_during_ray_init_is_raised_after_it_with_ray_stopped():
     env = dict(os.environ, PYTHONPATH=REPO, RAY_TMPDIR=tempfile.mkdtemp(prefix="kvsi-", dir="/tmp"))
     env.pop("RAY_ADDRESS", None)
-    r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=sigint_as_in_a_terminal,
+    )
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     # Raised where the hold ends (actors/interrupts_held.py hands it to Python's handler), not inside Ray.
     assert "RAISED IN interrupts_held.py RAY UP False" in r.stdout, (r.stdout, r.stderr[-3000:])

@@ -29,7 +29,7 @@ def test_the_fp8_kernels_compile_for_sm90():
     assert summary, r.stdout[-2000:]
     compiled, total = (int(w) for w in summary[0].split()[1:4:2])
     assert compiled == total >= 40, summary  # the quantizer, the small-M GEMM, cache writes, attention over fp8
-    assert "_w8a16_kernel" in r.stdout and "FP8_DOT_F16': True" in r.stdout
+    assert "_small_m_kernel" in r.stdout and "FP8_DOT_F16': True" in r.stdout
 
 
 def test_the_sampler_with_every_logits_processor_compiles_for_sm90():
