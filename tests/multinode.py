@@ -143,29 +143,50 @@ def specs(tag: str) -> list[RequestSpec]:
     return out
 
 
+class Outputs:
+    """One batch's outputs as an EngineGroup delivers them: each request's tokens, and the requests that
+    finished, in the order they did (each must finish once, without an error)."""
+
+    def __init__(self, group: Any, batch: list[RequestSpec]) -> None:
+        self.group, self.batch = group, batch
+        self.tokens: dict[str, list[int]] = {s.request_id: [] for s in batch}
+        self.finished: list[str] = []
+
+    def collect(self) -> None:
+        """One poll's outputs; the group must not be down for good."""
+        for o in self.group.poll(timeout_s=0.5):
+            self.tokens[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                assert o.error is None, o.error
+                self.finished.append(o.request_id)
+        assert self.group.fatal is None, self.group.fatal
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.tokens.values()))
+
+    def in_order(self) -> list[list[int]]:
+        """Every request's tokens in submission order, once each has finished exactly once."""
+        assert sorted(self.finished) == sorted(self.tokens)  # each exactly once
+        return [self.tokens[s.request_id] for s in self.batch]
+
+
 def run(group: Any, tag: str, action: Callable[[], Any] | None = None, deadline_s: float = 400) -> list[list[int]]:
     """Submit specs(tag) to an EngineGroup and poll until every request finished: each request's tokens, in
     submission order. `action` runs once, after the first tokens of the run; every request must end exactly
     once, without an error, within deadline_s."""
     batch = specs(tag)
     assert group.submit(batch) == {}
-    tokens: dict[str, list[int]] = {s.request_id: [] for s in batch}
-    finished: list[str] = []
+    out = Outputs(group, batch)
     deadline = time.monotonic() + deadline_s
-    while len(finished) < N:
+    while len(out.finished) < N:
         # The state of every replica in the message: a hang here must say where it is.
         assert time.monotonic() < deadline, (
-            f"round {tag!r}: {len(finished)} of {N} finished; states {group.state}, "
+            f"round {tag!r}: {len(out.finished)} of {N} finished; states {group.state}, "
             f"pending {group.failover.pending}, owners {group.failover.owner}, {group.stats()}"
         )
-        if action is not None and sum(map(len, tokens.values())) >= 4:
+        if action is not None and out.num_tokens >= 4:
             action, act = None, action
             act()
-        for o in group.poll(timeout_s=0.5):
-            tokens[o.request_id].extend(o.new_token_ids)
-            if o.finished:
-                assert o.error is None, o.error
-                finished.append(o.request_id)
-        assert group.fatal is None, group.fatal
-    assert sorted(finished) == sorted(tokens)  # each exactly once
-    return [tokens[s.request_id] for s in batch]
+        out.collect()
+    return out.in_order()

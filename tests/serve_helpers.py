@@ -1,9 +1,11 @@
-"""Shared pieces of the `kvray serve` tests: the server fixture's config, driver handles, pool books."""
+"""Shared pieces of the `kvray serve` tests: the running server, its config, driver handles, pool books."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -28,6 +30,23 @@ SERVE_OVERRIDES = {
 
 def serve_config() -> EngineConfig:
     return load_config("configs/local.yaml", SERVE_OVERRIDES)
+
+
+@contextlib.contextmanager
+def running_server(overrides: dict[str, Any]) -> Iterator[str]:
+    """`kvray serve` on a free loopback port, over configs/local.yaml with `overrides`, on a local Ray
+    started here (and stopped after); yields its URL. A module's `server` fixture wraps it."""
+    from cluster.replicas.placement import connect
+    from cluster.serve.app import start_server, stop_server
+
+    config = load_config("configs/local.yaml", overrides)
+    port = free_port()
+    started = connect(config)
+    try:
+        start_server(config, "127.0.0.1", port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(started)
 
 
 def free_port() -> int:

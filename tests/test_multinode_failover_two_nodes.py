@@ -6,7 +6,7 @@ three-node one for the whole module.
 """
 
 import pytest
-from multinode import N, local_cluster, node_of, run, specs
+from multinode import N, Outputs, local_cluster, node_of, run, specs
 from waits import wait_until
 
 from cluster.config import EngineConfig
@@ -43,18 +43,8 @@ def test_two_nodes_one_replica_each_a_lost_node_moves_its_requests_within_the_pl
             lost = node_of(two, g, lost_replica)
             batch = specs("two-failover")
             assert g.submit(batch) == {}
-            tokens: dict[str, list[int]] = {s.request_id: [] for s in batch}
-            finished: list[str] = []
-
-            def collect() -> None:
-                for o in g.poll(timeout_s=0.5):
-                    tokens[o.request_id].extend(o.new_token_ids)
-                    if o.finished:
-                        assert o.error is None, o.error
-                        finished.append(o.request_id)
-                assert g.fatal is None, g.fatal
-
-            wait_until(lambda: sum(map(len, tokens.values())) >= 4, 120, step=collect, what="the first tokens")
+            out = Outputs(g, batch)
+            wait_until(lambda: out.num_tokens >= 4, 120, step=out.collect, what="the first tokens")
             assert any(owner == lost_replica for owner in g.failover.owner.values())  # it holds requests when it goes
             two.remove(lost)
             # Node death is seen within a few seconds (FAST_HEALTH_CHECKS); a stranded request would wait
@@ -62,12 +52,11 @@ def test_two_nodes_one_replica_each_a_lost_node_moves_its_requests_within_the_pl
             wait_until(
                 lambda: g.failover.moved_away[lost_replica] > 0,
                 placement_timeout_s + step_timeout_s / 2,
-                step=collect,
+                step=out.collect,
                 what=f"replica {lost_replica}'s requests moving to the other replica",
             )
             assert g.state[lost_replica] == "rebuilding" and g.state[1 - lost_replica] == UP
-            wait_until(lambda: len(finished) == N, 300, step=collect, what="every request finishing")
-            assert sorted(finished) == sorted(tokens)  # each exactly once
-            assert [tokens[s.request_id] for s in batch] == ref
+            wait_until(lambda: len(out.finished) == N, 300, step=out.collect, what="every request finishing")
+            assert out.in_order() == ref
         finally:
             g.shutdown()

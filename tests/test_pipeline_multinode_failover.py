@@ -8,7 +8,7 @@ pipeline node test (tests/test_pipeline_multinode.py) keeps a spare node for the
 """
 
 import pytest
-from multinode import N, bundle_nodes, local_cluster, run, specs
+from multinode import N, Outputs, bundle_nodes, local_cluster, run, specs
 from waits import wait_until
 
 from cluster.config import EngineConfig
@@ -42,18 +42,8 @@ def test_a_lost_stage_node_without_a_spare_moves_the_replicas_requests_to_the_ot
             assert all(len(t) == 16 for t in ref)
             batch = specs("pp-failover")
             assert g.submit(batch) == {}
-            tokens: dict[str, list[int]] = {s.request_id: [] for s in batch}
-            finished: list[str] = []
-
-            def collect() -> None:
-                for o in g.poll(timeout_s=0.5):
-                    tokens[o.request_id].extend(o.new_token_ids)
-                    if o.finished:
-                        assert o.error is None, o.error
-                        finished.append(o.request_id)
-                assert g.fatal is None, g.fatal
-
-            wait_until(lambda: sum(map(len, tokens.values())) >= 4, 120, step=collect, what="the first tokens")
+            out = Outputs(g, batch)
+            wait_until(lambda: out.num_tokens >= 4, 120, step=out.collect, what="the first tokens")
             assert any(owner == 0 for owner in g.failover.owner.values())  # it holds requests when its node goes
             four.remove(stages[0][1])  # replica 0's last stage; its first stage's node stays up
             # Node death is seen within a few seconds (FAST_HEALTH_CHECKS); the rebuild then waits
@@ -63,12 +53,11 @@ def test_a_lost_stage_node_without_a_spare_moves_the_replicas_requests_to_the_ot
             wait_until(
                 lambda: g.failover.moved_away[0] > 0,
                 placement_timeout_s + 20,
-                step=collect,
+                step=out.collect,
                 what="replica 0's requests moving to replica 1",
             )
             assert g.state[0] == "rebuilding" and g.state[1] == UP, g.state
-            wait_until(lambda: len(finished) == N, 300, step=collect, what="every request finishing")
-            assert sorted(finished) == sorted(tokens)  # each exactly once
-            assert [tokens[s.request_id] for s in batch] == ref
+            wait_until(lambda: len(out.finished) == N, 300, step=out.collect, what="every request finishing")
+            assert out.in_order() == ref
         finally:
             g.shutdown()

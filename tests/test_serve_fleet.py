@@ -15,10 +15,7 @@ import pytest
 import ray
 import requests
 
-from cluster.config import load_config
-from cluster.replicas.placement import connect
-from cluster.serve.app import start_server, stop_server
-from tests.serve_helpers import SERVE_OVERRIDES, drivers, free_port
+from tests.serve_helpers import SERVE_OVERRIDES, drivers, running_server
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny-random"
@@ -34,14 +31,8 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def server():
-    config = load_config("configs/local.yaml", OVERRIDES)
-    port = free_port()
-    started = connect(config)
-    try:
-        start_server(config, "127.0.0.1", port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_server(started)
+    with running_server(OVERRIDES) as url:
+        yield url
 
 
 def _request(i: int) -> dict:

@@ -8,10 +8,7 @@ import openai
 import pytest
 import ray
 
-from cluster.config import load_config
-from cluster.replicas.placement import connect
-from cluster.serve.app import start_server, stop_server
-from tests.serve_helpers import SERVE_OVERRIDES, drivers, free_port
+from tests.serve_helpers import SERVE_OVERRIDES, drivers, running_server
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny-random"
@@ -21,14 +18,8 @@ PREFIX_B = [3 + (11 * i) % 240 for i in range(64)]
 
 @pytest.fixture(scope="module")
 def server():
-    config = load_config("configs/local.yaml", {**SERVE_OVERRIDES, "serve.imbalance_threshold": 2})
-    port = free_port()
-    started = connect(config)
-    try:
-        start_server(config, "127.0.0.1", port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_server(started)
+    with running_server({**SERVE_OVERRIDES, "serve.imbalance_threshold": 2}) as url:
+        yield url
 
 
 def _stats() -> dict[int, dict]:
