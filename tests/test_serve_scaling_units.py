@@ -142,3 +142,75 @@ def test_a_restarted_fleet_empty_for_a_moment_takes_no_replica_down():
     client.sync(FleetView(1, [FleetMember(0, d0)], 1, tag="new"))  # it registered again
     client.sync(FleetView(2, [], 1, tag="new"))  # and now it really left
     assert client.books[0].down is not None
+
+
+class _Remote:
+    """A Ray method's `.remote`: here a coroutine, which the client awaits as it awaits an ObjectRef."""
+
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
+class _Fleet:
+    """The fleet as an ingress sees it: a long-poll view, here changed by the test."""
+
+    def __init__(self, view: FleetView) -> None:
+        import asyncio
+
+        self.current, self.changed = view, asyncio.Event()
+        self.view = _Remote(self._view)
+
+    async def _view(self, after: int, timeout_s: float) -> FleetView:
+        import asyncio
+
+        if self.current.version <= after:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.current
+
+
+class _LiveDriver:
+    def __init__(self, replica: int) -> None:
+        from actors.messages import PollResult
+
+        async def outputs(timeout_s: float, client_id: str) -> PollResult:
+            import asyncio
+
+            await asyncio.sleep(0.01)
+            return PollResult([])
+
+        async def stats() -> dict[str, Any]:
+            return {"replica": replica, "kv_cache_usage": 0.5}
+
+        self.get_outputs, self.stats = _Remote(outputs), _Remote(stats)
+        self.release_client = _Remote(lambda client_id: None)
+
+
+def test_health_and_metrics_follow_the_fleet_before_any_request():
+    """An ingress that has served no request yet still learns of a replica that joined after it came up:
+    /health and /metrics read the live set, so they start the fleet watch (once failed in CI: replica 1
+    registered after the ingress's first view and /metrics never showed it)."""
+    import asyncio
+
+    async def run():
+        config = load_config("configs/local.yaml", {"serve.prefix_affinity": False})
+        fleet = _Fleet(FleetView(1, [FleetMember(0, _LiveDriver(0))], 1))
+        client = AsyncEngineClient(config, {"num_blocks": 16, "max_model_len": 256}, fleet=fleet)
+        client.sync(fleet.current)
+        try:
+            assert client.healthy()
+            fleet.current = FleetView(2, [FleetMember(0, _LiveDriver(0)), FleetMember(1, _LiveDriver(1))], 2)
+            fleet.changed.set()
+            for _ in range(200):
+                if len(client.books) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            stats = await client.engine_stats()
+            assert [s["replica"] for s in stats] == [0, 1] and client.num_live == 2
+        finally:
+            client.shutdown()
+
+    asyncio.run(run())

@@ -210,8 +210,8 @@ class AsyncEngineClient:
 
     def start_polling(self) -> None:
         """Start the poll tasks and the fleet watch (idempotent). They must live on the loop the handlers
-        run on, so the first request starts them, but in a context of their own: nothing of that
-        request's reaches them."""
+        run on, so the first route that reads the live set (a request, /health, /metrics) starts them,
+        but in a context of their own: nothing of that route's task reaches them."""
         if self._polling or self._closed:
             return
         self._polling = True
@@ -451,6 +451,7 @@ class AsyncEngineClient:
 
     # ---- introspection and teardown ---------------------------------------------------------
     async def engine_stats(self) -> list[dict[str, Any]]:
+        self.start_polling()  # a scrape before any request must still see replicas that joined since
         out: list[dict[str, Any]] = []
         for r, d in enumerate(self.drivers):
             if d is None:
@@ -465,6 +466,9 @@ class AsyncEngineClient:
         return out
 
     def healthy(self) -> bool:
+        """Called on the handlers' loop: like engine_stats, it starts following the fleet and the
+        replicas, so that a health probe before any request sees a replica that died or joined."""
+        self.start_polling()
         return any(b.down is None for b in self.books)
 
     def shutdown(self) -> None:
