@@ -3,11 +3,14 @@ parallel.data_parallel_size=2; local Ray, 127.0.0.1 only, CPU replicas of tiny-r
 replicas live in their own deployment and register with the fleet, every ingress finds them there and
 polls each driver through its own outbox. Concurrent `openai` streams through Serve's proxy (spread over
 both ingresses) all complete with exactly the tokens of a run one at a time; /metrics shows the
-replicas up; a replica whose driver died is replaced by Ray Serve (its health check) and the new one
-serves."""
+replicas up; a whole answer whose client left is aborted; a replica whose driver died is replaced by
+Ray Serve (its health check) and the new one serves. Each runs with serve.http=proxy (Serve's proxy in
+front) and serve.http=direct (the two ingress replicas share the port themselves, no proxy)."""
 
 import asyncio
+import json
 import re
+import socket
 import time
 
 import openai
@@ -29,9 +32,9 @@ OVERRIDES = {
 }
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server(OVERRIDES) as url:
+@pytest.fixture(scope="module", params=["proxy", "direct"])
+def server(request):
+    with running_server({**OVERRIDES, "serve.http": request.param}) as url:
         yield url
 
 
@@ -89,6 +92,42 @@ def test_metrics_show_the_engine_replicas_up(server):
     assert re.search(r'^kvray_serve_replicas\{state="up"\} 2\.0$', text, re.M), text
     assert re.search(r'^kvray_serve_replicas\{state="draining"\} 0\.0$', text, re.M), text
     assert requests.get(server + "/health", timeout=30).status_code == 200
+
+
+def test_the_proxy_runs_only_with_serve_http_proxy(server, request):
+    proxies = [a for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_PROXY_ACTOR" in a["name"]]
+    assert bool(proxies) == (request.node.callspec.params["server"] == "proxy"), proxies
+
+
+def test_a_whole_answer_whose_client_left_is_aborted(server):
+    """No stream: Starlette alone would finish it for nobody. The client closes its connection once the
+    engine runs the request; the request leaves every driver long before its max_tokens."""
+    max_tokens = 200
+    body = json.dumps(
+        {"model": MODEL, "prompt": "a long answer", "max_tokens": max_tokens, "ignore_eos": True}
+    ).encode()
+    host, port = server.removeprefix("http://").split(":")
+
+    def live_and_tokens() -> tuple[int, int]:
+        stats = [ray.get(d.stats.remote(), timeout=30) for d in drivers()]
+        return sum(s["num_live_requests"] for s in stats), sum(s["num_output_tokens"] for s in stats)
+
+    before = live_and_tokens()[1]
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 60
+        while live_and_tokens()[0] == 0:
+            assert time.monotonic() < deadline, "the request never reached an engine replica"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 60
+    while (now := live_and_tokens())[0] > 0:
+        assert time.monotonic() < deadline, f"still running 60 s after its client left: {now}"
+        time.sleep(0.1)
+    assert now[1] - before < max_tokens, (before, now)
 
 
 def test_a_replica_whose_driver_died_is_replaced_and_the_new_one_serves(server):

@@ -326,6 +326,9 @@ class AutoscalingConfig(Section):
         )
 
 
+HTTP_MODES = ("proxy", "direct")
+
+
 @dataclass(frozen=True)
 class ServeConfig(Section):
     """`kvray serve` (cluster/serve/): what the OpenAI server admits and how it routes across replicas."""
@@ -359,12 +362,17 @@ class ServeConfig(Section):
     max_request_body_bytes: int = 8 << 20
     # Ingress replicas (the HTTP side) that share the engine replicas, each with its own outbox per driver.
     ingress_replicas: int = 1
+    # Who answers HTTP: "proxy", Ray Serve's proxy in front of the ingress replicas; "direct", each
+    # ingress replica itself, on the server's host:port shared by the node's ingress replicas
+    # (cluster/serve/direct_http.py): one process less per request and chunk, and no one proxy to saturate.
+    http: str = "proxy"
     # null: parallel.data_parallel_size engine replicas, fixed. A mapping (AutoscalingConfig's fields):
     # Ray Serve scales them between min_replicas and max_replicas.
     autoscaling: AutoscalingConfig | None = None
 
     def _rules(self) -> None:
         self._check(1 <= self.ingress_replicas <= 1024, "ingress_replicas", "must be in [1, 1024]")
+        self._check(self.http in HTTP_MODES, "http", f"must be one of {', '.join(map(repr, HTTP_MODES))}")
         if isinstance(self.autoscaling, Mapping):
             unknown = sorted(str(k) for k in self.autoscaling if k not in AutoscalingConfig.__dataclass_fields__)
             self._check(

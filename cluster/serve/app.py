@@ -7,7 +7,9 @@
 The application is three Serve deployments: the engine replicas (EngineReplica: a driver and its placement
 group each; parallel.data_parallel_size of them, or Ray Serve autoscaling between serve.autoscaling's
 bounds), the fleet (EngineFleet, one replica: which engine replicas are up or draining), and the ingress
-(OpenAIServer: serve.ingress_replicas replicas behind Serve's proxy, each routing over every engine replica).
+(OpenAIServer: serve.ingress_replicas replicas behind Serve's proxy, each routing over every engine replica;
+with serve.http=direct there is no proxy: the ingress replicas share host:port themselves,
+cluster/serve/direct_http.py).
 
 `kvray serve` without an address starts the same embedded, loopback-only local Ray as `kvray run`
 (cluster/replicas/placement.py), and keeps the ingress replica's internal gRPC server on loopback too
@@ -25,6 +27,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from typing import Any, Iterator
 
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig, load_config
@@ -105,10 +108,12 @@ def build(
     worker_cls: str = DEFAULT_WORKER_CLS,
     loopback_only: bool = False,
     actor_resources: dict[str, float] | None = None,
+    http_address: tuple[str, int] | None = None,
 ) -> Any:
     """The application: the engine replicas, the fleet, the ingress. loopback_only: this process started
     the (loopback-only) Ray, so each replica keeps its internal gRPC server on loopback. actor_resources:
-    custom resources every Serve replica of the app asks for (a test pins them to the head node)."""
+    custom resources every Serve replica of the app asks for (a test pins them to the head node).
+    http_address: the (host, port) the ingress replicas answer on themselves with serve.http=direct."""
     from ray import serve
 
     from cluster.serve.engine_replica import EngineReplica
@@ -121,10 +126,19 @@ def build(
             options["ray_actor_options"] = {**options["ray_actor_options"], "resources": dict(actor_resources)}
         return serve.deployment(**options)(cls)
 
+    direct = config.serve.http == "direct"
+    if direct and http_address is None:
+        raise ValueError(
+            "serve.http='direct': the ingress replicas answer HTTP themselves and need the host and port; "
+            "start it with `kvray serve --host H --port P` (`serve run` starts Serve's own proxy: use "
+            "serve.http='proxy' there)"
+        )
     fleet = deploy(EngineFleet, fleet_deployment_options()).bind(loopback_only)
     engines = deploy(EngineReplica, engine_deployment_options(config)).bind(config, fleet, worker_cls, loopback_only)
     ingress = deploy(OpenAIServer, deployment_options(config))
-    return ingress.bind(config, fleet, resolve_api_key(config.serve.api_key), loopback_only, engines)
+    return ingress.bind(
+        config, fleet, resolve_api_key(config.serve.api_key), loopback_only, engines, http_address if direct else None
+    )
 
 
 def build_app(args: dict[str, str]) -> Any:
@@ -139,8 +153,9 @@ def build_app(args: dict[str, str]) -> Any:
 def start_server(
     config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, worker_cls: str = DEFAULT_WORKER_CLS
 ) -> bool:
-    """Connect to Ray (or start the embedded local one), start Serve's proxy on host:port and deploy the
-    app; returns once it is ready. -> whether this call started Ray (stop_server then stops it)."""
+    """Connect to Ray (or start the embedded local one), start Serve's proxy on host:port (serve.http=direct:
+    no proxy; the ingress replicas bind it) and deploy the app; returns once host:port answers. -> whether
+    this call started Ray (stop_server then stops it)."""
     from ray import serve
 
     from cluster.llm import check_model_here
@@ -150,13 +165,40 @@ def start_server(
     check_port_free(host, port)  # in a second, not after Ray and Serve's proxy retried for ~20 s
     with proxy_env(config):
         started = connect(config)
+    direct = config.serve.http == "direct"
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(build(config, worker_cls, loopback_only=started), name=APP_NAME, route_prefix="/", blocking=False)
+        if direct:
+            serve.start(proxy_location="Disabled")
+        else:
+            serve.start(http_options={"host": host, "port": port})
+        app = build(config, worker_cls, loopback_only=started, http_address=(host, port))
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        if direct:
+            wait_listening(host, port, DIRECT_LISTEN_BOUND_S)
     except BaseException:
         stop_server(started)
         raise
     return started
+
+
+DIRECT_LISTEN_BOUND_S = 60.0  # serve.http=direct: the app is ready; its ingress replicas bind right after
+
+
+def wait_listening(host: str, port: int, bound_s: float) -> None:
+    """Until host:port accepts a connection (serve.http=direct: an ingress replica serves it); raises
+    TimeoutError naming both after bound_s."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"serve.http='direct': no ingress replica listens on {host}:{port} {bound_s:g} s after the "
+                    f"app was ready ({e}); see the OpenAIServer replicas' logs"
+                ) from None
+            time.sleep(0.05)
 
 
 class PortInUse(OSError):

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.client.sampling_defaults import default_sampling_params
 from cluster.config import EngineConfig
 from cluster.llm import check_client_model, client_model_dir, load_client_model
+from cluster.serve.direct_http import DirectHTTPServer
 from cluster.serve.engine_client import AsyncEngineClient, Overloaded, Unavailable
 from cluster.serve.errors import APIError, bad_request, clip, error_body, overloaded
 from cluster.serve.fleet import FleetView
@@ -136,9 +137,11 @@ class OpenAIServer:
         api_key: str | None = None,
         loopback_only: bool = False,
         engines: Any = None,
+        direct_http: tuple[str, int] | None = None,
     ) -> None:
         """`fleet`: the fleet's handle; `engines`: the engine replicas' deployment handle, held only so
-        that the application graph deploys them (nothing reaches them through Serve)."""
+        that the application graph deploys them (nothing reaches them through Serve); `direct_http`:
+        (host, port) this replica answers HTTP on itself (serve.http=direct), else Serve's proxy does."""
         if loopback_only:
             bind_internal_grpc_to_loopback()  # before Serve starts this replica's gRPC server
         self.api_key = api_key
@@ -162,6 +165,11 @@ class OpenAIServer:
         self.replica_capacity = self.config.scheduler.max_num_seqs + self.config.serve.max_queued_requests
         self.server_metrics = ServerMetrics()
         self.created = int(time.time())
+        self.direct: DirectHTTPServer | None = None
+        if direct_http is not None:
+            # The routes find `self` as Serve's current replica object, set once this constructor returns.
+            self.direct = DirectHTTPServer(app, *direct_http)
+            self.direct.start_when(lambda: serve.get_replica_context().servable_object is self)
 
     # ---- routes -----------------------------------------------------------------------------
     @app.post(COMPLETIONS)
@@ -356,6 +364,9 @@ class OpenAIServer:
 
     def __del__(self) -> None:
         # Serve calls this on a graceful shutdown: this ingress's tasks end; the engine replicas stay.
+        direct = getattr(self, "direct", None)
+        if direct is not None:
+            direct.stop()
         client = getattr(self, "client", None)
         if client is not None:
             try:
