@@ -140,3 +140,19 @@ def test_two_sockets_share_one_port():
         b.close()
     finally:
         a.close()
+
+
+def test_the_server_leaves_the_processes_signal_handlers_alone():
+    """On the main thread (a Serve replica with serve.single_event_loop) uvicorn would take SIGINT and SIGTERM
+    from Ray and Serve for as long as it serves."""
+    import signal
+
+    from cluster.serve.direct_http import DirectHTTPServer
+
+    async def app(scope, receive, send):
+        pass
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    server = DirectHTTPServer(app, "127.0.0.1", 0).server
+    with server.capture_signals():
+        assert {s: signal.getsignal(s) for s in before} == before

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 import uvicorn
 
@@ -112,10 +112,19 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn takes SIGINT and SIGTERM when it runs on the main thread (a Serve replica's user code may):
+        # they are Ray's and Serve's, which stop the replica; this server stops with it.
+        yield
+
+
 class DirectHTTPServer:
     """One ingress replica's own HTTP server on host:port (shared with its siblings on the node)."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        """app: the ingress's ASGI app (FastAPI)."""
         self.host, self.port = host, port
         config = uvicorn.Config(
             CancelOnDisconnect(app),
@@ -124,8 +133,7 @@ class DirectHTTPServer:
             log_config=None,
             timeout_keep_alive=KEEP_ALIVE_S,
         )
-        self.server = uvicorn.Server(config)
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # Serve's, not ours
+        self.server = _Server(config)
         self.task: asyncio.Task[None] | None = None
         self.sock: socket.socket | None = None
 
