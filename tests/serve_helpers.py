@@ -11,7 +11,7 @@ from typing import Any
 import ray
 
 from cluster.config import EngineConfig, load_config
-from cluster.replicas.engine_group import DRIVER_NAME_PREFIX
+from cluster.replicas.driver_names import DRIVER_NAME_PREFIX
 from cluster.stress.report import leaked_blocks
 
 # Two replicas (routing, a kill on one while the other serves), a small bound per replica

@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from cluster.job.runner import load_done
-from cluster.replicas.engine_group import DRIVER_NAME_PREFIX
+from cluster.replicas.driver_names import DRIVER_NAME_PREFIX
 from cluster.replicas.placement import local_address, start_local_ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

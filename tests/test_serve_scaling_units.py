@@ -214,3 +214,25 @@ def test_health_and_metrics_follow_the_fleet_before_any_request():
             client.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_restarted_fleet_hands_out_ids_past_every_live_driver(monkeypatch):
+    """Serve restarted the fleet: its live set is empty until the engine replicas register again, but an
+    id reserved meanwhile must not be one a live driver holds (its name carries it)."""
+    import asyncio
+
+    import ray
+
+    from cluster.replicas.driver_names import driver_name, replica_of
+    from cluster.serve.fleet import EngineFleet
+
+    live = [
+        {"name": driver_name("a1b2c3d4", 0), "namespace": "kvray"},
+        {"name": driver_name("a1b2c3d4", 4, generation=2), "namespace": "kvray"},
+        {"name": driver_name("ffff0000", 9), "namespace": "elsewhere"},  # another app's: not ours
+        {"name": "SERVE_CONTROLLER_ACTOR", "namespace": "kvray"},
+    ]
+    monkeypatch.setattr(ray.util, "list_named_actors", lambda all_namespaces=False: live)
+    assert [replica_of(a["name"]) for a in live] == [0, 4, 9, None]
+    assert asyncio.run(EngineFleet(namespace="kvray").reserve())[0] == 5
+    assert asyncio.run(EngineFleet(namespace="empty").reserve())[0] == 0

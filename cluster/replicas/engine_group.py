@@ -21,6 +21,7 @@ from actors.driver.actor import driver_actor_class
 from actors.messages import PollResult, RequestSpec
 from actors.verbose_logging import verbose_runtime_env
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig
+from cluster.replicas.driver_names import driver_name
 from cluster.replicas.failover import (
     DRIVER_CALL_GRACE_S,
     STARTING,
@@ -32,9 +33,6 @@ from cluster.replicas.placement import connect, create_placement_group, remove, 
 from kvcore.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
-
-
-DRIVER_NAME_PREFIX = "kvray-driver-"
 
 
 class EngineFailure(RuntimeError):
@@ -102,7 +100,7 @@ def start_replica(config: EngineConfig, replica: int, tag: str, worker_cls: str 
     pg = create_placement_group(config, name=f"kvray-{config.ray.namespace}-{tag}-r{replica}")
     driver = None
     try:
-        driver = new_driver(config, pg, replica, f"{DRIVER_NAME_PREFIX}{tag}-r{replica}", worker_cls)
+        driver = new_driver(config, pg, replica, driver_name(tag, replica), worker_cls)
         info = await_start(config, [driver.start.remote()])[0]
     except BaseException as e:
         if driver is not None:
@@ -173,7 +171,7 @@ class EngineGroup:
         return await_start(self.config, refs)
 
     def _new_driver(self, replica: int, gen: int) -> Any:
-        name = f"{DRIVER_NAME_PREFIX}{self.tag}-r{replica}" + (f"-{gen}" if gen else "")
+        name = driver_name(self.tag, replica, gen)
         return new_driver(self.config, self.pgs[replica], replica, name, self.worker_cls)
 
     # ---- DriverControl: what failover may do to the driver actors ------------------------------

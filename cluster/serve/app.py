@@ -133,7 +133,7 @@ def build(
             "start it with `kvray serve --host H --port P` (`serve run` starts Serve's own proxy: use "
             "serve.http='proxy' there)"
         )
-    fleet = deploy(EngineFleet, fleet_deployment_options()).bind(loopback_only)
+    fleet = deploy(EngineFleet, fleet_deployment_options()).bind(loopback_only, config.ray.namespace)
     engines = deploy(EngineReplica, engine_deployment_options(config)).bind(config, fleet, worker_cls, loopback_only)
     ingress = deploy(OpenAIServer, deployment_options(config))
     return ingress.bind(

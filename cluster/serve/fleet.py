@@ -12,9 +12,9 @@ streams finish or move after serve.autoscaling.drain_timeout_s). A replica that 
 Should Serve restart the fleet's replica, its live set starts empty under a new tag: each engine replica
 registers again at its next health check (cluster/serve/engine_replica.py), and an ingress takes a
 replica's absence for its leaving only from the tag it last saw the replica under (a replica that really
-went meanwhile shows as its driver's death on the poll path). Ids stay unique: a registration moves the
-next id past its own (a replica that reserves an id in the moment before the others registered again
-could take a used one; the window is one health-check period after a fleet restart).
+went meanwhile shows as its driver's death on the poll path). Ids stay unique: a restarted fleet starts
+its next id past every live driver's of the namespace (their actor names carry their ids), and a
+registration moves it past its own.
 """
 
 from __future__ import annotations
@@ -24,10 +24,23 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.replicas.driver_names import replica_of
 from cluster.serve.loopback import bind_internal_grpc_to_loopback
 
 UP = "up"
 DRAINING = "draining"
+
+
+def highest_driver_id(namespace: str) -> int:
+    """The highest replica id among the live engine drivers of `namespace` (-1: none)."""
+    import ray
+
+    ids = [
+        r
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == namespace and (r := replica_of(a["name"])) is not None
+    ]
+    return max(ids, default=-1)
 
 
 @dataclass
@@ -51,12 +64,13 @@ class EngineFleet:
     """The registry (a Serve deployment's class). Async methods: they run on the replica's event loop,
     where the change future lives."""
 
-    def __init__(self, loopback_only: bool = False) -> None:
+    def __init__(self, loopback_only: bool = False, namespace: str | None = None) -> None:
+        """namespace: the drivers' Ray namespace; a fleet that Serve restarted finds their ids there."""
         if loopback_only:
             bind_internal_grpc_to_loopback()
         self.tag = uuid.uuid4().hex[:8]  # names this app's drivers (`ray list actors`)
         self._members: dict[int, FleetMember] = {}
-        self._next_id = 0
+        self._next_id = highest_driver_id(namespace) + 1 if namespace is not None else 0
         self._version = 0
         self._changed: asyncio.Future[None] | None = None
 
