@@ -135,7 +135,6 @@ class DirectHTTPServer:
         )
         self.server = _Server(config)
         self.task: asyncio.Task[None] | None = None
-        self.sock: socket.socket | None = None
 
     def start_when(self, ready: Callable[[], bool]) -> None:
         """Start serving on the running loop once ready() holds (checked every 10 ms, bounded)."""
@@ -148,17 +147,19 @@ class DirectHTTPServer:
                 logger.error("serve.http=direct: the replica never became current; not serving %s", self.url)
                 return
             await asyncio.sleep(0.01)
-        self.sock = reuse_port_socket(self.host, self.port)
+        try:
+            sock = reuse_port_socket(self.host, self.port)
+        except OSError as e:  # taken since `kvray serve` checked it, by a server that does not share it
+            logger.error("serve.http=direct: cannot listen on %s: %s", self.url, e)
+            return
         logger.info("serve.http=direct: serving %s", self.url)
-        await self.server.serve(sockets=[self.sock])
+        await self.server.serve(sockets=[sock])
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def stop(self) -> None:
-        """Stop accepting and close the listening socket; connections in flight end with the process."""
+        """Stop accepting: uvicorn closes the listening socket within its next tick (0.1 s) and lets the
+        connections in flight finish, until Serve's graceful shutdown timeout ends the process."""
         self.server.should_exit = True
-        if self.sock is not None:
-            with contextlib.suppress(OSError):
-                self.sock.close()
