@@ -218,7 +218,8 @@ def test_health_and_metrics_follow_the_fleet_before_any_request():
 
 def test_a_restarted_fleet_hands_out_ids_past_every_live_driver(monkeypatch):
     """Serve restarted the fleet: its live set is empty until the engine replicas register again, but an
-    id reserved meanwhile must not be one a live driver holds (its name carries it)."""
+    id reserved meanwhile must not be one a live driver of the app holds (its name carries it). Another
+    app's or an LLM's drivers in the same namespace do not count: a new app starts at 0."""
     import asyncio
 
     import ray
@@ -229,10 +230,12 @@ def test_a_restarted_fleet_hands_out_ids_past_every_live_driver(monkeypatch):
     live = [
         {"name": driver_name("a1b2c3d4", 0), "namespace": "kvray"},
         {"name": driver_name("a1b2c3d4", 4, generation=2), "namespace": "kvray"},
-        {"name": driver_name("ffff0000", 9), "namespace": "elsewhere"},  # another app's: not ours
+        {"name": driver_name("0f0f0f0f", 9), "namespace": "kvray"},  # an LLM's beside the server
+        {"name": driver_name("a1b2c3d4", 7), "namespace": "elsewhere"},
         {"name": "SERVE_CONTROLLER_ACTOR", "namespace": "kvray"},
     ]
     monkeypatch.setattr(ray.util, "list_named_actors", lambda all_namespaces=False: live)
-    assert [replica_of(a["name"]) for a in live] == [0, 4, 9, None]
-    assert asyncio.run(EngineFleet(namespace="kvray").reserve())[0] == 5
-    assert asyncio.run(EngineFleet(namespace="empty").reserve())[0] == 0
+    assert [replica_of(a["name"], "a1b2c3d4") for a in live] == [0, 4, None, 7, None]
+    restarted = EngineFleet(namespace="kvray", app_tag="a1b2c3d4")
+    assert asyncio.run(restarted.reserve()) == (5, "a1b2c3d4") and restarted.tag != "a1b2c3d4"
+    assert asyncio.run(EngineFleet(namespace="kvray", app_tag="new00000").reserve())[0] == 0

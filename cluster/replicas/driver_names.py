@@ -10,14 +10,13 @@ from __future__ import annotations
 import re
 
 DRIVER_NAME_PREFIX = "kvray-driver-"
-_NAME = re.compile(re.escape(DRIVER_NAME_PREFIX) + r".+-r(\d+)(?:-\d+)?$")
 
 
 def driver_name(tag: str, replica: int, generation: int = 0) -> str:
     return f"{DRIVER_NAME_PREFIX}{tag}-r{replica}" + (f"-{generation}" if generation else "")
 
 
-def replica_of(name: str) -> int | None:
-    """The replica id in a driver's name; None for any other name."""
-    m = _NAME.match(name)
+def replica_of(name: str, tag: str) -> int | None:
+    """The replica id in the name of a driver of `tag`; None for any other name."""
+    m = re.fullmatch(re.escape(DRIVER_NAME_PREFIX + tag) + r"-r(\d+)(?:-\d+)?", name)
     return int(m.group(1)) if m is not None else None

@@ -28,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from typing import Any, Iterator
 
 from cluster.config import DEFAULT_WORKER_CLS, EngineConfig, load_config
@@ -133,7 +134,9 @@ def build(
             "start it with `kvray serve --host H --port P` (`serve run` starts Serve's own proxy: use "
             "serve.http='proxy' there)"
         )
-    fleet = deploy(EngineFleet, fleet_deployment_options()).bind(loopback_only, config.ray.namespace)
+    # The app's tag names its drivers; bound here, it is the same for a fleet that Serve restarts.
+    app_tag = uuid.uuid4().hex[:8]
+    fleet = deploy(EngineFleet, fleet_deployment_options()).bind(loopback_only, config.ray.namespace, app_tag)
     engines = deploy(EngineReplica, engine_deployment_options(config)).bind(config, fleet, worker_cls, loopback_only)
     ingress = deploy(OpenAIServer, deployment_options(config))
     return ingress.bind(

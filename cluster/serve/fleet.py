@@ -12,8 +12,9 @@ streams finish or move after serve.autoscaling.drain_timeout_s). A replica that 
 Should Serve restart the fleet's replica, its live set starts empty under a new tag: each engine replica
 registers again at its next health check (cluster/serve/engine_replica.py), and an ingress takes a
 replica's absence for its leaving only from the tag it last saw the replica under (a replica that really
-went meanwhile shows as its driver's death on the poll path). Ids stay unique: a restarted fleet starts
-its next id past every live driver's of the namespace (their actor names carry their ids), and a
+went meanwhile shows as its driver's death on the poll path). Ids stay unique: the app's tag, which
+names its drivers, outlives a restart (it is the fleet's constructor argument), so a restarted fleet
+starts its next id past every live driver of the app (their actor names carry their ids), and a
 registration moves it past its own.
 """
 
@@ -31,14 +32,14 @@ UP = "up"
 DRAINING = "draining"
 
 
-def highest_driver_id(namespace: str) -> int:
-    """The highest replica id among the live engine drivers of `namespace` (-1: none)."""
+def highest_driver_id(namespace: str, tag: str) -> int:
+    """The highest replica id among the live engine drivers of `tag` in `namespace` (-1: none)."""
     import ray
 
     ids = [
         r
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == namespace and (r := replica_of(a["name"])) is not None
+        if a["namespace"] == namespace and (r := replica_of(a["name"], tag)) is not None
     ]
     return max(ids, default=-1)
 
@@ -64,13 +65,16 @@ class EngineFleet:
     """The registry (a Serve deployment's class). Async methods: they run on the replica's event loop,
     where the change future lives."""
 
-    def __init__(self, loopback_only: bool = False, namespace: str | None = None) -> None:
-        """namespace: the drivers' Ray namespace; a fleet that Serve restarted finds their ids there."""
+    def __init__(self, loopback_only: bool = False, namespace: str | None = None, app_tag: str | None = None) -> None:
+        """namespace, app_tag: where the app's drivers live and the tag that names them (cluster/serve/app.py
+        picks it once per app); a fleet that Serve restarted finds their ids there."""
         if loopback_only:
             bind_internal_grpc_to_loopback()
-        self.tag = uuid.uuid4().hex[:8]  # names this app's drivers (`ray list actors`)
+        self.tag = uuid.uuid4().hex[:8]  # this incarnation: an ingress counts versions afresh under a new one
+        self.app_tag = app_tag or self.tag  # names the app's drivers (`ray list actors`)
         self._members: dict[int, FleetMember] = {}
-        self._next_id = highest_driver_id(namespace) + 1 if namespace is not None else 0
+        found = highest_driver_id(namespace, app_tag) if namespace is not None and app_tag is not None else -1
+        self._next_id = found + 1
         self._version = 0
         self._changed: asyncio.Future[None] | None = None
 
@@ -78,7 +82,7 @@ class EngineFleet:
         """-> (a new replica id, the tag for its driver's name)."""
         r = self._next_id
         self._next_id += 1
-        return r, self.tag
+        return r, self.app_tag
 
     async def register(self, member: FleetMember) -> None:
         self._members[member.replica] = member
