@@ -134,7 +134,7 @@ class DirectHTTPServer:
             timeout_keep_alive=KEEP_ALIVE_S,
         )
         self.server = _Server(config)
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference to a task
 
     def start_when(self, ready: Callable[[], bool]) -> None:
         """Start serving on the running loop once ready() holds (checked every 10 ms, bounded)."""
