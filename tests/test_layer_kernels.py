@@ -24,6 +24,8 @@ from actors.layers.kernels import layer_ops
 from actors.layers.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
 from actors.layers.norm import RMSNorm
 from actors.layers.rotary import RopeParams, RotaryEmbedding
+from kvcore.kernels import ops
+from kvcore.kernels.ops import KVCacheWrite
 
 GEN = torch.Generator().manual_seed(0)
 EXACT_RATE = 0.999
@@ -168,6 +170,79 @@ def test_qk_norm_rope(dtype: torch.dtype, hq: int, hkv: int, d: int, qk_norm: bo
         else:
             torch.testing.assert_close(g.float(), w.float(), atol=1 / 16, rtol=0)
             assert (g == w).float().mean() >= EXACT_RATE
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,hq,hkv,d,qk_norm,gemma",
+    [
+        (torch.bfloat16, torch.bfloat16, 4, 2, 128, True, False),  # Qwen3
+        (torch.bfloat16, torch.bfloat16, 8, 2, 64, False, False),  # Llama-style, GQA 4
+        (torch.float32, torch.float32, 6, 2, 24, True, True),  # Gemma-3 norm, masked half lanes
+        (torch.bfloat16, torch.float8_e4m3fn, 4, 4, 32, False, False),  # fp8 cache, scaled
+    ],
+)
+def test_qk_norm_rope_into_cache(
+    dtype: torch.dtype, cache_dtype: torch.dtype, hq: int, hkv: int, d: int, qk_norm: bool, gemma: bool
+) -> None:
+    """One launch (rotary writes K, and V, straight into the paged cache) leaves q and the cache exactly
+    as the two-launch path (rotary, then the cache write) and the torch reference do; padding rows
+    (slot -1) write nothing, and the rest of the cache is untouched."""
+    tokens, max_pos, eps, num_blocks, block = 9, 256, 1e-6, 6, 4
+    rot = RotaryEmbedding(d, max_pos, RopeParams(theta=1e6))
+    qkv = randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # row-strided views, as the decoder passes
+    pos = torch.randint(0, max_pos, (tokens,), generator=GEN)
+    slots = torch.randperm(num_blocks * block, generator=GEN)[:tokens]
+    slots[[2, 7]] = -1  # padding rows
+    qw, kw = (norm_weight(d, dtype), norm_weight(d, dtype)) if qk_norm else (None, None)
+    scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+
+    def run(backend: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = torch.zeros(2, num_blocks, block, hkv, d, dtype=cache_dtype)
+        cache = KVCacheWrite(kv[0], kv[1], slots, *scales)
+        if fused:
+            out = layer_ops.qk_norm_rope_into_cache(
+                q, k, v, pos, rot.cos_sin_cache, cache, qw, kw, eps, backend=backend, gemma=gemma
+            )
+        else:
+            out, k_rot = layer_ops.qk_norm_rope(q, k, pos, rot.cos_sin_cache, qw, kw, eps, backend=backend, gemma=gemma)
+            ops.reshape_and_cache(
+                k_rot.view(tokens, hkv, d), v.view(tokens, hkv, d), kv[0], kv[1], slots, backend, *scales
+            )
+        return out, kv
+
+    q_fused, kv_fused = run("triton", fused=True)
+    q_split, kv_split = run("triton", fused=False)
+    assert torch.equal(q_fused, q_split)
+    assert torch.equal(kv_fused.view(torch.uint8), kv_split.view(torch.uint8)), "the cache differs from two launches"
+    q_ref, kv_ref = run("torch", fused=True)
+    flat = kv_fused.view(2, -1, hkv, d)
+    written = slots[slots >= 0]
+    unwritten = torch.ones(num_blocks * block, dtype=torch.bool)
+    unwritten[written] = False
+    assert (flat[:, unwritten].float() == 0).all(), "a slot that no token maps to was written"
+    assert (flat[:, written].float() != 0).any(dim=(0, 2, 3)).all(), "a token's slot was not written"
+    if dtype == torch.float32:
+        torch.testing.assert_close(q_fused, q_ref, **FP32_TOL)
+        torch.testing.assert_close(kv_fused.float(), kv_ref.float(), **FP32_TOL)
+    else:
+        torch.testing.assert_close(q_fused.float(), q_ref.float(), atol=1 / 16, rtol=0)
+        assert (kv_fused.float() == kv_ref.float()).float().mean() >= EXACT_RATE
+
+
+def test_fused_cache_write_refuses_a_mismatched_cache() -> None:
+    q, k, pos = randn(3, 4 * 16), randn(3, 2 * 16), torch.zeros(3, dtype=torch.int64)
+    rot = RotaryEmbedding(16, 8, RopeParams(theta=10000.0))
+    kv = torch.zeros(2, 2, 4, 3, 16)  # 3 KV heads, k has 2
+    with pytest.raises(ValueError, match=r"does not match key_cache"):
+        layer_ops.qk_norm_rope_into_cache(
+            q, k, k, pos, rot.cos_sin_cache, KVCacheWrite(kv[0], kv[1], torch.arange(3)), backend="triton"
+        )
+    kv = torch.zeros(2, 2, 4, 2, 16)
+    with pytest.raises(ValueError, match=r"slot_mapping has 2 entries, fewer than the 3 tokens"):
+        layer_ops.qk_norm_rope_into_cache(
+            q, k, k, pos, rot.cos_sin_cache, KVCacheWrite(kv[0], kv[1], torch.arange(2)), backend="triton"
+        )
 
 
 def test_rotary_layer_dispatch_keeps_shapes() -> None:

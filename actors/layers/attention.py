@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from actors.forward_context import get_forward_context
+from actors.forward_context import AttentionMetadata, get_forward_context
 from kvcore.kernels import check_backend, ops
+from kvcore.kernels.ops import KVCacheWrite
 
 
 class Attention(nn.Module):
@@ -48,36 +49,49 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
-        ctx = get_forward_context()
-        if ctx.attn_metadata is None:
+        cache = self.cache_write()
+        if cache is None:
             # Profile run: no cache exists yet; the runner only measures activation memory.
             return torch.zeros_like(q)
-        md = ctx.attn_metadata[ctx.layer_to_group[self.layer_name]]
-        if self.kv_cache is None:
-            raise RuntimeError(f"{self.layer_name}: kv_cache is not bound (initialize the KV cache first)")
         num_tokens = q.shape[0]
-        n = md.num_actual_tokens
-        query = q.view(num_tokens, self.num_heads, self.head_size)
-        key = k.view(num_tokens, self.num_kv_heads, self.head_size)
-        value = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+        n = self._metadata().num_actual_tokens
         ops.reshape_and_cache(
-            key[:n],
-            value[:n],
-            key_cache,
-            value_cache,
-            md.slot_mapping,
+            k.view(num_tokens, self.num_kv_heads, self.head_size)[:n],
+            v.view(num_tokens, self.num_kv_heads, self.head_size)[:n],
+            cache.key_cache,
+            cache.value_cache,
+            cache.slot_mapping,
             backend=self.backend,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
         )
+        return self.attend(q)
+
+    def cache_write(self) -> KVCacheWrite | None:
+        """Where this step's K/V go (a caller that writes them itself, as the fused rotary kernel does,
+        then calls `attend`); None in the profile run, before any cache exists."""
+        ctx = get_forward_context()
+        if ctx.attn_metadata is None:
+            return None
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.layer_name}: kv_cache is not bound (initialize the KV cache first)")
+        md = self._metadata()
+        return KVCacheWrite(self.kv_cache[0], self.kv_cache[1], md.slot_mapping, self.k_scale, self.v_scale)
+
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q [T, Hq*D] over the cache, which already holds this step's K/V -> [T, Hq*D]."""
+        md = self._metadata()
+        assert self.kv_cache is not None, "cache_write() checks the binding first"
+        num_tokens = q.shape[0]
+        n = md.num_actual_tokens
+        query = q.view(num_tokens, self.num_heads, self.head_size)
         out = torch.empty_like(query)
         if n < num_tokens:
             out[n:].zero_()  # padding rows: the kernels leave them untouched
         ops.paged_attention(
             query,
-            key_cache,
-            value_cache,
+            self.kv_cache[0],
+            self.kv_cache[1],
             out,
             md.query_start_loc,
             md.seq_lens,
@@ -93,3 +107,8 @@ class Attention(nn.Module):
             v_scale=self.v_scale,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _metadata(self) -> AttentionMetadata:
+        ctx = get_forward_context()
+        assert ctx.attn_metadata is not None
+        return ctx.attn_metadata[ctx.layer_to_group[self.layer_name]]

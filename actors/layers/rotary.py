@@ -20,6 +20,7 @@ from torch import nn
 
 from actors.layers.kernels import layer_ops
 from kvcore.kernels import check_backend
+from kvcore.kernels.ops import KVCacheWrite
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -98,6 +99,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass(frozen=True)
+class QKNormArgs:
+    """Per-head q/k RMSNorm applied before rotary (Qwen3, Gemma-3: `gemma` scales by 1 + w)."""
+
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+    gemma: bool = False
+
+
 class RotaryEmbedding(nn.Module):
     cos_sin_cache: torch.Tensor  # a non-persistent buffer, registered in __init__
 
@@ -128,20 +139,40 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def forward_fused(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, norm: QKNormArgs | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Triton path: per-head RMSNorm of q and k (with `norm`), then rotary, in one launch.
+        query/key may be row-strided [T, H*D] views (no copies are made); returns new contiguous
+        q [T, Hq*D], k [T, Hkv*D]."""
+        n = norm or QKNormArgs()
+        return layer_ops.qk_norm_rope(
+            query, key, positions, self.cos_sin_cache, n.q_weight, n.k_weight, n.eps, backend="triton", gemma=n.gemma
+        )
+
+    def forward_into_cache(
         self,
         positions: torch.Tensor,
         query: torch.Tensor,
         key: torch.Tensor,
-        q_norm_weight: torch.Tensor | None = None,
-        k_norm_weight: torch.Tensor | None = None,
-        eps: float = 1e-6,
-        gemma: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Triton path: per-head RMSNorm of q and k (when weights are given), then rotary, in one
-        launch. query/key may be row-strided [T, H*D] views (no copies are made); returns new
-        contiguous q [T, Hq*D], k [T, Hkv*D]."""
-        return layer_ops.qk_norm_rope(
-            query, key, positions, self.cos_sin_cache, q_norm_weight, k_norm_weight, eps, backend="triton", gemma=gemma
+        value: torch.Tensor,
+        cache: KVCacheWrite,
+        norm: QKNormArgs | None = None,
+    ) -> torch.Tensor:
+        """forward_fused that writes the rotated K, and V, into the paged cache in the same launch
+        instead of returning K; returns q [T, Hq*D]."""
+        n = norm or QKNormArgs()
+        return layer_ops.qk_norm_rope_into_cache(
+            query,
+            key,
+            value,
+            positions,
+            self.cos_sin_cache,
+            cache,
+            n.q_weight,
+            n.k_weight,
+            n.eps,
+            backend="triton",
+            gemma=n.gemma,
         )
 
     # Not `_apply`: that name is nn.Module's hook for .to()/.float(), which this would shadow.

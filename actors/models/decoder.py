@@ -20,7 +20,7 @@ from actors.layers.attention import Attention
 from actors.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from actors.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from actors.layers.norm import GemmaRMSNorm, RMSNorm
-from actors.layers.rotary import RotaryEmbedding
+from actors.layers.rotary import QKNormArgs, RotaryEmbedding
 from actors.layers.weight_utils import ShardShapeError, load_weight
 from actors.models.args import ModelArgs
 from actors.models.checkpoint import Checkpoint, CorruptCheckpointError, TensorShapeError, UnexpectedTensorError
@@ -34,6 +34,10 @@ STACKED_PARAMS = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
+
+
+# KVRAY_FUSED_KV_WRITE=0 writes K/V with the separate cache-write launch (the A/B switch behind the fusion).
+FUSED_KV_WRITE = os.environ.get("KVRAY_FUSED_KV_WRITE", "1") != "0"
 
 
 def attention_layer_name(layer_idx: int) -> str:
@@ -69,7 +73,11 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if self.backend == "triton":
-            return self.o_proj(self.attn(*self._norm_rope_fused(positions, q, k), v))
+            cache = self.attn.cache_write() if FUSED_KV_WRITE else None
+            if cache is not None:
+                q = self.rotary_emb.forward_into_cache(positions, q, k, v, cache, self._qk_norm_args())
+                return self.o_proj(self.attn.attend(q))
+            return self.o_proj(self.attn(*self.rotary_emb.forward_fused(positions, q, k, self._qk_norm_args()), v))
         if self.q_norm is not None and self.k_norm is not None:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
@@ -77,21 +85,13 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
-    def _norm_rope_fused(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q/k norm and rotary in one launch, reading q and k in place from the QKV output; v stays
-        a strided view too (the cache-write and attention kernels take row strides)."""
+    def _qk_norm_args(self) -> QKNormArgs | None:
+        """The Triton rotary kernel applies q/k norm (Qwen3, Gemma-3) in the same launch, reading q, k
+        and v in place from the QKV output."""
         if self.q_norm is None or self.k_norm is None:
-            return self.rotary_emb.forward_fused(positions, q, k)
-        return self.rotary_emb.forward_fused(
-            positions,
-            q,
-            k,
-            self.q_norm.weight,
-            self.k_norm.weight,
-            self.q_norm.eps,
-            gemma=isinstance(self.q_norm, GemmaRMSNorm),
+            return None
+        return QKNormArgs(
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, gemma=isinstance(self.q_norm, GemmaRMSNorm)
         )
 
 

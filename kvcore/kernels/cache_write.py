@@ -17,6 +17,31 @@ from kvcore.kernels.fp8_round import round_to_fp8_grid
 
 
 @triton.jit
+def store_kv_tile(
+    cache_ptr: tl.tensor,
+    slot: tl.tensor,
+    heads: tl.tensor,
+    dims: tl.tensor,
+    x: tl.tensor,
+    mask: tl.tensor,
+    inv_scale: tl.tensor,
+    stride_b: tl.tensor,
+    stride_s: tl.tensor,
+    stride_h: tl.tensor,
+    BLOCK_SIZE: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_EMIN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+) -> None:
+    """x [heads, dims] of one token into the cache row of `slot` (>= 0, int64). Shared with the fused
+    rotary kernel (actors/layers/kernels/qk_norm_rope.py), which writes K straight from its registers."""
+    if FP8_MANT > 0:
+        x = round_to_fp8_grid(x.to(tl.float32) * inv_scale, FP8_MANT, FP8_EMIN, FP8_MAX)
+    row = cache_ptr + (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_s
+    tl.store(row + heads[:, None] * stride_h + dims[None, :], x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr: tl.tensor,
     value_ptr: tl.tensor,
@@ -48,21 +73,44 @@ def _reshape_and_cache_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_size)
     t64 = token.to(tl.int64)
     k = tl.load(key_ptr + t64 * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    if FP8_MANT > 0:
-        k = round_to_fp8_grid(k.to(tl.float32) * k_inv_scale, FP8_MANT, FP8_EMIN, FP8_MAX)
-        v = round_to_fp8_grid(v.to(tl.float32) * v_inv_scale, FP8_MANT, FP8_EMIN, FP8_MAX)
-    kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs
-    vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs
-    tl.store(kc + heads[:, None] * stride_kch + dims[None, :], k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + heads[:, None] * stride_vch + dims[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    store_kv_tile(
+        key_cache_ptr,
+        slot,
+        heads,
+        dims,
+        k,
+        mask,
+        k_inv_scale,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        BLOCK_SIZE,
+        FP8_MANT,
+        FP8_EMIN,
+        FP8_MAX,
+    )
+    store_kv_tile(
+        value_cache_ptr,
+        slot,
+        heads,
+        dims,
+        v,
+        mask,
+        v_inv_scale,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        BLOCK_SIZE,
+        FP8_MANT,
+        FP8_EMIN,
+        FP8_MAX,
+    )
 
 
 def reshape_and_cache_triton(

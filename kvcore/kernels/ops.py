@@ -7,6 +7,8 @@ device synchronisation on the hot path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvcore.kernels import check_backend as _check_backend
@@ -17,6 +19,18 @@ from kvcore.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CACHE_DTYPES = (*FLOAT_DTYPES, *FP8_FORMATS)
+
+
+@dataclass(frozen=True)
+class KVCacheWrite:
+    """Where one attention layer's K/V of this step go: its paged caches [num_blocks, block_size, Hkv, D],
+    the step's slots (slot -1: not written) and the fp8 scales (1.0 for a float cache)."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 def _check_scales(k_scale: float, v_scale: float) -> None:
@@ -47,22 +61,11 @@ def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> Non
     _require(key_cache.dtype in CACHE_DTYPES, f"key_cache dtype must be one of {CACHE_DTYPES}, got {key_cache.dtype}")
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    backend: str = "torch",
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Write key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at
-    slot_mapping[:T] (slot = block * block_size + offset); slot -1 writes nothing. An fp8 cache
-    stores key / k_scale and value / v_scale (saturated, nearest even)."""
-    _check_backend(backend)
-    _check_cache_pair(key_cache, value_cache)
-    _check_scales(k_scale, v_scale)
+def check_cache_write(key: torch.Tensor, value: torch.Tensor, cache: KVCacheWrite) -> None:
+    """The rules of writing key/value [T, Hkv, D] into `cache` (shapes, dtypes, devices; no values read)."""
+    key_cache, slot_mapping = cache.key_cache, cache.slot_mapping
+    _check_cache_pair(cache.key_cache, cache.value_cache)
+    _check_scales(cache.k_scale, cache.v_scale)
     _require(key.dim() == 3, f"key must be [T, num_kv_heads, head_size], got {tuple(key.shape)}")
     _require(value.shape == key.shape, f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
     _require(
@@ -81,8 +84,25 @@ def reshape_and_cache(
         slot_mapping.shape[0] >= key.shape[0],
         f"slot_mapping has {slot_mapping.shape[0]} entries, fewer than the {key.shape[0]} tokens of key",
     )
-    devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
+    devices = {t.device for t in (key, value, cache.key_cache, cache.value_cache, cache.slot_mapping)}
     _require(len(devices) == 1, f"all tensors must be on one device, got {devices}")
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str = "torch",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at
+    slot_mapping[:T] (slot = block * block_size + offset); slot -1 writes nothing. An fp8 cache
+    stores key / k_scale and value / v_scale (saturated, nearest even)."""
+    _check_backend(backend)
+    check_cache_write(key, value, KVCacheWrite(key_cache, value_cache, slot_mapping, k_scale, v_scale))
     if backend == "torch":
         reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return

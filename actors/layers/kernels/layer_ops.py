@@ -15,7 +15,8 @@ import torch
 from actors.layers.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
 from kvcore.kernels import check_backend as _check_backend
 from kvcore.kernels import require as _require
-from kvcore.kernels.ops import FLOAT_DTYPES
+from kvcore.kernels.ops import FLOAT_DTYPES, KVCacheWrite, check_cache_write
+from kvcore.kernels.reference import reshape_and_cache_ref
 
 MAX_HIDDEN = 16384  # widest row the RMSNorm kernel holds in one program
 
@@ -117,6 +118,61 @@ def qk_norm_rope(
     q [T, Hq*D] or [T, Hq, D], k likewise (row/head-strided views welcome: the kernel reads them in
     place); cos_sin_cache [max_pos, D] float32 = cos | sin halves. Returns new contiguous
     q [T, Hq*D] and k [T, Hkv*D]."""
+    q3, k3 = _check_qk(q, k, positions, cos_sin_cache, q_weight, k_weight, backend)
+    if backend == "torch":
+        return qk_norm_rope_ref(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps, gemma=gemma)
+    from actors.layers.kernels.qk_norm_rope import qk_norm_rope_triton
+
+    return qk_norm_rope_triton(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps, gemma=gemma)
+
+
+def qk_norm_rope_into_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    cache: KVCacheWrite,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    backend: str = "torch",
+    gemma: bool = False,
+) -> torch.Tensor:
+    """qk_norm_rope, then this step's rotated K and its V written into the paged cache at
+    cache.slot_mapping (ops.reshape_and_cache's rules); returns q [T, Hq*D]. The Triton path is one
+    launch: K goes from the rotary's registers to its slot, never through a K tensor."""
+    q3, k3 = _check_qk(q, k, positions, cos_sin_cache, q_weight, k_weight, backend)
+    v3 = _heads("v", v, cos_sin_cache.shape[1])
+    check_cache_write(k3, v3, cache)
+    if backend == "torch":
+        q_out, k_out = qk_norm_rope_ref(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps, gemma=gemma)
+        reshape_and_cache_ref(
+            k_out.view(k3.shape),
+            v3,
+            cache.key_cache,
+            cache.value_cache,
+            cache.slot_mapping,
+            cache.k_scale,
+            cache.v_scale,
+        )
+        return q_out
+    _require(v.dtype == q.dtype, f"v dtype {v.dtype} must equal q dtype {q.dtype}")
+    from actors.layers.kernels.qk_norm_rope import qk_norm_rope_cache_triton
+
+    return qk_norm_rope_cache_triton(q3, k3, v3, positions, cos_sin_cache, q_weight, k_weight, eps, cache, gemma=gemma)
+
+
+def _check_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rules of the rotary ops; q and k as [T, H, D] views."""
     _check_backend(backend)
     _require(
         cos_sin_cache.dim() == 2 and cos_sin_cache.dtype == torch.float32,
@@ -141,14 +197,11 @@ def qk_norm_rope(
                 w.shape == (head_size,) and w.dtype == q.dtype,
                 f"{name} must be [{head_size}] of dtype {q.dtype}, got {tuple(w.shape)} {w.dtype}",
             )
-    if backend == "torch":
-        return qk_norm_rope_ref(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps, gemma=gemma)
-    tensors = (q, k, positions, cos_sin_cache, q_weight, k_weight)
-    _require(len({t.device for t in tensors if t is not None}) == 1, "all tensors must be on one device")
-    _require(cos_sin_cache.stride(-1) == 1, "cos_sin_cache: rows must be contiguous (stride 1)")
-    from actors.layers.kernels.qk_norm_rope import qk_norm_rope_triton
-
-    return qk_norm_rope_triton(q3, k3, positions, cos_sin_cache, q_weight, k_weight, eps, gemma=gemma)
+    if backend == "triton":
+        tensors = (q, k, positions, cos_sin_cache, q_weight, k_weight)
+        _require(len({t.device for t in tensors if t is not None}) == 1, "all tensors must be on one device")
+        _require(cos_sin_cache.stride(-1) == 1, "cos_sin_cache: rows must be contiguous (stride 1)")
+    return q3, k3
 
 
 def silu_and_mul(x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
