@@ -137,6 +137,33 @@ def test_greedy_rows_are_argmax():
     assert out[[0, 2, 4]].tolist() == logits.argmax(-1)[[0, 2, 4]].tolist() and int(out[0]) == 3
 
 
+@pytest.mark.parametrize("shares", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_kernel_is_torch_argmax(monkeypatch, shares, dtype):
+    """The plain-greedy kernel (the vocabulary split over programs, no draw) names torch.argmax's token on
+    every row, the first index on a tie across shares, and leaves the shares' done-counts at zero; the
+    sampler takes it for an all-greedy batch where the kernels run."""
+    import actors.sample.kernel as sk
+
+    n, vocab = 5, 130  # 9 tiles of 16, the last one short: 1, 3 or 5 shares
+    logits, *_ = _rows(n, vocab=vocab)
+    logits = logits.to(dtype)
+    logits[1, 2] = logits[1, vocab - 1] = logits[1].max() + 1  # tie: first and last share
+    logits[3, 64:] = logits[3].max() + 2  # many equal maxima, from the middle on
+    monkeypatch.setattr(sk, "vocab_shares", lambda blocks, tiles, device: shares)
+    for rows_per_program in (1, 4):
+        for _ in range(2):  # the second launch merges again: the counts were reset
+            got = sk.greedy_argmax(logits, rows_per_program, block_v=16)
+            assert got.tolist() == logits.argmax(-1).tolist(), (shares, rows_per_program)
+            assert got.tolist()[1] == 2 and got.tolist()[3] == 64
+            assert int(sk._COUNTS[logits.device].abs().sum()) == 0
+    greedy = SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False)
+    calls = []
+    monkeypatch.setattr("actors.sample.sampler.greedy_argmax", lambda x, r: calls.append(r) or sk.greedy_argmax(x, r))
+    assert Sampler(use_triton=True)(logits, greedy).token_ids.tolist() == logits.argmax(-1).tolist()
+    assert calls == [16], "the sampler's all-greedy batch did not take the kernel"
+
+
 def _draw(logits_row, seed, positions, temp, top_k=0, top_p=1.0, **kw):
     n = len(positions)
     return launch_sample(

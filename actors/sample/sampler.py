@@ -12,7 +12,8 @@ unseeded request also replays the same tokens after a restart of the same engine
 derives the same one.
 
 Greedy rows (temperature 0) take the argmax of their (penalised) logits; a batch that is all greedy
-with nothing to apply is a plain argmax. The step's logprobs come from the raw logits (actors/sample/logprobs.py).
+with nothing to apply is a plain argmax (greedy_argmax's split rows where the kernels run). The step's
+logprobs come from the raw logits (actors/sample/logprobs.py).
 Nothing here reads a device value on the host: the sampler can be captured in a CUDA graph once its
 inputs live in static buffers (the kernel variant depends only on the host flags below).
 """
@@ -20,15 +21,19 @@ inputs live in static buffers (the kernel variant depends only on the host flags
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 
 import torch
 
-from actors.sample.kernel import launch_sample
+from actors.sample.kernel import greedy_argmax, launch_sample
 from actors.sample.logit_rows import LogitRows
 from actors.sample.logprobs import LogprobsTensors, compute_logprobs, kernel_runs
 from actors.sample.penalties import PenaltyState
 from actors.sample.reference import sample_reference
+
+# KVRAY_GREEDY_KERNEL=0 takes a plain greedy batch's argmax with torch.argmax (the A/B switch behind greedy_argmax).
+GREEDY_KERNEL = os.environ.get("KVRAY_GREEDY_KERNEL", "1") != "0"
 
 
 @dataclass
@@ -91,7 +96,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [N, V] (model dtype; read as float32) -> sampled token ids int64 [N] (+ logprobs when asked)."""
         if md.plain_argmax:
-            tokens = logits.argmax(dim=-1)
+            if GREEDY_KERNEL and kernel_runs(logits.device, self.use_triton):
+                tokens = greedy_argmax(logits, self._rows_per_program(logits.device))
+            else:
+                tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, md)
         if md.penalty_slots is not None and self.penalty_state is not None:
@@ -113,8 +121,7 @@ class Sampler:
         need_filter = md.need_filter and not md.all_greedy
         last_tokens, rows_t, min_p = self._last_tokens(md, n), self._logit_rows(md), md.min_p if need_filter else None
         if kernel_runs(dev, self.use_triton):
-            # The interpreter vectorises one program's rows; a GPU program owns one row.
-            rows = 1 if dev.type == "cuda" else 16
+            rows = self._rows_per_program(dev)
             return launch_sample(
                 logits,
                 temperature,
@@ -153,6 +160,11 @@ class Sampler:
             counts=counts,
             prompt_mask=prompt_mask,
         )
+
+    @staticmethod
+    def _rows_per_program(device: torch.device) -> int:
+        """The interpreter vectorises one program's rows; a GPU program owns one row."""
+        return 1 if device.type == "cuda" else 16
 
     @staticmethod
     def _last_tokens(md: SamplingMetadata, n: int) -> torch.Tensor | None:
