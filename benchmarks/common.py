@@ -217,6 +217,10 @@ def command_line() -> str:
     return " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
 
 
+# Variables the runner and device calls set for bookkeeping; every other KVRAY_* one changes the engine.
+RUNNER_ENV = {"KVRAY_COMMIT", "KVRAY_SUITE", "KVRAY_RESULTS_MIRROR"}
+
+
 def record(script: str, metric: str, value: float, unit: str, device: str | None = None) -> dict:
     """Append one headline figure to benchmarks/results/<script>.jsonl: the one writer of every series.
 
@@ -235,6 +239,9 @@ def record(script: str, metric: str, value: float, unit: str, device: str | None
     }
     if os.environ.get("KVRAY_SUITE"):
         rec["suite"] = os.environ["KVRAY_SUITE"]
+    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVRAY_") and k not in RUNNER_ENV}
+    if switches:  # an A/B switch (KVRAY_FUSED_KV_WRITE=0, ...) made this figure: it says so
+        rec["env"] = switches
     dirs = [RESULTS_DIR] + [Path(os.environ[k]) for k in ("OUT", "KVRAY_RESULTS_MIRROR") if os.environ.get(k)]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)

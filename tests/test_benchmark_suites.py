@@ -3,6 +3,7 @@ result writer, and the vs-vllm ratio step that joins kvray's side and vLLM's fro
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,8 @@ def results(tmp_path, monkeypatch):
     monkeypatch.setenv("KVRAY_RESULTS_MIRROR", str(tmp_path / "mirror"))
     monkeypatch.delenv("OUT", raising=False)
     monkeypatch.delenv("KVRAY_SUITE", raising=False)
+    for name in [k for k in os.environ if k.startswith("KVRAY_") and k not in common.RUNNER_ENV]:
+        monkeypatch.delenv(name)
     return tmp_path
 
 
@@ -114,6 +117,16 @@ def test_record_writes_every_field_to_the_results_and_the_mirror(results, monkey
     assert rec["command"] == "python -m benchmarks.e2e.bench_offline --workload nano"
     assert common.latest(results / "mirror", "series", "m") == rec
     assert common.latest(results / "mirror", "series", "other") is None
+
+
+def test_a_figure_made_under_an_engine_switch_names_it(results, monkeypatch):
+    """An A/B run (the fused cache write off, say) records under the same metric as the default: the record
+    carries the switch, so the two are never confused; the runner's own variables are not named."""
+    monkeypatch.setenv("KVRAY_FUSED_KV_WRITE", "0")
+    monkeypatch.setenv("KVRAY_COMMIT", "abc1234")
+    rec = common.record("series", "m", 1.0, "x", device="NVIDIA H100 80GB HBM3")
+    assert rec["env"] == {"KVRAY_FUSED_KV_WRITE": "0"} and rec["commit"] == "abc1234"
+    assert json.loads((results / "results" / "series.jsonl").read_text()) == rec
 
 
 def _side(metric_series: list[tuple[str, str, float]], device: str) -> None:
