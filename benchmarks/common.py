@@ -217,8 +217,9 @@ def command_line() -> str:
     return " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
 
 
-# Variables the runner and device calls set for bookkeeping; every other KVRAY_* one changes the engine.
-RUNNER_ENV = {"KVRAY_COMMIT", "KVRAY_SUITE", "KVRAY_RESULTS_MIRROR"}
+# Variables of bookkeeping and logging (the runner's, a device call's, the compile log); every other
+# KVRAY_* one may change what the engine does.
+RUNNER_ENV = {"KVRAY_COMMIT", "KVRAY_SUITE", "KVRAY_RESULTS_MIRROR", "KVRAY_LOG_COMPILES", "KVRAY_VERBOSE"}
 
 
 def record(script: str, metric: str, value: float, unit: str, device: str | None = None) -> dict:
