@@ -17,8 +17,10 @@ Design
   outside the causal window are never visited.
 - Split-KV (flash decoding): with few sequences the grid of sequences x KV heads cannot fill the
   GPU, so each program takes a 1/NUM_SPLITS share of its tile range, writes a normalised partial
-  output and its log-sum-exp; a reduce kernel combines them. The share is computed on the device
-  from seq_lens, so a split count baked into a CUDA graph stays correct for any context length.
+  output and its log-sum-exp, and counts itself done on a per-(query tile, KV head) counter; the last
+  split to finish merges them all (no reduce launch, which cost 2.9 us a layer at batch 1 on the H100,
+  and no memset: the merging split resets the count). The share is computed on the device from
+  seq_lens, so a split count baked into a CUDA graph stays correct for any context length.
 - Gemma-2's attention-logit soft-cap (cap * tanh(score / cap)) is a constexpr branch, so the
   uncapped kernel compiles to exactly what it was.
 - Longest first (LPT): given seq_order, the sequences by descending seq_len on the device, the
@@ -56,6 +58,26 @@ from kvcore.kernels.fp8 import is_fp8
 from kvcore.kernels.paged_attention_kernels import paged_attention_kernel, split_reduce_kernel
 
 _LOG2E = 1.4426950408889634
+# KVRAY_FUSED_SPLIT_REDUCE=0 merges split-KV partials in a separate reduce launch (the A/B switch behind the merge).
+FUSED_SPLIT_REDUCE = os.environ.get("KVRAY_FUSED_SPLIT_REDUCE", "1") != "0"
+_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTS: list[torch.Tensor] = []  # never freed: a captured CUDA graph may still point into one
+_MIN_COUNTS = 4096  # a decode batch splits only below one program an SM: seqs x KV heads < the SM count
+
+
+def split_counts(needed: int, device: torch.device) -> torch.Tensor:
+    """The split-KV done-counters of `device`: zeros, and every launch leaves them zero. Grown only
+    outside a CUDA-graph capture (a buffer allocated there would hold whatever the pool held)."""
+    c = _SPLIT_COUNTS.get(device)
+    if c is None or c.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"split-KV counters: {needed} needed while capturing a CUDA graph; warm up first")
+        if c is not None:
+            _RETIRED_COUNTS.append(c)
+        c = _SPLIT_COUNTS[device] = torch.zeros(max(needed, _MIN_COUNTS), dtype=torch.int32, device=device)
+    return c
+
+
 # KVRAY_FP8_DOT=bf16 widens fp8 tiles to bf16 for bf16 queries instead of fp16 (the A/B switch behind that choice).
 FP8_DOT_ENV = "KVRAY_FP8_DOT"
 
@@ -107,6 +129,10 @@ def launch_tiles(a: dict, tiles: Tiles, num_splits: int, q_filter: int, small_q:
     ordered = order is not None and not flat
     if ordered:
         grid = (key_cache.shape[2] * num_splits, num_seqs, 1)
+    fused_reduce = num_splits > 1 and a["fused_reduce"]
+    counts = (
+        split_counts((num_q_tiles if flat else num_seqs) * key_cache.shape[2], query.device) if fused_reduce else out
+    )
     paged_attention_kernel[grid](
         query,
         key_cache,
@@ -114,6 +140,7 @@ def launch_tiles(a: dict, tiles: Tiles, num_splits: int, q_filter: int, small_q:
         out,
         part_o,
         part_lse,
+        counts,
         a["query_start_loc"],
         a["seq_lens"],
         block_table,
@@ -158,6 +185,8 @@ def launch_tiles(a: dict, tiles: Tiles, num_splits: int, q_filter: int, small_q:
         ORDERED=ordered,
         KV_FP8=is_fp8(key_cache.dtype),
         FP8_DOT_F16=a["fp8_dot_f16"],
+        FUSED_REDUCE=fused_reduce,
+        SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -182,9 +211,11 @@ def paged_attention_triton(
     seq_order: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fused_reduce: bool | None = None,
 ) -> None:
     """See kvcore.kernels.ops.paged_attention. num_splits / block_m / block_n override the
-    heuristics (tests force the split path and small tiles with them).
+    heuristics (tests force the split path and small tiles with them); fused_reduce False merges the
+    splits in a separate launch (default: FUSED_SPLIT_REDUCE).
 
     A batch whose longest chunk fits a small tile runs one launch with small tiles. Otherwise it
     runs two: small tiles for the short sequences (decodes), large tiles for the long chunks, each
@@ -227,6 +258,7 @@ def paged_attention_triton(
         part_o=out,
         part_lse=out,
         seq_order=seq_order,
+        fused_reduce=FUSED_SPLIT_REDUCE if fused_reduce is None else fused_reduce,
         fp8_dot_f16=is_fp8(key_cache.dtype)
         and query.dtype == torch.bfloat16
         and os.environ.get(FP8_DOT_ENV, "fp16") == "fp16",
@@ -241,7 +273,7 @@ def paged_attention_triton(
     else:
         _launch(a, small, num_splits, 1, small_q, max_query_len)
         _launch(a, large_tiles(group, head_size, query.element_size()), num_splits, 2, small_q, max_query_len)
-    if num_splits > 1:
+    if num_splits > 1 and not a["fused_reduce"]:
         part_o, part_lse = a["part_o"], a["part_lse"]
         split_reduce_kernel[(num_tokens, num_heads)](
             part_o,

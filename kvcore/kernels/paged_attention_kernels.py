@@ -98,6 +98,7 @@ def paged_attention_kernel(
     out_ptr: tl.tensor,
     part_o_ptr: tl.tensor,
     part_lse_ptr: tl.tensor,
+    count_ptr: tl.tensor,
     qsl_ptr: tl.tensor,
     seq_lens_ptr: tl.tensor,
     bt_ptr: tl.tensor,
@@ -142,6 +143,8 @@ def paged_attention_kernel(
     ORDERED: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_DOT_F16: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
 ) -> None:
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     # Heaviest (latest) query tiles first: under causal masking they have the most KV to read.
@@ -161,16 +164,19 @@ def paged_attention_kernel(
         seq = lo
         q_tile = g - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
         head_split = tl.program_id(2)
+        tile_id = g
     elif ORDERED:
         # One tile a sequence, sequences longest first and a sequence's heads side by side: the
         # hardware dispatches programs in this order, so the last wave holds the shortest work.
         q_tile = 0
         seq = tl.load(order_ptr + tl.program_id(1))
         head_split = tl.program_id(0)
+        tile_id = seq
     else:
         q_tile = num_q_tiles - 1 - tl.program_id(0)
         seq = tl.program_id(1)
         head_split = tl.program_id(2)
+        tile_id = seq
     kv_head = head_split // NUM_SPLITS
     split = head_split % NUM_SPLITS
 
@@ -350,6 +356,91 @@ def paged_attention_kernel(
             mask=omask,
         )
         tl.store(part_lse_ptr + tok64 * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+        if FUSED_REDUCE:
+            # The last split of this (query tile, KV head) to finish merges all of them: no reduce launch.
+            # Each split counts itself done after its partials are stored; the count starts and ends at
+            # zero (the merging split resets it), so no memset is launched either.
+            tl.debug_barrier()  # every thread's stores before the release below
+            num_kv_heads = (tl.num_programs(0) if ORDERED else tl.num_programs(2)) // NUM_SPLITS
+            counter = count_ptr + tile_id.to(tl.int64) * num_kv_heads + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel")
+            if done == NUM_SPLITS - 1:
+                _merge_splits(
+                    part_o_ptr,
+                    part_lse_ptr,
+                    out_ptr,
+                    tok64,
+                    head,
+                    row_ok,
+                    dims,
+                    omask,
+                    stride_pt,
+                    stride_ph,
+                    stride_ps,
+                    stride_lt,
+                    stride_lh,
+                    stride_ot,
+                    stride_oh,
+                    NUM_SPLITS,
+                    SPLIT_PAD,
+                    BLOCK_M,
+                    HEAD_PAD,
+                )
+                tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _merge_splits(
+    part_o_ptr: tl.tensor,
+    part_lse_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    tok64: tl.tensor,
+    head: tl.tensor,
+    row_ok: tl.tensor,
+    dims: tl.tensor,
+    omask: tl.tensor,
+    stride_pt: tl.tensor,
+    stride_ph: tl.tensor,
+    stride_ps: tl.tensor,
+    stride_lt: tl.tensor,
+    stride_lh: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+) -> None:
+    """out rows = the splits' partials weighted by exp2(lse - max lse), as split_reduce_kernel does. The
+    other splits' partials are read from L2 (.cg), past this SM's L1; a split that saw nothing (lse -inf,
+    weight 0) is not read at all."""
+    splits = tl.arange(0, SPLIT_PAD)
+    lse = tl.load(
+        part_lse_ptr + tok64[:, None] * stride_lt + head[:, None] * stride_lh + splits[None, :],
+        mask=row_ok[:, None] & (splits < NUM_SPLITS)[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    top = tl.max(lse, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a padding row: every weight 0, nothing stored
+    weight = tl.math.exp2(lse - top[:, None])
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.sum(tl.where(splits[None, :] == s, weight, 0.0), 1)
+        o = tl.load(
+            part_o_ptr + tok64[:, None] * stride_pt + head[:, None] * stride_ph + s * stride_ps + dims[None, :],
+            mask=omask & (w > 0.0)[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += o * w[:, None]
+    total = tl.sum(weight, 1)
+    res = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(
+        out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        res.to(out_ptr.dtype.element_ty),
+        mask=omask,
+    )
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -372,20 +463,32 @@ def split_reduce_kernel(
     HEAD_PAD: tl.constexpr,
 ) -> None:
     tok = tl.program_id(0)
-    head = tl.program_id(1)
     if tok >= tl.load(qsl_ptr + num_seqs):
         return
-    tok64 = tok.to(tl.int64)
-    splits = tl.arange(0, SPLIT_PAD)
-    smask = splits < NUM_SPLITS
+    row = tl.arange(0, 1)  # one (token, head) row: the in-kernel merge's code over a tile of one row
+    tok64 = (row + tok).to(tl.int64)
+    head = row + tl.program_id(1)
+    row_ok = row >= 0
     dims = tl.arange(0, HEAD_PAD)
-    dmask = dims < head_size
-    lse = tl.load(part_lse_ptr + tok64 * stride_lt + head * stride_lh + splits, mask=smask, other=float("-inf"))
-    weight = tl.math.exp2(lse - tl.max(lse, 0))
-    o = tl.load(
-        part_o_ptr + tok64 * stride_pt + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
-        mask=smask[:, None] & dmask[None, :],
-        other=0.0,
+    omask = row_ok[:, None] & (dims < head_size)[None, :]
+    _merge_splits(
+        part_o_ptr,
+        part_lse_ptr,
+        out_ptr,
+        tok64,
+        head,
+        row_ok,
+        dims,
+        omask,
+        stride_pt,
+        stride_ph,
+        stride_ps,
+        stride_lt,
+        stride_lh,
+        stride_ot,
+        stride_oh,
+        NUM_SPLITS,
+        SPLIT_PAD,
+        1,
+        HEAD_PAD,
     )
-    res = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + tok64 * stride_ot + head * stride_oh + dims, res.to(out_ptr.dtype.element_ty), mask=dmask)
