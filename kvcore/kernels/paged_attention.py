@@ -17,9 +17,10 @@ Design
   outside the causal window are never visited.
 - Split-KV (flash decoding): with few sequences the grid of sequences x KV heads cannot fill the
   GPU, so each program takes a 1/NUM_SPLITS share of its tile range, writes a normalised partial
-  output and its log-sum-exp, and counts itself done on a per-(query tile, KV head) counter; the last
-  split to finish merges them all (no reduce launch, which cost 2.9 us a layer at batch 1 on the H100,
-  and no memset: the merging split resets the count). The share is computed on the device from
+  output and its log-sum-exp; a reduce launch merges them. With KVRAY_FUSED_SPLIT_REDUCE=1 each split
+  instead counts itself done on a per-(query tile, KV head) counter and the last split to finish merges
+  them all (no reduce launch, which cost 2.9 us a layer at batch 1 on the H100, and no memset: the
+  merging split resets the count); off by default until a GPU has checked and timed it. The share is computed on the device from
   seq_lens, so a split count baked into a CUDA graph stays correct for any context length.
 - Gemma-2's attention-logit soft-cap (cap * tanh(score / cap)) is a constexpr branch, so the
   uncapped kernel compiles to exactly what it was.
@@ -58,8 +59,9 @@ from kvcore.kernels.fp8 import is_fp8
 from kvcore.kernels.paged_attention_kernels import paged_attention_kernel, split_reduce_kernel
 
 _LOG2E = 1.4426950408889634
-# KVRAY_FUSED_SPLIT_REDUCE=0 merges split-KV partials in a separate reduce launch (the A/B switch behind the merge).
-FUSED_SPLIT_REDUCE = os.environ.get("KVRAY_FUSED_SPLIT_REDUCE", "1") != "0"
+# KVRAY_FUSED_SPLIT_REDUCE=1 merges split-KV partials in the attention kernel, =0 in a separate reduce launch.
+# Off by default until a GPU has checked it (CUDA graphs, greedy = HF fp32) and timed it against the reduce.
+FUSED_SPLIT_REDUCE = os.environ.get("KVRAY_FUSED_SPLIT_REDUCE", "0") == "1"
 _SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
 _RETIRED_COUNTS: list[torch.Tensor] = []  # never freed: a captured CUDA graph may still point into one
 _MIN_COUNTS = 4096  # a decode batch splits only below one program an SM: seqs x KV heads < the SM count
