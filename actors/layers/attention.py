@@ -4,6 +4,9 @@ over the cache through the block table of the layer's KV-cache group.
 The layer holds no per-step state. The model runner installs one AttentionMetadata per KV-cache
 group in the forward context and binds `kv_cache` ([2, num_blocks, block_size, Hkv, D], K then V)
 after allocating it; layers of one group share the metadata, each layer has its own cache tensor.
+
+`forward` writes K/V and attends. A caller that writes K/V itself (the decoder's fused rotary kernel,
+actors/layers/kernels/qk_norm_rope.py) asks `cache_write()` where they go and then calls `attend`.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ q and k are read where the QKV projection left them (row-strided views of its ou
 expects. The grid is (token, head tile); the first tiles of a token cover q heads, the rest k heads,
 so a tile never mixes the two and picks its tensors with one scalar branch.
 
+With a KVCacheWrite (qk_norm_rope_cache_triton) the k tiles store the rotated K straight into the paged
+cache at the token's slot, and further tiles copy V there: the layer then needs no K tensor and no
+cache-write launch (kvcore/kernels/cache_write.py's store_kv_tile does both stores, fp8 rounding included).
+
 Rounding matches the torch layers (HF's order): the normalised value and its weight product are
 rounded to the activation dtype as in RMSNorm; cos/sin are rounded to the activation dtype; each
 product x*cos and rotate_half(x)*sin, and their sum, is rounded to the activation dtype. Since the
