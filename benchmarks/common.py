@@ -253,7 +253,8 @@ def record(script: str, metric: str, value: float, unit: str, device: str | None
 
 
 def latest(folder: Path, script: str, metric: str) -> dict | None:
-    """The last record of `metric` in <folder>/<script>.jsonl, or None."""
+    """The last record of `metric` in <folder>/<script>.jsonl made with the engine's defaults (no `env`
+    switch: an A/B run's figure never stands for the default's), or None."""
     path = folder / f"{script}.jsonl"
     if not path.exists():
         return None
@@ -261,7 +262,7 @@ def latest(folder: Path, script: str, metric: str) -> dict | None:
     for line in path.read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            if rec.get("metric") == metric:
+            if rec.get("metric") == metric and not rec.get("env"):
                 found = rec
     return found
 

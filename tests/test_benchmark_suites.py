@@ -121,12 +121,19 @@ def test_record_writes_every_field_to_the_results_and_the_mirror(results, monkey
 
 def test_a_figure_made_under_an_engine_switch_names_it(results, monkeypatch):
     """An A/B run (the fused cache write off, say) records under the same metric as the default: the record
-    carries the switch, so the two are never confused; the runner's own variables are not named."""
+    carries the switch, so the two are never confused, and the vs-vllm ratio reads only the default's
+    figure; the runner's own variables are not named."""
     monkeypatch.setenv("KVRAY_FUSED_KV_WRITE", "0")
     monkeypatch.setenv("KVRAY_COMMIT", "abc1234")
     rec = common.record("series", "m", 1.0, "x", device="NVIDIA H100 80GB HBM3")
     assert rec["env"] == {"KVRAY_FUSED_KV_WRITE": "0"} and rec["commit"] == "abc1234"
     assert json.loads((results / "results" / "series.jsonl").read_text()) == rec
+    assert common.latest(results / "mirror", "series", "m") is None, "the ratio step would read the A/B figure"
+    monkeypatch.delenv("KVRAY_FUSED_KV_WRITE")
+    default = common.record("series", "m", 2.0, "x", device="NVIDIA H100 80GB HBM3")
+    monkeypatch.setenv("KVRAY_GREEDY_KERNEL", "0")
+    common.record("series", "m", 3.0, "x", device="NVIDIA H100 80GB HBM3")  # a later A/B run
+    assert common.latest(results / "mirror", "series", "m") == default
 
 
 def _side(metric_series: list[tuple[str, str, float]], device: str) -> None:
