@@ -20,8 +20,9 @@ Design
   output and its log-sum-exp; a reduce launch merges them. With KVRAY_FUSED_SPLIT_REDUCE=1 each split
   instead counts itself done on a per-(query tile, KV head) counter and the last split to finish merges
   them all (no reduce launch, which cost 2.9 us a layer at batch 1 on the H100, and no memset: the
-  merging split resets the count); off by default until a GPU has checked and timed it. The share is computed on the device from
-  seq_lens, so a split count baked into a CUDA graph stays correct for any context length.
+  merging split resets the count); off by default until a GPU has checked and timed it. The share is
+  computed on the device from seq_lens, so a split count baked into a CUDA graph stays correct for any
+  context length.
 - Gemma-2's attention-logit soft-cap (cap * tanh(score / cap)) is a constexpr branch, so the
   uncapped kernel compiles to exactly what it was.
 - Longest first (LPT): given seq_order, the sequences by descending seq_len on the device, the
