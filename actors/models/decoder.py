@@ -75,9 +75,9 @@ class DecoderAttention(nn.Module):
         if self.backend == "triton":
             cache = self.attn.cache_write() if FUSED_KV_WRITE else None
             if cache is not None:
-                q = self.rotary_emb.forward_into_cache(positions, q, k, v, cache, self._qk_norm_args())
+                q = self.rotary_emb.forward_into_cache(positions, q, k, v, cache, self.qk_norm_args())
                 return self.o_proj(self.attn.attend(q))
-            return self.o_proj(self.attn(*self.rotary_emb.forward_fused(positions, q, k, self._qk_norm_args()), v))
+            return self.o_proj(self.attn(*self.rotary_emb.forward_fused(positions, q, k, self.qk_norm_args()), v))
         if self.q_norm is not None and self.k_norm is not None:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
@@ -85,7 +85,7 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
-    def _qk_norm_args(self) -> QKNormArgs | None:
+    def qk_norm_args(self) -> QKNormArgs | None:
         """The Triton rotary kernel applies q/k norm (Qwen3, Gemma-3) in the same launch, reading q, k
         and v in place from the QKV output."""
         if self.q_norm is None or self.k_norm is None:

@@ -121,7 +121,7 @@ def run_ops(
         or the fused kernel reading q/k in place (v stays a view)."""
         q, k, v = attn.qkv_proj.split(qkv)
         if attn.backend == "triton":
-            return (*attn._norm_rope_fused(positions, q, k), v)
+            return (*attn.rotary_emb.forward_fused(positions, q, k, attn.qk_norm_args()), v)
         if attn.q_norm is not None:
             q = attn.q_norm(q.reshape(tokens, -1, d)).view(tokens, -1)
             k = attn.k_norm(k.reshape(tokens, -1, d)).view(tokens, -1)
