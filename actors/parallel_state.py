@@ -35,6 +35,33 @@ _PENDING_SENDS: list[dist.Work] = []  # the last send's works (its tensors must 
 _SENDING: list[torch.Tensor] = []  # the tensors those works read
 _P2P_VIA_HOST = False  # gloo sends and receives host tensors only: device tensors go through a host copy
 _BROKEN: str | None = None  # why the groups are out of step, once a collective or send failed
+_RENDEZVOUS: dist.TCPStore | None = None  # the groups' store, hosted by rank 0 (open_rendezvous)
+
+
+def open_rendezvous(world: int, timeout_s: float = 120.0) -> int:
+    """Rank 0: host the groups' rendezvous store on a port the OS assigns as it binds, and return that
+    port; the executor hands `tcp://<rank 0's node>:<port>` to every rank's init_model_parallel.
+
+    A port found free first and bound later (torch's own tcp:// rendezvous on rank 0) leaves a window in
+    which another process on the host takes it, and the group then fails with EADDRINUSE; under load
+    (two test suites, a busy node) that happens. A port bound at once has no such window. The store
+    listens on every interface, as torch's does, so the other nodes' ranks reach it."""
+    global _RENDEZVOUS
+    _RENDEZVOUS = dist.TCPStore(
+        "127.0.0.1", 0, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    return int(_RENDEZVOUS.port)
+
+
+def _hosted_store(rank: int, init_method: str | None) -> dist.Store | None:
+    """Rank 0's own store when init_method names it (open_rendezvous), else None: torch then makes the
+    store from init_method. The prefix is the one torch's rendezvous puts on the store it makes, so
+    the ranks that join through init_method find the same keys."""
+    if rank != 0 or _RENDEZVOUS is None or init_method is None:
+        return None
+    if not init_method.startswith("tcp://") or not init_method.endswith(f":{_RENDEZVOUS.port}"):
+        return None
+    return dist.PrefixStore("default_pg", _RENDEZVOUS)
 
 
 def init_tensor_parallel(
@@ -75,9 +102,11 @@ def init_model_parallel(
         return
     if dist.is_initialized():
         dist.destroy_process_group()
+    store = _hosted_store(rank, init_method)
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
+        init_method=None if store is not None else init_method,
+        store=store,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -96,11 +125,12 @@ def init_model_parallel(
 
 
 def destroy_tensor_parallel() -> None:
-    global _RANK, _WORLD, _GROUP, _PP_RANK, _PP_SIZE, _PP_GROUP, _BROKEN
+    global _RANK, _WORLD, _GROUP, _PP_RANK, _PP_SIZE, _PP_GROUP, _BROKEN, _RENDEZVOUS
     _PENDING_SENDS.clear()
     _SENDING.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _RENDEZVOUS = None
     _RANK, _WORLD, _GROUP, _BROKEN = 0, 1, None, None
     _PP_RANK, _PP_SIZE, _PP_GROUP = 0, 1, None
 

@@ -14,7 +14,6 @@ The same comparison runs at TP=2 and TP=4 (KV heads replicated) in spawned gloo 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -319,15 +318,10 @@ def test_profile_run_returns_zeros(tmp_path) -> None:
         assert torch.equal(attn(q, k, k), torch.zeros_like(q))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank: int, world: int, port: int, model_dir: str, seqs, result_dir: str) -> None:
+def _tp_worker(rank: int, world: int, model_dir: str, seqs, result_dir: str) -> None:
     torch.set_num_threads(1)
-    parallel_state.init_tensor_parallel(rank, world, f"tcp://127.0.0.1:{port}", "gloo")
+    # A file rendezvous: a free port picked first could be taken before rank 0 binds it (a loaded host).
+    parallel_state.init_tensor_parallel(rank, world, f"file://{result_dir}/rendezvous", "gloo")
     try:
         model, _ = load_model(model_dir, dtype="float32")
         layer = model.attention_layers()[0]
@@ -346,7 +340,7 @@ def test_matches_hf_tensor_parallel(family: str, world: int, tmp_path) -> None:
     seqs, ref = hf_reference(hf_model)
     mp.start_processes(
         _tp_worker,
-        args=(world, _free_port(), model_dir, seqs, str(tmp_path)),
+        args=(world, model_dir, seqs, str(tmp_path)),
         nprocs=world,
         join=True,
         start_method="spawn",

@@ -10,8 +10,6 @@ import traceback
 
 import pytest
 
-from actors.executor.local import free_port
-
 TIMEOUT_S = 2.0
 
 
@@ -52,10 +50,11 @@ def _stage(rank: int, init_method: str, silent_sender: bool, out: mp.Queue) -> N
         out.put((rank, traceback.format_exc()))
 
 
-def run_stages(silent_sender: bool) -> dict[int, object]:
+def run_stages(silent_sender: bool, rendezvous_dir) -> dict[int, object]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
+    # A file rendezvous: a free port picked here could be taken before rank 0 binds it (a loaded host).
+    init = f"file://{rendezvous_dir}/rendezvous"
     procs = [ctx.Process(target=_stage, args=(r, init, silent_sender, out), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
@@ -70,14 +69,14 @@ def run_stages(silent_sender: bool) -> dict[int, object]:
                 p.kill()
 
 
-def test_activations_arrive_in_order():
-    results = run_stages(silent_sender=False)
+def test_activations_arrive_in_order(tmp_path):
+    results = run_stages(silent_sender=False, rendezvous_dir=tmp_path)
     assert results[0] == "ok", results[0]
     assert results[1] == {"got": [(0.0, -0.0), (1.0, -1.0), (2.0, -2.0)]}, results[1]
 
 
-def test_a_silent_previous_stage_fails_the_receive_at_the_timeout():
-    results = run_stages(silent_sender=True)
+def test_a_silent_previous_stage_fails_the_receive_at_the_timeout(tmp_path):
+    results = run_stages(silent_sender=True, rendezvous_dir=tmp_path)
     assert set(results) == {1}, results
     r = results[1]
     assert isinstance(r, dict), r

@@ -5,7 +5,6 @@ and the others timed out waiting for it as a WorkerFailure naming the first, and
 End to end (TP=2): tests/test_shm_transport.py."""
 
 import multiprocessing as mp
-import socket
 import time
 
 import pytest
@@ -16,18 +15,12 @@ from actors.transport.broadcast import step_failure
 pytestmark = pytest.mark.timeout(60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank, port, queue):
+def _rank(rank, init_method, queue):
     import torch
 
     from actors import parallel_state as ps
 
-    ps.init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=60, collective_timeout_s=1)
+    ps.init_tensor_parallel(rank, 2, init_method, "gloo", timeout_s=60, collective_timeout_s=1)
     if rank == 1:  # fails its step before the collective: rank 0 waits for it
         queue.put((1, "skipped"))
         time.sleep(2.5)  # alive (its sockets open) past rank 0's timeout
@@ -42,11 +35,11 @@ def _rank(rank, port, queue):
     queue.put((0, results))
 
 
-def test_a_collective_waiting_for_a_failed_rank_times_out_and_the_group_refuses_more():
+def test_a_collective_waiting_for_a_failed_rank_times_out_and_the_group_refuses_more(tmp_path):
     ctx = mp.get_context("fork")  # torch is imported already: the ranks start at once
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
+    init_method = f"file://{tmp_path}/rendezvous"  # no port to race for on a loaded host
+    procs = [ctx.Process(target=_rank, args=(r, init_method, queue)) for r in range(2)]
     for p in procs:
         p.start()
     try:

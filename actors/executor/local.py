@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import socket
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -29,17 +28,10 @@ class _Submitted:
     """A step sent to the worker processes whose answers are still in their pipes."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_main(
     config: EngineConfig,
     rank: int,
     world_size: int,
-    init_method: str,
     conn: Connection,
     num_threads: int,
     worker_cls: type[Any] = Worker,
@@ -49,7 +41,7 @@ def _worker_main(
 
     torch.set_num_threads(num_threads)
     device_index = rank if config.parallel.resolved_device() == "cuda" else None
-    worker = worker_cls(config, rank, world_size, init_method, device_index=device_index)
+    worker = worker_cls(config, rank, world_size, None, device_index=device_index)
     while True:
         try:
             method, args, kwargs = conn.recv()
@@ -78,13 +70,12 @@ class LocalExecutor(Executor):
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
         self._closed = False
-        self._init_method: str | None = None
         if self.world_size == 1:
             self._worker = worker_cls(config, 0, 1, None, device_index=None)
         else:
             self._spawn()
         try:
-            self.collective_rpc("init_device", self._init_method)
+            self.collective_rpc("init_device", self._init_method())
             self.collective_rpc("load_model")
         except BaseException:
             self.shutdown()
@@ -92,7 +83,6 @@ class LocalExecutor(Executor):
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
-        init_method = self._init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=True)
@@ -100,12 +90,20 @@ class LocalExecutor(Executor):
                 target=_worker_main,
                 name=f"kvray-worker-{rank}",
                 daemon=True,
-                args=(self.config, rank, self.world_size, init_method, child, threads, self.worker_cls),
+                args=(self.config, rank, self.world_size, child, threads, self.worker_cls),
             )
             proc.start()
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
+
+    def _init_method(self) -> str | None:
+        """The groups' address: rank 0's rendezvous store, on a port it bound at once (open_rendezvous)."""
+        if self._worker is not None:
+            return None
+        self._conns[0].send(("open_rendezvous", (), {}))
+        port = self._gather("open_rendezvous", ranks=[0])[0]
+        return f"tcp://127.0.0.1:{port}"
 
     @property
     def worker(self) -> Any:
@@ -130,9 +128,10 @@ class LocalExecutor(Executor):
             conn.send((method, args, kwargs))
         return self._gather(method)
 
-    def _gather(self, method: str) -> list[Any]:
+    def _gather(self, method: str, ranks: list[int] | None = None) -> list[Any]:
+        """Every rank's answer to `method` in rank order (only `ranks`' when given: None for the rest)."""
         results: list[Any] = [None] * self.world_size
-        pending = set(range(self.world_size))
+        pending = set(range(self.world_size) if ranks is None else ranks)
         # A live rank that never answers (a hung collective) must not block the caller forever; the
         # bound is generous because set-up calls (load_model) may legitimately take minutes.
         timeout_s = max(600.0, self.config.parallel.step_timeout_s)

@@ -1,5 +1,5 @@
-"""What the engine needs to know of rank 0's node before its workers start: the node's IP, a port free
-there for the TP process group, and the model's config.json as that node sees it.
+"""What the engine needs to know of rank 0's node before its workers start: the node's IP (where the
+other ranks find rank 0's rendezvous store) and the model's config.json as that node sees it.
 
 It runs as a Ray task in bundle 0 of the engine's placement group, so it stays free of torch: a fresh
 worker process importing torch spent ~2 s of every engine start on it.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,19 +20,15 @@ class NodeProbe:
     """What the probe on rank 0's node found."""
 
     node_ip: str
-    port: int
     hf_config: dict[str, Any] = field(default_factory=dict)
     model_dir: str = ""
 
 
 def probe_node(model: str | None) -> NodeProbe:
-    """Runs on rank 0's bundle: its node IP, a port free there now, and the model's config.json."""
+    """Runs on rank 0's bundle: its node IP and the model's config.json."""
     import ray
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    probe = NodeProbe(ray.util.get_node_ip_address(), port)
+    probe = NodeProbe(ray.util.get_node_ip_address())
     if model is not None:
         probe.model_dir = resolve_model_dir(model)  # resolving "tiny-random" writes it on this node
         with open(os.path.join(probe.model_dir, "config.json")) as f:

@@ -1,9 +1,10 @@
 """The Executor over Ray: one worker actor per rank (pipeline stages x tensor-parallel ranks), inside the
 engine's placement group (a bundle per rank, or per stage with pipeline parallelism).
 
-Set-up: a probe task on bundle 0 (rank 0's node) finds the node IP and a free port for the TP process
-group, and reads the model's config.json there; then the worker actors start (one bundle each), join
-the group (`init_device`, all ranks at once) and load their shard. Steps go through the transport
+Set-up: a probe task on bundle 0 (rank 0's node) finds the node IP and reads the model's config.json
+there; then the worker actors start (one bundle each), rank 0 opens the groups' rendezvous store on a
+port it binds at once (`open_rendezvous`), every rank joins the groups (`init_device`, all at once) and
+loads its shard. Steps go through the transport
 (compiled graph or plain actor calls); set-up calls are plain actor calls.
 """
 
@@ -53,8 +54,8 @@ class RayExecutor(Executor):
         self._closed = False
         t0 = time.perf_counter()
         try:
-            # The worker processes boot (Python, Ray, torch: seconds) while the probe finds the TP group's
-            # port; only init_device needs that.
+            # The worker processes boot (Python, Ray, torch: seconds) while the probe reads rank 0's node;
+            # only init_device needs what it finds.
             probe_ref = self._probe_ref(probe_model)
             requested = time.time()
             self._start_workers(worker_cls)
@@ -85,7 +86,16 @@ class RayExecutor(Executor):
         return task.remote(self.config.model.model if probe_model else None)
 
     def _init_method(self) -> str | None:
-        return f"tcp://{self.probe.node_ip}:{self.probe.port}" if self.world_size > 1 else None
+        if self.world_size == 1:
+            return None
+        timeout_s = self.setup_timeout_s
+        (port,) = gather_ranks(
+            [self.workers[0].open_rendezvous.remote()],
+            "open_rendezvous",
+            timeout_s,
+            on_timeout=lambda ranks: WorkerFailure(0, f"open_rendezvous did not finish within {timeout_s:g}s"),
+        )
+        return f"tcp://{self.probe.node_ip}:{port}"
 
     def _start_workers(self, worker_cls: str | type[Any]) -> None:
         cls = import_class(worker_cls) if isinstance(worker_cls, str) else worker_cls

@@ -86,9 +86,14 @@ class Worker(ShmLoopMixin):
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         return local_rank % max(torch.cuda.device_count(), 1)
 
+    def open_rendezvous(self) -> int:
+        """Rank 0, before init_device: host the model-parallel groups' store on a port bound at once and
+        return it (parallel_state.open_rendezvous says why)."""
+        return parallel_state.open_rendezvous(self.world_size, self.config.parallel.step_timeout_s)
+
     def init_device(self, dist_init_method: str | None = None) -> None:
         """Picks the device, joins the TP group and builds the ModelRunner. The group's address may come
-        only now: the Ray executor starts the worker processes while its probe finds a free port."""
+        only now: rank 0 opens it (open_rendezvous) once the worker processes have started."""
         if dist_init_method is not None:
             self.dist_init_method = dist_init_method
         if self.world_size > 1 and not self.dist_init_method:

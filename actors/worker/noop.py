@@ -52,6 +52,9 @@ class NoopWorker(ShmLoopMixin):
         self._inbox = torch.zeros(1)  # what the previous stage sends (never the tensor this stage is sending)
 
     # ---- the Worker contract ----------------------------------------------------------------
+    def open_rendezvous(self) -> int:
+        return parallel_state.open_rendezvous(self.world_size, self.config.parallel.step_timeout_s)
+
     def init_device(self, dist_init_method: str | None = None) -> None:
         if self.pp_size > 1:  # the stages' point-to-point path is real; TP collectives are not used
             p = self.config.parallel
