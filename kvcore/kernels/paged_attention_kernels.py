@@ -383,8 +383,6 @@ def paged_attention_kernel(
                     stride_oh,
                     NUM_SPLITS,
                     SPLIT_PAD,
-                    BLOCK_M,
-                    HEAD_PAD,
                 )
                 tl.atomic_xchg(counter, 0)
 
@@ -408,33 +406,32 @@ def _merge_splits(
     stride_oh: tl.tensor,
     NUM_SPLITS: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
 ) -> None:
-    """out rows = the splits' partials weighted by exp2(lse - max lse), as split_reduce_kernel does. The
-    other splits' partials are read from L2 (.cg), past this SM's L1; a split that saw nothing (lse -inf,
-    weight 0) is not read at all."""
+    """The merging split's out rows: the splits' partials weighted by exp2(lse - max lse), as
+    split_reduce_kernel computes them. The other splits' partials are read from L2 (.cg), past this SM's
+    L1. Every split stored its partials (a split that saw nothing stored zeros with lse -inf, weight 0).
+    The loop over the splits holds no reduction, so its loads do not wait for one another: a reduction
+    a split (a barrier each) serialised them, ~10 us a layer at batch 1."""
+    lse_row = part_lse_ptr + tok64 * stride_lt + head * stride_lh
     splits = tl.arange(0, SPLIT_PAD)
-    lse = tl.load(
-        part_lse_ptr + tok64[:, None] * stride_lt + head[:, None] * stride_lh + splits[None, :],
-        mask=row_ok[:, None] & (splits < NUM_SPLITS)[None, :],
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )
-    top = tl.max(lse, 1)
-    top = tl.where(top == float("-inf"), 0.0, top)  # a padding row: every weight 0, nothing stored
-    weight = tl.math.exp2(lse - top[:, None])
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        w = tl.sum(tl.where(splits[None, :] == s, weight, 0.0), 1)
-        o = tl.load(
-            part_o_ptr + tok64[:, None] * stride_pt + head[:, None] * stride_ph + s * stride_ps + dims[None, :],
-            mask=omask & (w > 0.0)[:, None],
-            other=0.0,
+    top = tl.max(
+        tl.load(
+            lse_row[:, None] + splits[None, :],
+            mask=row_ok[:, None] & (splits < NUM_SPLITS)[None, :],
+            other=float("-inf"),
             cache_modifier=".cg",
-        )
+        ),
+        1,
+    )
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row no split saw: every weight 0, out 0
+    acc = tl.zeros(omask.shape, dtype=tl.float32)
+    total = tl.zeros(top.shape, dtype=tl.float32)
+    o_row = part_o_ptr + tok64[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :]
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.math.exp2(tl.load(lse_row + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
+        o = tl.load(o_row + s * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
         acc += o * w[:, None]
-    total = tl.sum(weight, 1)
+        total += w
     res = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(
         out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -462,33 +459,26 @@ def split_reduce_kernel(
     SPLIT_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
 ) -> None:
+    """Merges one (token, head)'s split partials: one load of all of them and one reduction, where
+    the in-kernel merge (_merge_splits) loops over the splits of a tile of rows."""
     tok = tl.program_id(0)
     if tok >= tl.load(qsl_ptr + num_seqs):
         return
-    row = tl.arange(0, 1)  # one (token, head) row: the in-kernel merge's code over a tile of one row
-    tok64 = (row + tok).to(tl.int64)
-    head = row + tl.program_id(1)
-    row_ok = row >= 0
+    head = tl.program_id(1)
+    tok64 = tok.to(tl.int64)
+    splits = tl.arange(0, SPLIT_PAD)
+    smask = splits < NUM_SPLITS
     dims = tl.arange(0, HEAD_PAD)
-    omask = row_ok[:, None] & (dims < head_size)[None, :]
-    _merge_splits(
-        part_o_ptr,
-        part_lse_ptr,
-        out_ptr,
-        tok64,
-        head,
-        row_ok,
-        dims,
-        omask,
-        stride_pt,
-        stride_ph,
-        stride_ps,
-        stride_lt,
-        stride_lh,
-        stride_ot,
-        stride_oh,
-        NUM_SPLITS,
-        SPLIT_PAD,
-        1,
-        HEAD_PAD,
+    dmask = dims < head_size
+    lse = tl.load(part_lse_ptr + tok64 * stride_lt + head * stride_lh + splits, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.math.exp2(lse - top)
+    o = tl.load(
+        part_o_ptr + tok64 * stride_pt + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
+        mask=smask[:, None] & dmask[None, :],
+        other=0.0,
     )
+    total = tl.sum(weight, 0)
+    res = tl.sum(o * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + tok64 * stride_ot + head * stride_oh + dims, res.to(out_ptr.dtype.element_ty), mask=dmask)
