@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from actors.layers.kernels import small_m_tuned
-from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref
+from actors.layers.kernels.silu_mul import silu_and_mul_triton
+from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref, small_m_silu_mul
 
 
 def operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +38,40 @@ def test_the_kernel_matches_its_reference(m, n, k, config, dtype):
         assert y.shape == (m, n) and y.dtype == dtype
         # fp32 accumulation in another order, one rounding to 16 bits: at most one unit of the last place
         torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m,n,k,config",
+    [
+        (1, 48, 256, GemmConfig(block_n=32, block_k=128)),  # K even in tiles; the second tile of N half empty
+        (3, 35, 200, GemmConfig(block_n=16, block_k=64)),  # ragged N and K: the masks
+        (17, 40, 96, GemmConfig(block_n=32, block_k=32)),  # two row tiles (BLOCK_M 32)
+    ],
+)
+def test_the_gated_form_equals_the_gemm_then_the_activation(m, n, k, config, dtype):
+    """silu(gate) * up in the GEMM's epilogue against the two launches it replaces (the GEMM rounds its
+    [gate | up] output to 16 bits, SiluAndMul's kernel rounds silu and the product) and the torch layer."""
+    x, w = operands(m, 2 * n, k, dtype, seed=m)
+    y = small_m_silu_mul(x, w, config=config)
+    assert y.shape == (m, n) and y.dtype == dtype
+    two_launches = silu_and_mul_triton(small_m_linear(x, w, None, dtype, config=config))
+    if dtype == torch.float16:
+        torch.testing.assert_close(y, two_launches, rtol=0, atol=0)
+    else:  # the interpreter casts the GEMM's fp32 to bf16 by truncation; the epilogue rounds to nearest
+        torch.testing.assert_close(y.float(), two_launches.float(), rtol=2**-5, atol=1e-3)
+    gate_up = small_m_linear_ref(x, w, None)
+    torch_layer = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    tol = 2**-7 if dtype == torch.bfloat16 else 2**-10  # the GEMM's one rounding, then the activation's two
+    torch.testing.assert_close(y.float(), torch_layer.float(), rtol=2 * tol, atol=1e-3)
+
+
+def test_the_gated_form_refuses_an_odd_or_foreign_weight():
+    x, w = operands(2, 7, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"must be \[2N, K\]"):
+        small_m_silu_mul(x, w)
+    with pytest.raises(ValueError, match=r"must be \[2N, K\]"):
+        small_m_silu_mul(x, operands(2, 8, 64, torch.float16)[1])
 
 
 def test_a_strided_row_view_and_no_rows():

@@ -9,6 +9,7 @@ only this rank's shard, checking the full shape first so a wrong checkpoint fail
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from actors import parallel_state as ps
 from actors.layers.fp8_linear import fp8_linear, fp8_shape_ok, quantize_weight_fp8
-from actors.layers.kernels.small_m_gemm import small_m_linear
+from actors.layers.kernels.small_m_gemm import small_m_linear, small_m_silu_mul
 from actors.layers.kernels.small_m_tuned import tuned_config
 from actors.layers.weight_utils import check_full_shape, copy_into, narrow, new_param, read_all
 
@@ -56,6 +57,10 @@ class _LinearBase(nn.Module):
         return F.linear(x, w, bias)
 
 
+# Rows up to which a gate/up GEMM takes its activation in its epilogue (small_m_silu_mul); 0 turns it off.
+FUSED_GATE_UP_MAX_M = int(os.environ.get("KVRAY_FUSED_GATE_UP_MAX_M", "16"))
+
+
 def _divide(total: int, parts: int, what: str) -> int:
     if total % parts != 0:
         raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={parts}")
@@ -88,6 +93,20 @@ class ColumnParallelLinear(_LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stored as one (gate and up): each rank holds its shard of
     every sub-matrix, concatenated, so one GEMM computes all of them."""
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for [gate | up] in the GEMM's own launch, for a decode step's few rows on the GPU:
+        no activation launch, and the [M, 2N] output is never written. None where it does not apply (the
+        caller then runs the GEMM and SiluAndMul): fp8 weights, a bias, more than FUSED_GATE_UP_MAX_M rows."""
+        w = self.weight
+        if FUSED_GATE_UP_MAX_M == 0 or w is None or self.bias is not None or not x.is_cuda:
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        if not 0 < x2.shape[0] <= FUSED_GATE_UP_MAX_M or x2.stride(-1) != 1 or x.dtype != w.dtype:
+            return None
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            return None
+        return small_m_silu_mul(x2, w).reshape(*x.shape[:-1], w.shape[0] // 2)
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, params_dtype: torch.dtype) -> None:
         tp = ps.tp_size()

@@ -110,6 +110,10 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul(backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_fn.backend == "triton":
+            fused = self.gate_up_proj.silu_and_mul(x)  # a decode step's few rows: one launch
+            if fused is not None:
+                return self.down_proj(fused)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

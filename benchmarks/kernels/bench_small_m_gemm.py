@@ -18,6 +18,7 @@ are left out, and the engine keeps F.linear there.
 
   python -m benchmarks.kernels.bench_small_m_gemm --write     # GPU; also appends to results/bench_small_m_gemm.jsonl
   python -m benchmarks.kernels.bench_small_m_gemm --smoke     # CPU, tiny shapes, Triton interpreter: errors only
+  python -m benchmarks.kernels.bench_small_m_gemm --gated     # gate_up + SiLU in one launch against two
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ if "--smoke" in sys.argv:
 
 import torch
 
-from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref
+from actors.layers.kernels.silu_mul import silu_and_mul_triton
+from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref, small_m_silu_mul
 from actors.layers.kernels.small_m_tuned import table_path
 from benchmarks.common import SHAPES, record
 from benchmarks.kernels.bench_fp8_linear import bench_shape, projections
@@ -118,18 +120,63 @@ def tune_shape(name: str, proj: str, n: int, k: int, rows: list[int], dtype: tor
     return wins
 
 
+GATED_SWEEP = [
+    GemmConfig(block_n=bn, block_k=bk, split_k=1, num_stages=st, num_warps=4)
+    for bn in (16, 32, 64)
+    for bk in (128, 256)
+    for st in (3, 4)
+]
+
+
+def gated_shape(name: str, n: int, k: int, rows: list[int], dtype: torch.dtype, smoke: bool) -> None:
+    """F.linear's gate_up then SiluAndMul's launch (the engine without the fusion, where the table keeps
+    cuBLAS for gate_up) against small_m_silu_mul, one launch: bf16_gated_speedup_<name>_m<M>."""
+    device = "cpu" if smoke else "cuda"
+    copies = 1 if smoke else max(2, -(-L2_FLUSH_BYTES // (n * k * 2)))
+    weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
+    for m in rows:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        ref = silu_and_mul_triton(small_m_linear_ref(x, weights[0], None))
+        t_two = time_us(lambda w, x=x: silu_and_mul_triton(torch.nn.functional.linear(x, w)), weights, smoke)
+        best_t, best = float("inf"), None
+        for c in GATED_SWEEP[:1] if smoke else GATED_SWEEP:
+            try:
+                y = small_m_silu_mul(x, weights[0], config=c)
+            except Exception as e:  # noqa: BLE001 - a config past the SM's resources: skip it, say so
+                print(f"  {name} gated M={m} {c}: {type(e).__name__}", flush=True)
+                continue
+            if not close(y, ref):
+                raise SystemExit(f"{name} gated M={m} {c}: the kernel differs from its reference")
+            t = time_us(lambda w, x=x, c=c: small_m_silu_mul(x, w, config=c), weights, smoke)
+            if best is None or t < best_t:
+                best_t, best = t, c
+        print(
+            f"{name:13s} gated    M={m:3d}  F.linear+silu {t_two:7.1f} us  one launch {best_t:7.1f} us  "
+            f"{t_two / best_t:4.2f}x  {best}",
+            flush=True,
+        )
+        if not smoke and best is not None:
+            record(SCRIPT, f"bf16_gated_speedup_{name}_m{m}", t_two / best_t, "x")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, the interpreter, nothing recorded")
     ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-0.6b"], choices=sorted(SHAPES))
     ap.add_argument("--rows", nargs="+", type=int, default=ROWS)
     ap.add_argument("--write", action="store_true", help="write the device's table for the engine")
+    ap.add_argument("--gated", action="store_true", help="only gate_up + SiLU: two launches against one")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_small_m_gemm needs a CUDA GPU (use --smoke on the CPU)")
     torch.manual_seed(0)
     dtype = torch.bfloat16
     table: dict[str, dict] = {}
+    if args.gated:
+        for name in args.shapes:
+            n, k = projections(bench_shape(name, args.smoke))["gate_up"]
+            gated_shape(name, n, k, [1, 3] if args.smoke else args.rows, dtype, args.smoke)
+        return
     for name in args.shapes:
         for proj, (n, k) in projections(bench_shape(name, args.smoke)).items():
             wins = tune_shape(name, proj, n, k, [1, 3] if args.smoke else args.rows, dtype, args.smoke)

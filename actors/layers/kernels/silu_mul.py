@@ -34,13 +34,20 @@ def _silu_and_mul_kernel(
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * stride_out + cols, silu_mul_rounded(gate, up, dtype, PRECISE_EXP), mask=mask)
+
+
+@triton.jit
+def silu_mul_rounded(gate: tl.tensor, up: tl.tensor, dtype: tl.constexpr, PRECISE_EXP: tl.constexpr) -> tl.tensor:
+    """silu(gate) * up from fp32 values already rounded to `dtype`, rounded as the torch layer rounds
+    (also the small-M GEMM's gated epilogue, actors/layers/kernels/small_m_gemm.py)."""
     if PRECISE_EXP:
         e = libdevice.exp(-gate)
     else:  # the interpreter has no libdevice; numpy's exp is accurate anyway
         e = tl.exp(-gate)
-    dtype = out_ptr.dtype.element_ty
     act = round_to(tl.div_rn(gate, 1.0 + e), dtype)
-    tl.store(out_ptr + row * stride_out + cols, round_to(act * up, dtype), mask=mask)
+    return round_to(act * up, dtype)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from actors.layers.kernels.rounding import interpreting, round_to
+from actors.layers.kernels.silu_mul import silu_mul_rounded
 from kvcore.kernels.attention_tiles import num_sms
 
 FP16_MAX = 65504.0
@@ -50,10 +52,13 @@ def _small_m_kernel(
     stride_x: tl.tensor, stride_w: tl.tensor, stride_y: tl.tensor, k_per_split: tl.tensor,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
     UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr = False, PRECISE_EXP: tl.constexpr = True,
 ) -> None:  # fmt: skip
     """SCALED: e4m3 weights widened to fp16, the activations as fp16, per-channel scales (ws_ptr);
     else weights and activations in their own 16-bit dtype. UPCAST_DOT: the operands widened to fp32 first
-    (Triton's CPU interpreter computes a bf16 tl.dot wrongly: numpy has no bf16)."""
+    (Triton's CPU interpreter computes a bf16 tl.dot wrongly: numpy has no bf16).
+    GATED: w is [gate | up] (2N rows); a program reads gate rows n and up rows N + n and stores
+    silu(gate) * up (16-bit, unscaled, no bias, no split)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -67,14 +72,26 @@ def _small_m_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_x + (k0 + offs_k)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    up_ptrs = w_ptrs + N.to(tl.int64) * stride_w
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            if GATED:
+                w_up = tl.load(up_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k_ok = (k + offs_k) < k_end
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            if GATED:
+                w_up = tl.load(up_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED:
+            if UPCAST_DOT:
+                acc_up = tl.dot(w_up.to(tl.float32), x.to(tl.float32), acc_up)
+            else:
+                acc_up = tl.dot(w_up, x, acc_up)
+            up_ptrs += BLOCK_K
         if SCALED:
             xh = tl.clamp(x.to(tl.float32), -_FP16_MAX, _FP16_MAX).to(tl.float16)
             acc = tl.dot(w.to(tl.float16), xh, acc)
@@ -94,6 +111,9 @@ def _small_m_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         y = y_ptr + offs_m[None, :].to(tl.int64) * stride_y + offs_n[:, None]
+        if GATED:  # gate and up rounded to the activation dtype first, as the GEMM's 16-bit output is
+            dtype = y_ptr.dtype.element_ty
+            acc = silu_mul_rounded(round_to(acc, dtype), round_to(acc_up, dtype), dtype, PRECISE_EXP)
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -173,6 +193,36 @@ def small_m_linear(
             part, ws, b, y, m, n, y.stride(0),
             SPLITS=splits, HAS_BIAS=bias is not None, SCALED=scaled, BLOCK=block, num_warps=4,
         )  # fmt: skip
+    return y
+
+
+# The gated form's tiles: a program reads two weight tiles a K step (gate and up), so half the rows of
+# the ungated 64 keep its shared-memory stages, and twice the programs fill the SMs.
+GATED_CONFIG = GemmConfig(block_n=32, block_k=256, split_k=1, num_stages=4, num_warps=4)
+
+
+def small_m_silu_mul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) in one launch: w [2N, K] is [gate | up] in x's 16-bit dtype
+    (MergedColumnParallelLinear's gate_up), x [M, K] -> [M, N]. Rounded as the GEMM, then SiluAndMul,
+    would round it; no bias, no split over K."""
+    m, k = x.shape
+    if w.dtype != x.dtype or w.shape[0] % 2:
+        raise ValueError(f"small_m_silu_mul: weight {tuple(w.shape)} {w.dtype} must be [2N, K] in {x.dtype}")
+    n = w.shape[0] // 2
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = config or GATED_CONFIG
+    block_m = block_m_for(m)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), 1)
+    _small_m_kernel[grid](
+        x, w, y, y, y, y,
+        m, n, k, x.stride(0), w.stride(0), y.stride(0), k,
+        HAS_BIAS=False, SPLIT=False, EVEN_K=k % cfg.block_k == 0, SCALED=False,
+        UPCAST_DOT=x.dtype == torch.bfloat16 and interpreting(),
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, GATED=True, PRECISE_EXP=not interpreting(),
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )  # fmt: skip
     return y
 
 
