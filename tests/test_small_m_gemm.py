@@ -66,6 +66,20 @@ def test_the_gated_form_equals_the_gemm_then_the_activation(m, n, k, config, dty
     torch.testing.assert_close(y.float(), torch_layer.float(), rtol=2 * tol, atol=1e-3)
 
 
+def test_the_gated_form_refuses_float32_and_the_layer_keeps_two_launches_there():
+    """float32 tiles of the gated form's size overflow an H100's shared memory: the kernel refuses them,
+    and the gate/up layer leaves them (and CPU tensors) to the GEMM and SiluAndMul."""
+    from actors.layers.linear import MergedColumnParallelLinear
+
+    x, w = operands(2, 8, 64, torch.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        small_m_silu_mul(x, w)
+    layer = MergedColumnParallelLinear(64, [4, 4], False, torch.float32)
+    assert layer.silu_and_mul(x) is None
+    fake_cuda = type("FakeCuda", (), {"is_cuda": True, "dtype": torch.float32})()
+    assert layer.silu_and_mul(fake_cuda) is None  # a float32 weight, even on a GPU
+
+
 def test_the_gated_form_refuses_an_odd_or_foreign_weight():
     x, w = operands(2, 7, 64, torch.bfloat16)
     with pytest.raises(ValueError, match=r"must be \[2N, K\]"):

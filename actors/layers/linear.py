@@ -59,6 +59,7 @@ class _LinearBase(nn.Module):
 
 # Rows up to which a gate/up GEMM takes its activation in its epilogue (small_m_silu_mul); 0 turns it off.
 FUSED_GATE_UP_MAX_M = int(os.environ.get("KVRAY_FUSED_GATE_UP_MAX_M", "16"))
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -97,9 +98,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for [gate | up] in the GEMM's own launch, for a decode step's few rows on the GPU:
         no activation launch, and the [M, 2N] output is never written. None where it does not apply (the
-        caller then runs the GEMM and SiluAndMul): fp8 weights, a bias, more than FUSED_GATE_UP_MAX_M rows."""
+        caller then runs the GEMM and SiluAndMul): fp8 or float32 weights, a bias, more than FUSED_GATE_UP_MAX_M
+        rows."""
         w = self.weight
         if FUSED_GATE_UP_MAX_M == 0 or w is None or self.bias is not None or not x.is_cuda:
+            return None
+        if w.dtype not in SIXTEEN_BIT:  # float32 tiles would not fit the kernel's shared memory
             return None
         x2 = x.reshape(-1, x.shape[-1])
         if not 0 < x2.shape[0] <= FUSED_GATE_UP_MAX_M or x2.stride(-1) != 1 or x.dtype != w.dtype:

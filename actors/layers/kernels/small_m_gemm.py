@@ -208,6 +208,8 @@ def small_m_silu_mul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None
     (MergedColumnParallelLinear's gate_up), x [M, K] -> [M, N]. Rounded as the GEMM, then SiluAndMul,
     would round it; no bias, no split over K."""
     m, k = x.shape
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"small_m_silu_mul: activations {x.dtype} must be bfloat16 or float16")
     if w.dtype != x.dtype or w.shape[0] % 2:
         raise ValueError(f"small_m_silu_mul: weight {tuple(w.shape)} {w.dtype} must be [2N, K] in {x.dtype}")
     n = w.shape[0] // 2
