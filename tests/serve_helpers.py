@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +12,7 @@ import ray
 from cluster.config import EngineConfig, load_config
 from cluster.replicas.driver_names import DRIVER_NAME_PREFIX
 from cluster.stress.report import leaked_blocks
+from tests.ports import free_port as free_port  # the serve tests take it from here
 
 # Two replicas (routing, a kill on one while the other serves), a small bound per replica
 # (back-pressure), a restart budget (the kill), short contexts (fast steps on two cores).
@@ -47,12 +47,6 @@ def running_server(overrides: dict[str, Any]) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_server(started)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def drivers() -> list[Any]:

@@ -19,14 +19,10 @@ import time
 
 import pytest
 
+from tests.ports import free_ports
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +78,7 @@ def start_head(env, ray_tmp, attempts: int = 3):
     process before the head binds it: a failed start is stopped and retried on new ports."""
     errors = []
     for _ in range(attempts):
-        ports = {name: free_port() for name in HEAD_PORTS}
+        ports = dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS)), strict=True))
         cmd = [
             f"{BIN}/ray",
             "start",
@@ -323,7 +319,7 @@ def test_the_readmes_token_auth_recipe_runs_as_written(tmp_path):
         # A head that times out starting on a loaded machine (or loses a port found free) is stopped and
         # started again on new ports, as start_head() does.
         for _ in range(3):
-            ports = {name: free_port() for name in HEAD_PORTS}
+            ports = dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS)), strict=True))
             flags = " ".join(f"--{k}={v}" for k, v in ports.items())
             r = sh(lines[2].replace("ray start --head", f"ray start --head {flags}"))
             if r.returncode == 0:
