@@ -27,6 +27,7 @@ from cluster.serve.http_guard import (
 from cluster.serve.prompts import PromptEncoder
 from cluster.serve.protocol import CHAT, COMPLETIONS, parse_request
 from kvcore.request import SamplingParams
+from tests.ports import free_port
 
 DEFAULTS = SamplingParams(temperature=1.0, max_tokens=16)
 MSGS = [{"role": "user", "content": "Hi"}]
@@ -255,7 +256,7 @@ def test_a_port_in_use_fails_at_once_naming_it(capsys):
     from cluster.cli import main
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", free_port()))  # below the ephemeral range: still free once closed, on a busy host
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(PortInUse, match=f"port {port}"):
