@@ -207,28 +207,6 @@ def test_triton_split_kv(kind, splits, window):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("ordered", [False, True])
-@pytest.mark.parametrize("splits", [2, 5])
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
-def test_the_last_split_merges_like_the_reduce_launch(kind, splits, ordered):
-    """Split-KV partials merged by the last split to finish (the default) against the separate reduce
-    launch and the reference; the done-counters are back at zero after every launch, so the next launch
-    (here: the same batch again, and another layer's) merges again."""
-    import kvcore.kernels.paged_attention as pa
-
-    q_lens, seq_lens = SHAPES[kind]
-    batch = make_batch(q_lens, seq_lens, 8, 2, 32, 4, torch.float32, 9, seed=splits)
-    ref = run_attention(batch, 0.2, 9, "torch")
-    order = longest_first(batch["seq_lens"]) if ordered else None
-    separate = run_attention(batch, 0.2, 9, "triton", num_splits=splits, fused_reduce=False, seq_order=order)
-    torch.testing.assert_close(separate, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
-    for _ in range(2):
-        merged = run_attention(batch, 0.2, 9, "triton", num_splits=splits, fused_reduce=True, seq_order=order)
-        assert_written_and_untouched(merged, batch["num_tokens"])
-        torch.testing.assert_close(merged, separate, atol=1e-6, rtol=1e-6, equal_nan=True)
-        assert int(pa._SPLIT_COUNTS[batch["query"].device].abs().sum()) == 0, "a done-count was left behind"
-
-
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_longest_first_order_changes_no_result(kind, splits):

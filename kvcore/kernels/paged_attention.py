@@ -17,12 +17,10 @@ Design
   outside the causal window are never visited.
 - Split-KV (flash decoding): with few sequences the grid of sequences x KV heads cannot fill the
   GPU, so each program takes a 1/NUM_SPLITS share of its tile range, writes a normalised partial
-  output and its log-sum-exp; a reduce launch merges them. With KVRAY_FUSED_SPLIT_REDUCE=1 each split
-  instead counts itself done on a per-(query tile, KV head) counter and the last split to finish merges
-  them all (no reduce launch, which cost 2.9 us a layer at batch 1 on the H100, and no memset: the
-  merging split resets the count); off by default until a GPU has checked and timed it. The share is
-  computed on the device from seq_lens, so a split count baked into a CUDA graph stays correct for any
-  context length.
+  output and its log-sum-exp; a reduce launch merges them. (Merging inside the attention kernel, by
+  the last split to finish, measured slower: it puts the merge on the layer's critical path.) The
+  share is computed on the device from seq_lens, so a split count baked into a CUDA graph stays
+  correct for any context length.
 - Gemma-2's attention-logit soft-cap (cap * tanh(score / cap)) is a constexpr branch, so the
   uncapped kernel compiles to exactly what it was.
 - Longest first (LPT): given seq_order, the sequences by descending seq_len on the device, the
@@ -47,6 +45,7 @@ from typing import Any
 import torch
 import triton
 
+from kvcore.kernels import interpreting
 from kvcore.kernels.attention_tiles import (
     Tiles,
     choose_num_splits,
@@ -58,35 +57,11 @@ from kvcore.kernels.attention_tiles import (
 )
 from kvcore.kernels.fp8 import is_fp8
 from kvcore.kernels.paged_attention_kernels import paged_attention_kernel, split_reduce_kernel
+from kvcore.kernels.pdl import pdl_enabled
 
 _LOG2E = 1.4426950408889634
-# KVRAY_FUSED_SPLIT_REDUCE=1 merges split-KV partials in the attention kernel, =0 in a separate reduce launch.
-# Off by default until a GPU has checked it (CUDA graphs, greedy = HF fp32) and timed it against the reduce.
-FUSED_SPLIT_REDUCE = os.environ.get("KVRAY_FUSED_SPLIT_REDUCE", "0") == "1"
-_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_COUNTS: list[torch.Tensor] = []  # never freed: a captured CUDA graph may still point into one
-_MIN_COUNTS = 4096  # a decode batch splits only below one program an SM: seqs x KV heads < the SM count
-
-
-def split_counts(needed: int, device: torch.device) -> torch.Tensor:
-    """The split-KV done-counters of `device`: zeros, and every launch leaves them zero. Grown only
-    outside a CUDA-graph capture (a buffer allocated there would hold whatever the pool held)."""
-    c = _SPLIT_COUNTS.get(device)
-    if c is None or c.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"split-KV counters: {needed} needed while capturing a CUDA graph; warm up first")
-        if c is not None:
-            _RETIRED_COUNTS.append(c)
-        c = _SPLIT_COUNTS[device] = torch.zeros(max(needed, _MIN_COUNTS), dtype=torch.int32, device=device)
-    return c
-
-
 # KVRAY_FP8_DOT=bf16 widens fp8 tiles to bf16 for bf16 queries instead of fp16 (the A/B switch behind that choice).
 FP8_DOT_ENV = "KVRAY_FP8_DOT"
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 FITTED_TILES: dict[tuple, Tiles] = {}  # tiles too big for the device -> the smaller ones that fitted
@@ -132,10 +107,6 @@ def launch_tiles(a: dict, tiles: Tiles, num_splits: int, q_filter: int, small_q:
     ordered = order is not None and not flat
     if ordered:
         grid = (key_cache.shape[2] * num_splits, num_seqs, 1)
-    fused_reduce = num_splits > 1 and a["fused_reduce"]
-    counts = (
-        split_counts((num_q_tiles if flat else num_seqs) * key_cache.shape[2], query.device) if fused_reduce else out
-    )
     paged_attention_kernel[grid](
         query,
         key_cache,
@@ -143,7 +114,6 @@ def launch_tiles(a: dict, tiles: Tiles, num_splits: int, q_filter: int, small_q:
         out,
         part_o,
         part_lse,
-        counts,
         a["query_start_loc"],
         a["seq_lens"],
         block_table,
@@ -188,10 +158,10 @@ def launch_tiles(a: dict, tiles: Tiles, num_splits: int, q_filter: int, small_q:
         ORDERED=ordered,
         KV_FP8=is_fp8(key_cache.dtype),
         FP8_DOT_F16=a["fp8_dot_f16"],
-        FUSED_REDUCE=fused_reduce,
-        SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)),
+        USE_PDL=a["pdl"],
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        launch_pdl=a["pdl"],
     )
 
 
@@ -214,11 +184,9 @@ def paged_attention_triton(
     seq_order: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    fused_reduce: bool | None = None,
 ) -> None:
     """See kvcore.kernels.ops.paged_attention. num_splits / block_m / block_n override the
-    heuristics (tests force the split path and small tiles with them); fused_reduce False merges the
-    splits in a separate launch (default: FUSED_SPLIT_REDUCE).
+    heuristics (tests force the split path and small tiles with them).
 
     A batch whose longest chunk fits a small tile runs one launch with small tiles. Otherwise it
     runs two: small tiles for the short sequences (decodes), large tiles for the long chunks, each
@@ -239,7 +207,7 @@ def paged_attention_triton(
         num_splits = choose_num_splits(num_seqs, key_cache.shape[2], max_query_len, max_seq_len, num_sms(query.device))
     # Triton's CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): there the
     # operands are widened to fp32 first, after the same bf16 rounding of P as on the GPU.
-    upcast = _interpreting() and query.dtype == torch.bfloat16
+    upcast = interpreting() and query.dtype == torch.bfloat16
     a: dict[str, Any] = dict(
         query=query,
         key_cache=key_cache,
@@ -261,7 +229,7 @@ def paged_attention_triton(
         part_o=out,
         part_lse=out,
         seq_order=seq_order,
-        fused_reduce=FUSED_SPLIT_REDUCE if fused_reduce is None else fused_reduce,
+        pdl=pdl_enabled(query.device),
         fp8_dot_f16=is_fp8(key_cache.dtype)
         and query.dtype == torch.bfloat16
         and os.environ.get(FP8_DOT_ENV, "fp16") == "fp16",
@@ -276,7 +244,7 @@ def paged_attention_triton(
     else:
         _launch(a, small, num_splits, 1, small_q, max_query_len)
         _launch(a, large_tiles(group, head_size, query.element_size()), num_splits, 2, small_q, max_query_len)
-    if num_splits > 1 and not a["fused_reduce"]:
+    if num_splits > 1:
         part_o, part_lse = a["part_o"], a["part_lse"]
         split_reduce_kernel[(num_tokens, num_heads)](
             part_o,
@@ -295,5 +263,7 @@ def paged_attention_triton(
             NUM_SPLITS=num_splits,
             SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)),
             HEAD_PAD=a["head_pad"],
+            USE_PDL=a["pdl"],
             num_warps=4,
+            launch_pdl=a["pdl"],
         )
