@@ -5,7 +5,8 @@ so a kernel that the interpreter runs can still fail to compile on the GPU: a gl
 tl.constexpr, a dtype the MMA refuses, a layout the lowering cannot build. Device time is scarce, and such a
 failure costs a whole call. This check closes that gap in two steps:
 1. record: the given pytest targets run under the interpreter, and every launch's kernel, argument types,
-   constexpr values and launch options are written down (one line per distinct variant);
+   constexpr values and launch options are written down (one line per distinct variant); a kernel with a
+   USE_PDL switch (off under the interpreter) is also compiled with it on, as a Hopper GPU launches it;
 2. compile: in a fresh process without the interpreter, each variant goes through triton.compile for
    GPUTarget("cuda", 90, 32), down to the cubin (Triton's wheel carries ptxas).
 Exit code 0 when every variant compiles. The GPU's own Triton may be older; this catches what any version
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
 TORCH_TO_TRITON = {
     "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64",
     "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5",
@@ -94,6 +95,11 @@ def record(out: Path, pytest_args: list[str]) -> int:
     return int(pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args]))
 
 
+def pdl_variant(spec: dict) -> dict:
+    """The variant a Hopper GPU launches: USE_PDL on, launched with programmatic dependent launch."""
+    return dict(spec, constexprs=dict(spec["constexprs"], USE_PDL=True), options=dict(spec["options"], launch_pdl=True))
+
+
 def compile_all(specs_path: Path, only: str | None = None) -> int:
     """Compile each recorded variant (those whose line matches `only`, a regex) for sm_90; print each with its
     time, and the failures; the number of failures."""
@@ -106,6 +112,8 @@ def compile_all(specs_path: Path, only: str | None = None) -> int:
     target = GPUTarget("cuda", 90, 32)
     lines = [line for line in specs_path.read_text().splitlines() if only is None or re.search(only, line)]
     specs = [json.loads(line) for line in lines]
+    # The interpreter records USE_PDL off; on an sm_90 GPU those kernels launch with it on (kvcore/kernels/pdl.py).
+    specs += [pdl_variant(spec) for spec in specs if spec["constexprs"].get("USE_PDL") is False]
     failed = 0
     t0 = time.perf_counter()
     for spec in specs:

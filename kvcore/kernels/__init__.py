@@ -4,6 +4,8 @@ imports no torch, so a config check can name the backends without loading it."""
 
 from __future__ import annotations
 
+import os
+
 BACKENDS = ("torch", "triton")  # "torch": the plain-torch references; "triton": the kernels
 
 
@@ -15,3 +17,9 @@ def require(cond: bool, msg: str) -> None:
 
 def check_backend(backend: str, name: str = "backend") -> None:
     require(backend in BACKENDS, f"{name}={backend!r}: must be one of {list(BACKENDS)}")
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (the CPU tests): kernels run as Python, libdevice and inline PTX are
+    unavailable, and numpy computes a bf16 tl.dot wrongly."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -17,13 +17,12 @@ Qwen3-MoE) and the product is rounded again.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from actors.layers.kernels.rounding import round_to
+from kvcore.kernels import interpreting
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,10 +102,6 @@ def _moe_gemm_kernel(
     tl.store(out_ptr + ids.to(tl.int64)[:, None] * stride_om + n[None, :], res, mask=valid[:, None] & n_ok[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -123,7 +118,7 @@ def moe_gemm(
     """out[pair] = A[pair // a_row_div] @ w[expert(pair)]^T (x routing weight when given).
     a [rows, K], w [E, N, K], out [num_pairs, N]; all with unit stride on the last dim."""
     n, k = w.shape[1], w.shape[2]
-    upcast = _interpreting() and a.dtype != torch.float32
+    upcast = interpreting() and a.dtype != torch.float32
     grid = (expert_ids.shape[0], triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a,

@@ -28,6 +28,7 @@ from actors.layers.kernels.rounding import round_to
 from kvcore.kernels.cache_write import store_kv_tile
 from kvcore.kernels.fp8 import format_constexprs
 from kvcore.kernels.ops import KVCacheWrite
+from kvcore.kernels.pdl import pdl_enabled, wait_for_previous
 
 TILE_ELEMS = 2048  # elements of one program's tile: enough bytes in flight, few registers
 
@@ -119,7 +120,9 @@ def _qk_norm_rope_kernel(
     FP8_MANT: tl.constexpr,
     FP8_EMIN: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ) -> None:
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     num_q_tiles = tl.cdiv(num_q_heads, BLOCK_H)
@@ -345,7 +348,9 @@ def _launch(
         WRITE_CACHE=cache is not None,
         CACHE_BLOCK=kc.shape[1] if cache is not None else 1,
         **format_constexprs(kc.dtype),
+        USE_PDL=pdl_enabled(q.device),
         num_warps=4,
         enable_fp_fusion=False,
+        launch_pdl=pdl_enabled(q.device),
     )
     return q_out

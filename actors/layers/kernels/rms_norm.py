@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from actors.layers.kernels.rounding import round_to
+from kvcore.kernels.pdl import pdl_enabled, wait_for_previous
 
 
 @triton.jit
@@ -32,7 +33,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GEMMA: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ) -> None:
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -86,7 +89,9 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block_n,
         GEMMA=gemma,
+        USE_PDL=pdl_enabled(x.device),
         num_warps=_num_warps(block_n),
         enable_fp_fusion=False,
+        launch_pdl=pdl_enabled(x.device),
     )
     return out if residual is None else (out, res_out)

@@ -10,15 +10,8 @@ trick gives the GPU's answer in both places, so the CPU tests check what the GPU
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (the CPU tests): libdevice functions are unavailable there."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

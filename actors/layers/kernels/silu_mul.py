@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from actors.layers.kernels.rounding import interpreting, round_to
+from actors.layers.kernels.rounding import round_to
+from kvcore.kernels import interpreting
+from kvcore.kernels.pdl import pdl_enabled, wait_for_previous
 
 BLOCK = 1024
 
@@ -28,7 +30,9 @@ def _silu_and_mul_kernel(
     d: tl.tensor,
     BLOCK: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ) -> None:
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -66,7 +70,9 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         d,
         BLOCK=block,
         PRECISE_EXP=not interpreting(),
+        USE_PDL=pdl_enabled(x.device),
         num_warps=4,
         enable_fp_fusion=False,
+        launch_pdl=pdl_enabled(x.device),
     )
     return out
