@@ -80,6 +80,18 @@ def test_the_gated_form_refuses_float32_and_the_layer_keeps_two_launches_there()
     assert layer.silu_and_mul(fake_cuda) is None  # a float32 weight, even on a GPU
 
 
+def test_only_an_unbiased_16_bit_pair_of_equal_halves_takes_the_gated_form():
+    from actors.layers.linear import MergedColumnParallelLinear
+
+    def gated(sizes: list[int], bias: bool, dtype: torch.dtype) -> bool:
+        return MergedColumnParallelLinear(64, sizes, bias, dtype)._gated_epilogue
+
+    assert gated([8, 8], False, torch.bfloat16) and gated([8, 8], False, torch.float16)
+    assert not gated([8, 8], True, torch.bfloat16)  # the epilogue adds no bias
+    assert not gated([8, 16], False, torch.bfloat16) and not gated([8, 8, 8], False, torch.bfloat16)
+    assert not gated([8, 8], False, torch.float32)
+
+
 def test_the_gated_form_refuses_an_odd_or_foreign_weight():
     x, w = operands(2, 7, 64, torch.bfloat16)
     with pytest.raises(ValueError, match=r"must be \[2N, K\]"):

@@ -59,7 +59,6 @@ class _LinearBase(nn.Module):
 
 # Rows up to which a gate/up GEMM takes its activation in its epilogue (small_m_silu_mul); 0 turns it off.
 FUSED_GATE_UP_MAX_M = int(os.environ.get("KVRAY_FUSED_GATE_UP_MAX_M", "16"))
-SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -95,29 +94,34 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stored as one (gate and up): each rank holds its shard of
     every sub-matrix, concatenated, so one GEMM computes all of them."""
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up for [gate | up] in the GEMM's own launch, for a decode step's few rows on the GPU:
-        no activation launch, and the [M, 2N] output is never written. None where it does not apply (the
-        caller then runs the GEMM and SiluAndMul): fp8 or float32 weights, a bias, more than FUSED_GATE_UP_MAX_M
-        rows."""
-        w = self.weight
-        if FUSED_GATE_UP_MAX_M == 0 or w is None or self.bias is not None or not x.is_cuda:
-            return None
-        if w.dtype not in SIXTEEN_BIT:  # float32 tiles would not fit the kernel's shared memory
-            return None
-        x2 = x.reshape(-1, x.shape[-1])
-        if not 0 < x2.shape[0] <= FUSED_GATE_UP_MAX_M or x2.stride(-1) != 1 or x.dtype != w.dtype:
-            return None
-        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
-            return None
-        return small_m_silu_mul(x2, w).reshape(*x.shape[:-1], w.shape[0] // 2)
-
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, params_dtype: torch.dtype) -> None:
         tp = ps.tp_size()
         for i, size in enumerate(output_sizes):
             _divide(size, tp, f"output_sizes[{i}]")
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, params_dtype)
+        # Two halves of one size (gate and up) in a 16-bit dtype with no bias: what small_m_silu_mul takes
+        # (float32 tiles of its size would not fit the kernel's shared memory).
+        self._gated_epilogue = (
+            FUSED_GATE_UP_MAX_M > 0
+            and len(output_sizes) == 2
+            and output_sizes[0] == output_sizes[1]
+            and not bias
+            and params_dtype in (torch.bfloat16, torch.float16)
+        )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for [gate | up] in the GEMM's own launch, for a decode step's few rows on the GPU:
+        no activation launch, and the [M, 2N] output is never written. None where it does not apply (the
+        caller then runs the GEMM and SiluAndMul): fp8 or float32 weights, a bias, more than FUSED_GATE_UP_MAX_M
+        rows."""
+        w = self.weight
+        if not self._gated_epilogue or w is None or w.dtype != x.dtype or not x.is_cuda:
+            return None  # no weight: quantized to fp8 (quantize_fp8)
+        x2 = x.reshape(-1, x.shape[-1])
+        if not 0 < x2.shape[0] <= FUSED_GATE_UP_MAX_M or x2.stride(-1) != 1:
+            return None
+        return small_m_silu_mul(x2, w).reshape(*x.shape[:-1], w.shape[0] // 2)
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
