@@ -78,32 +78,53 @@ def close(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(((y.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item() < 1e-2)
 
 
-def tune_shape(name: str, proj: str, n: int, k: int, rows: list[int], dtype: torch.dtype, smoke: bool) -> dict:
-    """-> {str(M): config list} for the row counts where the kernel wins."""
+def weight_copies(n: int, k: int, dtype: torch.dtype, smoke: bool) -> list[torch.Tensor]:
+    """Enough copies of an [n, k] weight that cycling through them reads each from memory, not the L2."""
     device = "cpu" if smoke else "cuda"
     copies = 1 if smoke else max(2, -(-L2_FLUSH_BYTES // (n * k * 2)))
-    weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
+    return [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
+
+
+def fastest(
+    label: str,
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    configs: list[GemmConfig],
+    kernel: Callable[[torch.Tensor, GemmConfig, torch.Tensor], torch.Tensor],
+    ref: torch.Tensor,
+    smoke: bool,
+) -> tuple[float, GemmConfig | None]:
+    """The fastest of `configs` for kernel(x, config, w), each checked against `ref` first; a config past
+    the SM's resources is skipped (and said), one that differs from the reference ends the run."""
+    best_t, best = float("inf"), None
+    for c in configs:
+        try:
+            y = kernel(x, c, weights[0])
+        except Exception as e:  # noqa: BLE001 - a config past the SM's resources: skip it, say so
+            print(f"  {label} {c}: {type(e).__name__}", flush=True)
+            continue
+        if not close(y, ref):
+            raise SystemExit(f"{label} {c}: the kernel differs from its reference")
+        t = time_us(functools.partial(kernel, x, c), weights, smoke)
+        if best is None or t < best_t:
+            best_t, best = t, c
+    return best_t, best
+
+
+def _linear(x: torch.Tensor, c: GemmConfig, w: torch.Tensor) -> torch.Tensor:
+    return small_m_linear(x, w, None, x.dtype, config=c)
+
+
+def tune_shape(name: str, proj: str, n: int, k: int, rows: list[int], dtype: torch.dtype, smoke: bool) -> dict:
+    """-> {str(M): config list} for the row counts where the kernel wins."""
+    weights = weight_copies(n, k, dtype, smoke)
+    configs = [c for c in (SWEEP[:2] if smoke else SWEEP) if c.split_k == 1 or (k // c.block_k) % c.split_k == 0]
     wins: dict[str, list[int]] = {}
     for m in rows:
-        x = torch.randn(m, k, device=device, dtype=dtype)
+        x = torch.randn(m, k, device=weights[0].device, dtype=dtype)
         ref = small_m_linear_ref(x, weights[0], None)
         t_torch = time_us(functools.partial(torch.nn.functional.linear, x), weights, smoke)
-        best_t, best = float("inf"), None
-        for c in SWEEP[:2] if smoke else SWEEP:
-            if c.split_k > 1 and (k // c.block_k) % c.split_k:
-                continue
-            try:
-                y = small_m_linear(x, weights[0], None, dtype, config=c)
-            except Exception as e:  # noqa: BLE001 - a config past the SM's resources: skip it, say so
-                print(f"  {name} {proj} M={m} {c}: {type(e).__name__}", flush=True)
-                continue
-            if not close(y, ref):
-                raise SystemExit(f"{name} {proj} M={m} {c}: the kernel differs from its reference")
-            t = time_us(
-                functools.partial(lambda w, x=x, c=c: small_m_linear(x, w, None, dtype, config=c)), weights, smoke
-            )
-            if best is None or t < best_t:
-                best_t, best = t, c
+        best_t, best = fastest(f"{name} {proj} M={m}", x, weights, configs, _linear, ref, smoke)
         gain = t_torch / best_t
         print(
             f"{name:13s} {proj:8s} M={m:3d}  F.linear {t_torch:7.1f} us ({2 * n * k / t_torch / 1e6:4.2f} TB/s)  "
@@ -139,25 +160,13 @@ def _one_launch(x: torch.Tensor, c: GemmConfig, w: torch.Tensor) -> torch.Tensor
 def gated_shape(name: str, n: int, k: int, rows: list[int], dtype: torch.dtype, smoke: bool) -> None:
     """F.linear's gate_up then SiluAndMul's launch (the engine without the fusion, where the table keeps
     cuBLAS for gate_up) against small_m_silu_mul, one launch: bf16_gated_speedup_<name>_m<M>."""
-    device = "cpu" if smoke else "cuda"
-    copies = 1 if smoke else max(2, -(-L2_FLUSH_BYTES // (n * k * 2)))
-    weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
+    weights = weight_copies(n, k, dtype, smoke)
     for m in rows:
-        x = torch.randn(m, k, device=device, dtype=dtype)
+        x = torch.randn(m, k, device=weights[0].device, dtype=dtype)
         ref = silu_and_mul_triton(small_m_linear_ref(x, weights[0], None))
         t_two = time_us(functools.partial(_two_launches, x), weights, smoke)
-        best_t, best = float("inf"), None
-        for c in GATED_SWEEP[:1] if smoke else GATED_SWEEP:
-            try:
-                y = small_m_silu_mul(x, weights[0], config=c)
-            except Exception as e:  # noqa: BLE001 - a config past the SM's resources: skip it, say so
-                print(f"  {name} gated M={m} {c}: {type(e).__name__}", flush=True)
-                continue
-            if not close(y, ref):
-                raise SystemExit(f"{name} gated M={m} {c}: the kernel differs from its reference")
-            t = time_us(functools.partial(_one_launch, x, c), weights, smoke)
-            if best is None or t < best_t:
-                best_t, best = t, c
+        configs = GATED_SWEEP[:1] if smoke else GATED_SWEEP
+        best_t, best = fastest(f"{name} gated M={m}", x, weights, configs, _one_launch, ref, smoke)
         print(
             f"{name:13s} gated    M={m:3d}  F.linear+silu {t_two:7.1f} us  one launch {best_t:7.1f} us  "
             f"{t_two / best_t:4.2f}x  {best}",
