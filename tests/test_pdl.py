@@ -19,6 +19,7 @@ ON_HOPPER = (
 
 
 def test_pdl_is_off_on_the_cpu_under_the_interpreter_and_by_the_switch(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", True)
     assert not pdl.pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.pdl_enabled(torch.device("cuda", 0))  # decided before any CUDA call

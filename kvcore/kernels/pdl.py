@@ -20,8 +20,10 @@ How (CUDA programming guide, "Programmatic Dependent Launch"; Triton's `launch_p
 - A kernel launched without the attribute (cuBLAS, torch ops, copies) waits for full completion as
   always; `gdc_wait` in a kernel launched without it returns at once.
 
-KVRAY_PDL=0 (read in the workers' environment at import) launches every kernel the old way: the A/B
-switch. The CPU tests run under TRITON_INTERPRET=1, where PDL is off (the interpreter runs no PTX).
+KVRAY_PDL=1 (read in the workers' environment at import) turns it on; it is off by default until a GPU
+has checked it (CUDA graphs, greedy = HF fp32) and timed it against the plain launches. The CPU tests run
+under TRITON_INTERPRET=1, where PDL is off (the interpreter runs no PTX); benchmarks/checks/
+check_sm90_compile.py compiles every kernel's PDL variant for sm_90.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import triton.language as tl
 from kvcore.kernels import interpreting
 
 PDL_ENV = "KVRAY_PDL"
-ENABLED = os.environ.get(PDL_ENV, "1") != "0"
+ENABLED = os.environ.get(PDL_ENV, "0") == "1"
 
 
 @lru_cache(maxsize=16)
@@ -45,8 +47,8 @@ def _hopper_or_newer(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: CUDA compute capability >= 9.0, compiled (not
-    interpreted), and not switched off by KVRAY_PDL=0."""
+    """Whether kernels on `device` launch with PDL: switched on by KVRAY_PDL=1, CUDA compute capability
+    >= 9.0, compiled (not interpreted)."""
     if not ENABLED or device.type != "cuda" or interpreting():
         return False
     return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())

@@ -150,9 +150,9 @@ def _split_reduce(
     tl.store(y_ptr + row.to(tl.int64) * stride_y + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-# Weight bytes one GEMM asks the L2 for before its PDL wait (kvcore/kernels/pdl.py): about what the kernel in
-# front of it (attention and its reduce, ~11 us at batch 1 on the H100; a norm, ~2 us) leaves the memory bus
-# idle for, and well inside the H100's 50 MB of L2. KVRAY_PDL_PREFETCH_MB=0 turns the prefetch off.
+# Weight bytes one GEMM asks the L2 for before its PDL wait (kvcore/kernels/pdl.py, KVRAY_PDL=1): about what
+# the kernel in front of it (attention and its reduce, ~11 us at batch 1 on the H100; a norm, ~2 us) leaves
+# the memory bus idle for, well inside the H100's 50 MB of L2. KVRAY_PDL_PREFETCH_MB=0 turns it off.
 PREFETCH_BUDGET = int(float(os.environ.get("KVRAY_PDL_PREFETCH_MB", "8")) * 2**20)
 
 
