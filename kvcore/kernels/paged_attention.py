@@ -229,7 +229,7 @@ def paged_attention_triton(
         part_o=out,
         part_lse=out,
         seq_order=seq_order,
-        pdl=pdl_enabled(query.device),
+        pdl=pdl_enabled(query.device, num_tokens),
         fp8_dot_f16=is_fp8(key_cache.dtype)
         and query.dtype == torch.bfloat16
         and os.environ.get(FP8_DOT_ENV, "fp16") == "fp16",

@@ -348,9 +348,9 @@ def _launch(
         WRITE_CACHE=cache is not None,
         CACHE_BLOCK=kc.shape[1] if cache is not None else 1,
         **format_constexprs(kc.dtype),
-        USE_PDL=pdl_enabled(q.device),
+        USE_PDL=pdl_enabled(q.device, num_tokens),
         num_warps=4,
         enable_fp_fusion=False,
-        launch_pdl=pdl_enabled(q.device),
+        launch_pdl=pdl_enabled(q.device, num_tokens),
     )
     return q_out

@@ -89,9 +89,9 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block_n,
         GEMMA=gemma,
-        USE_PDL=pdl_enabled(x.device),
+        USE_PDL=pdl_enabled(x.device, num_rows),
         num_warps=_num_warps(block_n),
         enable_fp_fusion=False,
-        launch_pdl=pdl_enabled(x.device),
+        launch_pdl=pdl_enabled(x.device, num_rows),
     )
     return out if residual is None else (out, res_out)

@@ -70,9 +70,9 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         d,
         BLOCK=block,
         PRECISE_EXP=not interpreting(),
-        USE_PDL=pdl_enabled(x.device),
+        USE_PDL=pdl_enabled(x.device, num_rows),
         num_warps=4,
         enable_fp_fusion=False,
-        launch_pdl=pdl_enabled(x.device),
+        launch_pdl=pdl_enabled(x.device, num_rows),
     )
     return out

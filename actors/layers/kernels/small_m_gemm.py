@@ -20,7 +20,6 @@ the scale and the bias.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,7 +31,7 @@ from actors.layers.kernels.rounding import round_to
 from actors.layers.kernels.silu_mul import silu_mul_rounded
 from kvcore.kernels import interpreting
 from kvcore.kernels.attention_tiles import num_sms
-from kvcore.kernels.pdl import pdl_enabled, prefetch_rows_l2, wait_for_previous
+from kvcore.kernels.pdl import pdl_enabled, wait_for_previous
 
 FP16_MAX = 65504.0
 _FP16_MAX = tl.constexpr(FP16_MAX)  # a kernel may read a global only as a constexpr
@@ -52,7 +51,6 @@ def _small_m_kernel(
     x_ptr: tl.tensor, w_ptr: tl.tensor, ws_ptr: tl.tensor, b_ptr: tl.tensor, y_ptr: tl.tensor, part_ptr: tl.tensor,
     M: tl.tensor, N: tl.tensor, K: tl.tensor,
     stride_x: tl.tensor, stride_w: tl.tensor, stride_y: tl.tensor, k_per_split: tl.tensor,
-    prefetch_bytes: tl.tensor,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
     UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr = False, PRECISE_EXP: tl.constexpr = True, USE_PDL: tl.constexpr = False,
@@ -62,8 +60,7 @@ def _small_m_kernel(
     (Triton's CPU interpreter computes a bf16 tl.dot wrongly: numpy has no bf16).
     GATED: w is [gate | up] (2N rows); a program reads gate rows n and up rows N + n and stores
     silu(gate) * up (16-bit, unscaled, no bias, no split).
-    USE_PDL: launched with programmatic dependent launch (kvcore/kernels/pdl.py); the first
-    prefetch_bytes of each weight row in this program's K range go to the L2 before the wait."""
+    USE_PDL: launched with programmatic dependent launch (kvcore/kernels/pdl.py)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -74,12 +71,6 @@ def _small_m_kernel(
     m_ok = offs_m < M
     k0 = pid_k * k_per_split
     k_end = tl.minimum(k0 + k_per_split, K)
-    if USE_PDL:
-        if prefetch_bytes > 0:  # rows past N prefetch row N - 1 again: no address outside w
-            rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_w + k0
-            prefetch_rows_l2(rows, prefetch_bytes)
-            if GATED:
-                prefetch_rows_l2(rows + N.to(tl.int64) * stride_w, prefetch_bytes)
     wait_for_previous(USE_PDL)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_x + (k0 + offs_k)[:, None]
@@ -150,23 +141,6 @@ def _split_reduce(
     tl.store(y_ptr + row.to(tl.int64) * stride_y + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-# Weight bytes one GEMM asks the L2 for before its PDL wait (kvcore/kernels/pdl.py, KVRAY_PDL=1): about what
-# the kernel in front of it (attention and its reduce, ~11 us at batch 1 on the H100; a norm, ~2 us) leaves
-# the memory bus idle for, well inside the H100's 50 MB of L2. KVRAY_PDL_PREFETCH_MB=0 turns it off.
-PREFETCH_BUDGET = int(float(os.environ.get("KVRAY_PDL_PREFETCH_MB", "8")) * 2**20)
-
-
-def prefetch_bytes(w: torch.Tensor, k_span: int, programs: int, rows_per_program: int) -> int:
-    """Bytes of each weight row (from its program's first K column) to prefetch: the budget spread over
-    every program's rows, at most the shortest program's K range, a multiple of 16; 0 where a row start
-    would not be 16-byte aligned."""
-    row_bytes = w.stride(0) * w.element_size()
-    if PREFETCH_BUDGET <= 0 or row_bytes % 16 or w.data_ptr() % 16:
-        return 0
-    share = PREFETCH_BUDGET // (programs * rows_per_program)
-    return min(share, k_span * w.element_size()) // 16 * 16
-
-
 @lru_cache(maxsize=1024)  # a launch's host path: the same few (M, N, K) every step
 def default_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """64 x 256 tiles, K split until the grid covers every SM at least once (at most 8 splits, each a
@@ -210,11 +184,10 @@ def small_m_linear(
     ws = w_scale if w_scale is not None else y  # never read unless scaled
     b = bias if bias is not None else ws
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), splits)
-    pdl = pdl_enabled(x.device)
-    pf = prefetch_bytes(w, k - (splits - 1) * k_per_split, grid[0] * grid[1] * grid[2], cfg.block_n) if pdl else 0
+    pdl = pdl_enabled(x.device, m)
     _small_m_kernel[grid](
         x, w, ws, b, y, part,
-        m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split, pf,
+        m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0, SCALED=scaled,
         UPCAST_DOT=not scaled and x.dtype == torch.bfloat16 and interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, USE_PDL=pdl,
@@ -253,11 +226,10 @@ def small_m_silu_mul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None
     cfg = config or GATED_CONFIG
     block_m = block_m_for(m)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), 1)
-    pdl = pdl_enabled(x.device)
-    pf = prefetch_bytes(w, k, grid[0] * grid[1], 2 * cfg.block_n) if pdl else 0  # gate and up rows
+    pdl = pdl_enabled(x.device, m)
     _small_m_kernel[grid](
         x, w, y, y, y, y,
-        m, n, k, x.stride(0), w.stride(0), y.stride(0), k, pf,
+        m, n, k, x.stride(0), w.stride(0), y.stride(0), k,
         HAS_BIAS=False, SPLIT=False, EVEN_K=k % cfg.block_k == 0, SCALED=False,
         UPCAST_DOT=x.dtype == torch.bfloat16 and interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, GATED=True, PRECISE_EXP=not interpreting(),
