@@ -10,8 +10,8 @@ How (CUDA programming guide, "Programmatic Dependent Launch"; Triton's `launch_p
 - A kernel launched with `launch_pdl=True` may begin once every program of the kernel before it has
   called `gdc_launch_dependents` or exited. Its `gdc_wait` then blocks until that kernel has completed
   and its memory is visible. CUDA-graph capture keeps the edge.
-- The rule every kernel here follows: `wait_for_previous` is its first statement, before any global load
-  or store, so nothing it touches can race with an earlier kernel.
+- The rule every kernel here follows: `wait_for_previous` comes before any global load or store (only
+  index arithmetic precedes it), so nothing the kernel touches can race with an earlier one.
 - `wait_for_previous` signals the dependents right after the wait: the next kernel's programs can then
   occupy SMs during this kernel's run, and their own wait keeps the order. Completion is transitive (a
   kernel completes only after its own wait), so a kernel that reads what an older one wrote is safe too.
