@@ -311,6 +311,7 @@ def _launch(
     vc = cache.value_cache if cache is not None else q
     vv = v if v is not None else k
     ko = k_out if k_out is not None else q_out
+    pdl = pdl_enabled(q.device, num_tokens)
     _qk_norm_rope_kernel[grid](
         q,
         k,
@@ -348,9 +349,9 @@ def _launch(
         WRITE_CACHE=cache is not None,
         CACHE_BLOCK=kc.shape[1] if cache is not None else 1,
         **format_constexprs(kc.dtype),
-        USE_PDL=pdl_enabled(q.device, num_tokens),
+        USE_PDL=pdl,
         num_warps=4,
         enable_fp_fusion=False,
-        launch_pdl=pdl_enabled(q.device, num_tokens),
+        launch_pdl=pdl,
     )
     return q_out

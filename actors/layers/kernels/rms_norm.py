@@ -73,6 +73,7 @@ def rms_norm_triton(
         return out if residual is None else (out, res_out)
     res_in = residual if residual is not None else x
     block_n = triton.next_power_of_2(n_cols)
+    pdl = pdl_enabled(x.device, num_rows)
     _rms_norm_kernel[(num_rows,)](
         x,
         res_in,
@@ -89,9 +90,9 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block_n,
         GEMMA=gemma,
-        USE_PDL=pdl_enabled(x.device, num_rows),
+        USE_PDL=pdl,
         num_warps=_num_warps(block_n),
         enable_fp_fusion=False,
-        launch_pdl=pdl_enabled(x.device, num_rows),
+        launch_pdl=pdl,
     )
     return out if residual is None else (out, res_out)

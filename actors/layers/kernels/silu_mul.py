@@ -62,6 +62,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(BLOCK, triton.next_power_of_2(d))
     grid = (num_rows, triton.cdiv(d, block))
+    pdl = pdl_enabled(x.device, num_rows)
     _silu_and_mul_kernel[grid](
         x,
         out,
@@ -70,9 +71,9 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         d,
         BLOCK=block,
         PRECISE_EXP=not interpreting(),
-        USE_PDL=pdl_enabled(x.device, num_rows),
+        USE_PDL=pdl,
         num_warps=4,
         enable_fp_fusion=False,
-        launch_pdl=pdl_enabled(x.device, num_rows),
+        launch_pdl=pdl,
     )
     return out
