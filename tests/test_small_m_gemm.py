@@ -27,6 +27,7 @@ def operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple
         (3, 70, 200, GemmConfig(block_n=32, block_k=64)),  # ragged N and K: the masks
         (5, 64, 512, GemmConfig(block_n=32, block_k=64, split_k=4)),  # split K: fp32 partials, then the reduce
         (17, 40, 96, GemmConfig(block_n=32, block_k=32, split_k=2)),  # two row tiles (BLOCK_M 32)
+        (130, 40, 96, GemmConfig(block_n=32, block_k=32, split_k=2, block_m=128)),  # its own row tile, ragged
     ],
 )
 def test_the_kernel_matches_its_reference(m, n, k, config, dtype):
@@ -134,7 +135,10 @@ def table(tmp_path, monkeypatch):
     small_m_tuned._table.cache_clear()
     path = small_m_tuned.table_path("Test GPU 80GB", torch.bfloat16)
     assert path.name == "Test_GPU_80GB-bfloat16.json"
-    shapes = {"4096x4096": {"1": [64, 256, 1, 4, 4], "8": [128, 128, 2, 3, 8]}}
+    shapes = {
+        "4096x4096": {"1": [64, 256, 1, 4, 4], "8": [128, 128, 2, 3, 8]},
+        "1024x2048": {"16": None, "64": [64, 64, 2, 3, 4], "256": [128, 64, 1, 3, 8, 128], "512": None},
+    }
     path.write_text(json.dumps({"device": "Test GPU 80GB", "dtype": "bfloat16", "shapes": shapes}))
     yield
     small_m_tuned._table.cache_clear()
@@ -147,6 +151,19 @@ def test_a_step_takes_the_smallest_tuned_row_count_at_or_above_it(table):
     assert small_m_tuned.tuned_config(8, w) == GemmConfig(128, 128, 2, 3, 8)
     assert small_m_tuned.tuned_config(9, w) is None  # past the table: cuBLAS
     assert small_m_tuned.tuned_config(0, w) is None
+
+
+def test_null_entries_keep_torch_and_a_sixth_number_is_the_row_tile(table, monkeypatch):
+    w = FakeCudaWeight(1024, 2048)
+    assert small_m_tuned.tuned_config(1, w) is None  # 16 measured faster on cuBLAS, and it covers 1..16
+    assert small_m_tuned.tuned_config(16, w) is None
+    assert small_m_tuned.tuned_config(17, w) == GemmConfig(64, 64, 2, 3, 4)
+    assert small_m_tuned.tuned_config(200, w) == GemmConfig(128, 64, 1, 3, 8, block_m=128)
+    assert small_m_tuned.tuned_config(200, w).rows_per_program(200) == 128
+    assert small_m_tuned.tuned_config(300, w) is None
+    monkeypatch.setattr(small_m_tuned, "MAX_ROWS", 64)  # KVRAY_SMALL_M_MAX_ROWS=64
+    assert small_m_tuned.tuned_config(64, w) == GemmConfig(64, 64, 2, 3, 4)
+    assert small_m_tuned.tuned_config(65, w) is None
 
 
 def test_untuned_shapes_dtypes_devices_and_the_switch_keep_torch(table, monkeypatch):
@@ -169,3 +186,21 @@ def test_the_shipped_tables_load_and_name_their_device():
         assert small_m_tuned.table_path(raw["device"], torch.bfloat16) == path
         table = small_m_tuned._table(raw["device"], torch.bfloat16)
         assert table and all(ms == sorted(ms) and len(ms) == len(cs) for ms, cs in table.values())
+
+
+def test_a_tuning_run_replaces_the_rows_it_measured_and_keeps_the_rest(tmp_path):
+    from benchmarks.kernels.bench_small_m_gemm import config_row, merge_table
+
+    path = tmp_path / "t.json"
+    old = {"4096x4096": {"1": [64, 256, 1, 4, 4], "16": [64, 128, 1, 4, 4]}, "1024x2048": {"1": [64, 128, 4, 4, 4]}}
+    path.write_text(json.dumps({"device": "Test GPU", "dtype": "bfloat16", "shapes": old}))
+    wide = GemmConfig(block_n=128, block_k=64, split_k=1, num_stages=3, num_warps=8, block_m=128)
+    measured = {"4096x4096": {"16": None, "256": config_row(wide)}, "6144x1024": {"32": None}}
+    merged = merge_table(path, "Test GPU", measured)
+    assert merged["shapes"] == {
+        "4096x4096": {"1": [64, 256, 1, 4, 4], "16": None, "256": [128, 64, 1, 3, 8, 128]},
+        "1024x2048": {"1": [64, 128, 4, 4, 4]},
+        "6144x1024": {"32": None},
+    }
+    assert config_row(GemmConfig()) == [64, 256, 1, 4, 4]  # the five-number form the shipped tables use
+    assert GemmConfig(*merged["shapes"]["4096x4096"]["256"]) == wide

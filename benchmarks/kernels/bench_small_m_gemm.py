@@ -2,19 +2,25 @@
 the per-device table that tells the engine where to use it (actors/layers/kernels/small_m_tuned.py).
 
 For the Llama-3.1-8B and Qwen3-0.6B shapes' four projections (qkv, o, gate_up, down) at M = 1..16 rows
-(the decode steps that read every weight for a few tokens): F.linear, then the kernel over a sweep of tile,
-split and stage choices. Each timing is a CUDA graph that runs the layer over enough copies of the weight
-to exceed the L2 cache (a lone 33 MB weight replayed in a loop would be partly served from the 50 MB L2,
-which a model's step never is), median microseconds per layer; weight bytes per us as TB/s.
+(the decode steps that read every weight for a few tokens) and at 32..256 (the big decode steps, where
+Qwen3-0.6B's 4-12 MB matrices take cuBLAS 6.4-7.7 us against a 1-3 us byte floor: launch-bound, not
+read-bound): F.linear, then the kernel over a sweep of tile, split and stage choices (`sweep_for`).
+Each timing is a CUDA graph that runs the layer over enough copies of the weight to exceed the L2 cache
+(a lone 33 MB weight replayed in a loop would be partly served from the 50 MB L2, which a model's step
+never is), median microseconds per layer; weight bytes per us as TB/s.
 
-Expected (before the run): cuBLAS's one-row kernels for Llama's qkv and o read at 0.80 and 0.68 of the
+Expected before the first run (M <= 16): cuBLAS's one-row kernels for Llama's qkv and o read at 0.80 and 0.68 of the
 2,990 GB/s copy on the H100 (a step's trace), gate_up at 0.95, down at 0.90; a streaming kernel near 0.90
 on all four would cut ~6.5 us a layer, ~0.2 ms of the 6.27 ms batch-1 step (batch1_weight_bw_frac 0.86 ->
-~0.89).
+~0.89). Expected before the first run at 32..256: the kernel 1.3-2x faster than cuBLAS on Qwen3-0.6B's
+four projections at 64-256 rows (~3-5 us against 6.4-7.7), nano's big decode steps ~0.2-0.3 ms shorter
+(of ~6.7 ms on the H200: +2-4% on the recipe); Llama-3.1-8B's at 128-256 rows are bound by their FLOPs,
+where cuBLAS should keep them.
 
---write puts the winners (>= MIN_GAIN faster than F.linear, checked close to it) into
-actors/layers/kernels/small_m_configs/<device>-bfloat16.json; shapes or row counts where cuBLAS wins
-are left out, and the engine keeps F.linear there.
+--write merges the measured row counts into actors/layers/kernels/small_m_configs/<device>-bfloat16.json
+(the rows not measured keep their entries): a winner (>= MIN_GAIN faster than F.linear, checked close to
+it) as its config, a row count where cuBLAS wins as null, so that the engine keeps F.linear there and at
+the row counts it covers.
 
   python -m benchmarks.kernels.bench_small_m_gemm --write     # GPU; also appends to results/bench_small_m_gemm.jsonl
   python -m benchmarks.kernels.bench_small_m_gemm --smoke     # CPU, tiny shapes, Triton interpreter: errors only
@@ -43,7 +49,7 @@ from benchmarks.common import SHAPES, record
 from benchmarks.kernels.bench_fp8_linear import bench_shape, projections
 
 SCRIPT = "bench_small_m_gemm"
-ROWS = [1, 2, 4, 8, 16]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MIN_GAIN = 1.03  # a win smaller than the run-to-run spread is no reason to leave cuBLAS
 L2_FLUSH_BYTES = 256 << 20
 
@@ -55,6 +61,27 @@ SWEEP = [
     for st in (4,)
     for nw in (4,)
 ]
+# Past 16 rows the activations' tile grows to 32-64 rows (and 128 here), so shorter K tiles keep the
+# shared-memory stages within the SM's 228 KB; a program does more MMA work per weight byte, so the
+# split over K matters less.
+SWEEP_WIDE = [
+    GemmConfig(block_n=bn, block_k=bk, split_k=sk, num_stages=st, num_warps=4)
+    for bn in (64, 128)
+    for bk in (64, 128)
+    for sk in (1, 2, 4)
+    for st in (3, 4)
+] + [
+    GemmConfig(block_n=bn, block_k=64, split_k=sk, num_stages=3, num_warps=8, block_m=128)
+    for bn in (64, 128)
+    for sk in (1, 2)
+]
+
+
+def sweep_for(m: int) -> list[GemmConfig]:
+    """The configs tried at m rows: a row tile of 128 only where it is not mostly padding."""
+    if m <= 16:
+        return SWEEP
+    return [c for c in SWEEP_WIDE if c.block_m <= m]
 
 
 def time_us(layer: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], smoke: bool) -> float:
@@ -115,12 +142,21 @@ def _linear(x: torch.Tensor, c: GemmConfig, w: torch.Tensor) -> torch.Tensor:
     return small_m_linear(x, w, None, x.dtype, config=c)
 
 
-def tune_shape(name: str, proj: str, n: int, k: int, rows: list[int], dtype: torch.dtype, smoke: bool) -> dict:
-    """-> {str(M): config list} for the row counts where the kernel wins."""
+def config_row(c: GemmConfig) -> list[int]:
+    """A config as the table stores it: five numbers, a sixth for a row tile of its own."""
+    row = [c.block_n, c.block_k, c.split_k, c.num_stages, c.num_warps]
+    return row + [c.block_m] if c.block_m else row
+
+
+def tune_shape(
+    name: str, proj: str, n: int, k: int, rows: list[int], dtype: torch.dtype, smoke: bool
+) -> dict[str, list[int] | None]:
+    """-> {str(M): the winning config's row, or None where F.linear is as fast} for every row count timed."""
     weights = weight_copies(n, k, dtype, smoke)
-    configs = [c for c in (SWEEP[:2] if smoke else SWEEP) if c.split_k == 1 or (k // c.block_k) % c.split_k == 0]
-    wins: dict[str, list[int]] = {}
+    entries: dict[str, list[int] | None] = {}
     for m in rows:
+        sweep = sweep_for(m)
+        configs = [c for c in (sweep[:2] if smoke else sweep) if c.split_k == 1 or (k // c.block_k) % c.split_k == 0]
         x = torch.randn(m, k, device=weights[0].device, dtype=dtype)
         ref = small_m_linear_ref(x, weights[0], None)
         t_torch = time_us(functools.partial(torch.nn.functional.linear, x), weights, smoke)
@@ -131,14 +167,28 @@ def tune_shape(name: str, proj: str, n: int, k: int, rows: list[int], dtype: tor
             f"kernel {best_t:7.1f} us ({2 * n * k / best_t / 1e6:4.2f} TB/s)  {gain:4.2f}x  {best}",
             flush=True,
         )
-        if smoke or best is None:
+        if smoke:
+            continue
+        if best is None:  # no config fits the SM: cuBLAS
+            entries[str(m)] = None
             continue
         record(SCRIPT, f"bf16_small_m_speedup_{name}_{proj}_m{m}", gain, "x")
         record(SCRIPT, f"bf16_linear_tbs_{name}_{proj}_m{m}", 2 * n * k / t_torch / 1e6, "TB/s")
         record(SCRIPT, f"bf16_small_m_tbs_{name}_{proj}_m{m}", 2 * n * k / best_t / 1e6, "TB/s")
-        if gain >= MIN_GAIN:
-            wins[str(m)] = [best.block_n, best.block_k, best.split_k, best.num_stages, best.num_warps]
-    return wins
+        entries[str(m)] = config_row(best) if gain >= MIN_GAIN else None
+    return entries
+
+
+def merge_table(path: Path, device: str, measured: dict[str, dict[str, list[int] | None]]) -> dict:
+    """The device's table with the measured row counts replaced and every other entry kept."""
+    shapes: dict[str, dict[str, list[int] | None]] = {}
+    if path.is_file():
+        shapes = json.loads(path.read_text())["shapes"]
+    for shape, by_m in measured.items():
+        shapes.setdefault(shape, {}).update(by_m)
+    for shape, by_m in shapes.items():
+        shapes[shape] = dict(sorted(by_m.items(), key=lambda kv: int(kv[0])))
+    return {"device": device, "dtype": "bfloat16", "shapes": shapes}
 
 
 GATED_SWEEP = [
@@ -188,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_small_m_gemm needs a CUDA GPU (use --smoke on the CPU)")
     torch.manual_seed(0)
     dtype = torch.bfloat16
-    table: dict[str, dict] = {}
+    table: dict[str, dict[str, list[int] | None]] = {}
     if args.gated:
         for name in args.shapes:
             n, k = projections(bench_shape(name, args.smoke))["gate_up"]
@@ -196,15 +246,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     for name in args.shapes:
         for proj, (n, k) in projections(bench_shape(name, args.smoke)).items():
-            wins = tune_shape(name, proj, n, k, [1, 3] if args.smoke else args.rows, dtype, args.smoke)
-            if wins:
-                table.setdefault(f"{n}x{k}", {}).update(wins)
+            entries = tune_shape(name, proj, n, k, [1, 3, 17] if args.smoke else args.rows, dtype, args.smoke)
+            table.setdefault(f"{n}x{k}", {}).update(entries)
     if args.write and not args.smoke:
         device = torch.cuda.get_device_name()
         path = table_path(device, dtype)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"device": device, "dtype": "bfloat16", "shapes": table}, indent=1) + "\n")
-        print(f"wrote {path} ({len(table)} shapes)", flush=True)
+        merged = merge_table(path, device, table)
+        path.write_text(json.dumps(merged, indent=1) + "\n")
+        print(f"wrote {path} ({len(merged['shapes'])} shapes)", flush=True)
         out = os.environ.get("OUT")
         if out:  # what a device call brings back
             (Path(out) / path.name).write_text(path.read_text())

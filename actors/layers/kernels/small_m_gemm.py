@@ -6,6 +6,9 @@ At M <= 64 a linear layer's time is its weight read. Two weight forms share one 
   reduce launch), where the big gate/up matrix reaches 0.95. This kernel streams the weight tiles with
   more loads in flight; actors/layers/linear.py sends it the shapes where it measured faster
   (`BF16_RULES` below, from `python -m benchmarks.kernels.bench_small_m_gemm`).
+- **the same at a few hundred rows**, where a small model's 4-12 MB matrices are bound by cuBLAS's launch
+  and ramp-up rather than by bytes or FLOPs (Qwen3-0.6B at 256 rows: 6.4-7.7 us a projection against a
+  1-3 us floor); the table decides there too, and a config may name its own row tile (`block_m`).
 - **e4m3 weights** (model.quantization="fp8"), per-channel scales: each weight byte is read once and
   widened to fp16 in registers (Hopper converts a pair in one instruction), multiplied by the unquantized
   activations (saturated to fp16's range, which bf16 activations of these layers stay far inside) with
@@ -44,6 +47,10 @@ class GemmConfig:
     split_k: int = 1
     num_stages: int = 4
     num_warps: int = 4
+    block_m: int = 0  # the batch's rows a program; 0: block_m_for(M), the rows padded to 16..64
+
+    def rows_per_program(self, m: int) -> int:
+        return self.block_m or block_m_for(m)
 
 
 @triton.jit
@@ -177,7 +184,7 @@ def small_m_linear(
     if m == 0:
         return y
     cfg = config or default_config(m, n, k, num_sms(x.device))
-    block_m = block_m_for(m)
+    block_m = cfg.rows_per_program(m)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
@@ -224,7 +231,7 @@ def small_m_silu_mul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None
     if m == 0:
         return y
     cfg = config or GATED_CONFIG
-    block_m = block_m_for(m)
+    block_m = cfg.rows_per_program(m)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), 1)
     pdl = pdl_enabled(x.device, m)
     _small_m_kernel[grid](

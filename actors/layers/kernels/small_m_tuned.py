@@ -5,12 +5,15 @@ faster on that device model, for that weight shape and row count: the tables in 
 name>.json, written by `python -m benchmarks.kernels.bench_small_m_gemm --write` (the same practice as
 vLLM's per-device fused-MoE configs). A device without a table, a weight shape not in it, or more rows
 than it covers keeps F.linear. A step of M rows takes the entry of the smallest tuned row count >= M (the
-CUDA-graph batch sizes are what run; their padding rows cost nothing in a read-bound kernel).
+CUDA-graph batch sizes are what run; their padding rows cost little in a kernel bound by its weight read
+or its launch); an entry of null is a row count where F.linear measured faster.
 
   {"device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16",
-   "shapes": {"6144x4096": {"1": [block_n, block_k, split_k, num_stages, num_warps], "4": [...]}}}
+   "shapes": {"6144x4096": {"1": [block_n, block_k, split_k, num_stages, num_warps], "4": [...],
+                            "256": [block_n, block_k, split_k, num_stages, num_warps, block_m], "512": null}}}
 
-KVRAY_SMALL_M_GEMM=0 turns the kernel off for 16-bit weights (every layer on F.linear).
+KVRAY_SMALL_M_GEMM=0 turns the kernel off for 16-bit weights (every layer on F.linear);
+KVRAY_SMALL_M_MAX_ROWS=N keeps F.linear above N rows (unset: wherever the table says).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from actors.layers.kernels.small_m_gemm import GemmConfig
 
 CONFIG_DIR = Path(__file__).with_name("small_m_configs")
 ENABLED = os.environ.get("KVRAY_SMALL_M_GEMM", "1") != "0"
+MAX_ROWS = int(os.environ.get("KVRAY_SMALL_M_MAX_ROWS", str(1 << 30)))
 
 
 def table_path(device_name: str, dtype: torch.dtype) -> Path:
@@ -36,17 +40,18 @@ def table_path(device_name: str, dtype: torch.dtype) -> Path:
 
 
 @lru_cache(maxsize=16)
-def _table(device_name: str, dtype: torch.dtype) -> dict[tuple[int, int], tuple[list[int], list[GemmConfig]]]:
-    """(N, K) -> (sorted row counts, their configs) for one device model and weight dtype; {} if none."""
+def _table(device_name: str, dtype: torch.dtype) -> dict[tuple[int, int], tuple[list[int], list[GemmConfig | None]]]:
+    """(N, K) -> (sorted row counts, their configs or None for F.linear) for one device model and weight
+    dtype; {} if none."""
     path = table_path(device_name, dtype)
     if not path.is_file():
         return {}
     raw = json.loads(path.read_text())
-    out: dict[tuple[int, int], tuple[list[int], list[GemmConfig]]] = {}
+    out: dict[tuple[int, int], tuple[list[int], list[GemmConfig | None]]] = {}
     for shape, by_m in raw["shapes"].items():
         n, k = (int(v) for v in shape.split("x"))
         ms = sorted(int(m) for m in by_m)
-        out[(n, k)] = (ms, [GemmConfig(*by_m[str(m)]) for m in ms])
+        out[(n, k)] = (ms, [None if by_m[str(m)] is None else GemmConfig(*by_m[str(m)]) for m in ms])
     return out
 
 
@@ -57,7 +62,7 @@ def _device_name(index: int) -> str:
 
 def tuned_config(m: int, w: torch.Tensor) -> GemmConfig | None:
     """The measured-faster config for x [m, K] @ w [N, K]^T on w's device, or None (use F.linear)."""
-    if not ENABLED or not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16) or m == 0:
+    if not ENABLED or not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16) or not 0 < m <= MAX_ROWS:
         return None
     table = _table(_device_name(w.device.index or 0), w.dtype)
     entry = table.get((w.shape[0], w.shape[1])) if table else None
