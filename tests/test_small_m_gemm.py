@@ -189,18 +189,18 @@ def test_the_shipped_tables_load_and_name_their_device():
 
 
 def test_a_tuning_run_replaces_the_rows_it_measured_and_keeps_the_rest(tmp_path):
-    from benchmarks.kernels.bench_small_m_gemm import config_row, merge_table
+    from benchmarks.kernels.bench_small_m_gemm import merge_table
 
     path = tmp_path / "t.json"
     old = {"4096x4096": {"1": [64, 256, 1, 4, 4], "16": [64, 128, 1, 4, 4]}, "1024x2048": {"1": [64, 128, 4, 4, 4]}}
     path.write_text(json.dumps({"device": "Test GPU", "dtype": "bfloat16", "shapes": old}))
     wide = GemmConfig(block_n=128, block_k=64, split_k=1, num_stages=3, num_warps=8, block_m=128)
-    measured = {"4096x4096": {"16": None, "256": config_row(wide)}, "6144x1024": {"32": None}}
+    measured = {"4096x4096": {"16": None, "256": small_m_tuned.config_entry(wide)}, "6144x1024": {"32": None}}
     merged = merge_table(path, "Test GPU", measured)
     assert merged["shapes"] == {
         "4096x4096": {"1": [64, 256, 1, 4, 4], "16": None, "256": [128, 64, 1, 3, 8, 128]},
         "1024x2048": {"1": [64, 128, 4, 4, 4]},
         "6144x1024": {"32": None},
     }
-    assert config_row(GemmConfig()) == [64, 256, 1, 4, 4]  # the five-number form the shipped tables use
+    assert small_m_tuned.config_entry(GemmConfig()) == [64, 256, 1, 4, 4]  # the five-number form the shipped tables use
     assert GemmConfig(*merged["shapes"]["4096x4096"]["256"]) == wide

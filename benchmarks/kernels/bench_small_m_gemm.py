@@ -44,7 +44,7 @@ import torch
 
 from actors.layers.kernels.silu_mul import silu_and_mul_triton
 from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref, small_m_silu_mul
-from actors.layers.kernels.small_m_tuned import table_path
+from actors.layers.kernels.small_m_tuned import config_entry, table_path
 from benchmarks.common import SHAPES, record
 from benchmarks.kernels.bench_fp8_linear import bench_shape, projections
 
@@ -142,12 +142,6 @@ def _linear(x: torch.Tensor, c: GemmConfig, w: torch.Tensor) -> torch.Tensor:
     return small_m_linear(x, w, None, x.dtype, config=c)
 
 
-def config_row(c: GemmConfig) -> list[int]:
-    """A config as the table stores it: five numbers, a sixth for a row tile of its own."""
-    row = [c.block_n, c.block_k, c.split_k, c.num_stages, c.num_warps]
-    return row + [c.block_m] if c.block_m else row
-
-
 def tune_shape(
     name: str, proj: str, n: int, k: int, rows: list[int], dtype: torch.dtype, smoke: bool
 ) -> dict[str, list[int] | None]:
@@ -175,7 +169,7 @@ def tune_shape(
         record(SCRIPT, f"bf16_small_m_speedup_{name}_{proj}_m{m}", gain, "x")
         record(SCRIPT, f"bf16_linear_tbs_{name}_{proj}_m{m}", 2 * n * k / t_torch / 1e6, "TB/s")
         record(SCRIPT, f"bf16_small_m_tbs_{name}_{proj}_m{m}", 2 * n * k / best_t / 1e6, "TB/s")
-        entries[str(m)] = config_row(best) if gain >= MIN_GAIN else None
+        entries[str(m)] = config_entry(best) if gain >= MIN_GAIN else None
     return entries
 
 

@@ -5,7 +5,7 @@ At M <= 64 a linear layer's time is its weight read. Two weight forms share one 
   o weights at 0.68-0.80 of the copy bandwidth on the H100 (the o projection split over K with a second
   reduce launch), where the big gate/up matrix reaches 0.95. This kernel streams the weight tiles with
   more loads in flight; actors/layers/linear.py sends it the shapes where it measured faster
-  (`BF16_RULES` below, from `python -m benchmarks.kernels.bench_small_m_gemm`).
+  (the per-device tables of small_m_tuned.py, from `python -m benchmarks.kernels.bench_small_m_gemm`).
 - **the same at a few hundred rows**, where a small model's 4-12 MB matrices are bound by cuBLAS's launch
   and ramp-up rather than by bytes or FLOPs (Qwen3-0.6B at 256 rows: 6.4-7.7 us a projection against a
   1-3 us floor); the table decides there too, and a config may name its own row tile (`block_m`).

@@ -39,6 +39,17 @@ def table_path(device_name: str, dtype: torch.dtype) -> Path:
     return CONFIG_DIR / f"{safe}-{str(dtype).removeprefix('torch.')}.json"
 
 
+def config_entry(c: GemmConfig) -> list[int]:
+    """A config as the table stores it: five numbers, a sixth for a row tile of its own."""
+    entry = [c.block_n, c.block_k, c.split_k, c.num_stages, c.num_warps]
+    return entry + [c.block_m] if c.block_m else entry
+
+
+def config_of(entry: list[int] | None) -> GemmConfig | None:
+    """The table's entry as a config; None (F.linear) for null."""
+    return None if entry is None else GemmConfig(*entry)
+
+
 @lru_cache(maxsize=16)
 def _table(device_name: str, dtype: torch.dtype) -> dict[tuple[int, int], tuple[list[int], list[GemmConfig | None]]]:
     """(N, K) -> (sorted row counts, their configs or None for F.linear) for one device model and weight
@@ -51,7 +62,7 @@ def _table(device_name: str, dtype: torch.dtype) -> dict[tuple[int, int], tuple[
     for shape, by_m in raw["shapes"].items():
         n, k = (int(v) for v in shape.split("x"))
         ms = sorted(int(m) for m in by_m)
-        out[(n, k)] = (ms, [None if by_m[str(m)] is None else GemmConfig(*by_m[str(m)]) for m in ms])
+        out[(n, k)] = (ms, [config_of(by_m[str(m)]) for m in ms])
     return out
 
 
