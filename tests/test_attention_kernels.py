@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvcore.kernels.attention_tiles import choose_num_splits
+from kvcore.kernels.kv_layout import KV_LAYOUTS, kv_layout, paged_kv_view
 from kvcore.kernels.ops import longest_first, paged_attention, reshape_and_cache
 from kvcore.kernels.paged_attention import paged_attention_triton
 
@@ -22,8 +23,19 @@ PAD_ROWS = 3  # rows of query/out beyond the batch's tokens, which must stay unt
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, window=None, seed=0):
-    """A paged batch plus each sequence's logical K/V (the oracle's input)."""
+def in_layout(key_cache, value_cache, layout):
+    """The same logical caches over fresh memory laid out as `layout` (kvcore/kernels/kv_layout.py)."""
+    num_blocks, bs, hkv, d = key_cache.shape
+    memory = torch.empty(2 * key_cache.numel(), dtype=key_cache.dtype, device=key_cache.device)
+    kv = paged_kv_view(memory, num_blocks, bs, hkv, d, layout)
+    kv[0].copy_(key_cache)
+    kv[1].copy_(value_cache)
+    return kv[0], kv[1]
+
+
+def make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, window=None, seed=0, layout="NHD"):
+    """A paged batch plus each sequence's logical K/V (the oracle's input), its caches laid out as
+    `layout`."""
     g = torch.Generator().manual_seed(seed)
     pages = [(s + bs - 1) // bs for s in seq_lens]
     num_blocks = sum(pages) + 4
@@ -49,6 +61,7 @@ def make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, window=None, seed=0):
             n = min(bs, seq_len - p * bs)
             key_cache[blk, :n] = k[p * bs : p * bs + n]
             value_cache[blk, :n] = v[p * bs : p * bs + n]
+    key_cache, value_cache = in_layout(key_cache, value_cache, layout)
     num_tokens = sum(q_lens)
     query = torch.randn(num_tokens + PAD_ROWS, hq, d, generator=g).to(dtype)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -195,6 +208,24 @@ def test_triton_sliding_window(kind, window):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_head_major_pages_give_the_same_bits(kind, splits):
+    """HND pages (each KV head's page one contiguous run) hold the same logical cache as NHD: the
+    kernels, which address it by strides, give the same bits from either, and the reference agrees."""
+    q_lens, seq_lens = SHAPES[kind]
+    window = 9 if kind == "mixed" else None
+    outs = {}
+    for layout in KV_LAYOUTS:
+        batch = make_batch(q_lens, seq_lens, 8, 2, 32, 4, torch.float32, window, seed=5, layout=layout)
+        assert (batch["key_cache"].stride(2) == 4 * 32) == (layout == "HND")  # a head's rows are adjacent
+        outs[layout] = run_attention(batch, 0.2, window, "triton", num_splits=splits)
+        assert_written_and_untouched(outs[layout], batch["num_tokens"])
+        ref = run_attention(batch, 0.2, window, "torch")
+        torch.testing.assert_close(outs[layout], ref, atol=2e-5, rtol=2e-5, equal_nan=True)
+    torch.testing.assert_close(outs["HND"], outs["NHD"], atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("splits", [2, 5])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
@@ -246,8 +277,9 @@ def test_triton_half_precision(dtype):
         torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype], equal_nan=True)
 
 
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reshape_and_cache_matches_reference(dtype):
+def test_reshape_and_cache_matches_reference(dtype, layout):
     g = torch.Generator().manual_seed(3)
     num_tokens, hkv, d, bs, num_blocks = 13, 3, 24, 4, 9
     key = torch.randn(num_tokens, hkv, d, generator=g).to(dtype).to(DEVICE)
@@ -258,7 +290,8 @@ def test_reshape_and_cache_matches_reference(dtype):
     slot_mapping = torch.cat([slots, torch.full((4,), 10**6)]).to(DEVICE)
     caches = {}
     for backend in ("torch", "triton"):
-        kv = torch.full((2, num_blocks, bs, hkv, d), -7.0, dtype=dtype, device=DEVICE)
+        memory = torch.full((2 * num_blocks * bs * hkv * d,), -7.0, dtype=dtype, device=DEVICE)
+        kv = paged_kv_view(memory, num_blocks, bs, hkv, d, layout)
         reshape_and_cache(key, value, kv[0], kv[1], slot_mapping, backend=backend)
         caches[backend] = kv.cpu()
     assert torch.equal(caches["torch"], caches["triton"])
@@ -386,3 +419,13 @@ def test_head_256_float32(kind):
     ref = run_attention(batch, 0.0625, None, "torch")
     out = run_attention(batch, 0.0625, None, "triton")
     torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32], equal_nan=True)
+
+
+def test_kv_layout_switch_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv("KVRAY_KV_LAYOUT", "hnd")
+    assert kv_layout() == "HND"
+    monkeypatch.setenv("KVRAY_KV_LAYOUT", "NDH")
+    with pytest.raises(ValueError, match=r"KVRAY_KV_LAYOUT='NDH': must be one of NHD, HND"):
+        kv_layout()
+    with pytest.raises(ValueError, match=r"layout 'HDN'"):
+        paged_kv_view(torch.empty(2 * 4 * 2 * 8), 1, 4, 2, 8, "HDN")

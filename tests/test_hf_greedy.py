@@ -182,3 +182,24 @@ def test_worker_error_reaches_caller_with_rank_and_traceback(hf_reference):
         assert not any(p.is_alive() for p in procs)
         with pytest.raises(RuntimeError, match="shut down"):
             executor.collective_rpc("ping")
+
+
+def test_head_major_pages_match_hf(hf_reference, monkeypatch):
+    """KVRAY_KV_LAYOUT=HND (each KV head's page one contiguous run, kvcore/kernels/kv_layout.py): HF's
+    greedy tokens through the roomy and the tight pool (chunked prefill, prefix hits, preemption), with the
+    sliding-window and full-attention groups sharing each layer slot's memory."""
+    monkeypatch.setenv("KVRAY_KV_LAYOUT", "HND")
+    family = "qwen3_hybrid"
+    model_dir, expected = hf_reference(family)
+    prompts = H.make_prompts()
+    base = engine_config(model_dir, 1)
+    with LocalExecutor(base) as executor:
+        for config, scenario in ((base, "roomy"), (tight_config(base, family), "tight")):
+            check_greedy(f"{family} HND {scenario}", run(EngineCore(config, executor), prompts), expected, prompts)
+        runner = executor._worker.model_runner  # TP=1 runs its worker in this process
+        layers = runner._model().attention_layers()
+    assert {a.sliding_window is None for a in layers} == {True, False}  # both groups ran
+    for c in (
+        a.kv_cache for a in layers
+    ):  # [2, blocks, block_size, kv_heads, head]: a head's rows adjacent, a page per head
+        assert c.stride(2) == c.shape[4] and c.stride(3) == c.shape[2] * c.shape[4], c.stride()

@@ -25,6 +25,7 @@ from actors.layers.kernels.layer_reference import qk_norm_rope_ref, rms_norm_ref
 from actors.layers.norm import RMSNorm
 from actors.layers.rotary import RopeParams, RotaryEmbedding
 from kvcore.kernels import ops
+from kvcore.kernels.kv_layout import KV_LAYOUTS, paged_kv_view
 from kvcore.kernels.ops import KVCacheWrite
 
 GEN = torch.Generator().manual_seed(0)
@@ -181,12 +182,20 @@ def test_qk_norm_rope(dtype: torch.dtype, hq: int, hkv: int, d: int, qk_norm: bo
         (torch.bfloat16, torch.float8_e4m3fn, 4, 4, 32, False, False),  # fp8 cache, scaled
     ],
 )
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
 def test_qk_norm_rope_into_cache(
-    dtype: torch.dtype, cache_dtype: torch.dtype, hq: int, hkv: int, d: int, qk_norm: bool, gemma: bool
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    hq: int,
+    hkv: int,
+    d: int,
+    qk_norm: bool,
+    gemma: bool,
+    layout: str,
 ) -> None:
     """One launch (rotary writes K, and V, straight into the paged cache) leaves q and the cache exactly
     as the two-launch path (rotary, then the cache write) and the torch reference do; padding rows
-    (slot -1) write nothing, and the rest of the cache is untouched."""
+    (slot -1) write nothing, and the rest of the cache is untouched. In both page layouts."""
     tokens, max_pos, eps, num_blocks, block = 9, 256, 1e-6, 6, 4
     rot = RotaryEmbedding(d, max_pos, RopeParams(theta=1e6))
     qkv = randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0)
@@ -198,7 +207,9 @@ def test_qk_norm_rope_into_cache(
     scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
 
     def run(backend: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = torch.zeros(2, num_blocks, block, hkv, d, dtype=cache_dtype)
+        kv = paged_kv_view(
+            torch.zeros(2 * num_blocks * block * hkv * d, dtype=cache_dtype), num_blocks, block, hkv, d, layout
+        )
         cache = KVCacheWrite(kv[0], kv[1], slots, *scales)
         if fused:
             out = layer_ops.qk_norm_rope_into_cache(
@@ -216,7 +227,7 @@ def test_qk_norm_rope_into_cache(
     assert torch.equal(q_fused, q_split)
     assert torch.equal(kv_fused.view(torch.uint8), kv_split.view(torch.uint8)), "the cache differs from two launches"
     q_ref, kv_ref = run("torch", fused=True)
-    flat = kv_fused.view(2, -1, hkv, d)
+    flat = kv_fused.reshape(2, -1, hkv, d)
     written = slots[slots >= 0]
     unwritten = torch.ones(num_blocks * block, dtype=torch.bool)
     unwritten[written] = False

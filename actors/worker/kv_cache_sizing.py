@@ -13,6 +13,7 @@ from actors.forward_context import ForwardContext, set_forward_context
 from actors.models.kv_memory import cut_groups
 from actors.models.stage import StageActivations
 from kvcore.kernels.fp8 import is_fp8, kv_cache_torch_dtype
+from kvcore.kernels.kv_layout import kv_layout, paged_kv_view
 from kvcore.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -143,7 +144,8 @@ def allocate_kv_cache(
     model: DecoderForCausalLM, kv_cache_config: KVCacheConfig, device: torch.device
 ) -> list[torch.Tensor]:
     """One memory tensor per layer slot (shared by the i-th layer of every group); binds each attention
-    layer's view of it. Old bindings go first."""
+    layer's view of it, in the page layout $KVRAY_KV_LAYOUT names (kvcore/kernels/kv_layout.py). Old
+    bindings go first."""
     layers = {layer.layer_name: layer for layer in model.attention_layers()}
     slots = kv_cache_config.layer_to_slot()
     missing = sorted(set(layers) ^ set(slots))
@@ -160,11 +162,12 @@ def allocate_kv_cache(
     kv_caches = [
         torch.zeros(slot_bytes, dtype=torch.uint8, device=device) for _ in range(kv_cache_config.num_memory_slots)
     ]
+    layout = kv_layout()
     for group in kv_cache_config.kv_cache_groups:
         if not group.layer_names:
             continue  # a group of another pipeline stage's layers only
         s = group.kv_cache_spec
-        shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)
         for name in group.layer_names:
-            layers[name].kv_cache = kv_caches[slots[name]].view(getattr(torch, s.dtype)).view(shape)
+            memory = kv_caches[slots[name]].view(getattr(torch, s.dtype))
+            layers[name].kv_cache = paged_kv_view(memory, num_blocks, s.block_size, s.num_kv_heads, s.head_size, layout)
     return kv_caches

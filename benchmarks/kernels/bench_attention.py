@@ -10,6 +10,11 @@ tokens in contiguous memory with a bottom-right causal mask. Timed with CUDA-gra
   python -m benchmarks.kernels.bench_attention            # GPU, appends to results/bench_attention.jsonl
   python -m benchmarks.kernels.bench_attention --smoke    # CPU, tiny shapes, Triton interpreter: errors only
   python -m benchmarks.kernels.bench_attention --kv-cache-dtype fp8   # K/V stored in fp8 (metrics *_fp8kv)
+  python -m benchmarks.kernels.bench_attention --only decode-nano --kv-layout NHD HND   # page layouts, A/B
+
+Decode at nano's shape (`decode-nano`): Qwen3-0.6B's 16 query / 8 KV heads, 256 sequences at contexts drawn
+uniformly from 100-2,048 (the nano recipe's mix of prompt and output lengths), block 16.
+--kv-layout runs the decodes once per page layout (kvcore/kernels/kv_layout.py; metrics *_hnd for HND).
 """
 
 from __future__ import annotations
@@ -29,11 +34,18 @@ import torch
 
 from benchmarks.common import record
 from kvcore.kernels.fp8 import FP8_KV_DTYPES
+from kvcore.kernels.kv_layout import KV_LAYOUTS, kv_layout, paged_kv_view
 from kvcore.kernels.ops import paged_attention
 
 COPY_GBPS = 4277.0
 SCRIPT = "bench_attention"
-CACHE: dict = {"dtype": None, "suffix": ""}  # --kv-cache-dtype: the caches' dtype (None: the query's)
+# --kv-cache-dtype: the caches' dtype (None: the query's); --kv-layout: their page layout
+CACHE: dict = {"dtype": None, "suffix": "", "layout": "NHD"}
+
+
+def metric(name: str) -> str:
+    """The metric's name for the caches benchmarked: *_fp8kv for an fp8 cache, *_hnd for HND pages."""
+    return name + CACHE["suffix"] + ("_hnd" if CACHE["layout"] == "HND" else "")
 
 
 def make_paged(
@@ -58,9 +70,10 @@ def make_paged(
     for b, n in enumerate(pages):
         table[b, :n] = perm[at : at + n].to(torch.int32)
         at += n
-    kv = torch.randn(2, num_blocks, bs, hkv, d, dtype=dtype, device=device)
+    memory = torch.randn(2 * num_blocks * bs * hkv * d, dtype=dtype, device=device)
     if CACHE["dtype"] is not None:
-        kv = kv.to(CACHE["dtype"])  # N(0, 1) values: scale 1 as vLLM without checkpoint scales
+        memory = memory.to(CACHE["dtype"])  # N(0, 1) values: scale 1 as vLLM without checkpoint scales
+    kv = paged_kv_view(memory, num_blocks, bs, hkv, d, CACHE["layout"])
     q = torch.randn(sum(q_lens), hq, d, dtype=dtype, device=device)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     return (q, kv[0], kv[1], qsl.to(device), torch.tensor(seq_lens, dtype=torch.int32).to(device), table.to(device))
@@ -109,16 +122,44 @@ def run_decode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> Non
             moved = kv_bytes + 2 * q.numel() * dtype.itemsize
             frac = moved / (ms * 1e-3) / 1e9 / COPY_GBPS
             print(
-                f"decode B={b:4d} ctx={ctx:6d}: {ms * 1e3:9.1f} us  "
+                f"decode {CACHE['layout']} B={b:4d} ctx={ctx:6d}: {ms * 1e3:9.1f} us  "
                 f"{moved / (ms * 1e-3) / 1e9:7.0f} GB/s  {100 * frac:5.1f}% of copy",
                 flush=True,
             )
             if not args.smoke and b == 128 and ctx == 4096:
-                record(SCRIPT, f"attn_decode_bw_frac_b128_c4096{CACHE['suffix']}", frac, "fraction")
-                record(SCRIPT, f"attn_decode_us_b128_c4096{CACHE['suffix']}", ms * 1e3, "us")
+                record(SCRIPT, metric("attn_decode_bw_frac_b128_c4096"), frac, "fraction")
+                record(SCRIPT, metric("attn_decode_us_b128_c4096"), ms * 1e3, "us")
             q = kc = vc = out = None  # free this size's KV before the next (a del would unbind fn's closure)
             if device == "cuda":
                 torch.cuda.empty_cache()
+
+
+def run_decode_nano(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
+    """Decode at the nano recipe's shape: Qwen3-0.6B's heads, 256 sequences at mixed contexts, each
+    sequence's pages scattered over the pool as a busy engine leaves them."""
+    hq, hkv, d, bs = (4, 2, 32, 16) if args.smoke else (16, 8, 128, 16)
+    b, lo, hi = (3, 5, 40) if args.smoke else (256, 100, 2048)
+    g = torch.Generator().manual_seed(3)
+    ctxs = torch.randint(lo, hi + 1, (b,), generator=g).tolist()
+    q, kc, vc, qsl, sl, bt = make_paged([1] * b, ctxs, hq, hkv, d, bs, dtype, device)
+    out = torch.empty_like(q)
+    scale = d**-0.5
+    fn = functools.partial(paged_attention, q, kc, vc, out, qsl, sl, bt, scale, None, 1, max(ctxs), backend="triton")
+    ref = torch.empty_like(q)
+    paged_attention(q, kc, vc, ref, qsl, sl, bt, scale, None, backend="torch")
+    fn()
+    check(out, ref, f"decode-nano {CACHE['layout']}", 2e-2)
+    ms = bench(fn, args.smoke)
+    moved = 2 * sum(ctxs) * hkv * d * kc.element_size() + 2 * q.numel() * dtype.itemsize
+    frac = moved / (ms * 1e-3) / 1e9 / COPY_GBPS
+    print(
+        f"decode-nano {CACHE['layout']} B={b} ctx {lo}-{hi} (mean {sum(ctxs) / b:.0f}): {ms * 1e3:9.1f} us  "
+        f"{moved / (ms * 1e-3) / 1e9:7.0f} GB/s  {100 * frac:5.1f}% of copy",
+        flush=True,
+    )
+    if not args.smoke:
+        record(SCRIPT, metric("attn_decode_us_nano"), ms * 1e3, "us")
+        record(SCRIPT, metric("attn_decode_bw_frac_nano"), frac, "fraction")
 
 
 def sdpa_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -170,8 +211,8 @@ def run_prefill(args: argparse.Namespace, device: str, dtype: torch.dtype) -> No
         flush=True,
     )
     if not args.smoke:
-        record(SCRIPT, f"attn_prefill_vs_sdpa_ratio{CACHE['suffix']}", t_paged / t_sdpa, "ratio")
-        record(SCRIPT, f"attn_prefill_tflops{CACHE['suffix']}", flop / t_paged / 1e9, "TFLOP/s")
+        record(SCRIPT, metric("attn_prefill_vs_sdpa_ratio"), t_paged / t_sdpa, "ratio")
+        record(SCRIPT, metric("attn_prefill_tflops"), flop / t_paged / 1e9, "TFLOP/s")
 
 
 def run_mixed(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
@@ -202,7 +243,10 @@ def run_mixed(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no results recorded")
-    ap.add_argument("--only", choices=["decode", "prefill", "mixed"], default=None)
+    ap.add_argument("--only", choices=["decode", "decode-nano", "prefill", "mixed"], default=None)
+    ap.add_argument(
+        "--kv-layout", nargs="+", choices=KV_LAYOUTS, help="page layouts to run, in turn (default: the engine's)"
+    )
     ap.add_argument("--kv-cache-dtype", choices=["auto", *FP8_KV_DTYPES], default="auto")
     args = ap.parse_args(argv)
     if args.kv_cache_dtype != "auto":
@@ -212,12 +256,16 @@ def main(argv: list[str] | None = None) -> None:
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    if args.only in (None, "decode"):
-        run_decode(args, device, dtype)
-    if args.only in (None, "prefill"):
-        run_prefill(args, device, dtype)
-    if args.only in (None, "mixed"):
-        run_mixed(args, device, dtype)
+    for layout in args.kv_layout or [kv_layout()]:
+        CACHE["layout"] = layout
+        if args.only in (None, "decode"):
+            run_decode(args, device, dtype)
+        if args.only in (None, "decode-nano"):
+            run_decode_nano(args, device, dtype)
+        if args.only in (None, "prefill"):
+            run_prefill(args, device, dtype)
+        if args.only in (None, "mixed"):
+            run_mixed(args, device, dtype)
 
 
 if __name__ == "__main__":
