@@ -74,7 +74,12 @@ def _rows(out: str, prefix: str) -> list[list[str]]:
 
 def _attention(out: str) -> None:
     # Each kernel is checked against the torch reference (SDPA for prefill) inside the script.
-    assert out.count("decode B=") == 1, out
+    # One decode row, one at nano's shape, one prefill per layout run (the fp8 step runs the default's).
+    layouts = [x for x in ("NHD", "HND") if f"decode {x} B=" in out]
+    assert layouts, out
+    for x in layouts:
+        assert out.count(f"decode {x} B=") == 1 and out.count(f"decode-nano {x} B=") == 1, out
+    assert out.count("prefill 2x24") == len(layouts), out
 
 
 def _fp8_linear(out: str) -> None:
