@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -296,8 +298,6 @@ def make_random_model(
 def generate_greedy(llm: Any, prompts: list[list[int]], new_tokens: int, label: str) -> tuple[list[list[int]], float]:
     """Greedy tokens of every prompt (EOS ignored) and the seconds generate() took; shuts the LLM down.
     A failed request or a short output raises, naming `label` and the request."""
-    import time
-
     from cluster import SamplingParams
 
     try:
@@ -360,3 +360,29 @@ def add_byte_tokenizer(model_dir: str, vocab_size: int, seed: int = 0) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(path)
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device copy bandwidth in GB/s: bytes read plus bytes written per second, median of `reps` copies."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the engine sizes its KV cache from the free memory: give the 2 GiB back
+    return 2 * nbytes / statistics.median(times) / 1e9

@@ -33,36 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import make_random_model, record, vocab_size
+from benchmarks.common import copy_bandwidth_gbs, make_random_model, record, vocab_size
 
 TAGS = {"qwen3-0.6b": "qwen3_0p6b", "llama-3.1-8b": "llama8b"}
 PROMPT_LEN = 128
-
-
-def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device copy bandwidth in GB/s: bytes read plus bytes written per second, median of `reps` copies."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    del src, dst
-    if device == "cuda":
-        torch.cuda.empty_cache()  # the engine sizes its KV cache from the free memory: give the 2 GiB back
-    return 2 * nbytes / statistics.median(times) / 1e9
 
 
 def weight_bytes(model_dir: str) -> int:

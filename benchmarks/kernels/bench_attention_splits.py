@@ -27,7 +27,7 @@ import torch
 
 import kvcore.kernels.paged_attention as pa
 from benchmarks.common import record
-from benchmarks.kernels.bench_attention import COPY_GBPS, bench, check, make_paged
+from benchmarks.kernels.bench_attention import bench, check, copy_gbps, make_paged
 from kvcore.kernels.attention_tiles import Tiles, choose_num_splits, num_sms
 from kvcore.kernels.ops import longest_first, paged_attention
 
@@ -138,7 +138,7 @@ def sweep_one(args: argparse.Namespace, shape: str, dist: str, b: int, device: s
         f"{shape:13s} {dist:4s} B={b:4d} mean ctx {sum(sl_list) / b:6.0f}  heuristic s{heur}: "
         + (f"{cur:8.1f} us {gbps(cur):5.0f} GB/s" if cur else "not timed")
         + f"   best {best:12s} {row['best_us']:8.1f} us {gbps(row['best_us']):5.0f} GB/s "
-        f"({100 * gbps(row['best_us']) / COPY_GBPS:3.0f}% of copy)",
+        f"({100 * gbps(row['best_us']) / copy_gbps(device):3.0f}% of copy)",
         flush=True,
     )
     print("    " + "  ".join(f"{k}={v:.1f}" for k, v in row["us"].items()), flush=True)
