@@ -1,21 +1,22 @@
 """Two nano-batches on two streams: does a decode layer get shorter when one half's GEMMs run beside the
 other half's attention? The measurement before building NanoFlow-style overlap into the runner.
 
-One Qwen3-0.6B-shaped decoder layer at a nano decode step (RMSNorm, qkv GEMM, paged attention over
-contexts of 100-2,048 tokens, o GEMM, residual + RMSNorm, gate/up GEMM, SiLU-and-mul, down GEMM; cuBLAS
-GEMMs and the engine's Triton kernels; rotary and the cache write left out, they are ~1% of a step),
-repeated for LAYERS layers with the weights of each layer its own (so the weight reads are real), timed in
-CUDA graphs three ways:
-- full: the 256 rows as one batch, as the engine runs today;
-- halves, one stream: rows 0-127, then rows 128-255, layer by layer (what the split costs: every weight
-  read twice, each launch half as wide);
+One decoder layer at a big decode step, Qwen3-0.6B's at nano's (256 rows, contexts 100-2,048) or
+Llama-3.1-8B's at the ShareGPT-like run's (232 rows, contexts 32-640): RMSNorm, qkv GEMM, paged
+attention, o GEMM, residual + RMSNorm, gate/up GEMM, SiLU-and-mul, down GEMM (cuBLAS GEMMs and the
+engine's Triton kernels; rotary and the cache write left out, ~1% of a step), over several layers with
+weights of their own (so the weight reads are real), timed in CUDA graphs four ways:
+- full: the rows as one batch, as the engine runs today;
+- halves, one stream: the first half of the rows, then the second, layer by layer (what the split costs:
+  every weight read twice, each launch half as wide);
 - halves, two streams: the same work, each half on its own stream, joined per layer, so that the
   scheduler may run one half's GEMMs on the SMs the other half's attention leaves;
 - halves, two free streams: each half's whole forward on its own stream, joined once at the end.
 The halves' outputs are checked against the full batch's (same rows, same kernels: equal up to the GEMMs'
 row-count-dependent reductions).
 
-  python -m benchmarks.kernels.bench_overlap            # GPU: prints the three, records overlap_*
+  python -m benchmarks.kernels.bench_overlap            # GPU: prints the four, records overlap_*
+  python -m benchmarks.kernels.bench_overlap --shape llama-3.1-8b   # the ShareGPT-like run's decode steps
   python -m benchmarks.kernels.bench_overlap --smoke    # CPU, tiny shapes, interpreter: the halves' check only
 """
 
@@ -54,8 +55,11 @@ class Shape:
     ctx: tuple[int, int]
 
 
+# Qwen3-0.6B at nano's big decode steps; Llama-3.1-8B at the ShareGPT-like run's (~230 rows, contexts ~32-640),
+# four layers of 0.44 GB each so that the weight reads are real and the run stays in memory.
 SHAPES = {
     "qwen3-0.6b": Shape(1024, 16, 8, 128, 3072, 8, 256, (100, 2048)),
+    "llama-3.1-8b": Shape(4096, 32, 8, 128, 14336, 4, 232, (32, 640)),
     "smoke": Shape(64, 4, 2, 16, 96, 2, 6, (5, 40)),
 }
 
@@ -125,12 +129,14 @@ def split(b: Batch, rows: int, ctxs: list[int]) -> tuple[Batch, Batch]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, the interpreter, nothing recorded")
+    ap.add_argument("--shape", choices=[k for k in SHAPES if k != "smoke"], default="qwen3-0.6b")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_overlap needs a CUDA GPU (use --smoke on the CPU)")
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     backend = "triton"
-    s = SHAPES["smoke" if args.smoke else "qwen3-0.6b"]
+    s = SHAPES["smoke" if args.smoke else args.shape]
+    tag = {"qwen3-0.6b": "qwen3_0p6b", "llama-3.1-8b": "llama8b"}[args.shape]
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(3)
     ctxs = torch.randint(s.ctx[0], s.ctx[1] + 1, (s.rows,), generator=g).tolist()
@@ -193,15 +199,15 @@ def main(argv: list[str] | None = None) -> None:
     times = {name: bench(fn, False) * 1e3 / s.layers for name, fn in variants.items()}
     kv_bytes = 2 * sum(ctxs) * s.kv_heads * s.head * kc.element_size()
     print(
-        f"qwen3-0.6b layer at {s.rows} rows (contexts {s.ctx[0]}-{s.ctx[1]}, KV {kv_bytes / 1e6:.0f} MB a layer): "
+        f"{args.shape} layer at {s.rows} rows (contexts {s.ctx[0]}-{s.ctx[1]}, KV {kv_bytes / 1e6:.0f} MB a layer): "
         + ", ".join(f"{k} {v:.1f} us" for k, v in times.items())
         + f"; streams/full {times['streams'] / times['full']:.3f}, free/full {times['free'] / times['full']:.3f}",
         flush=True,
     )
     for name, us in times.items():
-        record(SCRIPT, f"overlap_layer_us_{name}_qwen3_0p6b", us, "us")
+        record(SCRIPT, f"overlap_layer_us_{name}_{tag}", us, "us")
     for name in ("streams", "free"):
-        record(SCRIPT, f"overlap_{name}_vs_full_qwen3_0p6b", times[name] / times["full"], "ratio")
+        record(SCRIPT, f"overlap_{name}_vs_full_{tag}", times[name] / times["full"], "ratio")
 
 
 if __name__ == "__main__":
