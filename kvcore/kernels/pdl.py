@@ -20,8 +20,8 @@ How (CUDA programming guide, "Programmatic Dependent Launch"; Triton's `launch_p
 
 Only launches of at most KVRAY_PDL_MAX_ROWS rows (tokens) use it. Measured (benchmarks/RESULTS.md): a
 batch-1 token of Llama-3.1-8B 4.751 -> 4.684 ms on an H200 and 6.070 -> 5.986 ms on an H100, while the nano
-recipe's 256-row steps lost ~0.5% with it (H200). Also measured and removed: the small-M GEMMs asking the L2 for their first weight bytes
-before the wait (bulk prefetch) gave back most of the gain (4.740 ms).
+recipe's 256-row steps lost ~0.5% with it (H200). Also measured and removed: the small-M GEMMs asking the
+L2 for their first weight bytes before the wait (bulk prefetch) gave back most of the gain (4.740 ms).
 
 KVRAY_PDL_MAX_ROWS (read in the workers' environment at import; 0 turns PDL off) is the A/B switch. The
 CPU tests run under TRITON_INTERPRET=1, where PDL is off (the interpreter runs no PTX);
