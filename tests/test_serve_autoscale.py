@@ -26,6 +26,7 @@ TARGET = 4
 
 OVERRIDES = {
     **SERVE_OVERRIDES,
+    "model.max_model_len": 512,  # room for the LONG streams
     "parallel.data_parallel_size": 1,  # the number it starts with
     "scheduler.max_num_seqs": 16,
     "serve.max_queued_requests": 16,
@@ -110,7 +111,10 @@ def test_scale_up_the_new_replica_receives_traffic(server):
     assert _metric(server, "kvray_serve_replicas", 'state="up"') == 2.0
 
 
-LONG = 200  # tokens: a stream outlives the scale-down decision and the drain bound
+# Tokens: a stream outlives the scale-down decision (downscale_delay_s after the load falls) and then the
+# drain bound by seconds. At 200 one CI run saw the leaving replica's streams end inside the bound, so none
+# moved and the migration check failed.
+LONG = 400
 
 
 def _long_request(i: int) -> dict:
