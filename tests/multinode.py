@@ -127,17 +127,20 @@ def node_of(cluster: LocalCluster, group: Any, replica: int) -> str:
     return cluster.node_name(bundle_nodes(group.pgs[replica])[0])
 
 
-# ---- the node-loss tests' requests: greedy and seeded, each ending exactly once with 16 tokens
+# ---- the node-loss tests' requests: greedy and seeded, each ending exactly once with TOKENS tokens
 N = 6
+# Long enough that a replica is still decoding when its node goes (the action fires after the first
+# tokens): at 16, a replica sometimes finished all its requests first and never saw the loss.
+TOKENS = 48
 
 
 def specs(tag: str) -> list[RequestSpec]:
     out = []
     for i in range(N):
         sp = (
-            SamplingParams(max_tokens=16, ignore_eos=True)
+            SamplingParams(max_tokens=TOKENS, ignore_eos=True)
             if i % 2 == 0
-            else SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
+            else SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=TOKENS, ignore_eos=True)
         )
         out.append(RequestSpec(f"{tag}-{i}", [(7 * i + j) % 250 + 1 for j in range(6 + i)], sp))
     return out
