@@ -18,9 +18,21 @@ from torch import nn
 
 from actors import parallel_state as ps
 from actors.layers.fp8_linear import fp8_linear, fp8_shape_ok, quantize_weight_fp8
-from actors.layers.kernels.small_m_gemm import small_m_linear, small_m_silu_mul
+from actors.layers.kernels.small_m_gemm import (
+    ResidualNorm,
+    norm_problem,
+    small_m_linear,
+    small_m_norm_linear,
+    small_m_norm_silu_mul,
+    small_m_silu_mul,
+)
 from actors.layers.kernels.small_m_tuned import tuned_config
 from actors.layers.weight_utils import check_full_shape, copy_into, narrow, new_param, read_all
+
+
+def on_gpu(x: torch.Tensor) -> bool:
+    """Whether x takes the GPU kernels of a decode step's few rows (the CPU keeps torch's ops)."""
+    return x.is_cuda
 
 
 class _LinearBase(nn.Module):
@@ -48,7 +60,7 @@ class _LinearBase(nn.Module):
         w = self.weight
         if w is None:
             return fp8_linear(x, self.weight_fp8, self.weight_scale, bias, self.out_dtype)
-        if x.is_cuda:  # a decode step's few rows: the Triton kernel where it measured faster on this GPU
+        if on_gpu(x):  # a decode step's few rows: the Triton kernel where it measured faster on this GPU
             x2 = x.reshape(-1, x.shape[-1])
             config = tuned_config(x2.shape[0], w)
             if config is not None and x2.stride(-1) == 1 and w.stride(-1) == 1:
@@ -59,6 +71,21 @@ class _LinearBase(nn.Module):
 
 # Rows up to which a gate/up GEMM takes its activation in its epilogue (small_m_silu_mul); 0 turns it off.
 FUSED_GATE_UP_MAX_M = int(os.environ.get("KVRAY_FUSED_GATE_UP_MAX_M", "16"))
+# Rows up to which the pre-norm block's residual add and RMSNorm run inside the QKV and gate/up GEMMs
+# (small_m_norm_linear, small_m_norm_silu_mul); 0 turns it off.
+FUSED_NORM_MAX_M = int(os.environ.get("KVRAY_FUSED_NORM_MAX_M", "16"))
+
+
+def _norm_rows(x: torch.Tensor, norm: ResidualNorm | None, w: torch.Tensor | None) -> ResidualNorm | None:
+    """`norm` over x's rows where a GEMM of w may apply it: a decode step's few rows on the GPU, one 16-bit
+    dtype throughout (the GEMM's rows then x.reshape(-1, K)). None where the RMSNorm launch stays."""
+    if norm is None or w is None or not on_gpu(x) or w.stride(-1) != 1:
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    norm = ResidualNorm(norm.residual.reshape(rows.shape), norm.weight, norm.eps)
+    if not 0 < rows.shape[0] <= FUSED_NORM_MAX_M or rows.stride(-1) != 1 or norm_problem(rows, norm, w) is not None:
+        return None
+    return norm
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -89,6 +116,21 @@ class ColumnParallelLinear(_LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
+    def norm_and_forward(self, x: torch.Tensor, norm: ResidualNorm | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(RMSNorm(x + residual)), x + residual) with the norm inside the GEMM's launch, for a decode
+        step's few rows where the small-M kernel measured faster than cuBLAS on this GPU. None where it does
+        not apply (the caller runs the norm, then this layer)."""
+        rows_norm = _norm_rows(x, norm, self.weight)
+        w = self.weight
+        if rows_norm is None or w is None:
+            return None
+        rows = x.reshape(-1, x.shape[-1])
+        config = tuned_config(rows.shape[0], w)
+        if config is None:
+            return None
+        y, res = small_m_norm_linear(rows, rows_norm, w, self.bias, config)
+        return y.reshape(*x.shape[:-1], w.shape[0]), res.view(x.shape)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stored as one (gate and up): each rank holds its shard of
@@ -116,12 +158,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         caller then runs the GEMM and SiluAndMul): fp8 or float32 weights, a bias, more than FUSED_GATE_UP_MAX_M
         rows."""
         w = self.weight
-        if not self._gated_epilogue or w is None or w.dtype != x.dtype or not x.is_cuda:
+        if not self._gated_epilogue or w is None or w.dtype != x.dtype or not on_gpu(x):
             return None  # no weight: quantized to fp8 (quantize_fp8)
         x2 = x.reshape(-1, x.shape[-1])
         if not 0 < x2.shape[0] <= FUSED_GATE_UP_MAX_M or x2.stride(-1) != 1:
             return None
         return small_m_silu_mul(x2, w).reshape(*x.shape[:-1], w.shape[0] // 2)
+
+    def norm_silu_and_mul(self, x: torch.Tensor, norm: ResidualNorm | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(silu_and_mul of RMSNorm(x + residual)'s gate/up, x + residual) in one launch; None where
+        silu_and_mul would be, or the norm cannot go inside (the caller then runs them apart)."""
+        w = self.weight
+        rows_norm = _norm_rows(x, norm, w)
+        if rows_norm is None or w is None or not self._gated_epilogue:
+            return None
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > FUSED_GATE_UP_MAX_M:
+            return None
+        y, res = small_m_norm_silu_mul(rows, rows_norm, w)
+        return y.reshape(*x.shape[:-1], w.shape[0] // 2), res.view(x.shape)
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
