@@ -119,6 +119,28 @@ def test_the_norm_inside_the_gemm_equals_the_norm_then_the_gemm(m, n, k, config,
         torch.testing.assert_close(y.float(), small_m_linear_ref(ref_normed, w, b).float(), rtol=tol, atol=1e-2)
 
 
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_norm_inside_the_gemm_in_the_engines_tiles_at_llamas_width(m, gated):
+    """The tiles the engine launches at Llama-3.1-8B's hidden size (the H100 table's qkv entry, the gated
+    form's own): at one row the norm pass reads the row of 4,096 as one tile; at 16 it fills the row tile.
+    N is cut to two tiles (the interpreter's time), K is the model's."""
+    dtype, k = torch.bfloat16, 4096
+    x, norm = residual_norm(m, k, dtype, seed=m)
+    n = 128 if not gated else 64
+    _, w = operands(m, 2 * n if gated else n, k, dtype, seed=7)
+    normed, res_two = rms_norm_triton(x, norm.weight, norm.eps, norm.residual)
+    if gated:
+        y, res = small_m_norm_silu_mul(x, norm, w)
+        two = small_m_silu_mul(normed, w)
+    else:
+        config = GemmConfig(block_n=64, block_k=256, split_k=1, num_stages=4, num_warps=4)
+        y, res = small_m_norm_linear(x, norm, w, None, config)
+        two = small_m_linear(normed, w, None, dtype, config=config)
+    torch.testing.assert_close(res, res_two, rtol=0, atol=0)
+    torch.testing.assert_close(y.float(), two.float(), rtol=2**-6, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "m,n,k,config",
@@ -292,8 +314,8 @@ def test_a_tuning_run_replaces_the_rows_it_measured_and_keeps_the_rest(tmp_path)
 
 
 def test_the_layers_put_the_norm_inside_their_gemms_for_a_decode_steps_rows(monkeypatch):
-    """The wiring, with the GPU's decisions forced on this CPU (the kernels run in the interpreter): the
-    QKV layer and the MLP take the norm into their GEMMs at up to KVRAY_FUSED_NORM_MAX_M rows and give what
+    """The wiring, with the GPU's decisions forced on this CPU (the kernels run in the interpreter): switched
+    on, the QKV layer and the MLP take the norm into their GEMMs at up to KVRAY_FUSED_NORM_MAX_M rows and give what
     the norm launch followed by the layer gives; past the limit, or with no tuned config for the QKV shape,
     the norm launch stays."""
     from types import SimpleNamespace
@@ -314,6 +336,10 @@ def test_the_layers_put_the_norm_inside_their_gemms_for_a_decode_steps_rows(monk
     monkeypatch.setattr(linear, "on_gpu", lambda x: True)
     monkeypatch.setattr(linear, "tuned_config", lambda m, w: GemmConfig(block_n=32, block_k=32))
     x, rn = residual_norm(3, hidden, dtype, seed=3)
+    monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 0)  # the default until a GPU has timed it
+    assert qkv.norm_and_forward(x, norm.inside_gemm(rn.residual)) is None
+    assert mlp.gate_up_proj.norm_silu_and_mul(x, norm.inside_gemm(rn.residual)) is None
+    monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 16)  # KVRAY_FUSED_NORM_MAX_M=16
 
     normed, res_two = norm(x, rn.residual)
     fused = qkv.norm_and_forward(x, norm.inside_gemm(rn.residual))

@@ -72,8 +72,9 @@ class _LinearBase(nn.Module):
 # Rows up to which a gate/up GEMM takes its activation in its epilogue (small_m_silu_mul); 0 turns it off.
 FUSED_GATE_UP_MAX_M = int(os.environ.get("KVRAY_FUSED_GATE_UP_MAX_M", "16"))
 # Rows up to which the pre-norm block's residual add and RMSNorm run inside the QKV and gate/up GEMMs
-# (small_m_norm_linear, small_m_norm_silu_mul); 0 turns it off.
-FUSED_NORM_MAX_M = int(os.environ.get("KVRAY_FUSED_NORM_MAX_M", "16"))
+# (small_m_norm_linear, small_m_norm_silu_mul). Off (0) until a GPU has timed it against the norm's own
+# launch (benchmarks/RESULTS.md, "RMSNorm inside the next small-M GEMM"); KVRAY_FUSED_NORM_MAX_M=16 is the A/B.
+FUSED_NORM_MAX_M = int(os.environ.get("KVRAY_FUSED_NORM_MAX_M", "0"))
 
 
 def _norm_rows(x: torch.Tensor, norm: ResidualNorm | None, w: torch.Tensor | None) -> ResidualNorm | None:
