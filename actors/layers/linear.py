@@ -80,11 +80,14 @@ FUSED_NORM_MAX_M = int(os.environ.get("KVRAY_FUSED_NORM_MAX_M", "0"))
 def _norm_rows(x: torch.Tensor, norm: ResidualNorm | None, w: torch.Tensor | None) -> ResidualNorm | None:
     """`norm` over x's rows where a GEMM of w may apply it: a decode step's few rows on the GPU, one 16-bit
     dtype throughout (the GEMM's rows then x.reshape(-1, K)). None where the RMSNorm launch stays."""
-    if norm is None or w is None or not on_gpu(x) or w.stride(-1) != 1:
+    # The row count first: a big step (or the switch off) leaves before any other host work.
+    if norm is None or w is None or not 0 < x.numel() // x.shape[-1] <= FUSED_NORM_MAX_M:
+        return None
+    if not on_gpu(x) or w.stride(-1) != 1:
         return None
     rows = x.reshape(-1, x.shape[-1])
     norm = ResidualNorm(norm.residual.reshape(rows.shape), norm.weight, norm.eps)
-    if not 0 < rows.shape[0] <= FUSED_NORM_MAX_M or rows.stride(-1) != 1 or norm_problem(rows, norm, w) is not None:
+    if rows.stride(-1) != 1 or norm_problem(rows, norm, w) is not None:
         return None
     return norm
 
