@@ -54,7 +54,10 @@ def _share_counts(blocks: int, device: torch.device) -> torch.Tensor:
     return c
 
 
-@triton.jit
+# The row count and the ban list's width only bound loops and masks. Specialised (1, a multiple of 16,
+# anything else), each would compile the kernel up to three times over: at start-up for the warm-up's row
+# counts, and at a step's first ban list of a new width class, mid-run.
+@triton.jit(do_not_specialize=["n_rows", "num_ban", "stride_b"])
 def _sample_kernel(
     logits_ptr: tl.tensor,
     stride_l: tl.tensor,

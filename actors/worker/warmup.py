@@ -49,12 +49,21 @@ def warm_sampler(
     sampler: Sampler, vocab: int, dtype: torch.dtype, device: torch.device, max_rows: int, dummy: DummySampling
 ) -> None:
     """Run the greedy, plain random and filtered variants on random logits of the model's dtype (the
-    kernels specialise on it), for row counts that hit each of Triton's integer specialisations (1, a
-    multiple of 16, any other). `dummy` must hand out the
-    metadata views real steps use (SamplingInputs.dummy): on the H200 the variants compiled for fresh
-    int32 tensors did not serve the runner's int64 rows, and three compiles landed in the timed run."""
+    kernels specialise on it), at row counts of each of Triton's integer classes (1, a multiple of 16, any
+    other; the sample kernel does not specialise on its row count, so they share its variants). `dummy`
+    must hand out the metadata views real steps use (SamplingInputs.dummy): on the H200 the variants
+    compiled for fresh int32 tensors did not serve the runner's int64 rows, and three compiles landed in
+    the timed run."""
     if device.type != "cuda":
         return
+    run_sampler_variants(sampler, vocab, dtype, device, max_rows, dummy)
+    torch.cuda.synchronize(device)
+
+
+def run_sampler_variants(
+    sampler: Sampler, vocab: int, dtype: torch.dtype, device: torch.device, max_rows: int, dummy: DummySampling
+) -> None:
+    """warm_sampler's calls, on any device (tests count the variants they compile on a GPU)."""
     for rows in sorted({1, min(8, max_rows), min(16, max_rows)}):
         logits = torch.randn(rows, vocab, device=device).to(dtype)
         sampler(logits, SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False))
@@ -62,4 +71,3 @@ def warm_sampler(
             sampler(logits, dummy(rows, filters, -1))
     # The logprobs kernels specialise on neither the row count nor k: one call compiles both.
     sampler(logits[:1], dummy(1, False, 1))
-    torch.cuda.synchronize(device)

@@ -1,0 +1,45 @@
+"""How many kernels a GPU compiles, counted here with Triton's own specialisation rules (tests/jit_variants.py):
+each variant is ~0.5-1 s of a cold start, or a stall mid-run when a step's first arrives late."""
+
+import torch
+from jit_variants import counting
+
+from actors.sample.inputs import SamplingInputs
+from actors.sample.kernel import launch_sample
+from actors.sample.sampler import Sampler
+from actors.worker.warmup import run_sampler_variants
+
+CPU = torch.device("cpu")
+
+
+def rows(n: int, vocab: int = 48) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(n)
+    return (
+        torch.randn(n, vocab, generator=g),
+        torch.rand(n, generator=g) + 0.3,
+        torch.zeros(n, dtype=torch.int32),
+        torch.ones(n),
+        torch.randint(0, 2**40, (n,), generator=g),
+        torch.randint(0, 500, (n,), generator=g),
+    )
+
+
+def test_the_sampler_warm_up_compiles_one_sample_kernel_per_mode_whatever_its_row_counts():
+    """Greedy, random and filtered rows at 1, 8 and 16 rows (one of each integer class Triton would
+    specialise a row count on): three variants of the sample kernel, where a specialised row count made
+    nine, each ~0.6-0.9 s of the H200's cold start (the start-up log of 608e48f)."""
+    inputs = SamplingInputs(32, CPU, pin_memory=False)
+    with counting() as variants, torch.inference_mode():
+        run_sampler_variants(Sampler(use_triton=True), 64, torch.bfloat16, CPU, 32, inputs.dummy)
+    assert variants.of("_sample_kernel") == 3, sorted(variants.keys)
+
+
+def test_a_new_ban_list_width_or_row_count_compiles_nothing_new():
+    """A step whose ban lists (min_tokens' EOS, bad words) are 1, 2 or 16 wide, at 3, 16 or 17 rows, runs
+    the variant the first such step compiled, rather than compiling mid-run."""
+    with counting() as variants:
+        for n, width in ((3, 1), (16, 2), (17, 16)):
+            logits, temp, top_k, top_p, seeds, pos = rows(n)
+            ban = torch.full((n, width), 3, dtype=torch.int32)
+            launch_sample(logits, temp, top_k, top_p, seeds, pos, ban_ids=ban, need_filter=False)
+    assert variants.of("_sample_kernel") == 1, sorted(variants.keys)
