@@ -43,3 +43,26 @@ def test_a_new_ban_list_width_or_row_count_compiles_nothing_new():
             ban = torch.full((n, width), 3, dtype=torch.int32)
             launch_sample(logits, temp, top_k, top_p, seeds, pos, ban_ids=ban, need_filter=False)
     assert variants.of("_sample_kernel") == 1, sorted(variants.keys)
+
+
+def test_decode_steps_of_any_batch_size_run_the_first_ones_kernels(tmp_path):
+    """A model's layer kernels (RMSNorm, q/k norm + rotary into the cache, attention, SiLU) through a paged
+    KV cache: after the first decode step, steps of 2, 16 and 17 rows (each of Triton's integer classes)
+    compile nothing new. Each size-specialised kernel would add compiles to every CUDA-graph bucket's
+    warm-up at start-up. (On the CPU the linear layers run torch's ops; the GPU's small-M GEMM does
+    specialise on its row count.)"""
+    import test_model_forward as forward
+
+    from actors.models.loader import load_model
+
+    forward.make_hf_model("qwen3-hybrid", str(tmp_path), forward.TRITON_LAYERS["qwen3-hybrid"])
+    model, _ = load_model(str(tmp_path), dtype="float32", attention_backend="triton")
+    driver = forward.PagedDriver(model)
+    with counting() as variants:
+        driver.step([(i, [5, 6]) for i in range(17)])
+        driver.step([(0, [9])])
+        first = set(variants.keys)
+        for batch in (2, 16, 17):
+            driver.step([(i, [9]) for i in range(batch)])
+        assert variants.keys == first, sorted(variants.keys - first)
+    assert {name for name, _ in first} >= {"paged_attention_kernel", "_rms_norm_kernel", "_qk_norm_rope_kernel"}
