@@ -18,8 +18,6 @@ from triton.compiler.compiler import make_backend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
-
 
 class Variants:
     """The distinct (kernel, specialisation key) pairs of the launches recorded so far."""

@@ -337,12 +337,12 @@ def test_the_layers_put_the_norm_inside_their_gemms_for_a_decode_steps_rows(monk
     monkeypatch.setattr(linear, "tuned_config", lambda m, w: GemmConfig(block_n=32, block_k=32))
     x, rn = residual_norm(3, hidden, dtype, seed=3)
     monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 0)  # the default until a GPU has timed it
-    assert qkv.norm_and_forward(x, norm.inside_gemm(rn.residual)) is None
-    assert mlp.gate_up_proj.norm_silu_and_mul(x, norm.inside_gemm(rn.residual)) is None
+    assert qkv.norm_and_forward(x, rn.residual, norm) is None
+    assert mlp.gate_up_proj.norm_silu_and_mul(x, rn.residual, norm) is None
     monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 16)  # KVRAY_FUSED_NORM_MAX_M=16
 
     normed, res_two = norm(x, rn.residual)
-    fused = qkv.norm_and_forward(x, norm.inside_gemm(rn.residual))
+    fused = qkv.norm_and_forward(x, rn.residual, norm)
     assert fused is not None
     torch.testing.assert_close(fused[1], res_two, rtol=0, atol=0)
     torch.testing.assert_close(fused[0].float(), qkv(normed).float(), rtol=2**-7, atol=1e-2)
@@ -353,12 +353,12 @@ def test_the_layers_put_the_norm_inside_their_gemms_for_a_decode_steps_rows(monk
 
     assert RMSNorm(hidden, 1e-6, dtype, backend="torch").inside_gemm(rn.residual) is None  # HF's ops on CPU
     monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 2)  # KVRAY_FUSED_NORM_MAX_M=2: three rows are too many
-    assert qkv.norm_and_forward(x, norm.inside_gemm(rn.residual)) is None
-    assert mlp.gate_up_proj.norm_silu_and_mul(x, norm.inside_gemm(rn.residual)) is None
+    assert qkv.norm_and_forward(x, rn.residual, norm) is None
+    assert mlp.gate_up_proj.norm_silu_and_mul(x, rn.residual, norm) is None
     monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 16)
     monkeypatch.setattr(linear, "tuned_config", lambda m, w: None)  # cuBLAS measured faster for this shape
-    assert qkv.norm_and_forward(x, norm.inside_gemm(rn.residual)) is None
-    assert mlp.gate_up_proj.norm_silu_and_mul(x, norm.inside_gemm(rn.residual)) is not None  # its own tiles
+    assert qkv.norm_and_forward(x, rn.residual, norm) is None
+    assert mlp.gate_up_proj.norm_silu_and_mul(x, rn.residual, norm) is not None  # its own tiles
 
 
 ON_GPU = os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available()

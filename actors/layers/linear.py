@@ -27,6 +27,7 @@ from actors.layers.kernels.small_m_gemm import (
     small_m_silu_mul,
 )
 from actors.layers.kernels.small_m_tuned import tuned_config
+from actors.layers.norm import RMSNorm
 from actors.layers.weight_utils import check_full_shape, copy_into, narrow, new_param, read_all
 
 
@@ -77,19 +78,19 @@ FUSED_GATE_UP_MAX_M = int(os.environ.get("KVRAY_FUSED_GATE_UP_MAX_M", "16"))
 FUSED_NORM_MAX_M = int(os.environ.get("KVRAY_FUSED_NORM_MAX_M", "0"))
 
 
-def _norm_rows(x: torch.Tensor, norm: ResidualNorm | None, w: torch.Tensor | None) -> ResidualNorm | None:
-    """`norm` over x's rows where a GEMM of w may apply it: a decode step's few rows on the GPU, one 16-bit
-    dtype throughout (the GEMM's rows then x.reshape(-1, K)). None where the RMSNorm launch stays."""
+def _norm_rows(
+    x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, w: torch.Tensor | None
+) -> tuple[torch.Tensor, ResidualNorm] | None:
+    """(x's rows, `norm` over them) where a GEMM of w may apply the norm: a decode step's few rows on the
+    GPU, the Triton backend, one 16-bit dtype throughout. None where the RMSNorm launch stays."""
     # The row count first: a big step (or the switch off) leaves before any other host work.
-    if norm is None or w is None or not 0 < x.numel() // x.shape[-1] <= FUSED_NORM_MAX_M:
-        return None
-    if not on_gpu(x) or w.stride(-1) != 1:
+    if w is None or not 0 < x.numel() // x.shape[-1] <= FUSED_NORM_MAX_M or not on_gpu(x) or w.stride(-1) != 1:
         return None
     rows = x.reshape(-1, x.shape[-1])
-    norm = ResidualNorm(norm.residual.reshape(rows.shape), norm.weight, norm.eps)
-    if rows.stride(-1) != 1 or norm_problem(rows, norm, w) is not None:
+    rows_norm = norm.inside_gemm(residual.reshape(rows.shape))
+    if rows_norm is None or rows.stride(-1) != 1 or norm_problem(rows, rows_norm, w) is not None:
         return None
-    return norm
+    return rows, rows_norm
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -120,15 +121,17 @@ class ColumnParallelLinear(_LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
-    def norm_and_forward(self, x: torch.Tensor, norm: ResidualNorm | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(self(RMSNorm(x + residual)), x + residual) with the norm inside the GEMM's launch, for a decode
+    def norm_and_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(norm(x + residual)), x + residual) with the norm inside the GEMM's launch, for a decode
         step's few rows where the small-M kernel measured faster than cuBLAS on this GPU. None where it does
         not apply (the caller runs the norm, then this layer)."""
-        rows_norm = _norm_rows(x, norm, self.weight)
         w = self.weight
-        if rows_norm is None or w is None:
+        fits = _norm_rows(x, residual, norm, w)
+        if fits is None or w is None:
             return None
-        rows = x.reshape(-1, x.shape[-1])
+        rows, rows_norm = fits
         config = tuned_config(rows.shape[0], w)
         if config is None:
             return None
@@ -169,14 +172,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return None
         return small_m_silu_mul(x2, w).reshape(*x.shape[:-1], w.shape[0] // 2)
 
-    def norm_silu_and_mul(self, x: torch.Tensor, norm: ResidualNorm | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(silu_and_mul of RMSNorm(x + residual)'s gate/up, x + residual) in one launch; None where
+    def norm_silu_and_mul(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(silu_and_mul of norm(x + residual)'s gate/up, x + residual) in one launch; None where
         silu_and_mul would be, or the norm cannot go inside (the caller then runs them apart)."""
         w = self.weight
-        rows_norm = _norm_rows(x, norm, w)
-        if rows_norm is None or w is None or not self._gated_epilogue:
+        fits = _norm_rows(x, residual, norm, w) if self._gated_epilogue else None
+        if fits is None or w is None:
             return None
-        rows = x.reshape(-1, x.shape[-1])
+        rows, rows_norm = fits
         if rows.shape[0] > FUSED_GATE_UP_MAX_M:
             return None
         y, res = small_m_norm_silu_mul(rows, rows_norm, w)

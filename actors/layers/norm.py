@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
 
     def inside_gemm(self, residual: torch.Tensor) -> ResidualNorm | None:
         """This norm with its residual add, for a GEMM to apply to its operand (the linear layers'
-        norm_and_forward); None on the torch backend, which keeps HF's ops."""
+        norm_and_forward, norm_silu_and_mul); None on the torch backend, which keeps HF's ops."""
         return ResidualNorm(residual, self.weight, self.eps) if self.backend == "triton" else None
 
 

@@ -78,7 +78,7 @@ class DecoderAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(hidden + residual)), hidden + residual); a decode step's norm runs inside the QKV
         GEMM where it can (one launch and one [T, H] round trip fewer)."""
-        fused = self.qkv_proj.norm_and_forward(hidden, norm.inside_gemm(residual))
+        fused = self.qkv_proj.norm_and_forward(hidden, residual, norm)
         if fused is None:
             hidden, residual = norm(hidden, residual)
             return self.forward(positions, hidden), residual
@@ -138,7 +138,7 @@ class DecoderMLP(nn.Module):
         """(forward(norm(hidden + residual)), hidden + residual); a decode step's norm, gate/up and SiLU
         in one launch where they can."""
         if self.act_fn.backend == "triton":
-            fused = self.gate_up_proj.norm_silu_and_mul(hidden, norm.inside_gemm(residual))
+            fused = self.gate_up_proj.norm_silu_and_mul(hidden, residual, norm)
             if fused is not None:
                 act, residual = fused
                 return self.down_proj(act), residual

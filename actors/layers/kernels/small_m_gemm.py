@@ -263,20 +263,22 @@ def _launch(
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     ws = w_scale if w_scale is not None else y  # never read unless scaled
     b = bias if bias is not None else ws
-    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if norm is not None else None
-    r, g, ro = (x, x, x) if norm is None or res_out is None else (norm.residual, norm.weight, res_out)
     block_m = cfg.rows_per_program(m)
+    if norm is None:  # the norm's pointers are never read; its tiles fixed, so one kernel serves every M
+        res_out, r, g, eps, norm_rows, norm_k = None, x, x, 0.0, 16, 256
+    else:  # the norm pass's tiles: the real rows (all of a row tile past one), NORM_TILE elements a tensor
+        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        r, g, eps = norm.residual, norm.weight, norm.eps
+        norm_rows = min(block_m, triton.next_power_of_2(m))
+        norm_k = max(16, min(triton.next_power_of_2(k), NORM_TILE // norm_rows))
+    ro = res_out if res_out is not None else x
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), splits)
     pdl = pdl_enabled(x.device, m)
     scaled = w_scale is not None
-    # The norm pass's tiles: the real rows (all of a row tile past one), NORM_TILE elements a tensor
-    # (fixed without a norm, so that one compiled kernel serves every M there).
-    norm_rows = min(block_m, triton.next_power_of_2(m)) if norm is not None else 16
-    norm_k = max(16, min(triton.next_power_of_2(k), NORM_TILE // norm_rows)) if norm is not None else 256
     _small_m_kernel[grid](
         x, w, ws, b, y, part,
         m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
-        r, g, ro, r.stride(0), ro.stride(0), 1.0 / k, norm.eps if norm is not None else 0.0,
+        r, g, ro, r.stride(0), ro.stride(0), 1.0 / k, eps,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0, SCALED=scaled,
         UPCAST_DOT=not scaled and x.dtype == torch.bfloat16 and interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, GATED=gated, PRECISE_EXP=not interpreting(),
