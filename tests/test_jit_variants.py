@@ -6,6 +6,7 @@ from jit_variants import counting
 
 from actors.sample.inputs import SamplingInputs
 from actors.sample.kernel import launch_sample
+from actors.sample.logprobs_kernel import topk_logprobs
 from actors.sample.sampler import Sampler
 from actors.worker.warmup import run_sampler_variants
 
@@ -43,6 +44,18 @@ def test_a_new_ban_list_width_or_row_count_compiles_nothing_new():
             ban = torch.full((n, width), 3, dtype=torch.int32)
             launch_sample(logits, temp, top_k, top_p, seeds, pos, ban_ids=ban, need_filter=False)
     assert variants.of("_sample_kernel") == 1, sorted(variants.keys)
+
+
+def test_logprobs_of_any_k_a_request_may_ask_run_the_warm_ups_kernels():
+    """The warm-up asks k = 1; a request may ask any k up to MAX_LOGPROBS (vLLM's 20), prompt logprobs
+    too. Both logprobs kernels compile once for all of them, where a lane width per k class compiled
+    the combine kernel anew (up to five times) in the middle of a run."""
+    logits = torch.randn(5, 300)
+    tokens = torch.randint(0, 300, (5,))
+    with counting() as variants:
+        for k in (1, 0, 2, 5, 20):
+            topk_logprobs(logits, tokens, k, block=64)
+    assert variants.of("_chunk_kernel") == 1 and variants.of("_combine_kernel") == 1, sorted(variants.keys)
 
 
 def test_decode_steps_of_any_batch_size_run_the_first_ones_kernels(tmp_path):

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.request import MAX_LOGPROBS
+
 BLOCK = 4096
 
 
@@ -164,7 +166,9 @@ def topk_logprobs(
         lps,
         ranks,
         C_PAD=triton.next_power_of_2(chunks),
-        CK_PAD=triton.next_power_of_2(chunks * max(k, 1)),
+        # Wide enough for any k a request may ask: a width per k class would compile mid-run the first
+        # time a request asks a larger k than the warm-up's; the extra lanes are masked loads of one row.
+        CK_PAD=triton.next_power_of_2(chunks * max(k, MAX_LOGPROBS)),
         num_warps=4,
     )
     return ids, lps, ranks

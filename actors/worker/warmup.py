@@ -69,5 +69,6 @@ def run_sampler_variants(
         sampler(logits, SamplingMetadata(None, None, None, None, None, all_greedy=True, need_filter=False))
         for filters in (False, True):
             sampler(logits, dummy(rows, filters, -1))
-    # The logprobs kernels specialise on neither the row count nor k: one call compiles both.
+    # The logprobs kernels specialise on neither the row count nor k (their lanes fit the largest k a
+    # request may ask): one call compiles both.
     sampler(logits[:1], dummy(1, False, 1))
