@@ -58,11 +58,3 @@ def test_the_check_reports_a_kernel_the_gpu_would_refuse(tmp_path):
     r = run_tool("--compile-from", str(specs), extra_path=str(tmp_path))
     assert r.returncode == 1 and "FAIL clamp_kernel" in r.stdout and "LIMIT" in r.stdout, r.stdout + r.stderr
     assert "sm_90: 0 of 1 kernel variants compiled" in r.stdout
-
-
-def test_the_norm_inside_the_small_m_gemm_compiles_for_sm90():
-    """The residual add + RMSNorm pass of the small-M GEMM in the engine's tiles (one row of 4,096 as one
-    tile, and a full row tile), plain and gated: compiled here because no GPU test has run it yet."""
-    r = run_tool("tests/test_small_m_gemm.py", "-k", "engines_tiles")
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "'NORM': True" in r.stdout and "'NORM_K': 4096" in r.stdout and "'GATED': True" in r.stdout

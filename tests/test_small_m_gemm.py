@@ -3,24 +3,13 @@ under TRITON_INTERPRET=1, and the per-device table that decides where the engine
 (actors/layers/kernels/small_m_tuned.py). The fp8 form of the same kernel: tests/test_fp8_linear.py."""
 
 import json
-import os
 
 import pytest
 import torch
 
-from actors.layers.kernels import small_m_gemm, small_m_tuned
-from actors.layers.kernels.layer_reference import rms_norm_ref
-from actors.layers.kernels.rms_norm import rms_norm_triton
+from actors.layers.kernels import small_m_tuned
 from actors.layers.kernels.silu_mul import silu_and_mul_triton
-from actors.layers.kernels.small_m_gemm import (
-    GemmConfig,
-    ResidualNorm,
-    small_m_linear,
-    small_m_linear_ref,
-    small_m_norm_linear,
-    small_m_norm_silu_mul,
-    small_m_silu_mul,
-)
+from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref, small_m_silu_mul
 
 
 def operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,102 +65,6 @@ def test_the_gated_form_equals_the_gemm_then_the_activation(m, n, k, config, dty
     torch_layer = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
     tol = 2**-7 if dtype == torch.bfloat16 else 2**-10  # the GEMM's one rounding, then the activation's two
     torch.testing.assert_close(y.float(), torch_layer.float(), rtol=2 * tol, atol=1e-3)
-
-
-def residual_norm(m: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ResidualNorm]:
-    """The previous block's output x and a pre-norm block's residual and norm weight, at HF-like scales."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    residual = (4 * torch.randn(m, k, generator=g)).to(dtype)
-    weight = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
-    return x, ResidualNorm(residual, weight, 1e-6)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "m,n,k,config",
-    [
-        (1, 96, 256, GemmConfig(block_n=32, block_k=128)),  # K even in tiles, no split
-        (3, 70, 200, GemmConfig(block_n=32, block_k=64)),  # ragged N and K: the masks of the norm's pass too
-        (5, 64, 512, GemmConfig(block_n=32, block_k=64, split_k=4)),  # each K split normalises its own columns
-        (17, 40, 96, GemmConfig(block_n=16, block_k=32, split_k=2)),  # two row tiles, three N tiles
-    ],
-)
-@pytest.mark.parametrize("norm_tile", [4096, 64])  # the norm pass in one tile, or in several along K
-def test_the_norm_inside_the_gemm_equals_the_norm_then_the_gemm(m, n, k, config, dtype, norm_tile, monkeypatch):
-    """RMSNorm(x + residual) computed by the GEMM's programs against the two launches it replaces (the
-    RMSNorm kernel, then the GEMM) and the torch layers; x + residual comes back exactly."""
-    monkeypatch.setattr(small_m_gemm, "NORM_TILE", norm_tile)
-    x, norm = residual_norm(m, k, dtype, seed=m)
-    _, w = operands(m, n, k, dtype, seed=m + 1)
-    bias = torch.randn(n).to(dtype)
-    for b in (None, bias):
-        y, res = small_m_norm_linear(x, norm, w, b, config)
-        assert y.shape == (m, n) and y.dtype == dtype and res.shape == (m, k)
-        normed, res_two = rms_norm_triton(x, norm.weight, norm.eps, norm.residual)
-        torch.testing.assert_close(res, res_two, rtol=0, atol=0)
-        torch.testing.assert_close(res, x + norm.residual, rtol=0, atol=0)
-        two_launches = small_m_linear(normed, w, b, dtype, config=config)
-        # The norm's sum of squares in another order: an element of the operand may round the other way.
-        tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
-        torch.testing.assert_close(y.float(), two_launches.float(), rtol=tol, atol=1e-2)
-        ref_normed, _ = rms_norm_ref(x, norm.weight, norm.eps, norm.residual)
-        torch.testing.assert_close(y.float(), small_m_linear_ref(ref_normed, w, b).float(), rtol=tol, atol=1e-2)
-
-
-@pytest.mark.parametrize("m", [1, 16])
-@pytest.mark.parametrize("gated", [False, True])
-def test_the_norm_inside_the_gemm_in_the_engines_tiles_at_llamas_width(m, gated):
-    """The tiles the engine launches at Llama-3.1-8B's hidden size (the H100 table's qkv entry, the gated
-    form's own): at one row the norm pass reads the row of 4,096 as one tile; at 16 it fills the row tile.
-    N is cut to two tiles (the interpreter's time), K is the model's."""
-    dtype, k = torch.bfloat16, 4096
-    x, norm = residual_norm(m, k, dtype, seed=m)
-    n = 128 if not gated else 64
-    _, w = operands(m, 2 * n if gated else n, k, dtype, seed=7)
-    normed, res_two = rms_norm_triton(x, norm.weight, norm.eps, norm.residual)
-    if gated:
-        y, res = small_m_norm_silu_mul(x, norm, w)
-        two = small_m_silu_mul(normed, w)
-    else:
-        config = GemmConfig(block_n=64, block_k=256, split_k=1, num_stages=4, num_warps=4)
-        y, res = small_m_norm_linear(x, norm, w, None, config)
-        two = small_m_linear(normed, w, None, dtype, config=config)
-    torch.testing.assert_close(res, res_two, rtol=0, atol=0)
-    torch.testing.assert_close(y.float(), two.float(), rtol=2**-6, atol=2e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "m,n,k,config",
-    [(1, 48, 256, GemmConfig(block_n=32, block_k=128)), (3, 35, 200, GemmConfig(block_n=16, block_k=64))],
-)
-def test_the_norm_inside_the_gated_form(m, n, k, config, dtype):
-    x, norm = residual_norm(m, k, dtype, seed=m)
-    _, w = operands(m, 2 * n, k, dtype, seed=m + 1)
-    y, res = small_m_norm_silu_mul(x, norm, w, config)
-    assert y.shape == (m, n) and y.dtype == dtype
-    normed, res_two = rms_norm_triton(x, norm.weight, norm.eps, norm.residual)
-    torch.testing.assert_close(res, res_two, rtol=0, atol=0)
-    two_launches = small_m_silu_mul(normed, w, config=config)
-    tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
-    torch.testing.assert_close(y.float(), two_launches.float(), rtol=2 * tol, atol=1e-2)
-
-
-def test_the_norm_inside_the_gemm_refuses_mixed_dtypes_and_shapes():
-    x, norm = residual_norm(2, 64, torch.bfloat16, seed=0)
-    _, w = operands(2, 32, 64, torch.bfloat16)
-    config = GemmConfig(block_n=32, block_k=64)
-    with pytest.raises(ValueError, match="must share one 16-bit dtype"):
-        small_m_norm_linear(x, ResidualNorm(norm.residual, norm.weight.float(), 1e-6), w, None, config)
-    with pytest.raises(ValueError, match="must share one 16-bit dtype"):
-        small_m_norm_linear(x.float(), norm, w.float(), None, config)
-    with pytest.raises(ValueError, match=r"residual \(1, 64\) must be x's shape"):
-        small_m_norm_linear(x, ResidualNorm(norm.residual[:1], norm.weight, 1e-6), w, None, config)
-    with pytest.raises(ValueError, match=r"norm weight \(32,\) must be \[64\]"):
-        small_m_norm_linear(x, ResidualNorm(norm.residual, norm.weight[:32], 1e-6), w, None, config)
-    y, res = small_m_norm_linear(x[:0], ResidualNorm(norm.residual[:0], norm.weight, 1e-6), w, None, config)
-    assert y.shape == (0, 32) and res.shape == (0, 64)
 
 
 def test_the_gated_form_refuses_float32_and_the_layer_keeps_two_launches_there():
@@ -311,81 +204,3 @@ def test_a_tuning_run_replaces_the_rows_it_measured_and_keeps_the_rest(tmp_path)
     }
     assert small_m_tuned.config_entry(GemmConfig()) == [64, 256, 1, 4, 4]  # the five-number form the shipped tables use
     assert GemmConfig(*merged["shapes"]["4096x4096"]["256"]) == wide
-
-
-def test_the_layers_put_the_norm_inside_their_gemms_for_a_decode_steps_rows(monkeypatch):
-    """The wiring, with the GPU's decisions forced on this CPU (the kernels run in the interpreter): switched
-    on, the QKV layer and the MLP take the norm into their GEMMs at up to KVRAY_FUSED_NORM_MAX_M rows and give what
-    the norm launch followed by the layer gives; past the limit, or with no tuned config for the QKV shape,
-    the norm launch stays."""
-    from types import SimpleNamespace
-
-    from actors.layers import linear
-    from actors.layers.norm import RMSNorm
-    from actors.models.decoder import DecoderMLP
-
-    dtype, hidden, inter = torch.bfloat16, 64, 96
-    torch.manual_seed(0)
-    norm = RMSNorm(hidden, 1e-6, dtype, backend="triton")
-    norm.weight.data = (1 + 0.1 * torch.randn(hidden)).to(dtype)
-    qkv = linear.QKVParallelLinear(hidden, 16, 2, 1, False, dtype)
-    qkv.weight.data = (torch.randn(qkv.weight.shape) / hidden**0.5).to(dtype)
-    mlp = DecoderMLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inter, mlp_bias=False), dtype, "triton")
-    for p in mlp.parameters():
-        p.data = (torch.randn(p.shape) / p.shape[-1] ** 0.5).to(dtype)
-    monkeypatch.setattr(linear, "on_gpu", lambda x: True)
-    monkeypatch.setattr(linear, "tuned_config", lambda m, w: GemmConfig(block_n=32, block_k=32))
-    x, rn = residual_norm(3, hidden, dtype, seed=3)
-    monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 0)  # the default until a GPU has timed it
-    assert qkv.norm_and_forward(x, rn.residual, norm) is None
-    assert mlp.gate_up_proj.norm_silu_and_mul(x, rn.residual, norm) is None
-    monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 16)  # KVRAY_FUSED_NORM_MAX_M=16
-
-    normed, res_two = norm(x, rn.residual)
-    fused = qkv.norm_and_forward(x, rn.residual, norm)
-    assert fused is not None
-    torch.testing.assert_close(fused[1], res_two, rtol=0, atol=0)
-    torch.testing.assert_close(fused[0].float(), qkv(normed).float(), rtol=2**-7, atol=1e-2)
-
-    out, res = mlp.norm_and_forward(x, rn.residual, norm)
-    torch.testing.assert_close(res, res_two, rtol=0, atol=0)
-    torch.testing.assert_close(out.float(), mlp(normed).float(), rtol=2**-6, atol=2e-2)
-
-    assert RMSNorm(hidden, 1e-6, dtype, backend="torch").inside_gemm(rn.residual) is None  # HF's ops on CPU
-    monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 2)  # KVRAY_FUSED_NORM_MAX_M=2: three rows are too many
-    assert qkv.norm_and_forward(x, rn.residual, norm) is None
-    assert mlp.gate_up_proj.norm_silu_and_mul(x, rn.residual, norm) is None
-    monkeypatch.setattr(linear, "FUSED_NORM_MAX_M", 16)
-    monkeypatch.setattr(linear, "tuned_config", lambda m, w: None)  # cuBLAS measured faster for this shape
-    assert qkv.norm_and_forward(x, rn.residual, norm) is None
-    assert mlp.gate_up_proj.norm_silu_and_mul(x, rn.residual, norm) is not None  # its own tiles
-
-
-ON_GPU = os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (run with TRITON_INTERPRET=0)")
-@pytest.mark.parametrize("m", [1, 4, 16])
-def test_on_the_gpu_the_norm_inside_llamas_qkv_and_gate_up_equals_the_norm_launch_then_the_gemm(m):
-    """Llama-3.1-8B's shapes, the tiles of the shipped table's qkv entry: the operand's elements round as
-    the RMSNorm kernel's do but for a last-bit tie here and there (the sum of squares in another order)."""
-    g = torch.Generator(device="cuda").manual_seed(m)
-    hidden, inter, dtype = 4096, 14336, torch.bfloat16
-
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (scale * torch.randn(*shape, generator=g, device="cuda")).to(dtype)
-
-    x, norm = rand(m, hidden), ResidualNorm(rand(m, hidden, scale=4), rand(hidden, scale=0.1) + 1, 1e-5)
-    normed, res_two = rms_norm_triton(x, norm.weight, norm.eps, norm.residual)
-    config = GemmConfig(block_n=64, block_k=256, split_k=2)
-    w_qkv, w_gate_up = rand(6144, hidden, scale=hidden**-0.5), rand(2 * inter, hidden, scale=hidden**-0.5)
-    y, res = small_m_norm_linear(x, norm, w_qkv, None, config)
-    assert torch.equal(res, res_two)
-    two = small_m_linear(normed, w_qkv, None, dtype, config=config)
-    assert (y != two).float().mean() < 0.01
-    torch.testing.assert_close(y.float(), two.float(), rtol=2**-7, atol=1e-2)
-    y, res = small_m_norm_silu_mul(x, norm, w_gate_up)
-    assert torch.equal(res, res_two)
-    two = small_m_silu_mul(normed, w_gate_up)
-    assert (y != two).float().mean() < 0.01
-    torch.testing.assert_close(y.float(), two.float(), rtol=2**-6, atol=1e-2)

@@ -18,22 +18,9 @@ from torch import nn
 
 from actors import parallel_state as ps
 from actors.layers.fp8_linear import fp8_linear, fp8_shape_ok, quantize_weight_fp8
-from actors.layers.kernels.small_m_gemm import (
-    ResidualNorm,
-    norm_problem,
-    small_m_linear,
-    small_m_norm_linear,
-    small_m_norm_silu_mul,
-    small_m_silu_mul,
-)
+from actors.layers.kernels.small_m_gemm import small_m_linear, small_m_silu_mul
 from actors.layers.kernels.small_m_tuned import tuned_config
-from actors.layers.norm import RMSNorm
 from actors.layers.weight_utils import check_full_shape, copy_into, narrow, new_param, read_all
-
-
-def on_gpu(x: torch.Tensor) -> bool:
-    """Whether x takes the GPU kernels of a decode step's few rows (the CPU keeps torch's ops)."""
-    return x.is_cuda
 
 
 class _LinearBase(nn.Module):
@@ -61,7 +48,7 @@ class _LinearBase(nn.Module):
         w = self.weight
         if w is None:
             return fp8_linear(x, self.weight_fp8, self.weight_scale, bias, self.out_dtype)
-        if on_gpu(x):  # a decode step's few rows: the Triton kernel where it measured faster on this GPU
+        if x.is_cuda:  # a decode step's few rows: the Triton kernel where it measured faster on this GPU
             x2 = x.reshape(-1, x.shape[-1])
             config = tuned_config(x2.shape[0], w)
             if config is not None and x2.stride(-1) == 1 and w.stride(-1) == 1:
@@ -72,25 +59,6 @@ class _LinearBase(nn.Module):
 
 # Rows up to which a gate/up GEMM takes its activation in its epilogue (small_m_silu_mul); 0 turns it off.
 FUSED_GATE_UP_MAX_M = int(os.environ.get("KVRAY_FUSED_GATE_UP_MAX_M", "16"))
-# Rows up to which the pre-norm block's residual add and RMSNorm run inside the QKV and gate/up GEMMs
-# (small_m_norm_linear, small_m_norm_silu_mul). Off (0) until a GPU has timed it against the norm's own
-# launch (benchmarks/RESULTS.md, "RMSNorm inside the next small-M GEMM"); KVRAY_FUSED_NORM_MAX_M=16 is the A/B.
-FUSED_NORM_MAX_M = int(os.environ.get("KVRAY_FUSED_NORM_MAX_M", "0"))
-
-
-def _norm_rows(
-    x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, w: torch.Tensor | None
-) -> tuple[torch.Tensor, ResidualNorm] | None:
-    """(x's rows, `norm` over them) where a GEMM of w may apply the norm: a decode step's few rows on the
-    GPU, the Triton backend, one 16-bit dtype throughout. None where the RMSNorm launch stays."""
-    # The row count first: a big step (or the switch off) leaves before any other host work.
-    if w is None or not 0 < x.numel() // x.shape[-1] <= FUSED_NORM_MAX_M or not on_gpu(x) or w.stride(-1) != 1:
-        return None
-    rows = x.reshape(-1, x.shape[-1])
-    rows_norm = norm.inside_gemm(residual.reshape(rows.shape))
-    if rows_norm is None or rows.stride(-1) != 1 or norm_problem(rows, rows_norm, w) is not None:
-        return None
-    return rows, rows_norm
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -121,23 +89,6 @@ class ColumnParallelLinear(_LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
-    def norm_and_forward(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(self(norm(x + residual)), x + residual) with the norm inside the GEMM's launch, for a decode
-        step's few rows where the small-M kernel measured faster than cuBLAS on this GPU. None where it does
-        not apply (the caller runs the norm, then this layer)."""
-        w = self.weight
-        fits = _norm_rows(x, residual, norm, w)
-        if fits is None or w is None:
-            return None
-        rows, rows_norm = fits
-        config = tuned_config(rows.shape[0], w)
-        if config is None:
-            return None
-        y, res = small_m_norm_linear(rows, rows_norm, w, self.bias, config)
-        return y.reshape(*x.shape[:-1], w.shape[0]), res.view(x.shape)
-
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stored as one (gate and up): each rank holds its shard of
@@ -165,27 +116,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         caller then runs the GEMM and SiluAndMul): fp8 or float32 weights, a bias, more than FUSED_GATE_UP_MAX_M
         rows."""
         w = self.weight
-        if not self._gated_epilogue or w is None or w.dtype != x.dtype or not on_gpu(x):
+        if not self._gated_epilogue or w is None or w.dtype != x.dtype or not x.is_cuda:
             return None  # no weight: quantized to fp8 (quantize_fp8)
         x2 = x.reshape(-1, x.shape[-1])
         if not 0 < x2.shape[0] <= FUSED_GATE_UP_MAX_M or x2.stride(-1) != 1:
             return None
         return small_m_silu_mul(x2, w).reshape(*x.shape[:-1], w.shape[0] // 2)
-
-    def norm_silu_and_mul(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(silu_and_mul of norm(x + residual)'s gate/up, x + residual) in one launch; None where
-        silu_and_mul would be, or the norm cannot go inside (the caller then runs them apart)."""
-        w = self.weight
-        fits = _norm_rows(x, residual, norm, w) if self._gated_epilogue else None
-        if fits is None or w is None:
-            return None
-        rows, rows_norm = fits
-        if rows.shape[0] > FUSED_GATE_UP_MAX_M:
-            return None
-        y, res = small_m_norm_silu_mul(rows, rows_norm, w)
-        return y.reshape(*x.shape[:-1], w.shape[0] // 2), res.view(x.shape)
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from actors.layers.kernels import layer_ops
-from actors.layers.kernels.small_m_gemm import ResidualNorm
 from actors.layers.weight_utils import default_weight_loader, new_param
 from kvcore.kernels import check_backend
 
@@ -40,11 +39,6 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
-
-    def inside_gemm(self, residual: torch.Tensor) -> ResidualNorm | None:
-        """This norm with its residual add, for a GEMM to apply to its operand (the linear layers'
-        norm_and_forward, norm_silu_and_mul); None on the torch backend, which keeps HF's ops."""
-        return ResidualNorm(residual, self.weight, self.eps) if self.backend == "triton" else None
 
 
 class GemmaRMSNorm(nn.Module):

@@ -71,23 +71,7 @@ class DecoderAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden))
-
-    def norm_and_forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(hidden + residual)), hidden + residual); a decode step's norm runs inside the QKV
-        GEMM where it can (one launch and one [T, H] round trip fewer)."""
-        fused = self.qkv_proj.norm_and_forward(hidden, residual, norm)
-        if fused is None:
-            hidden, residual = norm(hidden, residual)
-            return self.forward(positions, hidden), residual
-        qkv, residual = fused
-        return self.attend(positions, qkv), residual
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Everything after the QKV projection: q/k norm, rotary, the KV write, attention, o_proj."""
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if self.backend == "triton":
             cache = self.attn.cache_write() if FUSED_KV_WRITE else None
             if cache is not None:
@@ -132,19 +116,6 @@ class DecoderMLP(nn.Module):
                 return self.down_proj(fused)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
-    def norm_and_forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(hidden + residual)), hidden + residual); a decode step's norm, gate/up and SiLU
-        in one launch where they can."""
-        if self.act_fn.backend == "triton":
-            fused = self.gate_up_proj.norm_silu_and_mul(hidden, residual, norm)
-            if fused is not None:
-                act, residual = fused
-                return self.down_proj(act), residual
-        hidden, residual = norm(hidden, residual)
-        return self.forward(hidden), residual
-
 
 class DecoderLayer(nn.Module):
     def __init__(
@@ -161,11 +132,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
-            hidden = self.self_attn(positions, hidden)
         else:
-            hidden, residual = self.self_attn.norm_and_forward(positions, hidden, residual, self.input_layernorm)
-        if isinstance(self.mlp, DecoderMLP):  # a mixture of experts keeps its norm launch
-            return self.mlp.norm_and_forward(hidden, residual, self.post_attention_layernorm)
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

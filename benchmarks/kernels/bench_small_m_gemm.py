@@ -25,14 +25,6 @@ the row counts it covers.
   python -m benchmarks.kernels.bench_small_m_gemm --write     # GPU; also appends to results/bench_small_m_gemm.jsonl
   python -m benchmarks.kernels.bench_small_m_gemm --smoke     # CPU, tiny shapes, Triton interpreter: errors only
   python -m benchmarks.kernels.bench_small_m_gemm --gated     # gate_up + SiLU in one launch against two
-  python -m benchmarks.kernels.bench_small_m_gemm --norm      # the residual add + RMSNorm inside qkv and gate_up
-
---norm: the pre-norm block as the engine runs it at a few rows (the RMSNorm launch with its residual add,
-then the qkv GEMM in the device table's tiles, or gate_up + SiLU in one launch) against the norm inside
-the GEMM (small_m_norm_linear, small_m_norm_silu_mul). Expected before the first run (H100, Llama-3.1-8B,
-M = 1): the norm launch ~2 us of a ~20 us qkv and a ~81 us gate_up, and the norm pass inside the GEMM ~0.5
-us (one round trip to L2 for a row of 4,096), so ~1.08x on qkv and ~1.02x on gate_up; the gain shrinking
-with M as the pass reads more rows.
 """
 
 from __future__ import annotations
@@ -50,22 +42,11 @@ if "--smoke" in sys.argv:
 
 import torch
 
-from actors.layers.kernels.rms_norm import rms_norm_triton
 from actors.layers.kernels.silu_mul import silu_and_mul_triton
-from actors.layers.kernels.small_m_gemm import (
-    GemmConfig,
-    ResidualNorm,
-    default_config,
-    small_m_linear,
-    small_m_linear_ref,
-    small_m_norm_linear,
-    small_m_norm_silu_mul,
-    small_m_silu_mul,
-)
-from actors.layers.kernels.small_m_tuned import config_entry, table_path, tuned_config
+from actors.layers.kernels.small_m_gemm import GemmConfig, small_m_linear, small_m_linear_ref, small_m_silu_mul
+from actors.layers.kernels.small_m_tuned import config_entry, table_path
 from benchmarks.common import SHAPES, record
 from benchmarks.kernels.bench_fp8_linear import bench_shape, projections
-from kvcore.kernels.attention_tiles import num_sms
 
 SCRIPT = "bench_small_m_gemm"
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -239,42 +220,6 @@ def gated_shape(name: str, n: int, k: int, rows: list[int], dtype: torch.dtype, 
             record(SCRIPT, f"bf16_gated_speedup_{name}_m{m}", t_two / best_t, "x")
 
 
-def _norm_then_gemm(x: torch.Tensor, norm: ResidualNorm, gated: bool, cfg: GemmConfig, w: torch.Tensor) -> torch.Tensor:
-    h, _ = rms_norm_triton(x, norm.weight, norm.eps, norm.residual)
-    return small_m_silu_mul(h, w) if gated else small_m_linear(h, w, None, x.dtype, config=cfg)
-
-
-def _norm_inside_gemm(
-    x: torch.Tensor, norm: ResidualNorm, gated: bool, cfg: GemmConfig, w: torch.Tensor
-) -> torch.Tensor:
-    return (small_m_norm_silu_mul(x, norm, w) if gated else small_m_norm_linear(x, norm, w, None, cfg))[0]
-
-
-def norm_shape(name: str, proj: str, n: int, k: int, rows: list[int], dtype: torch.dtype, smoke: bool) -> None:
-    """RMSNorm's launch then the GEMM (qkv in the engine's tiles; gate_up + SiLU in one launch) against the
-    norm inside the GEMM: bf16_norm_inside_speedup_<name>_<proj>_m<M>."""
-    weights = weight_copies(n, k, dtype, smoke)
-    device = weights[0].device
-    for m in rows:
-        x, res = torch.randn(m, k, device=device, dtype=dtype), 4 * torch.randn(m, k, device=device, dtype=dtype)
-        norm = ResidualNorm(res, (1 + 0.1 * torch.randn(k, device=device)).to(dtype), 1e-5)
-        gated = proj == "gate_up"
-        cfg = tuned_config(m, weights[0]) or default_config(m, n, k, 1 if smoke else num_sms(device))
-
-        two = functools.partial(_norm_then_gemm, x, norm, gated, cfg)
-        one = functools.partial(_norm_inside_gemm, x, norm, gated, cfg)
-        if not close(one(weights[0]), two(weights[0])):
-            raise SystemExit(f"{name} {proj} M={m}: the norm inside the GEMM differs from the two launches")
-        t_two, t_one = time_us(two, weights, smoke), time_us(one, weights, smoke)
-        print(
-            f"{name:13s} {proj:8s} M={m:3d}  norm launch + GEMM {t_two:7.1f} us  norm inside {t_one:7.1f} us  "
-            f"{t_two / t_one:4.2f}x  {'gated' if gated else cfg}",
-            flush=True,
-        )
-        if not smoke:
-            record(SCRIPT, f"bf16_norm_inside_speedup_{name}_{proj}_m{m}", t_two / t_one, "x")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, the interpreter, nothing recorded")
@@ -282,20 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=ROWS)
     ap.add_argument("--write", action="store_true", help="write the device's table for the engine")
     ap.add_argument("--gated", action="store_true", help="only gate_up + SiLU: two launches against one")
-    ap.add_argument("--norm", action="store_true", help="only the norm inside qkv and gate_up against its launch")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_small_m_gemm needs a CUDA GPU (use --smoke on the CPU)")
     torch.manual_seed(0)
     dtype = torch.bfloat16
     table: dict[str, dict[str, list[int] | None]] = {}
-    if args.norm:
-        for name in args.shapes:
-            for proj, (n, k) in projections(bench_shape(name, args.smoke)).items():
-                if proj in ("qkv", "gate_up"):
-                    rows = [1, 3] if args.smoke else [m for m in args.rows if m <= 16]
-                    norm_shape(name, proj, n, k, rows, dtype, args.smoke)
-        return
     if args.gated:
         for name in args.shapes:
             n, k = projections(bench_shape(name, args.smoke))["gate_up"]

@@ -58,22 +58,15 @@ def _small_m_kernel(
     x_ptr: tl.tensor, w_ptr: tl.tensor, ws_ptr: tl.tensor, b_ptr: tl.tensor, y_ptr: tl.tensor, part_ptr: tl.tensor,
     M: tl.tensor, N: tl.tensor, K: tl.tensor,
     stride_x: tl.tensor, stride_w: tl.tensor, stride_y: tl.tensor, k_per_split: tl.tensor,
-    r_ptr: tl.tensor, g_ptr: tl.tensor, res_out_ptr: tl.tensor, stride_r: tl.tensor, stride_res_out: tl.tensor,
-    inv_k: tl.tensor, eps: tl.tensor,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
     UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr = False, PRECISE_EXP: tl.constexpr = True, USE_PDL: tl.constexpr = False,
-    NORM: tl.constexpr = False, NORM_ROWS: tl.constexpr = 16, NORM_K: tl.constexpr = 256,
 ) -> None:  # fmt: skip
     """SCALED: e4m3 weights widened to fp16, the activations as fp16, per-channel scales (ws_ptr);
     else weights and activations in their own 16-bit dtype. UPCAST_DOT: the operands widened to fp32 first
     (Triton's CPU interpreter computes a bf16 tl.dot wrongly: numpy has no bf16).
     GATED: w is [gate | up] (2N rows); a program reads gate rows n and up rows N + n and stores
     silu(gate) * up (16-bit, unscaled, no bias, no split).
-    NORM: the operand is RMSNorm(x + r) with weight g (the pre-norm block's residual add and norm, rounded
-    where the RMSNorm kernel rounds); each program first sums the squares of its rows over all of K
-    (_row_rstd, in [NORM_ROWS, NORM_K] tiles), and the programs of the first N tile and K split also store
-    x + r to res_out (the next residual).
     USE_PDL: launched with programmatic dependent launch (kvcore/kernels/pdl.py)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -85,23 +78,14 @@ def _small_m_kernel(
     m_ok = offs_m < M
     k0 = pid_k * k_per_split
     k_end = tl.minimum(k0 + k_per_split, K)
-    dtype = x_ptr.dtype.element_ty
     wait_for_previous(USE_PDL)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_x + (k0 + offs_k)[:, None]
-    r_ptrs = r_ptr + offs_m[None, :].to(tl.int64) * stride_r + (k0 + offs_k)[:, None]
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        rstd = _row_rstd(
-            x_ptr, r_ptr, res_out_ptr, M, K, stride_x, stride_r, stride_res_out, inv_k, eps,
-            pid_m, pid_n + pid_k, BLOCK_M, NORM_ROWS, NORM_K,
-        )  # fmt: skip
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     up_ptrs = w_ptrs + N.to(tl.int64) * stride_w
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
-            k_ok = offs_k < BLOCK_K
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
             if GATED:
@@ -112,12 +96,6 @@ def _small_m_kernel(
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
             if GATED:
                 w_up = tl.load(up_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:  # x <- round(round(round(x + r) * rstd) * g), the RMSNorm kernel's roundings
-            r = tl.load(r_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            g = tl.load(g_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            s = round_to(x.to(tl.float32) + r.to(tl.float32), dtype)
-            x = round_to(round_to(s * rstd[None, :], dtype) * g[:, None], dtype).to(dtype)
-            r_ptrs += BLOCK_K
         if GATED:
             if UPCAST_DOT:
                 acc_up = tl.dot(w_up.to(tl.float32), x.to(tl.float32), acc_up)
@@ -147,46 +125,6 @@ def _small_m_kernel(
             dtype = y_ptr.dtype.element_ty
             acc = silu_mul_rounded(round_to(acc, dtype), round_to(acc_up, dtype), dtype, PRECISE_EXP)
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _row_rstd(
-    x_ptr: tl.tensor, r_ptr: tl.tensor, res_out_ptr: tl.tensor, M: tl.tensor, K: tl.tensor,
-    stride_x: tl.tensor, stride_r: tl.tensor, stride_res_out: tl.tensor, inv_k: tl.tensor, eps: tl.tensor,
-    pid_m: tl.tensor, tile_and_split: tl.tensor,
-    BLOCK_M: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_K: tl.constexpr,
-) -> tl.tensor:  # fmt: skip
-    """1 / sqrt(mean((x + r)^2) + eps) of each of the program's BLOCK_M rows (x + r rounded to x's dtype
-    first, as the RMSNorm kernel rounds it), over all of K. The programs of the first N tile and K split
-    (tile_and_split = pid_n + pid_k == 0) store x + r to res_out too.
-    The pass reads [NORM_ROWS, NORM_K] tiles: NORM_ROWS covers the real rows only (the host makes it at least
-    M when M fits one row tile), so a batch of one reads its row in one or two round trips to L2, where the
-    GEMM's [BLOCK_K, BLOCK_M] tiles would take K / BLOCK_K of them, each on the layer's critical path."""
-    dtype = x_ptr.dtype.element_ty
-    rows = pid_m * BLOCK_M + tl.arange(0, NORM_ROWS)
-    row_ok = (rows < M)[:, None]
-    rows64 = rows[:, None].to(tl.int64)
-    offs_k = tl.arange(0, NORM_K)
-    ss = tl.zeros([NORM_ROWS, NORM_K], dtype=tl.float32)
-    writes = tl.full([NORM_ROWS, 1], tile_and_split, tl.int32) == 0  # a tensor: the interpreter masks with no scalar
-    for k in range(0, K, NORM_K):
-        cols = (k + offs_k)[None, :]
-        ok = row_ok & (cols < K)
-        x = tl.load(x_ptr + rows64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + rows64 * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        s = round_to(x + r, dtype)
-        tl.store(res_out_ptr + rows64 * stride_res_out + cols, s, mask=ok & writes)
-        ss += s * s
-    small = tl.rsqrt(tl.sum(ss, axis=1) * inv_k + eps)  # [NORM_ROWS]
-    if NORM_ROWS == BLOCK_M:
-        return small
-    # Widened to the GEMM's row tile (rows past NORM_ROWS are padding: the host keeps real rows below it).
-    offs_small = tl.arange(0, NORM_ROWS)
-    offs_m = tl.arange(0, BLOCK_M)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for i in tl.static_range(NORM_ROWS):
-        rstd = tl.where(offs_m == i, tl.sum(tl.where(offs_small == i, small, 0.0), axis=0), rstd)
-    return rstd
 
 
 @triton.jit
@@ -227,21 +165,6 @@ def block_m_for(m: int) -> int:
     return max(16, min(64, triton.next_power_of_2(m)))
 
 
-# Elements of x (and of the residual) a program's norm pass loads at once: 32 fp32 registers a thread
-# each at 4 warps, so a row of 4,096 at batch 1 is one round trip.
-NORM_TILE = 4096
-
-
-@dataclass(frozen=True)
-class ResidualNorm:
-    """A pre-norm block's residual add and RMSNorm, applied by the GEMM to its operand: the GEMM multiplies
-    RMSNorm(x + residual) (HF Llama's rounding; not Gemma's (1 + w) form) and also returns x + residual."""
-
-    residual: torch.Tensor  # [M, K], x's dtype, unit column stride
-    weight: torch.Tensor  # [K], x's dtype
-    eps: float
-
-
 def _launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -250,13 +173,12 @@ def _launch(
     w_scale: torch.Tensor | None,
     cfg: GemmConfig,
     gated: bool = False,
-    norm: ResidualNorm | None = None,
-) -> torch.Tensor | None:
+) -> None:
     """One GEMM into y [M, N] (N = w's rows, or half of them gated), K split as cfg says, the split reduce
-    launched where it is. Returns x + residual under `norm`."""
+    launched where it is."""
     m, k = x.shape
     if m == 0:
-        return torch.empty_like(x) if norm is not None else None
+        return
     n = y.shape[1]
     k_per_split = k if gated else triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
@@ -264,25 +186,16 @@ def _launch(
     ws = w_scale if w_scale is not None else y  # never read unless scaled
     b = bias if bias is not None else ws
     block_m = cfg.rows_per_program(m)
-    if norm is None:  # the norm's pointers are never read; its tiles fixed, so one kernel serves every M
-        res_out, r, g, eps, norm_rows, norm_k = None, x, x, 0.0, 16, 256
-    else:  # the norm pass's tiles: the real rows (all of a row tile past one), NORM_TILE elements a tensor
-        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        r, g, eps = norm.residual, norm.weight, norm.eps
-        norm_rows = min(block_m, triton.next_power_of_2(m))
-        norm_k = max(16, min(triton.next_power_of_2(k), NORM_TILE // norm_rows))
-    ro = res_out if res_out is not None else x
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), splits)
     pdl = pdl_enabled(x.device, m)
     scaled = w_scale is not None
     _small_m_kernel[grid](
         x, w, ws, b, y, part,
         m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
-        r, g, ro, r.stride(0), ro.stride(0), 1.0 / k, eps,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0, SCALED=scaled,
         UPCAST_DOT=not scaled and x.dtype == torch.bfloat16 and interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, GATED=gated, PRECISE_EXP=not interpreting(),
-        USE_PDL=pdl, NORM=norm is not None, NORM_ROWS=norm_rows, NORM_K=norm_k,
+        USE_PDL=pdl,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     if splits > 1:
@@ -292,7 +205,6 @@ def _launch(
             SPLITS=splits, HAS_BIAS=bias is not None, SCALED=scaled, BLOCK=block, USE_PDL=pdl,
             num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
-    return res_out
 
 
 def small_m_linear(
@@ -313,18 +225,6 @@ def small_m_linear(
     return y
 
 
-def small_m_norm_linear(
-    x: torch.Tensor, norm: ResidualNorm, w: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) W^T + b, x + residual) in one launch (two with a split over K): the
-    RMSNorm launch before the GEMM, and its [M, K] output, are gone. 16-bit x, w and norm weight of one dtype."""
-    _check_norm(x, norm, w, "small_m_norm_linear")
-    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    res = _launch(x, w, y, bias, None, config, norm=norm)
-    assert res is not None  # a norm's launch returns x + residual
-    return y, res
-
-
 # The gated form's tiles: a program reads two weight tiles a K step (gate and up), so half the ungated
 # K tile keeps its shared-memory stages. The fastest of `bench_small_m_gemm --gated`'s sweep on the H100
 # for both shapes' gate_up at M = 16 (Llama-3.1-8B 80.9 us against 85.6 for cuBLAS + the activation's
@@ -342,45 +242,11 @@ def small_m_silu_mul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None
     return y
 
 
-def small_m_norm_silu_mul(
-    x: torch.Tensor, norm: ResidualNorm, w: torch.Tensor, config: GemmConfig | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(small_m_silu_mul(RMSNorm(x + residual), w), x + residual) in one launch."""
-    _check_gated(x, w)
-    _check_norm(x, norm, w, "small_m_norm_silu_mul")
-    y = torch.empty((x.shape[0], w.shape[0] // 2), dtype=x.dtype, device=x.device)
-    res = _launch(x, w, y, None, None, config or GATED_CONFIG, gated=True, norm=norm)
-    assert res is not None  # a norm's launch returns x + residual
-    return y, res
-
-
 def _check_gated(x: torch.Tensor, w: torch.Tensor) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"small_m_silu_mul: activations {x.dtype} must be bfloat16 or float16")
     if w.dtype != x.dtype or w.shape[0] % 2:
         raise ValueError(f"small_m_silu_mul: weight {tuple(w.shape)} {w.dtype} must be [2N, K] in {x.dtype}")
-
-
-def _check_norm(x: torch.Tensor, norm: ResidualNorm, w: torch.Tensor, name: str) -> None:
-    problem = norm_problem(x, norm, w)
-    if problem is not None:
-        raise ValueError(f"{name}: {problem}")
-
-
-def norm_problem(x: torch.Tensor, norm: ResidualNorm, w: torch.Tensor) -> str | None:
-    """Why the GEMM cannot apply `norm` to x [M, K] (None: it can)."""
-    k = x.shape[-1]
-    if x.dtype not in (torch.bfloat16, torch.float16) or {w.dtype, norm.weight.dtype, norm.residual.dtype} != {x.dtype}:
-        return (
-            f"x {x.dtype}, residual {norm.residual.dtype}, norm weight {norm.weight.dtype} and weight {w.dtype} "
-            "must share one 16-bit dtype"
-        )
-    if norm.residual.shape != x.shape or norm.residual.stride(-1) != 1 or tuple(norm.weight.shape) != (k,):
-        return (
-            f"residual {tuple(norm.residual.shape)} must be x's shape {tuple(x.shape)} with unit column stride, "
-            f"and the norm weight {tuple(norm.weight.shape)} must be [{k}]"
-        )
-    return None
 
 
 def w8a16_linear(
