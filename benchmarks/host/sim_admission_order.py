@@ -58,7 +58,8 @@ def simulate(order: str, prompts: Sequence[Sequence[int]], max_tokens: Sequence[
     while sched.num_waiting or sched.running:
         out = sched.schedule()
         tokens = sum(out.num_scheduled_tokens.values())
-        kv = sum(sched.requests[rid].num_computed_tokens + n for rid, n in out.num_scheduled_tokens.items())
+        # schedule() has already counted this step's tokens as computed: each request's KV read is all of them.
+        kv = sum(sched.requests[rid].num_computed_tokens for rid in out.num_scheduled_tokens)
         ms = step_ms(tokens, kv)
         steps += 1
         total_ms += ms

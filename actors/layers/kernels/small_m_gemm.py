@@ -236,17 +236,13 @@ def small_m_silu_mul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None
     """silu(x W_gate^T) * (x W_up^T) in one launch: w [2N, K] is [gate | up] in x's 16-bit dtype
     (MergedColumnParallelLinear's gate_up), x [M, K] -> [M, N]. Rounded as the GEMM, then SiluAndMul,
     would round it; no bias, no split over K."""
-    _check_gated(x, w)
-    y = torch.empty((x.shape[0], w.shape[0] // 2), dtype=x.dtype, device=x.device)
-    _launch(x, w, y, None, None, config or GATED_CONFIG, gated=True)
-    return y
-
-
-def _check_gated(x: torch.Tensor, w: torch.Tensor) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"small_m_silu_mul: activations {x.dtype} must be bfloat16 or float16")
     if w.dtype != x.dtype or w.shape[0] % 2:
         raise ValueError(f"small_m_silu_mul: weight {tuple(w.shape)} {w.dtype} must be [2N, K] in {x.dtype}")
+    y = torch.empty((x.shape[0], w.shape[0] // 2), dtype=x.dtype, device=x.device)
+    _launch(x, w, y, None, None, config or GATED_CONFIG, gated=True)
+    return y
 
 
 def w8a16_linear(
