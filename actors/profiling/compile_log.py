@@ -25,7 +25,9 @@ class CompileLog:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.events: list[CompileEvent] = []
-        self._pending: dict[int, tuple[str, str, float]] = {}  # per thread: the variant being built
+        # The variants being built, by Triton's key: compiles on a pool (actors/worker/compile_ahead.py)
+        # start in one thread and finish together when the pool is drained.
+        self._pending: dict[Any, tuple[str, str, float]] = {}
         self._lock = threading.Lock()
 
     def before_compile(self, *, repr: str, fn: Any, key: Any = None, **_: Any) -> bool:  # noqa: A002 (Triton's keyword)
@@ -33,19 +35,25 @@ class CompileLog:
         # 16) and the constexprs: what tells two variants of one kernel apart. Some Triton versions'
         # repr lists none of them.
         sig = repr if key is None else f"{repr} key={key}"
-        self._pending[threading.get_ident()] = (getattr(fn, "name", "?"), sig, time.perf_counter())
+        with self._lock:
+            self._pending[_variant(fn, key)] = (getattr(fn, "name", "?"), sig, time.perf_counter())
         return False  # False: go on and compile
 
-    def after_compile(self, *, repr: str, fn: Any, **_: Any) -> None:  # noqa: A002 (Triton's keyword)
+    def after_compile(self, *, repr: str, fn: Any, key: Any = None, **_: Any) -> None:  # noqa: A002 (Triton's keyword)
         now = time.perf_counter()
-        name, sig, started = self._pending.pop(threading.get_ident(), (getattr(fn, "name", "?"), repr, now))
         with self._lock:
+            name, sig, started = self._pending.pop(_variant(fn, key), (getattr(fn, "name", "?"), repr, now))
             self.events.append(CompileEvent(name, sig, round(started - self.t0, 4), round(now - started, 4)))
 
     def since(self, index: int) -> list[dict]:
         """The events after the first `index` (a mark taken with len(self.events))."""
         with self._lock:
             return [asdict(e) for e in self.events[index:]]
+
+
+def _variant(fn: Any, key: Any) -> tuple[str, str, str]:
+    """A variant's identity across its two hooks (Triton hands each hook a new JitFunctionInfo)."""
+    return getattr(fn, "module", ""), getattr(fn, "name", "?"), str(key)
 
 
 def install() -> CompileLog | None:

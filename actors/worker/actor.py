@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -206,6 +207,10 @@ class Worker(ShmLoopMixin):
     def compile_events(self, since: int = 0) -> list[dict]:
         """The Triton compiles after the first `since` (KVRAY_LOG_COMPILES=1; else none)."""
         return [] if self.compile_log is None else self.compile_log.since(since)
+
+    def compiled_ahead(self) -> list[dict]:
+        """This rank's dry passes of start-up (actors/worker/compile_ahead.py): variants and wall time each."""
+        return [asdict(c) for c in self._runner().compiled_ahead]
 
     # ---- housekeeping -----------------------------------------------------------------------
     def ping(self) -> int:

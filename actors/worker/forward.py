@@ -126,6 +126,15 @@ class GraphRunner:
             time.perf_counter() - t0,
         )
 
+    def run_buckets(self) -> None:
+        """Every bucket's step once, eagerly on a dummy step, as capture() warms them up before capturing
+        (a rank that captures no graphs runs none): compile_ahead's dry pass of the capture."""
+        if self.graphs_unavailable() is not None:
+            return
+        for bucket in self.plan.buckets():
+            self._stage_dummy(bucket)
+            self._bucket_forward(bucket)
+
     def drop(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()

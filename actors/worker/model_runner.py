@@ -30,6 +30,7 @@ from actors.sample.penalties import PenaltyState
 from actors.sample.sampler import Sampler, request_seed
 from actors.sample.step_logprobs import LogprobsCollector, compute_prompt_logprobs, launch_copies, prompt_plan
 from actors.worker import kv_cache_sizing
+from actors.worker.compile_ahead import CompiledAhead, compile_ahead, compile_threads
 from actors.worker.forward import GraphRunner
 from actors.worker.input_prep import InputStager, StagedStep
 from actors.worker.token_readback import SampledStep, TokenReadback
@@ -86,6 +87,9 @@ class ModelRunner:
         self._in_flight: SampledStep | None = None  # lag mode: launched, output not yet returned
         self._last: SampledStep | None = None  # the last launched step: the next one's feed source
         self.sampling_inputs = SamplingInputs(self.max_num_reqs, device, self.pin_memory)
+        # Start-up's kernel variants compile on a thread pool in dry passes (actors/worker/compile_ahead.py).
+        self.compile_threads = compile_threads(config.parallel.ranks_per_engine)
+        self.compiled_ahead: list[CompiledAhead] = []
         # Pipeline parallelism: this rank's stage (the process joined its groups before building the runner).
         self.pp_rank, self.pp_size = parallel_state.pp_rank(), parallel_state.pp_size()
         self.is_first_stage = self.pp_rank == 0
@@ -131,6 +135,16 @@ class ModelRunner:
         )
 
     def profile_run(self) -> None:
+        """The profile forward (kv_cache_sizing.profile_run), its kernels first compiled ahead."""
+        self._compile_ahead(self._profile_forward)
+        self._profile_forward()
+
+    def _compile_ahead(self, fn: Any) -> None:
+        done = compile_ahead(fn, self.device, self.compile_threads)
+        if done is not None:
+            self.compiled_ahead.append(done)
+
+    def _profile_forward(self) -> None:
         rows = min(self.max_num_reqs, self.max_num_tokens)
         # The step's logprobs (a vocabulary-wide log_softmax and top-k) are part of its peak; the sampling
         # kernel itself allocates nothing. (The CPU budget is configured, not profiled.)
@@ -185,19 +199,24 @@ class ModelRunner:
             lpt_max_seqs,
             self.stage_inputs,
         )
+        self._compile_ahead(self._warm_up_launches)
         self.graph_runner.capture()
         if not self.is_last_stage:
             return  # only the last stage computes logits and samples
         model = self._model()
         warm_logits(model.compute_logits, int(self._hf("hidden_size")), self.dtype, self.device, self.max_num_reqs)
-        warm_sampler(
-            self.sampler,
-            int(self._hf("vocab_size")),
-            self.dtype,
-            self.device,
-            self.max_num_reqs,
-            self.sampling_inputs.dummy,
-        )
+        self._warm_sampler()
+
+    def _warm_sampler(self) -> None:
+        vocab = int(self._hf("vocab_size"))
+        warm_sampler(self.sampler, vocab, self.dtype, self.device, self.max_num_reqs, self.sampling_inputs.dummy)
+
+    def _warm_up_launches(self) -> None:
+        """What the warm-ups after the KV cache launch, for the dry pass of compile_ahead: every graph
+        bucket's step (what capture() warms) and the sampler's variants."""
+        self.graph_runner.run_buckets()
+        if self.is_last_stage:
+            self._warm_sampler()
 
     def _hf(self, key: str) -> Any:
         return self.hf_config.get(key) if isinstance(self.hf_config, dict) else getattr(self.hf_config, key, None)
