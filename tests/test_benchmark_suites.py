@@ -37,9 +37,12 @@ def test_every_step_names_a_module_that_exists():
 
 def test_vs_vllm_runs_by_parts_and_records_the_three_targets():
     suite = load_suites()["vs-vllm"]
-    assert suite.parts == ["kvray", "kvray-decode", "vllm", "vllm-decode", "ratio"]
+    assert suite.parts == ["kvray", "kvray-8b", "vllm", "vllm-decode", "ratio"]
     declared = {m for s in suite.steps for m in s.metrics}
     assert {"nano_vs_vllm_ratio", "sharegpt_vs_vllm_ratio", "batch1_weight_bw_frac_llama8b"} <= declared
+    # Every figure a ratio joins is made by some step of the suite, on both sides.
+    for r in vs_vllm.RATIOS:
+        assert r.kvray[1] in declared and r.vllm[1] in declared, r
     assert suite.mirror  # the parts meet in a folder that outlives one device call
 
 
@@ -165,6 +168,50 @@ def test_ratio_joins_both_sides_from_the_mirror(results, capsys):
     assert got["sharegpt_vs_vllm_ratio"]["value"] == round(7675 / 7435, 4)
     assert common.latest(results / "mirror", "vs_vllm", "batch1_vs_vllm_ratio")["value"] == round(6.31 / 6.25, 4)
     assert all(r["device"] == h100 for r in got.values())
+
+
+def test_ratio_joins_the_fp8_and_start_up_figures_when_a_run_made_them(results, capsys):
+    h100 = "NVIDIA H100 80GB HBM3"
+    kvray = [
+        ("bench_offline", "offline_qwen3_0p6b_nano_tok_s", 19500.0),
+        ("bench_offline", "offline_llama8b_output_tok_s", 7700.0),
+        ("bench_offline", "offline_qwen3_0p6b_nano_fp8kv_tok_s", 23400.0),
+        ("bench_offline", "init_s_qwen3_0p6b_in_bench", 20.0),
+    ]
+    vllm = [("vs_vllm", m, v) for m, v in (("vllm_nano_tok_s", 18500.0), ("vllm_sharegpt_tok_s", 7600.0))]
+    vllm += [("vs_vllm", "vllm_nano_fp8kv_tok_s", 22500.0), ("vs_vllm", "vllm_nano_init_s", 56.0)]
+    _side(kvray, h100)
+    _side(vllm, h100)
+    assert vs_vllm.main(["ratio", "--from", str(results / "mirror")]) == 0
+    got = lambda m: common.latest(results / "mirror", "vs_vllm", m)  # noqa: E731
+    assert got("nano_fp8kv_vs_vllm_ratio")["value"] == round(23400 / 22500, 4)
+    assert got("startup_vs_vllm_ratio_qwen3_0p6b")["value"] == round(20 / 56, 4)  # kvray's time over vLLM's
+    out = capsys.readouterr().out
+    for missing in ("sharegpt_fp8_vs_vllm_ratio", "startup_vs_vllm_ratio_llama8b", "batch1_vs_vllm_ratio"):
+        assert got(missing) is None and f"{missing}: no figure" in out and "(optional: skipped)" in out
+
+
+def test_the_vllm_side_runs_each_configuration_and_names_its_figures(results, tmp_path, monkeypatch):
+    """vllm_bench.py's records (a stand-in prints them as vLLM's would) become vllm_<workload>[_<config>]_*."""
+    bench = tmp_path / "vllm_bench.py"
+    bench.write_text(
+        "import json, sys\n"
+        "for i, config in enumerate(sys.argv[3:]):\n"
+        "    rec = dict(config=config, output_tokens=10, produced=10, tok_s=100.0 + i, init_s=50.0 + i)\n"
+        "    print('VLLMBENCH', json.dumps(rec))\n"
+    )
+    monkeypatch.setenv("VLLM_PY", sys.executable)
+    assert vs_vllm.main(["vllm", "nano", "/models/q", "--script", str(bench), "--configs", "defaults", "fp8kv"]) == 0
+    figures = {m: common.latest(results / "mirror", "vs_vllm", m)["value"] for m in (
+        "vllm_nano_tok_s", "vllm_nano_init_s", "vllm_nano_fp8kv_tok_s", "vllm_nano_fp8kv_init_s")}  # fmt: skip
+    assert figures == {
+        "vllm_nano_tok_s": 100.0,
+        "vllm_nano_init_s": 50.0,
+        "vllm_nano_fp8kv_tok_s": 101.0,
+        "vllm_nano_fp8kv_init_s": 51.0,
+    }
+    with pytest.raises(SystemExit):  # a configuration vllm_bench.py does not know
+        vs_vllm.main(["vllm", "nano", "/models/q", "--script", str(bench), "--configs", "int4"])
 
 
 def test_ratio_refuses_figures_from_two_devices_and_reports_missing_ones(results, capsys):
