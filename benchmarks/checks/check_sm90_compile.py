@@ -8,7 +8,8 @@ failure costs a whole call. This check closes that gap in two steps:
    constexpr values and launch options are written down (one line per distinct variant); a kernel with a
    USE_PDL switch (off under the interpreter) is also compiled with it on, as a Hopper GPU launches it;
 2. compile: in a fresh process without the interpreter, each variant goes through triton.compile for
-   GPUTarget("cuda", 90, 32), down to the cubin (Triton's wheel carries ptxas).
+   GPUTarget("cuda", 90, 32), down to the cubin (Triton's wheel carries ptxas), on --threads threads (default:
+   the CPUs; with TRITON_CACHE_DIR empty, `--threads 1` against more times Triton's parallel compile).
 Exit code 0 when every variant compiles. The GPU's own Triton may be older; this catches what any version
 rejects at the front end, and the PTX a recent one produces.
 
@@ -100,10 +101,12 @@ def pdl_variant(spec: dict) -> dict:
     return dict(spec, constexprs=dict(spec["constexprs"], USE_PDL=True), options=dict(spec["options"], launch_pdl=True))
 
 
-def compile_all(specs_path: Path, only: str | None = None) -> int:
-    """Compile each recorded variant (those whose line matches `only`, a regex) for sm_90; print each with its
-    time, and the failures; the number of failures."""
+def compile_all(specs_path: Path, only: str | None = None, threads: int = 1) -> int:
+    """Compile each recorded variant (those whose line matches `only`, a regex) for sm_90 on `threads` threads
+    (Triton compiles outside the GIL, as the engine's start-up does: actors/worker/compile_ahead.py); print each
+    with its time, and the failures; the number of failures."""
     import re
+    from concurrent.futures import ThreadPoolExecutor
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -114,22 +117,30 @@ def compile_all(specs_path: Path, only: str | None = None) -> int:
     specs = [json.loads(line) for line in lines]
     # The interpreter records USE_PDL off; on an sm_90 GPU those kernels launch with it on (kvcore/kernels/pdl.py).
     specs += [pdl_variant(spec) for spec in specs if spec["constexprs"].get("USE_PDL") is False]
-    failed = 0
-    t0 = time.perf_counter()
-    for spec in specs:
+    kernels = {}
+    for spec in specs:  # imported here, not in the threads: an import is no place for a race
         module, name = spec["kernel"].split(":")
-        fn = getattr(importlib.import_module(module), name)
-        src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"])
+        kernels[spec["kernel"]] = getattr(importlib.import_module(module), name)
+
+    def one(spec: dict) -> bool:
+        name = spec["kernel"].split(":")[1]
+        src = ASTSource(fn=kernels[spec["kernel"]], signature=spec["signature"], constexprs=spec["constexprs"])
         t = time.perf_counter()
         try:
             triton.compile(src, target=target, options=spec["options"])
             print(f"ok   {time.perf_counter() - t:5.1f} s  {name} {spec['constexprs']}", flush=True)
+            return True
         except Exception as e:  # noqa: BLE001
             # Broad on purpose: a compile error of any kind (the compiler's own, an assertion in a pass) is
             # the finding; it is counted and printed, and the next variant compiles.
-            failed += 1
             print(f"FAIL {name} {spec['constexprs']} {spec['options']}\n  {str(e)[:2000]}", flush=True)
-    print(f"sm_90: {len(specs) - failed} of {len(specs)} kernel variants compiled in {time.perf_counter() - t0:.0f} s")
+            return False
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        failed = sum(not ok for ok in pool.map(one, specs))
+    wall = time.perf_counter() - t0
+    print(f"sm_90: {len(specs) - failed} of {len(specs)} kernel variants compiled in {wall:.1f} s on {threads} threads")
     return failed
 
 
@@ -138,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("targets", nargs="*", help="pytest targets: test files, then any pytest option (-k ...)")
     ap.add_argument("--only", help="compile only the variants whose record matches this regex")
     ap.add_argument("--keep", help="keep the recorded variants in this file (JSON lines)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compile on this many threads")
     ap.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
     ap.add_argument("--compile-from", help=argparse.SUPPRESS)  # the compiling child process
     args, rest = ap.parse_known_args(argv)
     if args.record_to:
         return record(Path(args.record_to), args.targets + rest)
     if args.compile_from:
-        return min(compile_all(Path(args.compile_from), args.only), 1)
+        return min(compile_all(Path(args.compile_from), args.only, args.threads), 1)
     if not args.targets:
         ap.error("name the pytest targets whose kernel launches to compile")
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.keep).write_text(specs.read_text())
         env.pop("TRITON_INTERPRET", None)
         only = ["--only", args.only] if args.only else []
-        return subprocess.call([*me, "--compile-from", str(specs), *only], cwd=ROOT, env=env)
+        return subprocess.call(
+            [*me, "--compile-from", str(specs), *only, "--threads", str(args.threads)], cwd=ROOT, env=env
+        )
 
 
 if __name__ == "__main__":
