@@ -113,6 +113,19 @@ def test_a_dry_pass_compiles_each_variant_once_on_the_pool_and_launches_nothing(
     assert len({k.hash for k in kernels}) == 3
 
 
+def test_a_variant_launched_again_in_the_pass_is_looked_up_not_handed_off_again(sm90, monkeypatch):
+    """Triton's miss path (the compile hook, the cache key's source hash) runs once a variant, whatever the
+    number of launches: a warm start's dry pass launches each variant thousands of times."""
+    from triton import knobs
+
+    misses = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: misses.append(kw["key"]) or False)
+    x = torch.ones(100)
+    done = ca.compile_ahead(lambda: [launch_all(x) for _ in range(5)], torch.device("cuda"), threads=2)
+    assert done is not None and done.variants == 3
+    assert len(misses) == 3
+
+
 def test_the_real_pass_after_it_compiles_nothing(sm90, monkeypatch):
     """What the dry pass built is in Triton's in-memory cache: the real launches' lookups all hit (a miss
     would call the compile hook, and then the refusing driver)."""

@@ -30,7 +30,7 @@ def test_the_dry_pass_on_triton_s_own_jit_for_sm90():
         text=True,
         timeout=600,
     )
-    assert r.returncode == 0 and "4 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and "5 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def test_nothing_runs_dry_off_the_gpu_or_without_threads():
