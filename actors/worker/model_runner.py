@@ -12,7 +12,7 @@ happens anywhere before the read-back.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -139,7 +139,7 @@ class ModelRunner:
         self._compile_ahead(self._profile_forward)
         self._profile_forward()
 
-    def _compile_ahead(self, fn: Any) -> None:
+    def _compile_ahead(self, fn: Callable[[], object]) -> None:
         done = compile_ahead(fn, self.device, self.compile_threads)
         if done is not None:
             self.compiled_ahead.append(done)

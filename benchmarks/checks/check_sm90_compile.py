@@ -9,7 +9,7 @@ failure costs a whole call. This check closes that gap in two steps:
    USE_PDL switch (off under the interpreter) is also compiled with it on, as a Hopper GPU launches it;
 2. compile: in a fresh process without the interpreter, each variant goes through triton.compile for
    GPUTarget("cuda", 90, 32), down to the cubin (Triton's wheel carries ptxas), on --threads threads (default:
-   the CPUs; with TRITON_CACHE_DIR empty, `--threads 1` against more times Triton's parallel compile).
+   the CPUs). With an empty TRITON_CACHE_DIR, `--threads 1` beside a larger count times the parallel compile.
 Exit code 0 when every variant compiles. The GPU's own Triton may be older; this catches what any version
 rejects at the front end, and the PTX a recent one produces.
 
