@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +224,11 @@ def command_line() -> str:
 RUNNER_ENV = {"KVRAY_COMMIT", "KVRAY_SUITE", "KVRAY_RESULTS_MIRROR", "KVRAY_LOG_COMPILES", "KVRAY_VERBOSE"}
 
 
+def rounded(value: float) -> float:
+    """4 decimals, or 4 significant digits below 0.01 (a logprob gap of 5e-7 nats stays visible)."""
+    return round(value, 4) if abs(value) >= 0.01 or value == 0 else float(f"{value:.4g}")
+
+
 def record(script: str, metric: str, value: float, unit: str, device: str | None = None) -> dict:
     """Append one headline figure to benchmarks/results/<script>.jsonl: the one writer of every series.
 
@@ -233,7 +238,7 @@ def record(script: str, metric: str, value: float, unit: str, device: str | None
     figure's CPU; by default the CUDA device, or "cpu"."""
     rec = {
         "metric": metric,
-        "value": round(float(value), 4),
+        "value": rounded(float(value)),
         "unit": unit,
         "device": device or device_name(),
         "commit": git_commit(),
@@ -320,11 +325,16 @@ def generate_greedy(llm: Any, prompts: list[list[int]], new_tokens: int, label: 
 
 
 def hf_greedy_by_length(
-    model: Any, prompts: list[list[int]], new_tokens: int, device: str, output_logits: bool
+    model: Any,
+    prompts: list[list[int]],
+    new_tokens: int,
+    device: str,
+    output_logits: bool,
+    new_cache: Callable[[], Any] | None = None,
 ) -> Iterator[tuple[int, Any, int]]:
     """HF's greedy oracle (tests/hf_models.hf_generate) over prompts of mixed lengths: one batch per run of
     equal-length prompts, so that no pad token or attention mask enters. Yields (index of the run's first
-    prompt, generate's output, the prompt length)."""
+    prompt, generate's output, the prompt length). `new_cache` makes each batch's KV cache (None: HF's own)."""
     import torch
 
     from tests.hf_models import hf_generate
@@ -335,7 +345,8 @@ def hf_greedy_by_length(
         while j < len(prompts) and len(prompts[j]) == len(prompts[i]):
             j += 1
         ids = torch.tensor(prompts[i:j], device=device)
-        yield i, hf_generate(model, ids, new_tokens, output_logits), ids.shape[1]
+        cache = None if new_cache is None else new_cache()
+        yield i, hf_generate(model, ids, new_tokens, output_logits, past_key_values=cache), ids.shape[1]
         i = j
 
 

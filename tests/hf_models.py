@@ -8,6 +8,7 @@ they are exactly what a user's HF directory looks like. Weights use a large init
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -224,10 +225,13 @@ class HFGreedy:
     min_margin: float  # smallest top-1 minus top-2 logit over the generated steps
 
 
-def hf_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, output_logits: bool = True):
+def hf_generate(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, output_logits: bool = True, past_key_values: Any = None
+):
     """The HF greedy oracle: generate() on a batch of equal-length prompts (no padding, no attention mask
     to get wrong), exactly new_tokens each (EOS ignored), with no sampling knob from generation_config.
-    The tests' references and the benchmarks' checks (benchmarks/common.py) both call it."""
+    The tests' references and the benchmarks' checks (benchmarks/common.py) both call it; `past_key_values`
+    (a fresh cache) stands in for generate's own (benchmarks/checks/hf_fp8_rounding.py)."""
     with torch.no_grad():
         return model.generate(
             ids,
@@ -239,6 +243,7 @@ def hf_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, outp
             pad_token_id=0,
             output_logits=output_logits,
             return_dict_in_generate=True,
+            past_key_values=past_key_values,
             temperature=None,
             top_p=None,
             top_k=None,

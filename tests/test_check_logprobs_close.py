@@ -124,7 +124,8 @@ def test_fp8_end_to_end_follows_the_rule(tmp_path, capsys, flags, suffix):
     """kvray with its KV cache in fp8, and with its linear weights in fp8 too (float32 model, a hybrid
     Gemma-3 whose sliding and full groups both store fp8), against HF float32: no longer token-equal by
     construction, but every divergence inside both sides' top-5, and the shared tokens' logprobs within
-    fp8's rounding."""
+    fp8's rounding. Against the control (HF's own modules under the same e4m3 rounding) kvray is
+    token-equal, with logprobs at float32's noise: its fp8 is that rounding and nothing else."""
     res = tmp_path / "results"
     argv = ["--smoke", "--shapes", "gemma-3-12b", "--model-dir", str(tmp_path), "--results-dir", str(res)]
     rc = main([*argv, *flags])
@@ -136,3 +137,8 @@ def test_fp8_end_to_end_follows_the_rule(tmp_path, capsys, flags, suffix):
     assert recs[f"logprobs_close_pass{suffix}"]["value"] == 1.0
     # Not float32 noise any more (the numbers really pass through fp8), and not garbage either.
     assert 1e-4 < recs[f"logprobs_close_max_lp_diff_gemma_3_12b{suffix}"]["value"] < 0.5
+    ctl = f"logprobs_close_control_max_lp_diff_gemma_3_12b{suffix}"
+    assert recs[ctl]["value"] > 1e-4, "the control's rounding changed nothing"
+    assert recs[f"logprobs_close_vs_control_divergent_gemma_3_12b{suffix}"]["value"] == 0
+    assert recs[f"logprobs_close_vs_control_max_lp_diff_gemma_3_12b{suffix}"]["value"] < 1e-4
+    assert "kvray against HF fp8: gemma-3-12b: PASS; identical 4/4" in out, out[-3000:]

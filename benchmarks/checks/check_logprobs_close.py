@@ -14,6 +14,11 @@ Both sides greedy (EOS ignored), same random-weight checkpoint, same prompts:
          equal-length groups, one batch each); the top of log_softmax in float32 of every step's logits
          (20 ranks kept: the rule reads the first k, a failure says how far outside them a token was)
 
+With fp8 (--kv-cache-dtype fp8, --quantization fp8) a control runs beside kvray: HF again, with fp8's
+rounding applied to its own modules (hf_fp8_rounding.py), held to the same rule against HF bf16. A random
+model's next-token distribution is nearly flat, so fp8's rounding alone reorders it; kvray's fp8 is read
+against the control (records logprobs_close_control_*), not against bf16 alone.
+
 Shapes: Llama-3.1-8B, Qwen3-0.6B, Mistral-7B (one sliding window on every layer) and Gemma-3-12B
 (hybrid: sliding-window and full-attention layers), at reduced layer counts so that writing the checkpoint
 and both runs stay near a minute a shape. Where a shape slides, the prompts straddle its window (lengths
@@ -42,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from benchmarks.checks import hf_fp8_rounding
 from benchmarks.checks.check_bf16_divergence import make_prompts
 from benchmarks.checks.check_tp import gpu_used_mib, wait_gpu_released
 from benchmarks.common import SHAPES, hf_greedy_by_length, make_random_model, record, tiny_shape
@@ -166,19 +172,35 @@ def kvray_topk(position: dict, k: int) -> TopK:
     return best_first((t, lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= k)
 
 
-# ---- the two runs ------------------------------------------------------------------------------
-def run_hf(model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str, device: str) -> tuple[Any, Any]:
+@dataclass(frozen=True)
+class Fp8Rounding:
+    """What of HF's model the control rounds to fp8 (benchmarks/checks/hf_fp8_rounding.py)."""
+
+    weights: bool  # the decoder layers' linear weights and inputs (kvray's --quantization fp8)
+    kv_cache: bool  # the keys and values entering the cache (kvray's --kv-cache-dtype fp8)
+
+
+# ---- the runs ----------------------------------------------------------------------------------
+def run_hf(
+    model_dir: str, prompts: list[list[int]], n: int, k: int, dtype: str, device: str, fp8: Fp8Rounding | None = None
+) -> tuple[Any, Any]:
     """Greedy tokens and every step's top log_softmax (float32, HF_RANKS of them, at least k), one batch
-    per equal-length group."""
+    per equal-length group; `fp8`: with fp8's rounding applied to HF's modules (the control)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     # Eager attention: HF's reference path, and the only one of them that applies Gemma-2's soft-cap.
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="eager")
     model = model.to(device).eval()
+    new_cache = None
+    if fp8 is not None:
+        if fp8.weights:
+            hf_fp8_rounding.round_linears(model)
+        if fp8.kv_cache:
+            new_cache = hf_fp8_rounding.fp8_kv_cache_factory(model)
     tokens: list[list[int]] = []
     tops: list[list[TopK]] = []
-    for _, out, prompt_len in hf_greedy_by_length(model, prompts, n, device, output_logits=True):
+    for _, out, prompt_len in hf_greedy_by_length(model, prompts, n, device, output_logits=True, new_cache=new_cache):
         logits = torch.stack(out.logits, dim=1).float()  # batch, step, vocab
         vals, idx = torch.log_softmax(logits, dim=-1).topk(max(k, HF_RANKS), dim=-1)
         tokens += out.sequences[:, prompt_len:].tolist()
@@ -268,6 +290,30 @@ def prepare_shape(shape: str, args: argparse.Namespace) -> tuple[str, list[list[
     return model_dir, prompts
 
 
+def fp8_rounding(args: argparse.Namespace) -> Fp8Rounding | None:
+    """The control's rounding: what kvray runs in fp8, unless --no-control; None when nothing is."""
+    kv = args.kv_cache_dtype != "auto"
+    if args.no_control or not (kv or args.quantization):
+        return None
+    if args.kv_cache_dtype == "fp8_e5m2":
+        raise SystemExit("--kv-cache-dtype fp8_e5m2: the control rounds to e4m3 only; add --no-control")
+    return Fp8Rounding(weights=args.quantization == "fp8", kv_cache=kv)
+
+
+def compare(shape: str, n: int, k: int, tokens: list, tops: list, hf_tokens: list, hf_tops: list) -> ShapeReport:
+    report = ShapeReport(shape, n)
+    for i in range(len(tokens)):
+        report.seqs.append(check_sequence(i, tokens[i], tops[i], hf_tokens[i], hf_tops[i], k))
+    return report
+
+
+def print_report(report: ShapeReport, who: str) -> None:
+    print(f"   {who}: " + report.summary(), flush=True)
+    for s in report.seqs:
+        if s.reason:
+            print(f"   {'divergence' if s.ok else '!!! FAIL'}: {s.reason}", flush=True)
+
+
 def check_shape(shape: str, args: argparse.Namespace, baseline_mib: int | None) -> ShapeReport:
     t0 = time.perf_counter()
     model_dir, prompts = prepare_shape(shape, args)
@@ -278,16 +324,27 @@ def check_shape(shape: str, args: argparse.Namespace, baseline_mib: int | None) 
         wait_gpu_released(baseline_mib)  # the previous shape's workers exit asynchronously
     kv_tokens, kv_tops = run_kvray(model_dir, prompts, args.new_tokens, args.top_k, args.dtype, args)
     t3 = time.perf_counter()
-    report = ShapeReport(shape, args.new_tokens)
-    for i in range(len(prompts)):
-        report.seqs.append(check_sequence(i, kv_tokens[i], kv_tops[i], hf_tokens[i], hf_tops[i], args.top_k))
+    report = compare(shape, args.new_tokens, args.top_k, kv_tokens, kv_tops, hf_tokens, hf_tops)
     print(f"   checkpoint {t1 - t0:.1f}s, HF {t2 - t1:.1f}s, kvray {t3 - t2:.1f}s", flush=True)
-    print("   " + report.summary(), flush=True)
-    for s in report.seqs:
-        if s.reason:
-            print(f"   {'divergence' if s.ok else '!!! FAIL'}: {s.reason}", flush=True)
+    print_report(report, "kvray")
     # Now: a later shape that runs past the step's limit keeps this one's records.
     record_report(report, variant(args))
+    rounding = fp8_rounding(args)
+    if rounding is not None:
+        # The control's top-k is cut to k, as kvray's is: the rule then reads both sides alike.
+        ctl_tokens, ctl_tops = run_hf(
+            model_dir, prompts, args.new_tokens, args.top_k, args.dtype, args.device, fp8=rounding
+        )
+        ctl_tops = [[_first(top, args.top_k) for top in seq] for seq in ctl_tops]
+        control = compare(shape, args.new_tokens, args.top_k, ctl_tokens, ctl_tops, hf_tokens, hf_tops)
+        print(f"   control, HF with fp8's rounding ({time.perf_counter() - t3:.1f}s):", flush=True)
+        print_report(control, "HF fp8 against HF")
+        record_report(control, variant(args), prefix="logprobs_close_control")
+        # kvray against the control: the same rounding on both sides, so what is left is the model dtype's
+        # noise and the rare value that lands on the other side of an e4m3 rounding step.
+        same = compare(shape, args.new_tokens, args.top_k, kv_tokens, kv_tops, ctl_tokens, ctl_tops)
+        print_report(same, "kvray against HF fp8")
+        record_report(same, variant(args), prefix="logprobs_close_vs_control")
     return report
 
 
@@ -301,11 +358,11 @@ def tag(shape: str) -> str:
     return shape.replace("-", "_").replace(".", "p")
 
 
-def record_report(r: ShapeReport, suffix: str) -> None:
+def record_report(r: ShapeReport, suffix: str, prefix: str = "logprobs_close") -> None:
     t = tag(r.shape) + suffix
-    record(SCRIPT, f"logprobs_close_pass_{t}", 1.0 if r.passed else 0.0, "bool")
-    record(SCRIPT, f"logprobs_close_divergent_{t}", r.divergent, "sequences")
-    record(SCRIPT, f"logprobs_close_max_lp_diff_{t}", max(s.max_lp_diff for s in r.seqs), "nats")
+    record(SCRIPT, f"{prefix}_pass_{t}", 1.0 if r.passed else 0.0, "bool")
+    record(SCRIPT, f"{prefix}_divergent_{t}", r.divergent, "sequences")
+    record(SCRIPT, f"{prefix}_max_lp_diff_{t}", max(s.max_lp_diff for s in r.seqs), "nats")
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -335,6 +392,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], help="kvray's cache"
     )
     p.add_argument("--quantization", default=None, choices=["fp8"], help="kvray's dense linear weights")
+    p.add_argument(
+        "--no-control",
+        action="store_true",
+        help="with fp8: skip the control (HF with fp8's rounding held to the same rule, hf_fp8_rounding.py)",
+    )
     p.add_argument("--results-dir", default=None, help="where the RESULT records go (default benchmarks/results)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny models of each shape's family")
     if "--smoke" in (sys.argv[1:] if argv is None else argv):  # its defaults; explicit flags still win
