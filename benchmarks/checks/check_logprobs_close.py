@@ -17,7 +17,8 @@ Both sides greedy (EOS ignored), same random-weight checkpoint, same prompts:
 With fp8 (--kv-cache-dtype fp8, --quantization fp8) a control runs beside kvray: HF again, with fp8's
 rounding applied to its own modules (hf_fp8_rounding.py), held to the same rule against HF bf16. A random
 model's next-token distribution is nearly flat, so fp8's rounding alone reorders it; kvray's fp8 is read
-against the control (records logprobs_close_control_*), not against bf16 alone.
+against the control (records logprobs_close_control_*: the control against HF bf16;
+logprobs_close_vs_control_*: kvray against the control), not against bf16 alone.
 
 Shapes: Llama-3.1-8B, Qwen3-0.6B, Mistral-7B (one sliding window on every layer) and Gemma-3-12B
 (hybrid: sliding-window and full-attention layers), at reduced layer counts so that writing the checkpoint

@@ -7,9 +7,9 @@ run on the same prompts and held to the same rule against HF bf16. kvray's fp8 s
 about as much as the control does, not less and not more.
 
 What is rounded, as kvray does it (actors/layers/fp8_linear.py and the fp8 KV cache):
-- weights: every nn.Linear inside the decoder layers, to e4m3 per output channel (scale: the row's
-  amax / 448), kept in the model's dtype; the embedding and the LM head stay as they are (as in kvray and
-  vLLM's online fp8);
+- weights: every nn.Linear inside the decoder layers whose shape kvray's fp8 GEMM takes (fp8_shape_ok), to
+  e4m3 per output channel (scale: the row's amax / 448), kept in the model's dtype; the embedding and the
+  LM head stay as they are (as in kvray and vLLM's online fp8);
 - activations: the input of each such linear, per token the same way (kvray's path above 64 rows; vLLM's
   online fp8 rounds per tensor, a coarser rule);
 - KV cache: each layer's new keys (after RoPE and any norm) and values, to e4m3 at scale 1.0 as they enter
@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from actors.layers.fp8_linear import fp8_shape_ok
 
 FMAX = 448.0  # e4m3's largest finite value
 
@@ -45,7 +47,7 @@ def round_linears(model: Any) -> int:
     n = 0
     with torch.no_grad():
         for mod in layers.modules():
-            if isinstance(mod, torch.nn.Linear):
+            if isinstance(mod, torch.nn.Linear) and fp8_shape_ok(mod.weight):
                 mod.weight.copy_(round_rows_e4m3(mod.weight))
                 mod.register_forward_pre_hook(lambda _m, args: (round_rows_e4m3(args[0]), *args[1:]))
                 n += 1
