@@ -7,8 +7,10 @@ the GPU.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +169,53 @@ def test_a_variant_that_fails_to_compile_is_left_to_the_real_pass(sm90):
     assert done is not None and done.variants == 2
     assert len(cached_variants()) == 1
     assert not [k for cache in bad_kernel.device_caches.values() for k in cache[0].values()]
+
+
+def _new_process() -> None:
+    """What a later start begins with: Triton's in-memory caches empty, its disk cache as left."""
+    for kernel in (scale_kernel, bad_kernel):
+        kernel.device_caches.clear()
+
+
+def test_a_pass_whose_variants_are_all_on_disk_is_skipped_at_the_next_start(sm90, monkeypatch, tmp_path):
+    x = torch.ones(100)
+    first = ca.compile_ahead(lambda: launch_all(x), torch.device("cuda"), threads=2, fingerprint="fp")
+    assert first is not None and first.variants == 3 and not first.skipped
+    manifest = tmp_path / "triton-cache" / ca.MANIFEST_DIR / "fp.json"
+    files = json.loads(manifest.read_text())["files"]
+    assert len(files) >= 3 and all(Path(f).is_file() for f in files)  # each variant's cubin, metadata, IR
+    _new_process()
+    ran = []
+    again = ca.compile_ahead(lambda: ran.append(1), torch.device("cuda"), threads=2, fingerprint="fp")
+    assert again is not None and again.skipped and again.variants == 0 and ran == []
+    # Another fingerprint (another config, source or GPU) runs its pass.
+    other = ca.compile_ahead(lambda: launch_all(x), torch.device("cuda"), threads=2, fingerprint="other")
+    assert other is not None and not other.skipped and other.variants == 3
+
+
+def test_a_variant_gone_from_the_disk_cache_runs_the_pass_again(sm90, tmp_path):
+    x = torch.ones(100)
+    ca.compile_ahead(lambda: launch_all(x), torch.device("cuda"), threads=2, fingerprint="fp")
+    files = json.loads((tmp_path / "triton-cache" / ca.MANIFEST_DIR / "fp.json").read_text())["files"]
+    Path(next(f for f in files if f.endswith(".cubin"))).unlink()
+    _new_process()
+    again = ca.compile_ahead(lambda: launch_all(x), torch.device("cuda"), threads=2, fingerprint="fp")
+    assert again is not None and not again.skipped and again.variants == 3
+
+
+def test_a_pass_that_did_not_finish_or_build_everything_leaves_no_manifest(sm90, tmp_path):
+    """Its next start must run it: a skipped pass would leave the rest to compile one at a time."""
+    x = torch.ones(256)
+
+    def fails_halfway():
+        scale_kernel[(1,)](x, x.numel(), 2.0, BLOCK=64)
+        raise RuntimeError("a host check the dry pass tripped")
+
+    def with_a_bad_variant():
+        bad_kernel[(1,)](x, BLOCK=64)
+        scale_kernel[(1,)](x, x.numel(), 2.0, BLOCK=64)
+
+    ca.compile_ahead(fails_halfway, torch.device("cuda"), threads=2, fingerprint="halfway")
+    ca.compile_ahead(with_a_bad_variant, torch.device("cuda"), threads=2, fingerprint="bad")
+    manifests = tmp_path / "triton-cache" / ca.MANIFEST_DIR
+    assert not (manifests / "halfway.json").exists() and not (manifests / "bad.json").exists()

@@ -30,7 +30,7 @@ def test_the_dry_pass_on_triton_s_own_jit_for_sm90():
         text=True,
         timeout=600,
     )
-    assert r.returncode == 0 and "5 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and "8 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def test_nothing_runs_dry_off_the_gpu_or_without_threads():
@@ -38,6 +38,17 @@ def test_nothing_runs_dry_off_the_gpu_or_without_threads():
     assert ca.compile_ahead(lambda: called.append(1), torch.device("cpu"), threads=4) is None
     assert ca.compile_ahead(lambda: called.append(1), torch.device("cuda"), threads=0) is None
     assert called == []
+
+
+def test_a_pass_s_fingerprint_follows_its_parts_and_the_environment(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("KVRAY_SOME_KNOB", raising=False)
+    base = ca.pass_fingerprint(cpu, "buckets", (3, ["full"]), 64)
+    assert base == ca.pass_fingerprint(cpu, "buckets", (3, ["full"]), 64)  # stable from start to start
+    assert base != ca.pass_fingerprint(cpu, "buckets", (4, ["full"]), 64)
+    assert base != ca.pass_fingerprint(cpu, "profile", (3, ["full"]), 64)
+    monkeypatch.setenv("KVRAY_SOME_KNOB", "1")  # a kernel switch read from the environment
+    assert base != ca.pass_fingerprint(cpu, "buckets", (3, ["full"]), 64)
 
 
 def test_the_pool_size_comes_from_the_environment_or_the_cpus(monkeypatch):
@@ -70,7 +81,7 @@ def test_the_engine_runs_the_profile_forward_and_every_bucket_dry_before_the_rea
     events: list[str] = []
     passes: list[list[str]] = []
 
-    def dry(fn, device, threads):
+    def dry(fn, device, threads, fingerprint=None):
         start = len(events)
         fn()
         passes.append(events[start:])

@@ -11,6 +11,7 @@ happens anywhere before the read-back.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -30,7 +31,7 @@ from actors.sample.penalties import PenaltyState
 from actors.sample.sampler import Sampler, request_seed
 from actors.sample.step_logprobs import LogprobsCollector, compute_prompt_logprobs, launch_copies, prompt_plan
 from actors.worker import kv_cache_sizing
-from actors.worker.compile_ahead import CompiledAhead, compile_ahead, compile_threads
+from actors.worker.compile_ahead import CompiledAhead, compile_ahead, compile_threads, pass_fingerprint
 from actors.worker.forward import GraphRunner
 from actors.worker.input_prep import InputStager, StagedStep
 from actors.worker.token_readback import SampledStep, TokenReadback
@@ -136,11 +137,18 @@ class ModelRunner:
 
     def profile_run(self) -> None:
         """The profile forward (kv_cache_sizing.profile_run), its kernels first compiled ahead."""
-        self._compile_ahead(self._profile_forward)
+        self._compile_ahead(self._profile_forward, "profile", self.max_num_tokens, self.max_model_len)
         self._profile_forward()
 
-    def _compile_ahead(self, fn: Callable[[], object]) -> None:
-        done = compile_ahead(fn, self.device, self.compile_threads)
+    def _compile_ahead(self, fn: Callable[[], object], *pass_shapes: object) -> None:
+        """`fn` run dry first; `pass_shapes` (the pass's name and what sizes its launches) with the engine's
+        and the model's config make the pass's fingerprint, under which a warm cache lets it be skipped."""
+        fingerprint = None
+        if self.device.type == "cuda" and self.compile_threads > 0:
+            hf = self.hf_config if isinstance(self.hf_config, dict) else getattr(self.hf_config, "to_dict", dict)()
+            model = json.dumps(hf, sort_keys=True, default=str)
+            fingerprint = pass_fingerprint(self.device, *pass_shapes, self.config, model, self.dtype, self.rank)
+        done = compile_ahead(fn, self.device, self.compile_threads, fingerprint)
         if done is not None:
             self.compiled_ahead.append(done)
 
@@ -199,7 +207,10 @@ class ModelRunner:
             lpt_max_seqs,
             self.stage_inputs,
         )
-        self._compile_ahead(self._warm_up_launches)
+        # The cache's size enters a variant only through Triton's specialization of its strides (divisible by
+        # 16 or not), and it moves a little from start to start with the memory the profile finds free.
+        cache_shape = (kv_cache_config.num_blocks % 16, kv_cache_config.kv_cache_groups)
+        self._compile_ahead(self._warm_up_launches, "buckets", cache_shape, lpt_max_seqs)
         self.graph_runner.capture()
         if not self.is_last_stage:
             return  # only the last stage computes logits and samples
