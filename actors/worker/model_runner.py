@@ -146,8 +146,11 @@ class ModelRunner:
         fingerprint = None
         if self.device.type == "cuda" and self.compile_threads > 0:
             hf = self.hf_config if isinstance(self.hf_config, dict) else getattr(self.hf_config, "to_dict", dict)()
-            model = json.dumps(hf, sort_keys=True, default=str)
-            fingerprint = pass_fingerprint(self.device, *pass_shapes, self.config, model, self.dtype, self.rank)
+            try:
+                model = json.dumps(hf, sort_keys=True, default=str)
+                fingerprint = pass_fingerprint(self.device, *pass_shapes, self.config, model, self.dtype, self.rank)
+            except Exception as e:  # noqa: BLE001 - without a fingerprint the pass just runs, as on a cold cache
+                logger.warning("no compile-ahead fingerprint (%s: %s): the dry pass runs", type(e).__name__, e)
         done = compile_ahead(fn, self.device, self.compile_threads, fingerprint)
         if done is not None:
             self.compiled_ahead.append(done)
