@@ -219,3 +219,30 @@ def test_a_pass_that_did_not_finish_or_build_everything_leaves_no_manifest(sm90,
     ca.compile_ahead(with_a_bad_variant, torch.device("cuda"), threads=2, fingerprint="bad")
     manifests = tmp_path / "triton-cache" / ca.MANIFEST_DIR
     assert not (manifests / "halfway.json").exists() and not (manifests / "bad.json").exists()
+
+
+def test_every_rank_skips_the_pass_or_none_runs_it(sm90):
+    """A dry pass runs the model's collectives: a rank that skips while another runs would hang both. Each
+    rank hands its finding to `agree` (the engine's all-reduce of it) and follows the answer."""
+    x = torch.ones(100)
+    findings: list[bool] = []
+
+    def another_rank_lacks_a_file(all_on_disk: bool) -> bool:
+        findings.append(all_on_disk)
+        return False
+
+    ca.compile_ahead(lambda: launch_all(x), torch.device("cuda"), threads=2, fingerprint="fp")
+    _new_process()
+    ran = []
+    done = ca.compile_ahead(
+        lambda: ran.append(1) or launch_all(x),
+        torch.device("cuda"),
+        threads=2,
+        fingerprint="fp",
+        agree=another_rank_lacks_a_file,
+    )
+    assert findings == [True]  # this rank had everything on disk
+    assert done is not None and not done.skipped and ran == [1] and done.variants == 3
+    # Without a fingerprint the rank still takes part in the agreement, finding nothing on disk.
+    ca.compile_ahead(lambda: None, torch.device("cuda"), threads=2, agree=another_rank_lacks_a_file)
+    assert findings == [True, False]

@@ -30,7 +30,7 @@ def test_the_dry_pass_on_triton_s_own_jit_for_sm90():
         text=True,
         timeout=600,
     )
-    assert r.returncode == 0 and "8 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and "9 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def test_nothing_runs_dry_off_the_gpu_or_without_threads():
@@ -81,7 +81,7 @@ def test_the_engine_runs_the_profile_forward_and_every_bucket_dry_before_the_rea
     events: list[str] = []
     passes: list[list[str]] = []
 
-    def dry(fn, device, threads, fingerprint=None):
+    def dry(fn, device, threads, fingerprint=None, agree=None):
         start = len(events)
         fn()
         passes.append(events[start:])

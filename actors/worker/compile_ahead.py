@@ -27,7 +27,8 @@ an H100. So a pass that ran to its end leaves a manifest in Triton's cache dir: 
 built into (or loaded from), under a fingerprint of what decides which variants the pass launches (the pass
 and its shapes, the engine's config, the model's, kvray's source, the Triton and torch versions, the GPU,
 the TRITON_/KVRAY_ environment). The next start with the same fingerprint finds every file there and skips
-the pass; its real pass then loads the variants from disk one after the other, as without compiling ahead
+the pass, where every rank of the engine found its own files (a dry pass runs the model's collectives, so
+the ranks skip it together or run it together); its real pass then loads the variants from disk one after the other, as without compiling ahead
 (0.5 s for the 59 variants of that start). A fingerprint that missed something costs only time: a variant
 the skipped pass would have handed to the pool compiles when the real pass launches it.
 
@@ -159,14 +160,17 @@ def built_files(futures: list[Any]) -> list[str] | None:
 
 @functools.cache
 def _source_digest() -> str:
-    """kvray's own source (every .py of the actors package): a changed kernel is a changed variant."""
+    """kvray's own source (every .py of the packages that hold its kernels and launch them): a changed kernel
+    is a changed variant."""
     import actors
+    import kvcore
 
     h = hashlib.sha256()
-    root = Path(actors.__file__).parent
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
+    for package in (actors, kvcore):
+        root = Path(str(package.__file__)).parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{package.__name__}/{path.relative_to(root)}".encode())
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 
@@ -216,7 +220,7 @@ class Manifest:
             files = json.loads(self.path.read_text())["files"]
         except (OSError, ValueError, KeyError, TypeError):
             return False
-        return isinstance(files, list) and all(os.path.isfile(f) for f in files)
+        return isinstance(files, list) and all(isinstance(f, str) and os.path.isfile(f) for f in files)
 
     def write(self, files: list[str]) -> None:
         """Atomically (a concurrent start of another rank reads either the old file or the new one)."""
@@ -230,19 +234,24 @@ class Manifest:
 
 
 def compile_ahead(
-    fn: Callable[[], object], device: torch.device, threads: int, fingerprint: str | None = None
+    fn: Callable[[], object],
+    device: torch.device,
+    threads: int,
+    fingerprint: str | None = None,
+    agree: Callable[[bool], bool] = lambda all_on_disk: all_on_disk,
 ) -> CompiledAhead | None:
     """Run `fn` dry (see the module docstring) with `threads` compiling the variants it launches; None where
     nothing compiles ahead: not a GPU, no threads, or a Triton without AsyncCompileMode. With a `fingerprint`
     (pass_fingerprint) the pass is skipped when its manifest finds every variant on disk, and a pass that
-    runs to its end writes one."""
+    runs to its end writes one. `agree` turns this rank's finding into the engine's: a dry pass runs the
+    model's collectives, so every rank must skip it or none (each rank calls it, whatever it found)."""
     mode_cls = _async_compile_mode() if device.type == "cuda" and threads > 0 else None
     if mode_cls is None:
         return None
     t0 = time.perf_counter()
     manifest = Manifest.at(fingerprint)
-    if manifest is not None and manifest.all_on_disk():
-        logger.info("every Triton kernel variant of this pass is on disk (%s): not run dry", manifest.path.name)
+    if agree(manifest is not None and manifest.all_on_disk()):
+        logger.info("every Triton kernel variant of this pass is on disk (%s): not run dry", fingerprint)
         return CompiledAhead(0, round(time.perf_counter() - t0, 3), skipped=True)
     finished = False
     handed_off = HandedOff()

@@ -47,6 +47,11 @@ if TYPE_CHECKING:  # the model zoo is imported only where a model is loaded
 logger = logging.getLogger(__name__)
 
 
+def _every_rank(all_on_disk: bool) -> bool:
+    """True when every rank of the engine found its pass's variants on disk (compile_ahead's `agree`)."""
+    return parallel_state.all_reduce_min(int(all_on_disk)) == 1
+
+
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
@@ -151,7 +156,7 @@ class ModelRunner:
                 fingerprint = pass_fingerprint(self.device, *pass_shapes, self.config, model, self.dtype, self.rank)
             except Exception as e:  # noqa: BLE001 - without a fingerprint the pass just runs, as on a cold cache
                 logger.warning("no compile-ahead fingerprint (%s: %s): the dry pass runs", type(e).__name__, e)
-        done = compile_ahead(fn, self.device, self.compile_threads, fingerprint)
+        done = compile_ahead(fn, self.device, self.compile_threads, fingerprint, agree=_every_rank)
         if done is not None:
             self.compiled_ahead.append(done)
 
@@ -210,9 +215,10 @@ class ModelRunner:
             lpt_max_seqs,
             self.stage_inputs,
         )
-        # The cache's size enters a variant only through Triton's specialization of its strides (divisible by
-        # 16 or not), and it moves a little from start to start with the memory the profile finds free.
-        cache_shape = (kv_cache_config.num_blocks % 16, kv_cache_config.kv_cache_groups)
+        # The kernels take one block's K or V view (kv_cache[0], kv_cache[1]), whose strides do not hold the
+        # block count; it moves a little from start to start with the memory the profile finds free, so only
+        # its divisibility by 16 (what Triton specializes an integer on) goes in.
+        cache_shape = (kv_cache_config.num_blocks % 16 == 0, kv_cache_config.kv_cache_groups)
         self._compile_ahead(self._warm_up_launches, "buckets", cache_shape, lpt_max_seqs)
         self.graph_runner.capture()
         if not self.is_last_stage:
