@@ -28,9 +28,10 @@ built into (or loaded from), under a fingerprint of what decides which variants 
 and its shapes, the engine's config, the model's, kvray's source, the Triton and torch versions, the GPU,
 the TRITON_/KVRAY_ environment). The next start with the same fingerprint finds every file there and skips
 the pass, where every rank of the engine found its own files (a dry pass runs the model's collectives, so
-the ranks skip it together or run it together); its real pass then loads the variants from disk one after the other, as without compiling ahead
-(0.5 s for the 59 variants of that start). A fingerprint that missed something costs only time: a variant
-the skipped pass would have handed to the pool compiles when the real pass launches it.
+the ranks skip it together or run it together); its real pass then loads the variants from disk one after
+the other, as without compiling ahead (0.5 s for the 59 variants of that start). A fingerprint that missed
+something costs only time: a variant the skipped pass would have handed to the pool compiles when the real
+pass launches it.
 
 KVRAY_COMPILE_THREADS sets the pool's size (default: this process's CPUs shared by the engine's ranks,
 at most 32); 0 turns compiling ahead off.
