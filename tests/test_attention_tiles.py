@@ -1,6 +1,7 @@
 """The decode tiles' override (KVRAY_DECODE_TILES): what it parses, what it refuses, and that a launch
 with the overridden tiles still matches the torch reference under the interpreter. The decode order's
-gate (KVRAY_DECODE_ORDER): which batches launch longest first."""
+gate (KVRAY_DECODE_ORDER): which batches launch longest first. The register prefetch of the next KV tile
+(KVRAY_DECODE_PREFETCH): a decode loop of another structure, held to the same reference."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 
 from kvcore.kernels.attention_tiles import (
     DECODE_ORDER_ENV,
+    DECODE_PREFETCH_ENV,
     DECODE_TILES_ENV,
+    decode_prefetch,
     decode_tiles_override,
     longest_first_max_seqs,
     small_tiles,
@@ -49,6 +52,45 @@ def test_overridden_tiles_match_the_reference(monkeypatch):
     paged_attention(q, kc, vc, ref, *args, backend="torch")
     paged_attention(q, kc, vc, out, *args, backend="triton")
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_prefetch_switch(monkeypatch):
+    monkeypatch.delenv(DECODE_PREFETCH_ENV, raising=False)
+    assert not decode_prefetch() and not small_tiles(2, 128, 2).prefetch
+    monkeypatch.setenv(DECODE_PREFETCH_ENV, "1")
+    assert small_tiles(2, 128, 2).prefetch
+    monkeypatch.setenv(DECODE_PREFETCH_ENV, "yes")
+    with pytest.raises(ValueError, match=DECODE_PREFETCH_ENV):
+        decode_prefetch()
+
+
+@pytest.mark.parametrize("cache", ["float32", "fp8"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefetched_decode_matches_the_reference(monkeypatch, cache, window):
+    """16-wide tiles, so each sequence crosses several tiles, the last one partial; a window starts the
+    loop mid-sequence; split-KV gives each split its own prefetch chain."""
+    from kvcore.kernels.fp8 import quantize_ref
+    from kvcore.kernels.paged_attention import paged_attention_triton
+
+    monkeypatch.setenv(DECODE_PREFETCH_ENV, "1")
+    monkeypatch.setenv(DECODE_TILES_ENV, "16:4:1")
+    g = torch.Generator().manual_seed(1)
+    b, hq, hkv, d, bs, nblocks = 3, 4, 2, 32, 8, 40
+    seq = torch.tensor([5, 41, 77], dtype=torch.int32)
+    q = torch.randn(b, hq, d, generator=g)
+    kc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    vc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    if cache == "fp8":
+        kc, vc = quantize_ref(kc, 1.0, torch.float8_e4m3fn), quantize_ref(vc, 1.0, torch.float8_e4m3fn)
+    bt = torch.randperm(nblocks, generator=g)[: b * 10].view(b, 10).to(torch.int32)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    ref = torch.empty_like(q)
+    args = (qsl, seq, bt, d**-0.5, window)
+    paged_attention(q, kc.float(), vc.float(), ref, *args, backend="torch")
+    for splits in (1, 2):
+        out = torch.empty_like(q)
+        paged_attention_triton(q, kc, vc, out, *args, max_query_len=1, max_seq_len=77, num_splits=splits)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_pick_decode_tiles_sums_unsplit_large_batches():

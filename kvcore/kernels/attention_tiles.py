@@ -43,6 +43,8 @@ class Tiles:
     block_n: int
     num_warps: int
     num_stages: int
+    # The next KV tile loaded into registers while this one's dots run (KVRAY_DECODE_PREFETCH).
+    prefetch: bool = False
 
 
 # Head rows of more bytes than this (head 256 in float32) take the wide-row tiles below: on the H200
@@ -81,6 +83,18 @@ def decode_tiles_override(value: str | None) -> tuple[int, int, int] | None:
     return n, w, st
 
 
+# KVRAY_DECODE_PREFETCH=1 gives the small tiles the register prefetch of the next KV tile (an A/B of the
+# decode loop's structure: Triton's own pipelining of this loop waits for each tile right after issuing it).
+DECODE_PREFETCH_ENV = "KVRAY_DECODE_PREFETCH"
+
+
+def decode_prefetch() -> bool:
+    value = os.environ.get(DECODE_PREFETCH_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{DECODE_PREFETCH_ENV}={value!r}: must be 0 or 1")
+    return value == "1"
+
+
 # KVRAY_DECODE_ORDER=grid launches decodes in batch order instead of longest first (an A/B switch,
 # inherited by the workers like KVRAY_DECODE_TILES).
 DECODE_ORDER_ENV = "KVRAY_DECODE_ORDER"
@@ -107,9 +121,8 @@ def small_tiles(group: int, head_size: int = 128, elem_bytes: int = 2) -> Tiles:
     if _wide(head_size, elem_bytes):
         return Tiles(rows, 32, 4, 2)
     override = decode_tiles_override(os.environ.get(DECODE_TILES_ENV))
-    if override is not None:
-        return Tiles(rows, *override)
-    return Tiles(rows, 128, 4, 3)
+    tiles = Tiles(rows, *override) if override is not None else Tiles(rows, 128, 4, 3)
+    return dataclasses.replace(tiles, prefetch=True) if decode_prefetch() else tiles
 
 
 def large_tiles(group: int, head_size: int, elem_bytes: int = 2) -> Tiles:

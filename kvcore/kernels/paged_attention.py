@@ -34,6 +34,11 @@ Design
   rounded to fp16, which holds them at least as precisely as bf16 at these magnitudes): Hopper converts
   e4m3 to fp16 in one instruction per pair, while widening to bf16 made decode attention over fp8
   ~1.2x *slower* than over bf16 on the H200 (measured there: nano's 129-256-row steps 7.54 against 6.38 ms).
+- KVRAY_DECODE_PREFETCH=1 (an A/B switch, off by default): the decode loop loads the next tile's K and V
+  into registers before this tile's dots. Triton's own pipelining of the loop issues tile t+1's copies
+  after tile t's dots and waits for them at once (the page-table load makes K and V indirect), so a block
+  never has a load in flight while it computes; bf16 hides that with twice the bytes a wait, fp8 does not
+  (benchmarks/RESULTS.md, *Decode attention over an fp8 cache*).
 - Host ints max_query_len / max_seq_len only size the grid and pick heuristics: no device sync.
 """
 
@@ -158,6 +163,7 @@ def launch_tiles(a: dict, tiles: Tiles, num_splits: int, q_filter: int, small_q:
         ORDERED=ordered,
         KV_FP8=is_fp8(key_cache.dtype),
         FP8_DOT_F16=a["fp8_dot_f16"],
+        PREFETCH=tiles.prefetch,
         USE_PDL=a["pdl"],
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -199,7 +205,7 @@ def paged_attention_triton(
     group = num_heads // key_cache.shape[2]
     small = small_tiles(group, head_size, query.element_size())
     if block_m is not None or block_n is not None:
-        small = Tiles(block_m or small.block_m, block_n or small.block_n, 4, 2)
+        small = Tiles(block_m or small.block_m, block_n or small.block_n, 4, 2, small.prefetch)
     if small.block_m < group:
         raise ValueError(f"block_m={small.block_m} must be >= query heads per KV head ({group})")
     small_q = small.block_m // group

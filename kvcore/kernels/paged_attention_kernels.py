@@ -11,6 +11,43 @@ from kvcore.kernels.pdl import wait_for_previous
 
 
 @triton.jit
+def _load_kv_tile(
+    t: tl.tensor,
+    t_end: tl.tensor,
+    kv_lo: tl.tensor,
+    kv_hi: tl.tensor,
+    k_base: tl.tensor,
+    v_base: tl.tensor,
+    bt_row: tl.tensor,
+    dims: tl.tensor,
+    dmask: tl.tensor,
+    stride_kb: tl.tensor,
+    stride_ks: tl.tensor,
+    stride_vb: tl.tensor,
+    stride_vs: tl.tensor,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """Tile t's K (as [HEAD_PAD, BLOCK_N]) and V (as [BLOCK_N, HEAD_PAD]) in the cache's dtype; a tile
+    at or past t_end loads nothing (the prefetch past a loop's last tile)."""
+    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = (cols >= kv_lo) & (cols < tl.minimum(kv_hi, t_end * BLOCK_N))
+    page = tl.load(bt_row + cols // BLOCK_SIZE, mask=col_ok, other=0).to(tl.int64)
+    in_page = (cols % BLOCK_SIZE).to(tl.int64)
+    k = tl.load(
+        k_base + (page * stride_kb + in_page * stride_ks)[None, :] + dims[:, None],
+        mask=col_ok[None, :] & dmask[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_base + (page * stride_vb + in_page * stride_vs)[:, None] + dims[None, :],
+        mask=col_ok[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    return k, v
+
+
+@triton.jit
 def _attend_tiles(
     acc: tl.tensor,
     l_i: tl.tensor,
@@ -42,17 +79,33 @@ def _attend_tiles(
     SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr,
     COMPUTE_DT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ) -> tl.tensor:
+    if PREFETCH:
+        # Registers carry the next tile's K and V, loaded before this tile's dots: the loads fly
+        # while the dots run (launched with num_stages=1, no async copies; see paged_attention.py).
+        k_next, v_next = _load_kv_tile(
+            t_lo, t_hi, kv_lo, kv_hi, k_base, v_base, bt_row, dims, dmask, stride_kb, stride_ks, stride_vb,
+            stride_vs, BLOCK_N, BLOCK_SIZE,
+        )  # fmt: skip
     for t in range(t_lo, t_hi):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (cols >= kv_lo) & (cols < kv_hi)
-        page = tl.load(bt_row + cols // BLOCK_SIZE, mask=col_ok, other=0).to(tl.int64)
-        in_page = (cols % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(
-            k_base + (page * stride_kb + in_page * stride_ks)[None, :] + dims[:, None],
-            mask=col_ok[None, :] & dmask[:, None],
-            other=0.0,
-        )
+        if PREFETCH:
+            k = k_next
+            v = v_next
+            k_next, v_next = _load_kv_tile(
+                t + 1, t_hi, kv_lo, kv_hi, k_base, v_base, bt_row, dims, dmask, stride_kb, stride_ks, stride_vb,
+                stride_vs, BLOCK_N, BLOCK_SIZE,
+            )  # fmt: skip
+        else:
+            page = tl.load(bt_row + cols // BLOCK_SIZE, mask=col_ok, other=0).to(tl.int64)
+            in_page = (cols % BLOCK_SIZE).to(tl.int64)
+            k = tl.load(
+                k_base + (page * stride_kb + in_page * stride_ks)[None, :] + dims[:, None],
+                mask=col_ok[None, :] & dmask[:, None],
+                other=0.0,
+            )
         if KV_FP8:
             k = k.to(COMPUTE_DT)  # exact: every fp8 value is a bf16 / fp16 / fp32 value
         if UPCAST_DOT:
@@ -73,11 +126,12 @@ def _attend_tiles(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + (page * stride_vb + in_page * stride_vs)[:, None] + dims[None, :],
-            mask=col_ok[:, None] & dmask[None, :],
-            other=0.0,
-        )
+        if not PREFETCH:
+            v = tl.load(
+                v_base + (page * stride_vb + in_page * stride_vs)[:, None] + dims[None, :],
+                mask=col_ok[:, None] & dmask[None, :],
+                other=0.0,
+            )
         if KV_FP8:
             v = v.to(COMPUTE_DT)
         p_in = p.to(v.dtype)
@@ -144,6 +198,7 @@ def paged_attention_kernel(
     ORDERED: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_DOT_F16: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ) -> None:
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
@@ -269,6 +324,7 @@ def paged_attention_kernel(
         SOFTCAP,
         KV_FP8,
         dot_ty,
+        PREFETCH,
     )
     acc, l_i, m_i = _attend_tiles(
         acc,
@@ -301,6 +357,7 @@ def paged_attention_kernel(
         SOFTCAP,
         KV_FP8,
         dot_ty,
+        PREFETCH,
     )
     acc, l_i, m_i = _attend_tiles(
         acc,
@@ -333,6 +390,7 @@ def paged_attention_kernel(
         SOFTCAP,
         KV_FP8,
         dot_ty,
+        PREFETCH,
     )
 
     # Rows that saw nothing (padding rows, or an empty split) keep l == 0: divide by 1 instead.
