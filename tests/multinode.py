@@ -127,20 +127,25 @@ def node_of(cluster: LocalCluster, group: Any, replica: int) -> str:
     return cluster.node_name(bundle_nodes(group.pgs[replica])[0])
 
 
-# ---- the node-loss tests' requests: greedy and seeded, each ending exactly once with TOKENS tokens
+# ---- the node-loss tests' requests: greedy and seeded, each ending exactly once with its max_tokens
 N = 6
 # Long enough that a replica is still decoding when its node goes (the action fires after the first
-# tokens): at 16, a replica sometimes finished all its requests first and never saw the loss.
+# tokens): at 16, a replica sometimes finished all its requests first and never saw the loss. Pipeline
+# engines pass fewer (`tokens=`): each of their tokens takes several times as long (PP_TOKENS).
 TOKENS = 48
+# A pipeline engine's batches take turns and each crosses every stage: a request gets a token every few
+# tenths of a second on a 2-core machine, so 24 still leave seconds of decoding after the first tokens,
+# when the node goes (removing it takes well under a second); 48 made these tests' runs twice as long.
+PP_TOKENS = 24
 
 
-def specs(tag: str) -> list[RequestSpec]:
+def specs(tag: str, tokens: int = TOKENS) -> list[RequestSpec]:
     out = []
     for i in range(N):
         sp = (
-            SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+            SamplingParams(max_tokens=tokens, ignore_eos=True)
             if i % 2 == 0
-            else SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=TOKENS, ignore_eos=True)
+            else SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=tokens, ignore_eos=True)
         )
         out.append(RequestSpec(f"{tag}-{i}", [(7 * i + j) % 250 + 1 for j in range(6 + i)], sp))
     return out
@@ -174,11 +179,17 @@ class Outputs:
         return [self.tokens[s.request_id] for s in self.batch]
 
 
-def run(group: Any, tag: str, action: Callable[[], Any] | None = None, deadline_s: float = 400) -> list[list[int]]:
-    """Submit specs(tag) to an EngineGroup and poll until every request finished: each request's tokens, in
-    submission order. `action` runs once, after the first tokens of the run; every request must end exactly
-    once, without an error, within deadline_s."""
-    batch = specs(tag)
+def run(
+    group: Any,
+    tag: str,
+    action: Callable[[], Any] | None = None,
+    deadline_s: float = 400,
+    tokens: int = TOKENS,
+) -> list[list[int]]:
+    """Submit specs(tag, tokens) to an EngineGroup and poll until every request finished: each request's
+    tokens, in submission order. `action` runs once, after the first tokens of the run; every request must
+    end exactly once, without an error, within deadline_s."""
+    batch = specs(tag, tokens)
     assert group.submit(batch) == {}
     out = Outputs(group, batch)
     deadline = time.monotonic() + deadline_s

@@ -5,7 +5,7 @@ when the node under a stage goes away mid-run, the stage's bundle moves to the s
 engine's group is rebuilt there, and every request finishes exactly once with the reference tokens."""
 
 import pytest
-from multinode import bundle_nodes, local_cluster, run
+from multinode import PP_TOKENS, bundle_nodes, local_cluster, run
 
 from cluster.config import EngineConfig
 from cluster.replicas.engine_group import EngineGroup
@@ -37,7 +37,7 @@ def engine_config(**kw):
 def reference(cluster):
     group = EngineGroup(engine_config())
     try:
-        return run(group, "ref")
+        return run(group, "ref", tokens=PP_TOKENS)
     finally:
         group.shutdown()
 
@@ -51,10 +51,10 @@ def test_each_stage_on_its_own_node_and_a_lost_stage_node_rebuilt_on_the_spare(c
     try:
         stages = [cluster.node_name(n) for n in bundle_nodes(group.pgs[0])]
         assert len(stages) == 2 and len(set(stages)) == 2, stages  # a bundle (a stage's 2 ranks) per node
-        assert run(group, "pp") == reference
+        assert run(group, "pp", tokens=PP_TOKENS) == reference
         spare = ({"a", "b", "c"} - set(stages)).pop()
         lost = stages[1]
-        assert run(group, "lost", action=lambda: cluster.remove(lost)) == reference
+        assert run(group, "lost", action=lambda: cluster.remove(lost), tokens=PP_TOKENS) == reference
         now = [cluster.node_name(n) for n in bundle_nodes(group.pgs[0])]
         assert now == [stages[0], spare], now
         assert group.stats()[0]["worker_restarts"] == 1

@@ -8,7 +8,7 @@ pipeline node test (tests/test_pipeline_multinode.py) keeps a spare node for the
 """
 
 import pytest
-from multinode import TOKENS, N, Outputs, bundle_nodes, local_cluster, run, specs
+from multinode import PP_TOKENS, N, Outputs, bundle_nodes, local_cluster, run, specs
 from waits import wait_until
 
 from cluster.config import EngineConfig
@@ -38,9 +38,9 @@ def test_a_lost_stage_node_without_a_spare_moves_the_replicas_requests_to_the_ot
         try:
             stages = [[four.node_name(n) for n in bundle_nodes(g.pgs[r])] for r in (0, 1)]
             assert sorted(stages[0] + stages[1]) == ["a", "b", "c", "d"], stages  # a node per stage, none spare
-            ref = run(g, "pp-ref")
-            assert all(len(t) == TOKENS for t in ref)
-            batch = specs("pp-failover")
+            ref = run(g, "pp-ref", tokens=PP_TOKENS)
+            assert all(len(t) == PP_TOKENS for t in ref)
+            batch = specs("pp-failover", PP_TOKENS)
             assert g.submit(batch) == {}
             out = Outputs(g, batch)
             wait_until(lambda: out.num_tokens >= 4, 120, step=out.collect, what="the first tokens")
