@@ -32,6 +32,7 @@ from cluster.config import ConfigError, EngineConfig, config_from_dict, load_con
         ),
         ({"scheduler": {"max_num_batched_tokens": 2**31}}, "scheduler.max_num_batched_tokens=2147483648: must be <="),
         ({"parallel": {"max_worker_restarts": 10**6}}, "parallel.max_worker_restarts=1000000: must be in [0, 1000]"),
+        ({"serve": {"health_check_period_s": 0.1}}, "serve.health_check_period_s=0.1: must be in [0.5, 3600] seconds"),
         ({"ray": {"num_cpus": 2**40}}, "ray.num_cpus=1099511627776: must be in [1, 1048576], or null"),
         ({"model": {"model": "a\udc80b"}}, "config: model.model: not valid Unicode (lone surrogate U+DC80 at index 1)"),
         ({"model": {"model": "m" * 5000}}, "model.model='mmmmmmmmmmmm"),

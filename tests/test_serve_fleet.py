@@ -29,6 +29,8 @@ OVERRIDES = {
     "serve.ingress_replicas": 2,
     "scheduler.max_num_seqs": 16,
     "serve.max_queued_requests": 16,
+    # The replaced-replica test waits out 3 failed checks: 2 s periods keep that wait short.
+    "serve.health_check_period_s": 2.0,
 }
 
 

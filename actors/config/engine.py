@@ -369,6 +369,9 @@ class ServeConfig(Section):
     # null: parallel.data_parallel_size engine replicas, fixed. A mapping (AutoscalingConfig's fields):
     # Ray Serve scales them between min_replicas and max_replicas.
     autoscaling: AutoscalingConfig | None = None
+    # Ray Serve's health_check_period_s for the engine replicas: a replica whose driver died is replaced
+    # after 3 failed checks in a row, so within ~3 periods (Serve's own default period is 10 s).
+    health_check_period_s: float = 5.0
 
     def _rules(self) -> None:
         self._check(1 <= self.ingress_replicas <= 1024, "ingress_replicas", "must be in [1, 1024]")
@@ -398,6 +401,9 @@ class ServeConfig(Section):
             "must be in [1024, 1073741824] bytes",
         )
         self._check(1 <= self.retry_after_s <= 3600, "retry_after_s", "must be in [1, 3600] seconds")
+        self._check(
+            0.5 <= self.health_check_period_s <= 3600, "health_check_period_s", "must be in [0.5, 3600] seconds"
+        )
         self._check(
             self.served_model_name is None or self.served_model_name.strip() != "",
             "served_model_name",

@@ -42,7 +42,6 @@ REPLICA_ONE_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 PROXY_ONE_LOOP = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
-ENGINE_HEALTH_CHECK_PERIOD_S = 5.0
 FLEET_MAX_ONGOING = 10_000  # the ingresses' long polls and the engine replicas' registrations
 DELIVERY_GRACE_S = 60  # a leaving engine replica: its last outputs' delivery, then its driver's shutdown
 
@@ -85,7 +84,7 @@ def engine_deployment_options(config: EngineConfig) -> dict[str, Any]:
         "logging_config": {"enable_access_log": False},
         "graceful_shutdown_timeout_s": drain_s + 2 * p.step_timeout_s + DELIVERY_GRACE_S,
         # A dead or failed driver is seen within a few periods (3 failed checks in a row: Serve replaces it).
-        "health_check_period_s": ENGINE_HEALTH_CHECK_PERIOD_S,
+        "health_check_period_s": config.serve.health_check_period_s,
     }
     if a is None:
         options["num_replicas"] = p.data_parallel_size
