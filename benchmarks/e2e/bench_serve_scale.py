@@ -122,13 +122,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=sorted(TAGS), default="qwen3-0.6b")
     ap.add_argument("--model-dir", default="/tmp/kvray-models")
     ap.add_argument("--config", default="configs/gpu.yaml")
-    ap.add_argument("--target", type=int, default=8, help="serve.autoscaling.target_ongoing_requests")
+    ap.add_argument(
+        "--target", type=int, default=None, help="serve.autoscaling.target_ongoing_requests (8; 2 with --smoke)"
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the new replica's token")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny-random; records nothing")
     args = ap.parse_args(argv)
     from cluster.config import load_config
     from cluster.serve.app import APP_NAME, start_server, stop_server
 
+    # The smoke's 4 x target streams share two CPU cores with the replicas: a small target still scales out.
+    args.target = args.target or (2 if args.smoke else 8)
     overrides = autoscaling_overrides(args.target, args.smoke)
     if args.smoke:
         config = load_config("configs/local.yaml", {"model.max_model_len": 256, "ray.include_dashboard": False})
